@@ -1,0 +1,45 @@
+"""rtrace: OpenTelemetry tracing for agentic RL rollouts.
+
+Decorate the agent loop once; every sampled trajectory (generations, tool calls,
+timings, decoded text, reward, RL coordinates) goes to trackio, MLflow, an OTLP
+collector or JSONL. See README.md and docs/.
+"""
+
+from ._setup import configure, current_settings, flush, is_enabled, shutdown, stats
+from .config import ConfigError, Settings
+from .exporters.base import Sink
+from .instrumentation import (
+    current_coordinates,
+    record_reward,
+    rollout_context,
+    traced,
+    traced_generation,
+    traced_rollout,
+    traced_tool,
+    wrap_context,
+)
+from .trajectory import SpanRecord, Trajectory
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "Settings",
+    "Sink",
+    "SpanRecord",
+    "Trajectory",
+    "configure",
+    "current_coordinates",
+    "current_settings",
+    "flush",
+    "is_enabled",
+    "record_reward",
+    "rollout_context",
+    "shutdown",
+    "stats",
+    "traced",
+    "traced_generation",
+    "traced_rollout",
+    "traced_tool",
+    "wrap_context",
+]

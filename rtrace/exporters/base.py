@@ -1,0 +1,54 @@
+"""The sink contract: what a backend implements to receive finished trajectories.
+
+A sink depends on the Trajectory model only. rtrace calls it from the sink's own
+thread (one per sink), with batches of up to ``max_export_batch_size`` trajectories,
+never from the traced program's thread, and with OTel instrumentation suppressed so a
+backend's own HTTP calls are not traced into the trajectories. Whatever ``export``
+raises is counted (``sink.<name>.failed_batches``) and logged once; the next batch is
+tried as usual.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..config import Settings
+from ..trajectory import Trajectory
+
+__all__ = ["Sink"]
+
+
+class Sink:
+    """Base class of rtrace sinks.
+
+    Subclasses set ``name`` and implement :meth:`export`; :meth:`flush` and
+    :meth:`shutdown` are optional. The constructor runs inside ``rtrace.configure()``:
+    check settings and optional dependencies there (raise ``ConfigError`` for a bad
+    setting) but do no slow I/O; open connections on the first export.
+    """
+
+    name = "sink"
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def export(self, trajectories: Sequence[Trajectory]) -> None:
+        """Write a batch of finished trajectories.
+
+        Args:
+            trajectories: one or more trajectories, in the order they finished.
+
+        Raises:
+            Exception: anything; rtrace counts the batch as failed and goes on.
+        """
+        raise NotImplementedError
+
+    def flush(self, timeout_s: float) -> None:
+        """Make everything exported so far durable (e.g. wait for a writer thread).
+
+        Args:
+            timeout_s: the longest this call may take.
+        """
+
+    def shutdown(self) -> None:
+        """Flush and release resources; no export follows."""

@@ -1,0 +1,100 @@
+"""Hot-path state: the installed runtime and the open trajectory of the current context.
+
+Two pieces of state, both deliberately small:
+
+* ``runtime``: a module global set by ``rtrace.configure()``. ``None`` means tracing is
+  off and every decorated call is one check and a call; :data:`UNSET` means nobody has
+  configured yet, and the first traced call configures from the environment.
+* ``FRAME``: a ContextVar holding the open trajectory (RL coordinates and the
+  :class:`~rtrace._capture.TrajectoryState`). ContextVars follow asyncio tasks and
+  ``asyncio.gather`` by themselves; threads need :func:`rtrace.wrap_context`.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from typing import Any, Callable
+
+from opentelemetry import trace as otel_trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Link
+
+from .._capture import TrajectoryState
+
+__all__ = ["Runtime", "Frame", "FRAME", "UNSET", "get_runtime", "start_root"]
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()
+
+#: The installed Runtime, None (off) or UNSET (configure from the environment on first use).
+runtime: Any = UNSET
+
+#: Called with no arguments to configure from the environment; set by rtrace._setup.
+autoconfigure: Callable[[], Any] | None = None
+
+
+class Runtime:
+    """What the hot path needs from the configured pipeline (set by ``rtrace.configure``)."""
+
+    __slots__ = ("tracer", "pipeline", "sampler", "capture", "experiment")
+
+    def __init__(self, tracer: Any, pipeline: Any, sampler: Any, capture: bool,
+                 experiment: str | None) -> None:
+        self.tracer = tracer
+        #: has ``register(state) -> bool`` (False: over the open-trajectory cap)
+        self.pipeline = pipeline
+        #: has ``admit(coords) -> bool`` (the per-step cap, decided at the trajectory start)
+        self.sampler = sampler
+        self.capture = capture
+        self.experiment = experiment
+
+
+class Frame:
+    """The open trajectory as seen from a context. ``state`` is None when not traced
+    (tracing off, sampled out, over a cap, or ``trace=False`` in the veRL shim)."""
+
+    __slots__ = ("coords", "state")
+
+    def __init__(self, coords: dict[str, Any], state: TrajectoryState | None) -> None:
+        self.coords = coords
+        self.state = state
+
+
+FRAME: ContextVar[Frame | None] = ContextVar("rtrace_frame", default=None)
+
+
+def get_runtime() -> Any:
+    """The installed runtime, configuring from the environment on first use."""
+    rt = runtime
+    if rt is UNSET and autoconfigure is not None:
+        autoconfigure()
+        rt = runtime
+    return None if rt is UNSET else rt
+
+
+def start_root(rt: Runtime, name: str, kind: str, coords: dict[str, Any]) -> tuple[Any, Frame]:
+    """Start a trajectory: sample it, open its root span in a new trace, register it.
+
+    Returns ``(span, frame)``; ``span`` is None when the trajectory is not traced
+    (sampled out or over the open-trajectory cap), and then ``frame.state`` is None too.
+    The root always starts a new trace; an application span that is current is linked,
+    not used as the parent.
+    """
+    if not rt.sampler.admit(coords):
+        return None, Frame(coords, None)
+    current = otel_trace.get_current_span().get_span_context()
+    links = (Link(current),) if current.is_valid else None
+    span = rt.tracer.start_span(name, context=Context(), links=links)
+    ctx = span.get_span_context()
+    if not span.is_recording():  # the application's sampler said no
+        return None, Frame(coords, None)
+    state = TrajectoryState(ctx.trace_id, ctx.span_id, name, kind, coords)
+    if not rt.pipeline.register(state):
+        span.end()
+        return None, Frame(coords, None)
+    return span, Frame(coords, state)

@@ -1,0 +1,381 @@
+"""The decorators: ``traced_rollout``, ``traced_generation``, ``traced_tool``, ``traced``.
+
+The function's shape (plain, coroutine, generator, async generator) is decided once, at
+decoration time, and every wrapper shares :class:`_Call`, the one helper that opens the
+span, records the call and closes the span. The wrapper itself starts with one check
+(``_state.runtime is None``): with tracing off that check and the call are all it does.
+
+On the hot path a decorated call creates its span, snapshots its arguments (references
+and list lengths, see ``rtrace._serialize.snapshot``) and stores one
+:class:`~rtrace._capture.CallRecord`. Attributes, RL coordinates, JSON conversion and
+token decoding are all added later, in the worker thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, TypeVar, overload
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace as otel_trace
+from opentelemetry.trace import Status, StatusCode
+
+from .. import _stats
+from .._capture import CallRecord, CallSpec
+from .._serialize import snapshot
+from . import _state
+
+__all__ = ["traced", "traced_rollout", "traced_generation", "traced_tool"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_set_span_in_context = otel_trace.set_span_in_context
+_attach = otel_context.attach
+_detach = otel_context.detach
+_FRAME = _state.FRAME
+_ERROR = StatusCode.ERROR
+
+
+class _Call:
+    """One traced call: its span, its record and, for a root, the trajectory it opened.
+
+    ``enter()`` / ``exit()`` bracket each stretch of the function's own code (the whole
+    call, or one step of a generator) so nothing leaks into the caller in between.
+    """
+
+    __slots__ = ("span", "record", "frame", "_span_token", "_frame_token")
+
+    def __init__(self, span: Any, record: CallRecord | None, frame: Any) -> None:
+        self.span = span
+        self.record = record
+        #: the Frame this call opened when it is a trajectory root (else None)
+        self.frame = frame
+        self._span_token = None
+        self._frame_token = None
+
+    @staticmethod
+    def open(rt: _state.Runtime, spec: CallSpec, args: tuple, kwargs: dict) -> "_Call | None":
+        """Start the span for one call; None when this call is not traced."""
+        frame = _FRAME.get()
+        if frame is None:
+            # No trajectory is open: this call is the root of a new one. When that one is
+            # not traced (sampled out), the frame is still set during the call so the
+            # calls inside it are not traced either.
+            span, frame = _state.start_root(rt, spec.name, spec.kind, {})
+            if span is None:
+                return _Call(None, None, frame)
+            opened = frame
+        else:
+            if frame.state is None:
+                return None
+            span = rt.tracer.start_span(spec.name)
+            opened = None
+        state = frame.state
+        if spec.capture and rt.capture:
+            record = CallRecord(spec, tuple(map(snapshot, args)), {k: snapshot(v) for k, v in kwargs.items()})
+            if spec.skip_first and args and spec.kind == "tool":
+                owner_name = getattr(args[0], "name", None)
+                if isinstance(owner_name, str):
+                    record.owner_name = owner_name
+        else:
+            record = CallRecord(spec, None, None)
+        captures = state.captures
+        # Bounded: past max_spans_per_trajectory the worker drops the span anyway.
+        if len(captures) < rt.pipeline.max_spans:
+            captures[span.get_span_context().span_id] = record
+        return _Call(span, record, opened)
+
+    def enter(self) -> None:
+        if self.span is not None:
+            self._span_token = _attach(_set_span_in_context(self.span))
+        if self.frame is not None:
+            self._frame_token = _FRAME.set(self.frame)
+
+    def exit(self) -> None:
+        if self._frame_token is not None:
+            _FRAME.reset(self._frame_token)
+            self._frame_token = None
+        if self._span_token is not None:
+            _detach(self._span_token)
+            self._span_token = None
+
+    def set_output(self, value: Any) -> None:
+        record = self.record
+        if record is not None and record.args is not None:  # captured
+            record.output = snapshot(value)
+            record.has_output = True
+
+    def fail(self, exc: BaseException) -> None:
+        span = self.span
+        if span is not None:
+            span.set_status(Status(_ERROR, f"{type(exc).__name__}: {exc}"))
+            span.record_exception(exc, escaped=True)
+
+    def end(self) -> None:
+        if self.span is not None:
+            self.span.end()
+
+
+def _call_or_none(spec: CallSpec, args: tuple, kwargs: dict) -> _Call | None:
+    """Slow path of every wrapper: tracing may be on; open the call if it is traced."""
+    rt = _state.get_runtime()
+    if rt is None:
+        return None
+    try:
+        return _Call.open(rt, spec, args, kwargs)
+    except Exception:  # telemetry never breaks the traced program
+        _stats.incr("internal_errors")
+        _stats.warn_once("open", "rtrace could not open a span; the call runs untraced", exc_info=True)
+        return None
+
+
+def _wrap_function(func: Callable, spec: CallSpec) -> Callable:
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _state.runtime is None:
+            return func(*args, **kwargs)
+        call = _call_or_none(spec, args, kwargs)
+        if call is None:
+            return func(*args, **kwargs)
+        call.enter()
+        try:
+            result = func(*args, **kwargs)
+        except BaseException as exc:
+            call.fail(exc)
+            raise
+        finally:
+            call.exit()
+            call.end()
+        call.set_output(result)
+        return result
+
+    return wrapper
+
+
+def _wrap_coroutine(func: Callable, spec: CallSpec) -> Callable:
+    @functools.wraps(func)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _state.runtime is None:
+            return await func(*args, **kwargs)
+        call = _call_or_none(spec, args, kwargs)
+        if call is None:
+            return await func(*args, **kwargs)
+        call.enter()
+        try:
+            result = await func(*args, **kwargs)
+        except BaseException as exc:
+            call.fail(exc)
+            raise
+        finally:
+            call.exit()
+            call.end()
+        call.set_output(result)
+        return result
+
+    return wrapper
+
+
+def _wrap_generator(func: Callable, spec: CallSpec) -> Callable:
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _state.runtime is None:
+            return (yield from func(*args, **kwargs))
+        call = _call_or_none(spec, args, kwargs)
+        if call is None:
+            return (yield from func(*args, **kwargs))
+        # `yield from` would keep our span attached while the caller runs between items;
+        # instead each step of the inner generator runs with the span attached, and the
+        # caller never sees it.
+        gen = func(*args, **kwargs)
+        items = 0
+        to_send: Any = None
+        to_throw: BaseException | None = None
+        try:
+            while True:
+                call.enter()
+                try:
+                    if to_throw is not None:
+                        exc, to_throw = to_throw, None
+                        item = gen.throw(exc)
+                    else:
+                        item = gen.send(to_send)
+                except StopIteration as stop:
+                    call.set_output({"yielded": items, "return": stop.value})
+                    return stop.value
+                finally:
+                    call.exit()
+                items += 1
+                try:
+                    to_send = yield item
+                except GeneratorExit:
+                    raise
+                except BaseException as exc:  # caller's .throw(): pass it to the inner generator
+                    to_throw = exc
+        except GeneratorExit:
+            # Closed early (break, .close(), garbage collection): close the inner one too.
+            call.enter()
+            try:
+                gen.close()
+            finally:
+                call.exit()
+            call.set_output({"yielded": items, "closed": True})
+            raise
+        except BaseException as exc:
+            call.fail(exc)
+            raise
+        finally:
+            call.end()
+
+    return wrapper
+
+
+def _wrap_async_generator(func: Callable, spec: CallSpec) -> Callable:
+    @functools.wraps(func)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _state.runtime is None:
+            async for item in func(*args, **kwargs):
+                yield item
+            return
+        call = _call_or_none(spec, args, kwargs)
+        agen = func(*args, **kwargs)
+        if call is None:
+            # `yield from` does not exist for async generators; this loop forwards items
+            # (and, like the traced path below, asend/athrow values).
+            async for item in agen:
+                yield item
+            return
+        items = 0
+        to_send: Any = None
+        to_throw: BaseException | None = None
+        try:
+            while True:
+                call.enter()
+                try:
+                    if to_throw is not None:
+                        exc, to_throw = to_throw, None
+                        item = await agen.athrow(exc)
+                    else:
+                        item = await agen.asend(to_send)
+                except StopAsyncIteration:
+                    call.set_output({"yielded": items})
+                    return
+                finally:
+                    call.exit()
+                items += 1
+                try:
+                    to_send = yield item
+                except GeneratorExit:
+                    raise
+                except BaseException as exc:
+                    to_throw = exc
+        except GeneratorExit:
+            call.enter()
+            try:
+                await agen.aclose()
+            finally:
+                call.exit()
+            call.set_output({"yielded": items, "closed": True})
+            raise
+        except BaseException as exc:
+            call.fail(exc)
+            raise
+        finally:
+            call.end()
+
+    return wrapper
+
+
+def _param_names(func: Callable) -> tuple[str, ...]:
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def _decorate(func: Any, kind: str, name: str | None, capture: bool, options: dict[str, Any]) -> Any:
+    if isinstance(func, (classmethod, staticmethod)):
+        # Applied above @classmethod / @staticmethod: wrap the function inside.
+        return type(func)(_decorate(func.__func__, kind, name, capture, options))
+    if not callable(func):
+        raise TypeError(f"rtrace decorators apply to functions, not {type(func).__name__}")
+    names = _param_names(func)
+    spec = CallSpec(kind=kind, name=name or getattr(func, "__qualname__", None) or repr(func),
+                    capture=capture, param_names=names,
+                    skip_first=bool(names) and names[0] in ("self", "cls"), options=options)
+    if inspect.isasyncgenfunction(func):
+        wrapper = _wrap_async_generator(func, spec)
+    elif inspect.iscoroutinefunction(func):
+        wrapper = _wrap_coroutine(func, spec)
+    elif inspect.isgeneratorfunction(func):
+        wrapper = _wrap_generator(func, spec)
+    else:
+        wrapper = _wrap_function(func, spec)
+    wrapper.__rtrace_spec__ = spec  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _decorator(kind: str, func: Any, name: str | None, capture: bool, **options: Any) -> Any:
+    if func is not None:  # used bare: @traced_tool
+        return _decorate(func, kind, name, capture, options)
+    return lambda f: _decorate(f, kind, name, capture, options)
+
+
+@overload
+def traced(func: F, /) -> F: ...
+@overload
+def traced(*, kind: str = "chain", name: str | None = None, capture: bool = True) -> Callable[[F], F]: ...
+def traced(func: Any = None, /, *, kind: str = "chain", name: str | None = None,
+           capture: bool = True) -> Any:
+    """Trace any function as a span of kind ``kind`` (default ``chain``).
+
+    Works bare (``@traced``) or with arguments, on functions, methods,
+    classmethods/staticmethods, async functions, generators and async generators.
+
+    Args:
+        kind: the span kind shown by the sinks (``chain``, ``agent``, ``retriever`` ...).
+        name: the span name; default the function's ``__qualname__``.
+        capture: record arguments (without ``self``/``cls``) and the return value.
+            ``False`` records names and timings only.
+    """
+    return _decorator(kind, func, name, capture)
+
+
+def traced_rollout(func: Any = None, /, *, name: str | None = None, capture: bool = True) -> Any:
+    """Trace an agent loop (kind ``agent``).
+
+    Inside a ``rollout_context`` it is a child of the trajectory's root; called with no
+    trajectory open, it is the root of a new trajectory (without RL coordinates).
+    """
+    return _decorator("agent", func, name, capture)
+
+
+def traced_generation(func: Any = None, /, *, name: str | None = None, capture: bool = True,
+                      model: str | None = None, prompt_field: str = "prompt_ids",
+                      response_field: str = "response_ids", messages_field: str = "messages") -> Any:
+    """Trace an LLM call (kind ``generation``).
+
+    Token ids are read in the worker thread, never on the call: ``prompt_ids`` is the
+    argument named ``prompt_field``; ``response_ids`` is the return value when it is a
+    list/array/tensor of ids, else its ``response_field`` item or attribute (then
+    ``token_ids``, ``output_ids``). ``messages_field`` names the chat-messages argument.
+    Usage (``gen_ai.usage.*``) and finish reason are derived from them. See
+    docs/token2text.md for the full mapping.
+
+    Args:
+        model: recorded as ``gen_ai.request.model`` (else a ``model`` argument, if any).
+    """
+    return _decorator("generation", func, name, capture, model=model, prompt_field=prompt_field,
+                      response_field=response_field, messages_field=messages_field)
+
+
+def traced_tool(func: Any = None, /, *, name: str | None = None, capture: bool = True,
+                tool_name: str | None = None) -> Any:
+    """Trace a tool call (kind ``tool``).
+
+    The tool's name (``gen_ai.tool.name``) is ``tool_name``, else the ``name`` attribute
+    of the method's instance (``self.name``), else the span name. A ``tool_call_id`` /
+    ``call_id`` argument becomes ``gen_ai.tool.call.id``.
+    """
+    return _decorator("tool", func, name, capture, tool_name=tool_name)

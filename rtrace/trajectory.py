@@ -1,0 +1,227 @@
+"""The Trajectory model: what every sink receives.
+
+A trajectory is the set of spans under one root span (one ``rollout_context`` or one
+outermost decorated call). The worker thread builds it from finished OTel spans; sinks
+only read it. Everything in it is JSON-safe already (captured values were converted,
+truncated and redacted in the worker thread), so ``Trajectory.to_dict()`` is the JSONL
+schema (``docs/jsonl-schema.md``) and ``Trajectory.from_dict()`` reads it back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+__all__ = ["SCHEMA", "SpanRecord", "Trajectory", "RL_FIELDS"]
+
+#: Version tag written in every JSONL line; bumped only on incompatible changes.
+SCHEMA = "rtrace.trajectory/1"
+
+#: RL coordinates carried by every trajectory (``rl.<name>`` on every span).
+RL_FIELDS = ("step", "sample_index", "rollout_n", "validate", "experiment", "group_id", "policy_version")
+
+#: Span kinds: the root of a rollout_context is ``rollout``; decorated calls are ``agent``
+#: (traced_rollout), ``generation``, ``tool`` or the kind given to ``traced(kind=...)``;
+#: spans made by other OTel instrumentation inside a trajectory are ``span``.
+KINDS = ("rollout", "agent", "generation", "tool", "chain", "span")
+
+
+@dataclass
+class SpanRecord:
+    """One finished span of a trajectory, with JSON-safe captured values."""
+
+    span_id: str
+    parent_id: str | None
+    name: str
+    kind: str
+    start_ns: int
+    end_ns: int
+    status: str = "ok"  # "ok" | "error"
+    error: str | None = None
+    attributes: dict[str, Any] = field(default_factory=dict)
+    input: Any = None
+    output: Any = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+    #: Token ids captured on generation spans; decoded by token2text, then dropped
+    #: unless ``token2text_keep_ids`` is set.
+    prompt_ids: list[int] | None = None
+    response_ids: list[int] | None = None
+
+    @property
+    def duration_ms(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e6
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "span_id": self.span_id,
+            "parent_id": self.parent_id,
+            "name": self.name,
+            "kind": self.kind,
+            "start_ns": self.start_ns,
+            "end_ns": self.end_ns,
+            "duration_ms": self.duration_ms,
+            "status": self.status,
+            "error": self.error,
+            "attributes": self.attributes,
+            "input": self.input,
+            "output": self.output,
+            "events": self.events,
+        }
+        if self.prompt_ids is not None:
+            out["prompt_ids"] = self.prompt_ids
+        if self.response_ids is not None:
+            out["response_ids"] = self.response_ids
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SpanRecord":
+        return cls(
+            span_id=data["span_id"],
+            parent_id=data.get("parent_id"),
+            name=data["name"],
+            kind=data.get("kind", "span"),
+            start_ns=data["start_ns"],
+            end_ns=data["end_ns"],
+            status=data.get("status", "ok"),
+            error=data.get("error"),
+            attributes=data.get("attributes") or {},
+            input=data.get("input"),
+            output=data.get("output"),
+            events=data.get("events") or [],
+            prompt_ids=data.get("prompt_ids"),
+            response_ids=data.get("response_ids"),
+        )
+
+
+@dataclass
+class Trajectory:
+    """A finished (or, with ``partial=True``, timed-out) trajectory.
+
+    ``spans`` are in tree order: the root first, then each span's children by start
+    time, depth first. ``messages`` is the conversation in chat format (role, content,
+    tool_calls, tool_call_id, name), built by the worker from captured chat messages,
+    decoded token ids or captured inputs/outputs.
+    """
+
+    trace_id: str
+    name: str
+    spans: list[SpanRecord]
+    step: int | None = None
+    sample_index: int | None = None
+    rollout_n: int | None = None
+    validate: bool = False
+    experiment: str | None = None
+    group_id: str | None = None
+    policy_version: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    reward: float | None = None
+    outcome: dict[str, Any] = field(default_factory=dict)
+    status: str = "ok"
+    error: str | None = None
+    partial: bool = False
+    dropped_spans: int = 0
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def root(self) -> SpanRecord:
+        return self.spans[0]
+
+    @property
+    def start_ns(self) -> int:
+        return self.root.start_ns
+
+    @property
+    def end_ns(self) -> int:
+        return max(s.end_ns for s in self.spans)
+
+    @property
+    def duration_ms(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e6
+
+    @property
+    def coordinates(self) -> dict[str, Any]:
+        """The RL coordinates as a dict (``step``, ``sample_index``, ... ``extra``)."""
+        coords = {name: getattr(self, name) for name in RL_FIELDS}
+        coords["extra"] = dict(self.extra)
+        return coords
+
+    def spans_of_kind(self, kind: str) -> list[SpanRecord]:
+        return [s for s in self.spans if s.kind == kind]
+
+    @property
+    def num_turns(self) -> int:
+        """Number of generation calls (model turns)."""
+        return sum(1 for s in self.spans if s.kind == "generation")
+
+    @property
+    def num_tool_calls(self) -> int:
+        return sum(1 for s in self.spans if s.kind == "tool")
+
+    def children(self, span_id: str) -> list[SpanRecord]:
+        return [s for s in self.spans if s.parent_id == span_id]
+
+    def walk(self) -> Iterator[tuple[int, SpanRecord]]:
+        """(depth, span) pairs in tree order."""
+        depth: dict[str | None, int] = {}
+        for i, span in enumerate(self.spans):
+            # a span whose parent is missing (dropped) sits under the root
+            d = 0 if i == 0 else depth.get(span.parent_id, 0) + 1
+            depth[span.span_id] = d
+            yield d, span
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        """The JSONL schema ``rtrace.trajectory/1`` (see docs/jsonl-schema.md)."""
+        return {
+            "schema": SCHEMA,
+            "trace_id": self.trace_id,
+            "name": self.name,
+            "step": self.step,
+            "sample_index": self.sample_index,
+            "rollout_n": self.rollout_n,
+            "validate": self.validate,
+            "experiment": self.experiment,
+            "group_id": self.group_id,
+            "policy_version": self.policy_version,
+            "extra": self.extra,
+            "reward": self.reward,
+            "outcome": self.outcome,
+            "status": self.status,
+            "error": self.error,
+            "partial": self.partial,
+            "dropped_spans": self.dropped_spans,
+            "start_ns": self.start_ns,
+            "end_ns": self.end_ns,
+            "duration_ms": self.duration_ms,
+            "num_turns": self.num_turns,
+            "num_tool_calls": self.num_tool_calls,
+            "messages": self.messages,
+            "spans": [s.to_dict() for s in self.spans],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Trajectory":
+        """Rebuild a trajectory from :meth:`to_dict` output (e.g. a JSONL line)."""
+        if data.get("schema") != SCHEMA:
+            raise ValueError(f"not an {SCHEMA} record: schema={data.get('schema')!r}")
+        return cls(
+            trace_id=data["trace_id"],
+            name=data["name"],
+            spans=[SpanRecord.from_dict(s) for s in data["spans"]],
+            step=data.get("step"),
+            sample_index=data.get("sample_index"),
+            rollout_n=data.get("rollout_n"),
+            validate=bool(data.get("validate", False)),
+            experiment=data.get("experiment"),
+            group_id=data.get("group_id"),
+            policy_version=data.get("policy_version"),
+            extra=data.get("extra") or {},
+            reward=data.get("reward"),
+            outcome=data.get("outcome") or {},
+            status=data.get("status", "ok"),
+            error=data.get("error"),
+            partial=bool(data.get("partial", False)),
+            dropped_spans=int(data.get("dropped_spans", 0)),
+            messages=data.get("messages") or [],
+        )
