@@ -65,9 +65,11 @@ class TrajectoryBuilder:
         self.settings = settings
         self.postprocessors = list(postprocessors)
 
-    def build_many(self, states: list[TrajectoryState]) -> list[Trajectory]:
+    def build_many(self, states: list[TrajectoryState], prebuilt: Sequence[Trajectory] = ()) -> list[Trajectory]:
+        """Build the trajectories of finished states; run postprocessors (token2text) on
+        them and on ``prebuilt`` ones, then build messages where there are none."""
         converter = Converter(self.settings.max_value_chars, self.settings.redact_keys)
-        out: list[Trajectory] = []
+        out: list[Trajectory] = list(prebuilt)
         for state in states:
             try:
                 out.append(self.build(state, converter))
@@ -81,6 +83,8 @@ class TrajectoryBuilder:
                 _stats.incr("postprocess_errors")
                 _stats.warn_once(f"post-{post!r}", "rtrace postprocessor %r failed", post, exc_info=True)
         for traj in out:
+            if traj.messages:
+                continue
             try:
                 traj.messages = build_messages(traj)
             except Exception:

@@ -84,9 +84,10 @@ class TrajectoryExporter:
         # Spans of this trace that end from now on are ignored by on_end (not ours any more).
         self.open.pop(state.trace_id, None)
 
-    def build(self, states: list[TrajectoryState]) -> list[Trajectory]:
-        """Turn finished states into Trajectory objects (conversion, token2text, messages)."""
-        return self.builder.build_many(states)
+    def build(self, states: list[TrajectoryState], prebuilt: Sequence[Trajectory] = ()) -> list[Trajectory]:
+        """Turn finished states into Trajectory objects (conversion, token2text, messages);
+        ``prebuilt`` trajectories join the same postprocessing."""
+        return self.builder.build_many(states, prebuilt)
 
 
 class _SinkWorker:
@@ -169,6 +170,8 @@ class Pipeline(SpanProcessor):
         self._max_queue = settings.max_queue_size
         self._wake_at = max(1, min(2048, self._max_queue // 2))
         self._queue: collections.deque[ReadableSpan] = collections.deque()
+        #: trajectories built outside the span path (rtrace.log_rollout_batch)
+        self._prebuilt: collections.deque[Trajectory] = collections.deque()
         self._cond = threading.Condition()
         self._flush_requests: list[tuple[threading.Event, list]] = []
         self._stopping = False
@@ -204,6 +207,22 @@ class Pipeline(SpanProcessor):
             with self._cond:
                 self._cond.notify()
 
+    def submit_trajectories(self, trajectories: Sequence[Trajectory]) -> int:
+        """Queue trajectories built without spans (already sampled); they get the same
+        postprocessing (token2text, messages when empty) and go to the same sinks.
+
+        Returns:
+            How many were queued; the rest were dropped (queue full) and counted.
+        """
+        room = max(0, self._max_queue - len(self._prebuilt))
+        if room < len(trajectories):
+            _stats.incr("trajectories_dropped_queue", len(trajectories) - room)
+        for traj in trajectories[:room]:
+            self._prebuilt.append(traj)
+        with self._cond:
+            self._cond.notify()
+        return min(room, len(trajectories))
+
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:
         token = attach(set_value(_SUPPRESS_INSTRUMENTATION_KEY, True))
@@ -231,15 +250,16 @@ class Pipeline(SpanProcessor):
             detach(token)
 
     def _process(self, now: float, expire: bool, force: bool) -> None:
-        q = self._queue
+        q, pre = self._queue, self._prebuilt
         spans = [q.popleft() for _ in range(len(q))]
+        prebuilt = [pre.popleft() for _ in range(len(pre))]
         try:
             states = self.exporter.export(spans) if spans else []
             if expire:
                 states += self.exporter.expire(now, force)
-            if not states:
+            if not states and not prebuilt:
                 return
-            trajectories = self.exporter.build(states)
+            trajectories = self.exporter.build(states, prebuilt)
         except Exception:
             _stats.incr("internal_errors")
             _stats.warn_once("worker", "rtrace worker failed to assemble trajectories", exc_info=True)

@@ -1,0 +1,50 @@
+"""Shared fixtures: a clean rtrace and environment per test, and a JSONL-backed setup.
+
+Real backends only: integration fixtures start real trackio / MLflow / OTLP receivers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import rtrace
+from rtrace import _stats
+from rtrace.instrumentation import _state
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(autouse=True)
+def clean_rtrace(monkeypatch):
+    """Every test starts unconfigured, with no RTRACE_* variables and zeroed counters,
+    and leaves no pipeline or open trajectory behind."""
+    for key in list(os.environ):
+        if key.startswith("RTRACE_") or key.startswith("OTEL_") or key in ("MLFLOW_TRACKING_URI", "TRACKIO_SPACE_ID"):
+            monkeypatch.delenv(key, raising=False)
+    rtrace.shutdown()
+    _state.runtime = _state.UNSET
+    _stats.reset()
+    assert _state.FRAME.get() is None
+    yield
+    rtrace.shutdown()
+    _state.runtime = _state.UNSET
+    _stats.reset()
+
+
+@pytest.fixture
+def jsonl_path(tmp_path):
+    """Tracing on with the JSONL sink in a temporary file; yields the path."""
+    path = tmp_path / "traces.jsonl"
+    rtrace.configure(exporter="jsonl", jsonl_path=str(path), export_interval_s=0.05)
+    return path
+
+
+def read_back(path):
+    """Flush and read every trajectory written to ``path``."""
+    from rtrace.exporters.jsonl import read_jsonl
+
+    assert rtrace.flush(10)
+    return read_jsonl(path) if os.path.exists(path) else []
