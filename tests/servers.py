@@ -1,0 +1,136 @@
+"""Real backend servers for integration tests, started and stopped by the tests.
+
+``start_mlflow_server(workdir)`` runs a real ``mlflow server`` (SQLite backend in
+``workdir``, one worker, a free port on 127.0.0.1) in its own process group, waits for
+its health endpoint with a bounded wait, and returns its base URL and ``Popen``.
+``stop_server(popen)`` stops it by pid (SIGTERM to the group, then SIGKILL).
+
+The session-scoped ``mlflow_server`` fixture shares one server across a test session
+(it takes up to ~40 s to start on a busy machine). Use it from a test module with::
+
+    from tests.servers import mlflow_server  # noqa: F401  (makes the fixture available)
+
+The MLflow server also accepts OTLP/HTTP at ``<base_url>/v1/traces`` (header
+``x-mlflow-experiment-id``), so the same fixture serves as a real OTLP receiver.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+__all__ = ["free_port", "start_mlflow_server", "stop_server", "wait_http", "mlflow_server"]
+
+#: Longest wait for a server to answer its health check (MLflow takes ~40 s on a busy box).
+START_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout_s: float, popen: subprocess.Popen | None = None) -> None:
+    """Poll ``url`` until it answers 200, the process exits, or ``timeout_s`` passes.
+
+    Raises:
+        RuntimeError: the process exited or the deadline passed.
+    """
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if popen is not None and popen.poll() is not None:
+            raise RuntimeError(f"server exited with code {popen.returncode} before answering {url}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError) as exc:  # not up yet
+            last = exc
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s (last error: {last})")
+
+
+def start_mlflow_server(workdir: str | os.PathLike, timeout_s: float = START_TIMEOUT_S
+                        ) -> tuple[str, subprocess.Popen]:
+    """Start ``mlflow server`` on a free port of 127.0.0.1, SQLite backend in ``workdir``.
+
+    Returns:
+        ``(base_url, popen)``, e.g. ``("http://127.0.0.1:43817", <Popen>)``, once
+        ``<base_url>/health`` answers. Stop it with :func:`stop_server`.
+
+    Raises:
+        RuntimeError: the server did not come up within ``timeout_s`` (it is stopped
+            and its log tail is in the message).
+    """
+    workdir = Path(workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    mlflow_exe = Path(sys.executable).with_name("mlflow")
+    cmd = [str(mlflow_exe) if mlflow_exe.exists() else "mlflow", "server",
+           "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+           "--backend-store-uri", f"sqlite:///{workdir / 'mlflow.db'}",
+           "--default-artifact-root", (workdir / "artifacts").as_uri()]
+    env = dict(os.environ)
+    # the server must not trace itself into the test's collector, nor inherit a client URI
+    for key in list(env):
+        if key.startswith(("RTRACE_", "OTEL_")) or key == "MLFLOW_TRACKING_URI":
+            env.pop(key)
+    log = open(workdir / "server.log", "wb")
+    popen = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+    log.close()  # the child holds its own descriptor
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{base_url}/health", timeout_s, popen)
+    except RuntimeError as exc:
+        stop_server(popen)
+        tail = (workdir / "server.log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"{exc}\n--- server log tail ---\n{tail}") from None
+    return base_url, popen
+
+
+def stop_server(popen: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """Stop a server started here: SIGTERM to its process group, SIGKILL if it lingers."""
+    if popen.poll() is not None:
+        return
+    try:
+        # start_new_session=True made the server its own group leader: pgid == pid
+        os.killpg(popen.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        popen.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+    # gunicorn/uvicorn workers may outlive the parent; kill whatever is left in the group
+    try:
+        os.killpg(popen.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        popen.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real ``mlflow server`` for the whole session; yields its base URL."""
+    workdir = tmp_path_factory.mktemp("mlflow-server")
+    base_url, popen = start_mlflow_server(workdir)
+    try:
+        yield base_url
+    finally:
+        stop_server(popen)
