@@ -301,7 +301,9 @@ def _decorate(func: Any, kind: str, name: str | None, capture: bool, options: di
     if not callable(func):
         raise TypeError(f"rtrace decorators apply to functions, not {type(func).__name__}")
     names = _param_names(func)
-    spec = CallSpec(kind=kind, name=name or getattr(func, "__qualname__", None) or repr(func),
+    # Default span name: the qualified name, without the "f.<locals>." of nested functions.
+    qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    spec = CallSpec(kind=kind, name=name or qualname.rsplit("<locals>.", 1)[-1],
                     capture=capture, param_names=names,
                     skip_first=bool(names) and names[0] in ("self", "cls"), options=options)
     if inspect.isasyncgenfunction(func):
