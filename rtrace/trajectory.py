@@ -26,6 +26,11 @@ RL_FIELDS = ("step", "sample_index", "rollout_n", "validate", "experiment", "gro
 KINDS = ("rollout", "agent", "generation", "tool", "chain", "span")
 
 
+def _float_or_none(value: Any) -> float | None:
+    # JSONL writes non-finite rewards as "NaN" / "Infinity" / "-Infinity" (strict JSON).
+    return None if value is None else float(value)
+
+
 @dataclass
 class SpanRecord:
     """One finished span of a trajectory, with JSON-safe captured values."""
@@ -217,7 +222,7 @@ class Trajectory:
             group_id=data.get("group_id"),
             policy_version=data.get("policy_version"),
             extra=data.get("extra") or {},
-            reward=data.get("reward"),
+            reward=_float_or_none(data.get("reward")),
             outcome=data.get("outcome") or {},
             status=data.get("status", "ok"),
             error=data.get("error"),

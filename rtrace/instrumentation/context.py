@@ -33,7 +33,7 @@ T = TypeVar("T")
 class RolloutContext:
     """The context manager returned by :func:`rollout_context` (sync and async ``with``)."""
 
-    __slots__ = ("_coords", "_name", "_span", "_frame", "_frame_token", "_span_token")
+    __slots__ = ("_coords", "_name", "_span", "_frame", "_frame_token", "_span_token", "_trace_id")
 
     def __init__(self, coords: dict[str, Any], name: str) -> None:
         self._coords = coords
@@ -42,6 +42,7 @@ class RolloutContext:
         self._frame: _state.Frame | None = None
         self._frame_token: Any = None
         self._span_token: Any = None
+        self._trace_id: int | None = None
 
     # ------------------------------------------------------------------ public
     @property
@@ -52,14 +53,12 @@ class RolloutContext:
     @property
     def traced(self) -> bool:
         """True when this trajectory is recorded (tracing on, sampled in, under the caps)."""
-        return self._span is not None
+        return self._trace_id is not None
 
     @property
     def trace_id(self) -> str | None:
         """The trajectory's OTel trace id (32 hex digits), or None when not traced."""
-        if self._span is None:
-            return None
-        return format(self._span.get_span_context().trace_id, "032x")
+        return None if self._trace_id is None else format(self._trace_id, "032x")
 
     # ------------------------------------------------------------------ protocol
     def __enter__(self) -> "RolloutContext":
@@ -79,6 +78,7 @@ class RolloutContext:
         self._frame = frame
         self._frame_token = _state.FRAME.set(frame)
         if self._span is not None:
+            self._trace_id = self._span.get_span_context().trace_id
             self._span_token = otel_context.attach(otel_trace.set_span_in_context(self._span))
         return self
 
