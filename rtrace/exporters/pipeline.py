@@ -52,7 +52,8 @@ class TrajectoryExporter:
     def export(self, spans: Sequence[ReadableSpan]) -> list[TrajectoryState]:
         """Add ended spans; return the states of the trajectories they completed."""
         done: list[TrajectoryState] = []
-        max_spans = self.settings.max_spans_per_trajectory
+        # the root arrives last and is always kept: children get one place less
+        max_children = self.settings.max_spans_per_trajectory - 1
         for span in spans:
             ctx = span.context
             state = self.open.get(ctx.trace_id)
@@ -60,7 +61,7 @@ class TrajectoryExporter:
                 _stats.incr("spans_late")
                 continue
             is_root = ctx.span_id == state.root_span_id
-            if len(state.spans) >= max_spans and not is_root:
+            if len(state.spans) >= max_children and not is_root:
                 state.dropped_spans += 1
                 _stats.incr("spans_dropped_trajectory_limit")
                 continue
