@@ -360,3 +360,26 @@ def load_settings(overrides: Mapping[str, Any] | None = None,
         values["sinks"] = tuple(sinks) if isinstance(sinks, (list, tuple)) else (sinks,)
     known = {f.name for f in fields(Settings)}
     return Settings(**{k: v for k, v in values.items() if k in known})
+
+
+def reference_markdown() -> str:
+    """The settings table as Markdown (docs/configuration.md embeds it; a test keeps them equal)."""
+
+    def fmt(value: Any) -> str:
+        if value is None or value == () or value == {}:
+            return "unset"
+        if isinstance(value, tuple):
+            return "`" + ",".join(value) + "`"
+        if isinstance(value, bool):
+            return "`true`" if value else "`false`"
+        return f"`{value}`"
+
+    rows = ["| configure() keyword | environment variable | default | accepted values | meaning |",
+            "| --- | --- | --- | --- | --- |"]
+    for p in PARAMS:
+        rows.append(f"| `{p.name}` | `{p.env}` | {fmt(p.default)} | {p.accepted} | {p.doc} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":  # python -m rtrace.config: print the reference table
+    print(reference_markdown(), end="")
