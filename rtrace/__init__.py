@@ -8,6 +8,7 @@ collector or JSONL. See README.md and docs/.
 from ._setup import configure, current_settings, flush, is_enabled, shutdown, stats
 from .config import ConfigError, Settings
 from .exporters.base import Sink
+from .exporters.token2text import set_tokenizer
 from .instrumentation import (
     current_coordinates,
     record_reward,
@@ -18,6 +19,7 @@ from .instrumentation import (
     traced_tool,
     wrap_context,
 )
+from .instrumentation.batch import log_rollout_batch
 from .trajectory import SpanRecord, Trajectory
 
 __version__ = "0.1.0"
@@ -33,8 +35,10 @@ __all__ = [
     "current_settings",
     "flush",
     "is_enabled",
+    "log_rollout_batch",
     "record_reward",
     "rollout_context",
+    "set_tokenizer",
     "shutdown",
     "stats",
     "traced",

@@ -1,0 +1,219 @@
+"""token2text: decode captured token ids to text in the worker thread, a batch at a time.
+
+The traced call only stores token ids (``SpanRecord.prompt_ids`` / ``response_ids``,
+read out of the captured arguments and return value by the builder). Once per batch of
+finished trajectories, :class:`Token2Text` gathers every span's prompt ids and makes ONE
+``tokenizer.batch_decode`` call for them, then one for all response ids, and writes the
+text to the span attributes ``rtrace.prompt_text`` / ``rtrace.response_text``. Unless
+``token2text_keep_ids`` is set, the id lists are dropped afterwards.
+
+The tokenizer comes from a process-wide holder (:func:`set_tokenizer`), so it can be
+handed in before or after ``configure()`` and from whichever object owns it (a veRL
+agent loop sets it on itself after rtrace was configured). ``configure(tokenizer=...)``
+and ``RTRACE_TOKENIZER`` fill the same holder; the latest call wins.
+
+A tokenizer failure never loses a trajectory: the spans keep their ids, the failure is
+counted as ``token2text_errors`` and the trajectory is exported without text.
+
+This module imports neither torch nor transformers: ``AutoTokenizer`` is imported only
+when a tokenizer *name or path* has to be loaded.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .. import _stats
+from ..config import ConfigError, Settings
+from ..trajectory import SpanRecord, Trajectory
+
+__all__ = ["Token2Text", "set_tokenizer", "get_tokenizer", "load_tokenizer",
+           "PROMPT_TEXT", "RESPONSE_TEXT", "BATCH_SOURCE"]
+
+#: Span attributes written by token2text.
+PROMPT_TEXT = "rtrace.prompt_text"
+RESPONSE_TEXT = "rtrace.response_text"
+
+#: Root attribute ``rtrace.source`` of trajectories made by ``rtrace.log_rollout_batch``
+#: whose conversation is rebuilt from the decoded segments (see :func:`segment_messages`).
+BATCH_SOURCE = "tensor_batch"
+#: On a span of such a trajectory: the chat role of its segment ("user", "assistant", "tool").
+ROLE_ATTR = "rtrace.role"
+
+_lock = threading.Lock()
+_tokenizer: Any = None
+
+
+def load_tokenizer(name_or_path: str) -> Any:
+    """Load a tokenizer by hub name (from the local cache only) or local path.
+
+    Raises:
+        ConfigError: transformers is not installed, or nothing loadable is found locally.
+    """
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ConfigError(
+            f"RTRACE_TOKENIZER={name_or_path!r} needs transformers (pip install 'rtrace[torch]'), "
+            "or hand a tokenizer object to configure(tokenizer=...) / rtrace.set_tokenizer()") from None
+    try:
+        # Offline on purpose: tracing must never download anything. A trainer has its
+        # tokenizer in the local cache already.
+        return AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+    except Exception as exc:  # OSError, ValueError, ... depending on what is missing
+        raise ConfigError(
+            f"RTRACE_TOKENIZER={name_or_path!r}: cannot load this tokenizer from a local path or the "
+            f"local Hugging Face cache ({type(exc).__name__}: {exc}); accepted values: a local "
+            "tokenizer directory or a hub name already in the cache") from None
+
+
+def set_tokenizer(tokenizer: Any) -> None:
+    """Set the tokenizer token2text decodes with, process-wide (before or after configure).
+
+    Args:
+        tokenizer: anything with ``batch_decode(list_of_id_lists, skip_special_tokens=...)``
+            or ``decode(ids, ...)`` (a transformers tokenizer, or a plain object); a name
+            or local path (loaded with ``AutoTokenizer``, offline); or None to clear.
+
+    Raises:
+        TypeError: the object has neither ``batch_decode`` nor ``decode``.
+        ConfigError: a name or path that cannot be loaded.
+
+    Decoding happens only when token2text is on (``configure(token2text=True)`` or
+    ``RTRACE_TOKEN2TEXT=1``).
+    """
+    global _tokenizer
+    if isinstance(tokenizer, str):
+        tokenizer = load_tokenizer(tokenizer)
+    elif tokenizer is not None and not (callable(getattr(tokenizer, "batch_decode", None))
+                                        or callable(getattr(tokenizer, "decode", None))):
+        raise TypeError(f"set_tokenizer: {type(tokenizer).__name__} has neither batch_decode nor decode")
+    with _lock:
+        _tokenizer = tokenizer
+
+
+def get_tokenizer() -> Any:
+    """The tokenizer set by :func:`set_tokenizer` / ``configure(tokenizer=...)``, or None."""
+    return _tokenizer
+
+
+class Token2Text:
+    """Postprocessor (worker thread): decodes a batch of trajectories' token ids.
+
+    Args:
+        skip_special_tokens: passed to ``batch_decode``.
+        keep_ids: keep ``prompt_ids`` / ``response_ids`` on the spans after decoding.
+    """
+
+    def __init__(self, skip_special_tokens: bool = True, keep_ids: bool = False) -> None:
+        self.skip_special_tokens = skip_special_tokens
+        self.keep_ids = keep_ids
+        self._takes_kwarg: dict[int, bool] = {}  # id(tokenizer) -> accepts skip_special_tokens
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "Token2Text":
+        """Build from settings; a tokenizer given there replaces the process-wide one.
+
+        Raises:
+            ConfigError: ``tokenizer`` is a name/path that cannot be loaded, or an object
+                that cannot decode.
+        """
+        if settings.tokenizer is not None:
+            try:
+                set_tokenizer(settings.tokenizer)
+            except TypeError as exc:
+                raise ConfigError(f"configure(tokenizer=...) (env RTRACE_TOKENIZER): {exc}; accepted values: "
+                                  "an object with batch_decode/decode, or a tokenizer name / local path") from None
+        return cls(settings.token2text_skip_special_tokens, settings.token2text_keep_ids)
+
+    def __call__(self, trajectories: list[Trajectory]) -> None:
+        """Decode every span's ids in place: one ``batch_decode`` per field for the batch."""
+        prompts: list[SpanRecord] = []
+        responses: list[SpanRecord] = []
+        for traj in trajectories:
+            for span in traj.spans:
+                if span.prompt_ids is not None:
+                    prompts.append(span)
+                if span.response_ids is not None:
+                    responses.append(span)
+        if prompts or responses:
+            tok = _tokenizer
+            if tok is None:
+                _stats.incr("token2text_no_tokenizer", len(trajectories))
+                _stats.warn_once("t2t-no-tokenizer", "rtrace token2text is on but no tokenizer is set: call "
+                                 "rtrace.set_tokenizer(tok), configure(tokenizer=...) or set RTRACE_TOKENIZER; "
+                                 "trajectories keep their token ids")
+            else:
+                self._field(tok, prompts, "prompt_ids", PROMPT_TEXT)
+                self._field(tok, responses, "response_ids", RESPONSE_TEXT)
+        for traj in trajectories:
+            if traj.spans and traj.root.attributes.get("rtrace.source") == BATCH_SOURCE and not traj.messages:
+                traj.messages = segment_messages(traj)
+
+    # ------------------------------------------------------------------ decoding
+    def _field(self, tok: Any, spans: list[SpanRecord], field: str, attr: str) -> None:
+        if not spans:
+            return
+        ids = [getattr(span, field) for span in spans]
+        try:
+            texts = self._decode(tok, ids)
+            if len(texts) != len(ids):
+                raise ValueError(f"batch_decode returned {len(texts)} texts for {len(ids)} sequences")
+        except Exception:
+            # One bad sequence (an id out of the vocabulary, ...) must not cost the text of
+            # the whole batch: decode one by one, and count only what still fails.
+            _stats.warn_once("t2t-batch", "rtrace token2text: batch_decode failed; decoding one by one",
+                             exc_info=True)
+            texts = []
+            for one in ids:
+                try:
+                    texts.append(self._decode(tok, [one])[0])
+                except Exception:
+                    _stats.incr("token2text_errors")
+                    texts.append(None)
+        decoded = 0
+        for span, text in zip(spans, texts):
+            if not isinstance(text, str):
+                continue  # failed: the span keeps its ids and is exported without text
+            span.attributes[attr] = text
+            decoded += 1
+            if not self.keep_ids:
+                setattr(span, field, None)
+        _stats.incr("token2text_decoded", decoded)
+
+    def _decode(self, tok: Any, ids: list[list[int]]) -> list[Any]:
+        key = id(tok)
+        batch = getattr(tok, "batch_decode", None)
+        fn = batch if callable(batch) else None
+        if self._takes_kwarg.get(key, True):
+            try:
+                if fn is not None:
+                    return list(fn(ids, skip_special_tokens=self.skip_special_tokens))
+                return [tok.decode(one, skip_special_tokens=self.skip_special_tokens) for one in ids]
+            except TypeError as exc:
+                if "skip_special_tokens" not in str(exc):
+                    raise
+                # A plain decoder without the keyword: remember, and call it without.
+                self._takes_kwarg[key] = False
+        if fn is not None:
+            return list(fn(ids))
+        return [tok.decode(one) for one in ids]
+
+
+def segment_messages(traj: Trajectory) -> list[dict[str, Any]]:
+    """The conversation of a tensor-batch trajectory, from its decoded segments.
+
+    Each non-root span is one segment of the sample's token sequence, in order; its
+    role is the ``rtrace.role`` attribute. The first generation's prompt is the user
+    turn. A segment with no decoded text has empty content.
+    """
+    messages: list[dict[str, Any]] = []
+    for span in traj.spans[1:]:
+        if span.kind == "generation" and not messages:
+            prompt = span.attributes.get(PROMPT_TEXT)
+            messages.append({"role": "user", "content": prompt if isinstance(prompt, str) else ""})
+        role = span.attributes.get(ROLE_ATTR) or ("assistant" if span.kind == "generation" else "tool")
+        text = span.attributes.get(RESPONSE_TEXT)
+        messages.append({"role": role, "content": text if isinstance(text, str) else ""})
+    return messages
