@@ -87,10 +87,10 @@ def _install(pipeline: Any, settings: Settings, tracer: Any = None) -> None:
 
     _pipeline, _settings = pipeline, settings
     if pipeline is None:
-        _state.runtime = None
+        _state.set_runtime(None)
         return
     sampler = StepSampler(settings.max_traces_per_step, settings.val_cap, settings.sample_groups)
-    _state.runtime = _state.Runtime(tracer, pipeline, sampler, settings.capture, settings.experiment)
+    _state.set_runtime(_state.Runtime(tracer, pipeline, sampler, settings.capture, settings.experiment))
     if not _atexit_registered:
         atexit.register(shutdown)
         _atexit_registered = True
@@ -122,7 +122,7 @@ def _shutdown_locked() -> None:
     global _pipeline
     pipeline, _pipeline = _pipeline, None
     if pipeline is not None:
-        _state.runtime = None
+        _state.set_runtime(None)
         pipeline.shutdown()
 
 
@@ -132,7 +132,7 @@ def shutdown() -> None:
     with _lock:
         _shutdown_locked()
         if _state.runtime is _state.UNSET:
-            _state.runtime = None
+            _state.set_runtime(None)
 
 
 def stats() -> dict[str, int]:

@@ -25,12 +25,12 @@ def clean_rtrace(monkeypatch):
         if key.startswith("RTRACE_") or key.startswith("OTEL_") or key in ("MLFLOW_TRACKING_URI", "TRACKIO_SPACE_ID"):
             monkeypatch.delenv(key, raising=False)
     rtrace.shutdown()
-    _state.runtime = _state.UNSET
+    _state.set_runtime(_state.UNSET)
     _stats.reset()
     assert _state.FRAME.get() is None
     yield
     rtrace.shutdown()
-    _state.runtime = _state.UNSET
+    _state.set_runtime(_state.UNSET)
     _stats.reset()
 
 

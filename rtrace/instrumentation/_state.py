@@ -21,7 +21,7 @@ from opentelemetry.trace import Link
 
 from .._capture import TrajectoryState
 
-__all__ = ["Runtime", "Frame", "FRAME", "UNSET", "get_runtime", "start_root"]
+__all__ = ["Runtime", "Frame", "FRAME", "UNSET", "get_runtime", "set_runtime", "start_root"]
 
 
 class _Unset:
@@ -36,6 +36,18 @@ runtime: Any = UNSET
 
 #: Called with no arguments to configure from the environment; set by rtrace._setup.
 autoconfigure: Callable[[], Any] | None = None
+
+#: Called with the new runtime by set_runtime(): modules that keep their own copy of
+#: it in a module global (the decorators, whose off-path check is one global lookup).
+_listeners: list[Callable[[Any], None]] = []
+
+
+def set_runtime(rt: Any) -> None:
+    """Install ``rt`` (a Runtime, None for off, or UNSET) everywhere it is read."""
+    global runtime
+    runtime = rt
+    for listener in _listeners:
+        listener(rt)
 
 
 class Runtime:

@@ -3,7 +3,8 @@
 The function's shape (plain, coroutine, generator, async generator) is decided once, at
 decoration time, and every wrapper shares :class:`_Call`, the one helper that opens the
 span, records the call and closes the span. The wrapper itself starts with one check
-(``_state.runtime is None``): with tracing off that check and the call are all it does.
+(``_runtime is None``, a module global kept equal to ``_state.runtime``): with tracing
+off that check and the call are all it does.
 
 On the hot path a decorated call creates its span, snapshots its arguments (references
 and list lengths, see ``rtrace._serialize.snapshot``) and stores one
@@ -35,6 +36,17 @@ _attach = otel_context.attach
 _detach = otel_context.detach
 _FRAME = _state.FRAME
 _ERROR = StatusCode.ERROR
+
+# The runtime, mirrored here so the wrappers' off check is a single global lookup.
+_runtime: Any = _state.runtime
+
+
+def _on_runtime(rt: Any) -> None:
+    global _runtime
+    _runtime = rt
+
+
+_state._listeners.append(_on_runtime)
 
 
 class _Call:
@@ -133,7 +145,7 @@ def _call_or_none(spec: CallSpec, args: tuple, kwargs: dict) -> _Call | None:
 def _wrap_function(func: Callable, spec: CallSpec) -> Callable:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if _state.runtime is None:
+        if _runtime is None:
             return func(*args, **kwargs)
         call = _call_or_none(spec, args, kwargs)
         if call is None:
@@ -156,7 +168,7 @@ def _wrap_function(func: Callable, spec: CallSpec) -> Callable:
 def _wrap_coroutine(func: Callable, spec: CallSpec) -> Callable:
     @functools.wraps(func)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if _state.runtime is None:
+        if _runtime is None:
             return await func(*args, **kwargs)
         call = _call_or_none(spec, args, kwargs)
         if call is None:
@@ -179,7 +191,7 @@ def _wrap_coroutine(func: Callable, spec: CallSpec) -> Callable:
 def _wrap_generator(func: Callable, spec: CallSpec) -> Callable:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if _state.runtime is None:
+        if _runtime is None:
             return (yield from func(*args, **kwargs))
         call = _call_or_none(spec, args, kwargs)
         if call is None:
@@ -233,7 +245,7 @@ def _wrap_generator(func: Callable, spec: CallSpec) -> Callable:
 def _wrap_async_generator(func: Callable, spec: CallSpec) -> Callable:
     @functools.wraps(func)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if _state.runtime is None:
+        if _runtime is None:
             async for item in func(*args, **kwargs):
                 yield item
             return

@@ -1,0 +1,236 @@
+"""Hot-path cost of rtrace, as ratios against baselines measured in the same run.
+
+(a) tracing off: a decorated call vs a bare pass-through wrapper (target <= 1.3x);
+(b) tracing on: one trajectory (root + agent + 2 generations + 2 tools) through rtrace,
+    vs the same six spans made by hand with the OTel SDK (rl.* and gen_ai.* attributes,
+    inputs/outputs as JSON attributes) and a BatchSpanProcessor with a JSON exporter
+    (target <= 1.0x, goal 0.5x);
+(c) the same trajectory with MLflow's ``@mlflow.trace`` (target: rtrace <= 0.25x), if
+    mlflow is installed.
+
+Run: ``.venv/bin/python benchmarks/bench_hot_path.py [--n 2000] [--repeats 5]``.
+Times are of the traced program's thread (the loop), with every exporter running in
+its own background thread as in production; each figure is the median of alternating
+repeats. Absolute times move with the machine; the ratios are the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import rtrace  # noqa: E402
+from rtrace.exporters.base import Sink  # noqa: E402
+
+
+class NullSink(Sink):
+    """Receives trajectories and JSON-encodes them (like the JSONL sink, without the disk)."""
+
+    name = "null"
+
+    def export(self, trajectories):
+        for t in trajectories:
+            json.dumps(t.to_dict(), default=str)
+
+
+# ----------------------------------------------------------------------------- (a)
+def bench_off(n: int) -> tuple[float, float]:
+    rtrace.configure(exporter="none")
+
+    def f(x):
+        return x
+
+    def passthrough(func):
+        def wrapper(*args, **kwargs):
+            return func(*args, **kwargs)
+        return wrapper
+
+    bare = passthrough(f)
+    traced = rtrace.traced(f)
+
+    def loop(fn: Callable) -> float:
+        t0 = time.perf_counter()
+        for i in range(n):
+            fn(i)
+        return time.perf_counter() - t0
+
+    return loop(bare), loop(traced)
+
+
+# ----------------------------------------------------------------------------- (b)
+def make_rtrace_agent():
+    @rtrace.traced_generation
+    def generate(prompt_ids):
+        return {"response_ids": [1, 2, 3, 4], "finish_reason": "stop"}
+
+    @rtrace.traced_tool
+    def calculator(tool_call_id, expression):
+        return "42"
+
+    @rtrace.traced_rollout
+    def agent(prompt_ids):
+        out = generate(prompt_ids)
+        calculator("c1", "6*7")
+        out = generate(prompt_ids + out["response_ids"])
+        calculator("c2", "6*7")
+        return out
+
+    def trajectory(i: int) -> None:
+        with rtrace.rollout_context(step=i // 64, sample_index=i % 64, rollout_n=0, validate=False,
+                                    group_id=f"g{i % 64}", policy_version=1):
+            agent([1, 2, 3, 4, 5, 6, 7, 8])
+            rtrace.record_reward(1.0)
+
+    return trajectory
+
+
+def make_by_hand_agent():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    class JsonExporter(SpanExporter):
+        def export(self, spans):
+            for s in spans:
+                s.to_json()
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(JsonExporter(), max_queue_size=65536))
+    tracer = provider.get_tracer("by-hand")
+
+    def coords(i):
+        return {"rl.step": i // 64, "rl.sample_index": i % 64, "rl.rollout_n": 0, "rl.validate": False,
+                "rl.group_id": f"g{i % 64}", "rl.policy_version": 1}
+
+    def generate(i, prompt_ids):
+        with tracer.start_as_current_span("generate", attributes=coords(i)) as span:
+            out = {"response_ids": [1, 2, 3, 4], "finish_reason": "stop"}
+            span.set_attributes({"gen_ai.operation.name": "chat", "gen_ai.usage.input_tokens": len(prompt_ids),
+                                 "gen_ai.usage.output_tokens": 4, "gen_ai.response.finish_reasons": ("stop",),
+                                 "input": json.dumps({"prompt_ids": prompt_ids}), "output": json.dumps(out)})
+            return out
+
+    def calculator(i, call_id, expression):
+        with tracer.start_as_current_span("calculator", attributes=coords(i)) as span:
+            span.set_attributes({"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "calculator",
+                                 "gen_ai.tool.call.id": call_id,
+                                 "input": json.dumps({"expression": expression}), "output": json.dumps("42")})
+            return "42"
+
+    def trajectory(i: int) -> None:
+        with tracer.start_as_current_span("rollout", attributes=coords(i)) as root:
+            with tracer.start_as_current_span("agent", attributes=coords(i)) as agent:
+                prompt_ids = [1, 2, 3, 4, 5, 6, 7, 8]
+                agent.set_attribute("input", json.dumps({"prompt_ids": prompt_ids}))
+                out = generate(i, prompt_ids)
+                calculator(i, "c1", "6*7")
+                out = generate(i, prompt_ids + out["response_ids"])
+                calculator(i, "c2", "6*7")
+                agent.set_attribute("output", json.dumps(out))
+            root.set_attribute("rl.reward", 1.0)
+
+    return trajectory, provider
+
+
+def make_mlflow_agent(tmp: str):
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp}/mlflow.db")
+    mlflow.set_experiment("bench")
+
+    @mlflow.trace(span_type="LLM")
+    def generate(prompt_ids):
+        return {"response_ids": [1, 2, 3, 4], "finish_reason": "stop"}
+
+    @mlflow.trace(span_type="TOOL")
+    def calculator(tool_call_id, expression):
+        return "42"
+
+    @mlflow.trace(span_type="AGENT")
+    def agent(prompt_ids):
+        out = generate(prompt_ids)
+        calculator("c1", "6*7")
+        out = generate(prompt_ids + out["response_ids"])
+        calculator("c2", "6*7")
+        return out
+
+    @mlflow.trace(name="rollout", span_type="CHAIN")
+    def trajectory(i: int) -> None:
+        mlflow.update_current_trace(tags={"step": str(i // 64), "sample_index": str(i % 64)})
+        agent([1, 2, 3, 4, 5, 6, 7, 8])
+
+    return trajectory
+
+
+def timed(fn: Callable[[int], None], n: int) -> float:
+    t0 = time.perf_counter()
+    for i in range(n):
+        fn(i)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=2000, help="trajectories per repeat")
+    parser.add_argument("--calls", type=int, default=200_000, help="calls per repeat for (a)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-mlflow", action="store_true")
+    args = parser.parse_args()
+
+    bare, off = [], []
+    for _ in range(args.repeats):
+        b, o = bench_off(args.calls)
+        bare.append(b)
+        off.append(o)
+    mb, mo = statistics.median(bare), statistics.median(off)
+    print(f"(a) tracing off: bare wrapper {mb / args.calls * 1e9:.0f} ns/call, "
+          f"decorated {mo / args.calls * 1e9:.0f} ns/call -> ratio {mo / mb:.2f}x (target <= 1.3x)")
+
+    by_hand, provider = make_by_hand_agent()
+    ours_t, hand_t = [], []
+    for _ in range(args.repeats):
+        rtrace.configure(sinks=[NullSink(None)])
+        rt_traj = make_rtrace_agent()
+        ours_t.append(timed(rt_traj, args.n))
+        rtrace.flush(60)
+        rtrace.shutdown()
+        hand_t.append(timed(by_hand, args.n))
+        provider.force_flush()
+    mo, mh = statistics.median(ours_t), statistics.median(hand_t)
+    per = lambda t: t / args.n * 1e6  # noqa: E731
+    print(f"(b) tracing on, 6 spans/trajectory: by hand (OTel SDK + BatchSpanProcessor + JSON) "
+          f"{per(mh):.0f} us/trajectory, rtrace {per(mo):.0f} us/trajectory -> ratio {mo / mh:.2f}x "
+          f"(target <= 1.0x, goal 0.5x)")
+    provider.shutdown()
+
+    if not args.no_mlflow:
+        try:
+            import mlflow
+        except ImportError:
+            print("(c) skipped: mlflow not installed")
+            return
+        with tempfile.TemporaryDirectory() as tmp:
+            ml = make_mlflow_agent(tmp)
+            n = max(50, args.n // 10)
+            ml_t = []
+            for _ in range(max(1, args.repeats // 2)):
+                ml_t.append(timed(ml, n) / n * args.n)
+            mm = statistics.median(ml_t)
+            try:
+                mlflow.flush_trace_async_logging()
+            except Exception:
+                pass
+            print(f"(c) MLflow @mlflow.trace (SQLite): {per(mm):.0f} us/trajectory -> rtrace/MLflow ratio "
+                  f"{mo / mm:.2f}x (target <= 0.25x)")
+
+
+if __name__ == "__main__":
+    main()
