@@ -1,0 +1,399 @@
+"""trackio sink: every trajectory becomes one ``trackio.Trace`` at its RL step.
+
+Each trajectory is logged as ``trackio.Trace(messages, metadata, spans)`` under
+``settings.trackio_trace_key`` (``rollout/traces``) or, for validation trajectories,
+``settings.trackio_eval_trace_key`` (``eval/traces``), with ``step`` = its RL step.
+The schema and the defined forms of odd values are in docs/trackio.md.
+
+Run handling. trackio keeps its current run in a ContextVar, which the sink thread
+cannot see, so the sink looks for the application's run process-wide: the run current
+in the thread that called ``rtrace.configure()``, and every open ``Run`` whose writer
+thread is alive (trackio starts one per run). If there is one, traces go to it and
+rtrace never finishes it. Otherwise the sink opens its own run on the first export
+(project = ``RTRACE_PROJECT``, name = ``RTRACE_EXPERIMENT``, ``space_id`` =
+``TRACKIO_SPACE_ID``) and finishes it at ``rtrace.shutdown()``. Everything is logged
+through the ``Run`` object: ``trackio.log`` only sees the ContextVar of its own thread.
+
+Batching. trackio stores a list of Traces logged under one key as one log entry with
+one row per trace, so each export batch costs one ``run.log`` per (run, key, step).
+
+Per-step summaries (``rollout/trajectories``, ``rollout/reward_mean`` ... and the same
+under ``eval/``) are logged once per step, when a trajectory of a later step arrives in
+the same stream (training or validation) or at ``flush()`` / ``shutdown()``. A
+trajectory of a step whose summary was already logged is still logged as a Trace but
+not re-summarised; it is counted in ``sink.trackio.summary_late_trajectories``.
+
+This module uses three private parts of trackio 0.43 (pinned in pyproject):
+``Run._stop_flag`` (is the run finished), ``Run._flush_queues_inline`` under
+``Run._client_lock`` (write queued logs now, for ``flush``), and ``Thread._target``
+(find runs by their writer thread).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from .. import _stats
+from ..config import ConfigError, Settings
+from ..trajectory import SpanRecord, Trajectory
+from .base import Sink
+
+__all__ = ["TrackioSink", "trace_payload", "span_dict", "normalize", "SUMMARY_METRICS"]
+
+#: Summary metric names, after the ``rollout/`` or ``eval/`` prefix.
+SUMMARY_METRICS = ("trajectories", "reward_mean", "reward_min", "reward_max", "reward_non_finite",
+                   "turns_mean", "tool_calls_mean", "latency_ms_mean", "error_rate")
+
+_SPAN_KINDS = {"generation": "generation", "tool": "tool"}  # everything else is "span"
+_STATUS = {"ok": "success", "error": "error"}  # trackio's dashboard vocabulary
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what orjson (trackio's encoder) accepts
+
+
+# ----------------------------------------------------------------------------- values
+def normalize(value: Any) -> Any:
+    """The form in which ``value`` round-trips through trackio's storage.
+
+    Non-finite floats become ``"NaN"`` / ``"Infinity"`` / ``"-Infinity"``; tuples and
+    sets become lists; dict keys become ``str(key)``; integers outside the 64-bit range
+    and unknown objects become their ``str()``; lone surrogates in strings become
+    ``\\udXXX`` escapes (trackio's JSON encoder would drop the whole key otherwise).
+    """
+    cls = type(value)
+    if cls is str:
+        # orjson rejects lone surrogates; ASCII (the common case) cannot contain any.
+        if value.isascii():
+            return value
+        try:
+            value.encode("utf-8")
+            return value
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if value is None or cls is bool:
+        return value
+    if cls is int:
+        return value if _INT_MIN <= value <= _INT_MAX else str(value)
+    if cls is float:
+        if math.isfinite(value):
+            return value
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if cls is dict:
+        return {k if type(k) is str else str(k): normalize(v) for k, v in value.items()}
+    if cls is list or cls is tuple:
+        return [normalize(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return [normalize(v) for v in sorted(value, key=repr)]
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return normalize(int(value))
+    if isinstance(value, float):
+        return normalize(float(value))
+    if isinstance(value, str):
+        return normalize(str(value))
+    if isinstance(value, dict):
+        return normalize(dict(value))
+    if isinstance(value, (list, tuple)):
+        return normalize(list(value))
+    return str(value)
+
+
+_iso_cache: list[Any] = [None, ""]
+
+
+def iso_time(ns: int) -> str:
+    """Epoch nanoseconds as the ISO-8601 UTC string trackio parses (microseconds, ``Z``)."""
+    sec, rem = divmod(ns, 1_000_000_000)
+    if _iso_cache[0] != sec:  # spans of a trajectory mostly share their second
+        _iso_cache[1] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec))
+        _iso_cache[0] = sec
+    return f"{_iso_cache[1]}.{rem // 1000:06d}Z"
+
+
+def _usage(attrs: dict[str, Any]) -> dict[str, int] | None:
+    inp = attrs.get("gen_ai.usage.input_tokens")
+    out = attrs.get("gen_ai.usage.output_tokens")
+    if inp is None and out is None:
+        return None
+    usage = {}
+    if inp is not None:
+        usage["input_tokens"] = inp
+    if out is not None:
+        usage["output_tokens"] = out
+    if isinstance(inp, int) and isinstance(out, int):
+        usage["total_tokens"] = inp + out
+    return usage
+
+
+# ----------------------------------------------------------------------------- conversion
+def span_dict(span: SpanRecord) -> dict[str, Any]:
+    """One rtrace span as a trackio span dict (normalised, see :func:`normalize`)."""
+    attrs = span.attributes
+    meta: dict[str, Any] = {"rtrace.kind": span.kind}
+    meta.update(attrs)
+    if span.events:
+        meta["rtrace.events"] = span.events
+    if span.prompt_ids is not None:
+        meta["rtrace.prompt_ids"] = span.prompt_ids
+    if span.response_ids is not None:
+        meta["rtrace.response_ids"] = span.response_ids
+    return {
+        "id": span.span_id,
+        "parent_id": span.parent_id,
+        "name": normalize(span.name),
+        "kind": _SPAN_KINDS.get(span.kind, "span"),
+        "start_time": iso_time(span.start_ns),
+        "end_time": iso_time(span.end_ns),
+        "duration_ms": span.duration_ms,
+        "status": _STATUS.get(span.status, span.status),
+        "error": normalize(span.error),
+        "input": normalize(span.input),
+        "output": normalize(span.output),
+        "model": normalize(attrs.get("gen_ai.request.model", attrs.get("gen_ai.response.model"))),
+        "usage": normalize(_usage(attrs)),
+        "metadata": normalize(meta),
+    }
+
+
+def _token_sum(gens: list[SpanRecord], key: str) -> int | None:
+    values = [s.attributes.get(key) for s in gens]
+    values = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    return sum(values) if values else None
+
+
+def trace_metadata(traj: Trajectory) -> dict[str, Any]:
+    """The trace-level metadata of a trajectory (normalised)."""
+    gens = traj.spans_of_kind("generation")
+    finish = None
+    for span in reversed(gens):  # the reason the last turn stopped
+        reasons = span.attributes.get("gen_ai.response.finish_reasons")
+        if reasons:
+            finish = reasons[0] if isinstance(reasons, (list, tuple)) else reasons
+            break
+    return normalize({
+        "trace_id": traj.trace_id,
+        "name": traj.name,
+        "step": traj.step,
+        "sample_index": traj.sample_index,
+        "rollout_n": traj.rollout_n,
+        "validate": traj.validate,
+        "experiment": traj.experiment,
+        "group_id": traj.group_id,
+        "policy_version": traj.policy_version,
+        "reward": traj.reward,
+        "outcome": traj.outcome,
+        "extra": traj.extra,
+        "status": _STATUS.get(traj.status, traj.status),
+        "error": traj.error,
+        "partial": traj.partial,
+        "dropped_spans": traj.dropped_spans,
+        "duration_ms": traj.duration_ms,
+        "num_turns": traj.num_turns,
+        "num_tool_calls": traj.num_tool_calls,
+        "finish_reason": finish,
+        "prompt_tokens": _token_sum(gens, "gen_ai.usage.input_tokens"),
+        "response_tokens": _token_sum(gens, "gen_ai.usage.output_tokens"),
+    })
+
+
+def trace_payload(traj: Trajectory) -> tuple[list[dict], dict[str, Any], list[dict]]:
+    """``(messages, metadata, spans)`` of the trackio Trace for one trajectory."""
+    return normalize(traj.messages), trace_metadata(traj), [span_dict(s) for s in traj.spans]
+
+
+# ----------------------------------------------------------------------------- summaries
+@dataclass
+class _StepSummary:
+    run: Any
+    n: int = 0
+    rewards: list[float] = field(default_factory=list)
+    non_finite: int = 0
+    turns: int = 0
+    tool_calls: int = 0
+    latency_ms: float = 0.0
+    errors: int = 0
+
+    def add(self, traj: Trajectory) -> None:
+        self.n += 1
+        if isinstance(traj.reward, (int, float)) and not isinstance(traj.reward, bool):
+            if math.isfinite(traj.reward):
+                self.rewards.append(float(traj.reward))
+            else:
+                self.non_finite += 1
+        self.turns += traj.num_turns
+        self.tool_calls += traj.num_tool_calls
+        self.latency_ms += traj.duration_ms
+        self.errors += traj.status == "error"
+
+    def metrics(self, prefix: str) -> dict[str, float | int]:
+        out: dict[str, float | int] = {f"{prefix}/trajectories": self.n}
+        if self.rewards:
+            out[f"{prefix}/reward_mean"] = sum(self.rewards) / len(self.rewards)
+            out[f"{prefix}/reward_min"] = min(self.rewards)
+            out[f"{prefix}/reward_max"] = max(self.rewards)
+        if self.non_finite:
+            out[f"{prefix}/reward_non_finite"] = self.non_finite
+        out[f"{prefix}/turns_mean"] = self.turns / self.n
+        out[f"{prefix}/tool_calls_mean"] = self.tool_calls / self.n
+        out[f"{prefix}/latency_ms_mean"] = self.latency_ms / self.n
+        out[f"{prefix}/error_rate"] = self.errors / self.n
+        return out
+
+
+def _int_step(step: Any) -> int | None:
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+
+# ----------------------------------------------------------------------------- the sink
+class TrackioSink(Sink):
+    """Logs one ``trackio.Trace`` per trajectory, plus per-step summary metrics."""
+
+    name = "trackio"
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        if importlib.util.find_spec("trackio") is None:
+            raise ConfigError("RTRACE_EXPORTER=trackio needs trackio, which is not installed; "
+                              "install it with: pip install 'rtrace[trackio]'")
+        # configure() runs on the application's thread: the only place where trackio's
+        # ContextVar shows a run the application opened before (if trackio is imported).
+        self._configure_run = None
+        mod = sys.modules.get("trackio")
+        if mod is not None:
+            try:
+                self._configure_run = mod.context_vars.current_run.get()
+            except Exception:
+                pass
+        self._trackio: Any = None
+        self._own_run: Any = None
+        self._lock = threading.Lock()
+        self._touched: list[Any] = []  # runs logged to since the last flush
+        self._open_steps: dict[tuple[str, int], _StepSummary] = {}
+        self._last_step: dict[str, int] = {}  # prefix -> highest step summarised
+
+    # ------------------------------------------------------------------ runs
+    def _import(self) -> Any:
+        if self._trackio is None:
+            import trackio  # heavy (~0.8 s): only ever in the sink thread
+
+            self._trackio = trackio
+        return self._trackio
+
+    @staticmethod
+    def _is_open(run: Any) -> bool:
+        flag = getattr(run, "_stop_flag", None)
+        return run is not None and not (flag is not None and flag.is_set())
+
+    def _app_run(self) -> Any:
+        """The newest open run of this process that rtrace did not open, if any."""
+        trackio = self._trackio
+        run_cls = trackio.Run
+        found: list[Any] = []
+        for candidate in (trackio.context_vars.current_run.get(), self._configure_run):
+            if isinstance(candidate, run_cls):
+                found.append(candidate)
+        for thread in threading.enumerate():
+            owner = getattr(getattr(thread, "_target", None), "__self__", None)
+            if isinstance(owner, run_cls):
+                found.append(owner)
+        found = [r for r in found if r is not self._own_run and self._is_open(r)]
+        if not found:
+            return None
+        return max(found, key=lambda r: str((getattr(r, "config", None) or {}).get("_Created", "")))
+
+    def _run(self) -> Any:
+        self._import()
+        app = self._app_run()
+        if app is not None:
+            return app
+        if not self._is_open(self._own_run):
+            s = self.settings
+            self._own_run = self._trackio.init(project=s.project, name=s.experiment, space_id=s.space_id,
+                                               auto_log_cpu=False, auto_log_gpu=False, embed=False)
+        return self._own_run
+
+    # ------------------------------------------------------------------ export
+    def export(self, trajectories: Sequence[Trajectory]) -> None:
+        with self._lock:
+            run = self._run()
+            Trace = self._trackio.Trace
+            s = self.settings
+            groups: dict[tuple[str, Any], list[Any]] = {}
+            for traj in trajectories:
+                key = s.trackio_eval_trace_key if traj.validate else s.trackio_trace_key
+                messages, metadata, spans = trace_payload(traj)
+                groups.setdefault((key, _int_step(traj.step)), []).append(Trace(messages, metadata, spans))
+            for (key, step), traces in groups.items():
+                run.log({key: traces}, step=step)
+            if run not in self._touched:
+                self._touched.append(run)
+            if s.summary_metrics:
+                self._summarise(run, trajectories)
+
+    def _summarise(self, run: Any, trajectories: Sequence[Trajectory]) -> None:
+        newest: dict[str, int] = {}
+        for traj in trajectories:
+            step = _int_step(traj.step)
+            if step is None:
+                continue
+            prefix = "eval" if traj.validate else "rollout"
+            if step <= self._last_step.get(prefix, -1) and (prefix, step) not in self._open_steps:
+                _stats.incr("sink.trackio.summary_late_trajectories")
+                continue
+            summary = self._open_steps.get((prefix, step))
+            if summary is None:
+                summary = self._open_steps[(prefix, step)] = _StepSummary(run)
+            summary.add(traj)
+            newest[prefix] = max(step, newest.get(prefix, -1))
+        # A step is complete when a later step of the same stream shows up.
+        self._finalise(lambda prefix, step: prefix in newest and step < newest[prefix])
+
+    def _finalise(self, done: Any) -> None:
+        for (prefix, step) in sorted(k for k in self._open_steps if done(*k)):
+            summary = self._open_steps.pop((prefix, step))
+            summary.run.log(summary.metrics(prefix), step=step)
+            self._last_step[prefix] = max(step, self._last_step.get(prefix, -1))
+            if summary.run not in self._touched:
+                self._touched.append(summary.run)
+
+    # ------------------------------------------------------------------ flush / shutdown
+    def flush(self, timeout_s: float) -> None:
+        """Log the summaries of open steps, then write every queued log to storage."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            self._finalise(lambda prefix, step: True)
+            runs, self._touched = self._touched, []
+        for run in runs:
+            _drain(run, deadline)
+
+    def shutdown(self) -> None:
+        """Flush; finish the run only if rtrace opened it (never the application's)."""
+        self.flush(self.settings.sink_timeout_s)
+        with self._lock:
+            run, self._own_run = self._own_run, None
+        if run is not None and self._is_open(run):
+            run.finish()
+
+
+def _drain(run: Any, deadline: float) -> None:
+    """Make a run's queued logs durable: write them inline for a local run (trackio's
+    writer thread would do it within 0.5 s), wait for the sender for a remote one."""
+    lock = getattr(run, "_client_lock", None)
+    inline = getattr(run, "_flush_queues_inline", None)
+    if getattr(run, "_is_local", False) and lock is not None and inline is not None:
+        if lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            try:
+                inline()
+            finally:
+                lock.release()
+            return
+    while time.monotonic() < deadline:
+        if not getattr(run, "_queued_logs", None) and getattr(run, "_sending_batch", None) is None:
+            return
+        time.sleep(0.05)
+    _stats.warn_once("trackio-flush", "rtrace: trackio did not write its queued logs in time")

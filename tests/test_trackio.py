@@ -1,0 +1,336 @@
+"""The trackio sink against real trackio: traces read back with trackio's own storage.
+
+trackio reads ``TRACKIO_DIR`` once, at import, so the session fixture points it at a
+temporary directory before the first import; each test uses its own project.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import sys
+import tempfile
+import uuid
+
+import pytest
+
+import rtrace
+from rtrace.exporters.jsonl import read_jsonl
+from rtrace.exporters.trackio import TrackioSink, iso_time, normalize, span_dict
+from rtrace.trajectory import SpanRecord, Trajectory
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="session")
+def trackio_mod(tmp_path_factory):
+    """trackio imported with TRACKIO_DIR in a temporary directory (HF_HUB_OFFLINE=1)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    if "trackio" not in sys.modules:
+        os.environ["TRACKIO_DIR"] = str(tmp_path_factory.mktemp("trackio"))
+    import trackio
+    from trackio import utils
+
+    if not str(utils.TRACKIO_DIR).startswith(tempfile.gettempdir()):
+        pytest.fail(f"trackio was imported before this module with TRACKIO_DIR={utils.TRACKIO_DIR}")
+    return trackio
+
+
+@pytest.fixture
+def project(trackio_mod):
+    """A fresh trackio project name for one test."""
+    return f"rt-{uuid.uuid4().hex[:10]}"
+
+
+def traces_of(project, run, **kw):
+    from trackio.sqlite_storage import SQLiteStorage
+
+    out = SQLiteStorage.get_traces(project, run=run, **kw)
+    return sorted(out, key=lambda t: (t["step"], t["key"], t["metadata"].get("sample_index") or 0))
+
+
+def logs_with(project, run, prefix):
+    """Metric rows of a run that contain a key starting with ``prefix``, by step."""
+    from trackio.sqlite_storage import SQLiteStorage
+
+    rows = [r for r in SQLiteStorage.get_logs(project, run) if any(k.startswith(prefix) for k in r)]
+    return [{k: v for k, v in r.items() if k.startswith(prefix) or k == "step"} for r in rows]
+
+
+# ----------------------------------------------------------------------------- an agent
+SYSTEM = {"role": "system", "content": "You are a calculator agent."}
+
+
+@rtrace.traced_generation(model="toy-lm")
+async def generate(messages, prompt_ids):
+    await asyncio.sleep(0)
+    turn = sum(1 for m in messages if m["role"] == "assistant")
+    if turn < 2:
+        expr = ["17*3", "51+1"][turn]
+        return {"content": f"Let me compute {expr}.", "response_ids": [7] * (3 + turn),
+                "finish_reason": "tool_calls", "call": ("calculator", expr, f"call_{turn}")}
+    return {"content": "The answer is 52.", "response_ids": [9, 9], "finish_reason": "stop", "call": None}
+
+
+class Calculator:
+    name = "calculator"
+
+    @rtrace.traced_tool
+    async def __call__(self, expression, tool_call_id):
+        return str(eval(expression))  # noqa: S307 (fixed test expressions)
+
+
+@rtrace.traced_rollout
+async def agent_loop(question):
+    messages = [SYSTEM, {"role": "user", "content": question}]
+    calc = Calculator()
+    while True:
+        out = await generate(messages, prompt_ids=list(range(10 + 5 * len(messages))))
+        if out["call"] is None:
+            return messages, out["content"]
+        name, expr, call_id = out["call"]
+        messages = messages + [{"role": "assistant", "content": out["content"], "tool_calls": [
+            {"id": call_id, "type": "function",
+             "function": {"name": name, "arguments": json.dumps({"expression": expr, "tool_call_id": call_id})}}]}]
+        result = await calc(expr, tool_call_id=call_id)
+        messages = messages + [{"role": "tool", "tool_call_id": call_id, "name": name, "content": result}]
+
+
+async def one_rollout(step, i, validate=False, reward=1.0):
+    async with rtrace.rollout_context(step=step, sample_index=i, rollout_n=0, validate=validate,
+                                      group_id=f"g{i}", policy_version=step):
+        msgs, final = await agent_loop("What is 17*3+1?")
+        rtrace.record_reward(reward, correct=True)
+    return msgs, final
+
+
+# ----------------------------------------------------------------------------- tests
+class TestRoundTrip:
+    def test_multi_turn_trajectory_round_trips(self, project, tmp_path, capsys):
+        """A two-tool-call trajectory comes back with its messages, span tree and metadata."""
+        jsonl = tmp_path / "t.jsonl"
+        rtrace.configure(exporter="trackio,jsonl", jsonl_path=str(jsonl), project=project,
+                         experiment="run-1", export_interval_s=0.05)
+        msgs, final = asyncio.run(one_rollout(4, 17))
+        assert rtrace.flush(30)
+        (ref,) = read_jsonl(jsonl)  # what rtrace saw, from an independent sink
+        (got,) = traces_of(project, "run-1")
+        assert (got["key"], got["step"], got["run"]) == ("rollout/traces", 4, "run-1")
+
+        assert got["messages"] == msgs + [{"role": "assistant", "content": final}]
+
+        spans = got["spans"]
+        assert [(s["name"], s["kind"], s["metadata"]["rtrace.kind"]) for s in spans] == [
+            ("rollout", "span", "rollout"), ("agent_loop", "span", "agent"),
+            ("generate", "generation", "generation"), ("Calculator.__call__", "tool", "tool"),
+            ("generate", "generation", "generation"), ("Calculator.__call__", "tool", "tool"),
+            ("generate", "generation", "generation")]
+        ids = [s["id"] for s in spans]
+        assert [s["parent_id"] for s in spans] == [None, ids[0]] + [ids[1]] * 5
+        for s, r in zip(spans, ref.spans):
+            assert (s["id"], s["parent_id"]) == (r.span_id, r.parent_id)
+            assert s["duration_ms"] == r.duration_ms and s["duration_ms"] > 0
+            assert (s["start_time"], s["end_time"]) == (iso_time(r.start_ns), iso_time(r.end_ns))
+            assert (s["status"], s["error"]) == ("success", None)
+            assert (s["input"], s["output"]) == (r.input, r.output)
+            ids_kept = {f"rtrace.{k}": getattr(r, k) for k in ("prompt_ids", "response_ids") if getattr(r, k)}
+            assert s["metadata"] == {"rtrace.kind": r.kind, **r.attributes, **ids_kept}
+        gen0, tool0 = spans[2], spans[3]
+        assert gen0["model"] == "toy-lm"
+        assert gen0["usage"] == {"input_tokens": 20, "output_tokens": 3, "total_tokens": 23}
+        assert gen0["metadata"]["rtrace.response_ids"] == [7, 7, 7]  # ids without token2text are kept
+        assert tool0["output"] == "51" and tool0["metadata"]["gen_ai.tool.call.id"] == "call_0"
+        assert tool0["usage"] is None and tool0["model"] is None
+
+        assert got["metadata"] == {
+            "trace_id": ref.trace_id, "name": "rollout", "step": 4, "sample_index": 17, "rollout_n": 0,
+            "validate": False, "experiment": "run-1", "group_id": "g17", "policy_version": 4,
+            "reward": 1.0, "outcome": {"correct": True}, "extra": {}, "status": "success", "error": None,
+            "partial": False, "dropped_spans": 0, "duration_ms": ref.duration_ms, "num_turns": 3,
+            "num_tool_calls": 2, "finish_reason": "stop", "prompt_tokens": 20 + 30 + 40,
+            "response_tokens": 3 + 4 + 2}
+
+        assert logs_with(project, "run-1", "rollout/") == [{
+            "step": 4, "rollout/trajectories": 1, "rollout/reward_mean": 1.0, "rollout/reward_min": 1.0,
+            "rollout/reward_max": 1.0, "rollout/turns_mean": 3.0, "rollout/tool_calls_mean": 2.0,
+            "rollout/latency_ms_mean": ref.duration_ms, "rollout/error_rate": 0.0}]
+        capsys.readouterr()
+        rtrace.shutdown()
+        assert "Run finished" in capsys.readouterr().out  # the run rtrace opened is finished
+
+    def test_steps_and_eval_key(self, project):
+        """Steps 1 and 2 come back under their steps; validation under eval/traces; one summary per step."""
+        rtrace.configure(exporter="trackio", project=project, experiment="steps", export_interval_s=0.05)
+
+        async def main():
+            for step in (1, 2):
+                await asyncio.gather(*(one_rollout(step, i, reward=float(i)) for i in range(3)))
+            await one_rollout(2, 0, validate=True, reward=0.5)
+
+        asyncio.run(main())
+        assert rtrace.flush(30)
+        for step in (1, 2):
+            got = traces_of(project, "steps", step=step)
+            train = [t for t in got if t["key"] == "rollout/traces"]
+            assert [(t["step"], t["metadata"]["step"], t["metadata"]["sample_index"]) for t in train] == \
+                [(step, step, i) for i in range(3)]
+        (val,) = [t for t in traces_of(project, "steps") if t["key"] == "eval/traces"]
+        assert (val["step"], val["metadata"]["validate"], val["metadata"]["reward"]) == (2, True, 0.5)
+        rows = logs_with(project, "steps", "rollout/")
+        assert [(r["step"], r["rollout/trajectories"], r["rollout/reward_mean"], r["rollout/reward_max"])
+                for r in rows] == [(1, 3, 1.0, 2.0), (2, 3, 1.0, 2.0)]
+        assert [(r["step"], r["eval/trajectories"], r["eval/reward_mean"])
+                for r in logs_with(project, "steps", "eval/")] == [(2, 1, 0.5)]
+
+    def test_summary_metrics_off(self, project):
+        """summary_metrics=False logs the traces and no summary rows."""
+        rtrace.configure(exporter="trackio", project=project, experiment="quiet", summary_metrics=False,
+                         export_interval_s=0.05)
+        asyncio.run(one_rollout(1, 0))
+        assert rtrace.flush(30)
+        assert len(traces_of(project, "quiet")) == 1
+        assert logs_with(project, "quiet", "rollout/") == []
+
+
+class TestApplicationRun:
+    def test_app_run_opened_before_configure(self, trackio_mod, project, capsys):
+        """A run the app opened before configure() gets the traces and is not finished by rtrace."""
+        app = trackio_mod.init(project=project, name="app-run", auto_log_cpu=False, auto_log_gpu=False)
+        try:
+            rtrace.configure(exporter="trackio", project=f"{project}-unused", experiment="unused",
+                             export_interval_s=0.05)
+            asyncio.run(one_rollout(1, 0))
+            assert rtrace.flush(30)
+            capsys.readouterr()
+            rtrace.shutdown()
+            assert "Run finished" not in capsys.readouterr().out
+            assert trackio_mod.context_vars.current_run.get() is app and not app._stop_flag.is_set()
+            assert [t["metadata"]["sample_index"] for t in traces_of(project, "app-run")] == [0]
+            assert logs_with(project, "app-run", "rollout/trajectories") == [{"step": 1, "rollout/trajectories": 1}]
+            from trackio.sqlite_storage import SQLiteStorage
+
+            assert SQLiteStorage.get_traces(f"{project}-unused", run="unused") == []
+            trackio_mod.log({"app/after": 2.0}, step=5)  # the app's run still takes its own logs
+        finally:
+            trackio_mod.finish()
+        assert logs_with(project, "app-run", "app/") == [{"step": 5, "app/after": 2.0}]
+
+    def test_app_run_opened_after_configure(self, trackio_mod, project):
+        """A run the app opens after configure() (on its own thread) is found and used."""
+        rtrace.configure(exporter="trackio", project=f"{project}-unused", experiment="unused",
+                         export_interval_s=0.05)
+        app = trackio_mod.init(project=project, name="late-app", auto_log_cpu=False, auto_log_gpu=False)
+        try:
+            asyncio.run(one_rollout(3, 5))
+            assert rtrace.flush(30)
+            rtrace.shutdown()
+            assert not app._stop_flag.is_set()
+            assert [(t["step"], t["metadata"]["sample_index"]) for t in traces_of(project, "late-app")] == [(3, 5)]
+        finally:
+            trackio_mod.finish()
+
+
+class TestBadValues:
+    def test_odd_values_arrive_in_defined_form(self, project):
+        """NaN reward, tuples, non-string keys and a 1 MB tool output arrive in the documented form."""
+        rtrace.configure(exporter="trackio", project=project, experiment="odd", export_interval_s=0.05)
+
+        @rtrace.traced_tool
+        def fetch(url):
+            return "x" * 1_000_000
+
+        with rtrace.rollout_context(step=2, sample_index=0, pair=(1, 2), table={1: "a"}):
+            fetch("http://example")
+            rtrace.record_reward(float("nan"), tags=("a", "b"), scores={7: float("inf")}, label="NaN-free")
+        assert rtrace.flush(30)
+        (got,) = traces_of(project, "odd")
+        meta = got["metadata"]
+        assert math.isnan(meta["reward"])  # written "NaN"; trackio's reader returns top-level NaN as a float
+        assert meta["outcome"] == {"tags": ["a", "b"], "scores": {"7": "Infinity"}, "label": "NaN-free"}
+        assert meta["extra"] == {"pair": [1, 2], "table": {"1": "a"}}
+        truncated = "x" * 20_000 + "…[truncated, 1000000 chars]"
+        assert got["spans"][1]["output"] == truncated
+        assert got["messages"] == []  # no generation: nothing readable as a conversation
+        assert logs_with(project, "odd", "rollout/") == [{
+            "step": 2, "rollout/trajectories": 1, "rollout/reward_non_finite": 1, "rollout/turns_mean": 0.0,
+            "rollout/tool_calls_mean": 1.0, "rollout/latency_ms_mean": meta["duration_ms"],
+            "rollout/error_rate": 0.0}]
+        stats = rtrace.stats()
+        assert stats["sink.trackio.exported"] == 1 and "sink.trackio.failed_batches" not in stats
+
+    def test_hand_made_trajectory_values(self, project):
+        """Values rtrace's capture never produces (tuples, int keys, huge ints, lone surrogates, inf) are normalised."""
+        settings = rtrace.configure(exporter="none", project=project, experiment="hand")
+        root = SpanRecord("a" * 16, None, "root", "rollout", 1_000_000_000_123_456_789, 1_000_000_001_123_456_789,
+                          status="error", error="boom", attributes={"k": (1, 2)},
+                          output={3: float("-inf"), "big": 2**70, "s": "bad\udcffbyte"})
+        traj = Trajectory("f" * 32, "root", [root], step=1, reward=float("inf"), outcome={"t": (None, 1.5)},
+                          status="error", error="boom", messages=[{"role": "user", "content": ("tu", "ple")}])
+        sink = TrackioSink(settings)
+        sink.export([traj])
+        sink.shutdown()
+        (got,) = traces_of(project, "hand")
+        (span,) = got["spans"]
+        assert span["output"] == {"3": "-Infinity", "big": str(2**70), "s": "bad\\udcffbyte"}
+        assert (span["status"], span["error"], span["metadata"]["k"]) == ("error", "boom", [1, 2])
+        assert (span["start_time"], span["end_time"]) == ("2001-09-09T01:46:40.123456Z", "2001-09-09T01:46:41.123456Z")
+        assert span["duration_ms"] == 1000.0
+        assert got["metadata"]["reward"] == math.inf and got["metadata"]["outcome"] == {"t": [None, 1.5]}
+        assert got["metadata"]["status"] == "error"
+        assert got["messages"] == [{"role": "user", "content": ["tu", "ple"]}]
+        assert logs_with(project, "hand", "rollout/error_rate") == [{"step": 1, "rollout/error_rate": 1.0}]
+
+
+class TestThroughput:
+    def test_thousand_async_trajectories_arrive(self, project):
+        """1,000 trajectories from an async loop all arrive, each under its step."""
+        rtrace.configure(exporter="trackio", project=project, experiment="many", export_interval_s=0.05)
+
+        @rtrace.traced_tool
+        async def lookup(i):
+            await asyncio.sleep(0)
+            return i
+
+        async def rollout(i):
+            async with rtrace.rollout_context(step=i // 250, sample_index=i):
+                await lookup(i)
+                rtrace.record_reward(i % 2)
+
+        async def main():
+            await asyncio.gather(*(rollout(i) for i in range(1000)))
+
+        asyncio.run(main())
+        assert rtrace.flush(60)
+        got = traces_of(project, "many")
+        assert sorted((t["step"], t["metadata"]["sample_index"]) for t in got) == [(i // 250, i) for i in range(1000)]
+        rows = logs_with(project, "many", "rollout/trajectories")
+        assert rows == [{"step": s, "rollout/trajectories": 250} for s in range(4)]
+        assert rtrace.stats()["sink.trackio.exported"] == 1000
+
+
+class TestConversion:
+    @pytest.mark.parametrize("value, expected", [
+        (float("nan"), "NaN"),                      # non-finite floats: their string form
+        ([float("inf"), -math.inf], ["Infinity", "-Infinity"]),
+        ((1, (2, 3)), [1, [2, 3]]),                 # tuples: lists, also nested
+        ({1: {None: "x"}}, {"1": {"None": "x"}}),   # keys: str(key)
+        (2**64, str(2**64)),                        # beyond 64 bits: str
+        ("ok\udc80", "ok\\udc80"),                  # lone surrogate: escaped
+        ("héllo", "héllo"),                         # valid non-ASCII text unchanged
+        ({"a": None, "b": True}, {"a": None, "b": True}),  # None and bools kept
+        (object, str(object)),                      # anything else: str()
+    ])
+    def test_normalize(self, value, expected):
+        """normalize() gives the documented form of each odd value."""
+        assert normalize(value) == expected
+
+    @pytest.mark.parametrize("kind, expected", [
+        ("rollout", "span"), ("agent", "span"), ("chain", "span"), ("span", "span"),
+        ("generation", "generation"), ("tool", "tool")])
+    def test_span_kinds(self, kind, expected):
+        """rtrace kinds map to trackio's three kinds; the original kind stays in metadata."""
+        d = span_dict(SpanRecord("1" * 16, None, "n", kind, 0, 1_500_000))
+        assert (d["kind"], d["metadata"]["rtrace.kind"], d["duration_ms"]) == (expected, kind, 1.5)
+        assert (d["start_time"], d["end_time"]) == ("1970-01-01T00:00:00.000000Z", "1970-01-01T00:00:00.001500Z")
