@@ -1,0 +1,300 @@
+"""token2text: token ids captured on the hot path, decoded to text in rtrace's worker thread."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import rtrace
+from rtrace.demo import build_tokenizer
+from rtrace.exporters import token2text
+from rtrace.exporters.jsonl import read_jsonl
+
+PROMPT = "<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n"
+ANSWER = "12 + 30 = 42. The answer is 42.<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.fixture(autouse=True)
+def no_tokenizer():
+    """The process-wide tokenizer is cleared around every test."""
+    rtrace.set_tokenizer(None)
+    yield
+    rtrace.set_tokenizer(None)
+
+
+class RecordingTokenizer:
+    """A real tokenizer, wrapped to record each batch_decode call: thread, time, sizes."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.calls: list[dict] = []
+
+    def batch_decode(self, sequences, **kwargs):
+        self.calls.append({"thread": threading.current_thread().name, "time_ns": time.time_ns(),
+                           "n": len(sequences), "kwargs": kwargs})
+        return self.tok.batch_decode(sequences, **kwargs)
+
+
+def _configure(path, **kw):
+    # export_interval_s is long: the worker processes only at flush, so one flush = one batch.
+    kw.setdefault("export_interval_s", 60)
+    rtrace.configure(exporter="jsonl", jsonl_path=str(path), token2text=True, **kw)
+
+
+def _read(path):
+    assert rtrace.flush(10)
+    return read_jsonl(path)
+
+
+def _gen_spans(trajs):
+    return [s for t in trajs for s in t.spans if s.kind == "generation"]
+
+
+# ---------------------------------------------------------------------- the tokenizer
+def test_demo_tokenizer_is_offline_deterministic_chatml(tok):
+    """build_tokenizer gives the same vocabulary every time, ChatML special ids, exact round trips and a tool-call chat template."""
+    again = build_tokenizer()
+    assert again.get_vocab() == tok.get_vocab()
+    assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]) == [0, 1, 2, 3]
+    assert (tok.eos_token, tok.pad_token) == ("<|endoftext|>", "<|pad|>")
+    text = "Natalia sold 48 clips ✓ in April: 48 / 2 = 24"
+    assert tok.decode(tok(text)["input_ids"]) == text
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 3 + 4?"},
+         {"role": "assistant", "content": "", "tool_calls": [
+             {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "3 + 4"}}}]},
+         {"role": "tool", "content": "7"}],
+        tokenize=False, add_generation_prompt=True)
+    assert rendered == (
+        "<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n"
+        "<|im_start|>assistant\n<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": \"3 + 4\"}}\n"
+        "</tool_call><|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n")
+
+
+# ---------------------------------------------------------------------- decoding
+def test_decoded_text_equals_tokenizer_decode_skipping_special_tokens(tmp_path, tok):
+    """Default options: span text equals tokenizer.decode(ids, skip_special_tokens=True) and the id lists are dropped."""
+    path = tmp_path / "t.jsonl"
+    _configure(path, tokenizer=tok)
+    prompt = tok(PROMPT)["input_ids"]
+    answer = tok(ANSWER)["input_ids"]
+
+    @rtrace.traced_generation
+    def generate(prompt_ids):
+        return torch.tensor([answer])  # a [1, n] tensor, as HF generate returns
+
+    with rtrace.rollout_context(step=0, sample_index=0):
+        generate(prompt_ids=prompt)
+    (traj,) = _read(path)
+    (span,) = _gen_spans([traj])
+    assert span.attributes["rtrace.prompt_text"] == tok.decode(prompt, skip_special_tokens=True)
+    assert span.attributes["rtrace.response_text"] == tok.decode(answer, skip_special_tokens=True)
+    assert span.attributes["rtrace.response_text"] == "12 + 30 = 42. The answer is 42."
+    assert span.prompt_ids is None and span.response_ids is None
+    assert span.attributes["gen_ai.usage.input_tokens"] == len(prompt)
+    assert span.attributes["gen_ai.usage.output_tokens"] == len(answer)
+    assert traj.messages == [{"role": "user", "content": "user\nWhat is 12 + 30?\nassistant\n"},
+                             {"role": "assistant", "content": "12 + 30 = 42. The answer is 42."}]
+
+
+def test_special_tokens_kept_and_ids_kept_when_configured(tmp_path, tok):
+    """skip_special_tokens=False keeps <|im_end|> in the text; keep_ids=True keeps the exact id lists."""
+    path = tmp_path / "t.jsonl"
+    _configure(path, tokenizer=tok, token2text_skip_special_tokens=False, token2text_keep_ids=True)
+    prompt = np.array(tok(PROMPT)["input_ids"], dtype=np.int64)
+    answer = tok(ANSWER)["input_ids"]
+
+    @rtrace.traced_generation
+    def generate(prompt_ids):
+        return {"response_ids": answer, "finish_reason": "stop"}
+
+    with rtrace.rollout_context(step=0):
+        generate(prompt)
+    (span,) = _gen_spans(_read(path))
+    assert span.attributes["rtrace.prompt_text"] == PROMPT == tok.decode(prompt.tolist())
+    assert span.attributes["rtrace.response_text"] == ANSWER == tok.decode(answer)
+    assert span.prompt_ids == prompt.tolist() and span.response_ids == answer
+    assert span.attributes["gen_ai.response.finish_reasons"] == ["stop"]
+
+
+def test_field_mapping_from_decorator_arguments(tmp_path, tok):
+    """prompt_field/response_field choose where ids are read; an output object's .token_ids is found by default."""
+    path = tmp_path / "t.jsonl"
+    _configure(path, tokenizer=tok)
+
+    @dataclasses.dataclass
+    class TokenOutput:  # veRL's AsyncLLMServerManager.generate returns this shape
+        token_ids: list
+        log_probs: list | None = None
+
+    @rtrace.traced_generation(prompt_field="input_ids", response_field="output_token_ids")
+    def custom(input_ids, sampling_params=None):
+        return {"output_token_ids": tok("first")["input_ids"]}
+
+    @rtrace.traced_generation
+    def server(request_id, prompt_ids, sampling_params=None):
+        return TokenOutput(token_ids=tok("second")["input_ids"])
+
+    with rtrace.rollout_context(step=0):
+        custom(tok("p1")["input_ids"])
+        server("r1", prompt_ids=tok("p2")["input_ids"], sampling_params={"temperature": 1.0})
+    spans = _gen_spans(_read(path))
+    assert [(s.attributes["rtrace.prompt_text"], s.attributes["rtrace.response_text"]) for s in spans] == [
+        ("p1", "first"), ("p2", "second")]
+
+
+def test_one_batch_decode_per_field_per_batch(tmp_path, tok):
+    """Twenty trajectories finished before one flush are decoded with exactly one batch_decode per field."""
+    path = tmp_path / "t.jsonl"
+    rec = RecordingTokenizer(tok)
+    _configure(path, tokenizer=rec)
+
+    @rtrace.traced_generation
+    def generate(prompt_ids, i):
+        return tok(f"answer {i}")["input_ids"]
+
+    for i in range(20):
+        with rtrace.rollout_context(step=0, sample_index=i):
+            generate(tok(f"question {i}")["input_ids"], i)
+    trajs = _read(path)
+    assert [c["n"] for c in rec.calls] == [20, 20]
+    assert all(c["kwargs"] == {"skip_special_tokens": True} for c in rec.calls)
+    texts = {t.sample_index: _gen_spans([t])[0].attributes for t in trajs}
+    assert all(texts[i]["rtrace.prompt_text"] == f"question {i}" and texts[i]["rtrace.response_text"] == f"answer {i}"
+               for i in range(20))
+
+
+def test_decoding_happens_in_worker_after_the_call_ended(tmp_path, tok):
+    """batch_decode runs in rtrace's worker thread, after the generation span ended; the traced call never decodes."""
+    path = tmp_path / "t.jsonl"
+    rec = RecordingTokenizer(tok)
+    _configure(path, tokenizer=rec)
+
+    @rtrace.traced_generation
+    def generate(prompt_ids):
+        return tok(ANSWER)["input_ids"]
+
+    with rtrace.rollout_context(step=0):
+        generate(tok(PROMPT)["input_ids"])
+        assert rec.calls == []  # nothing decoded while the rollout runs
+    (span,) = _gen_spans(_read(path))
+    assert len(rec.calls) == 2
+    assert {c["thread"] for c in rec.calls} == {"rtrace-worker"}
+    assert all(c["time_ns"] > span.end_ns for c in rec.calls)
+    assert span.attributes["rtrace.response_text"] == tok.decode(tok(ANSWER)["input_ids"], skip_special_tokens=True)
+
+
+# ---------------------------------------------------------------------- the tokenizer holder
+def test_set_tokenizer_after_configure(tmp_path, tok):
+    """token2text without a tokenizer keeps the ids (counted); rtrace.set_tokenizer later makes the next batch decode."""
+    path = tmp_path / "t.jsonl"
+    _configure(path)
+
+    @rtrace.traced_generation
+    def generate(prompt_ids):
+        return tok("later")["input_ids"]
+
+    with rtrace.rollout_context(step=0, sample_index=0):
+        generate(tok("before")["input_ids"])
+    assert rtrace.flush(10)
+    assert rtrace.stats()["token2text_no_tokenizer"] == 1
+    rtrace.set_tokenizer(tok)  # e.g. the agent loop gets its tokenizer after configure
+    with rtrace.rollout_context(step=0, sample_index=1):
+        generate(tok("after")["input_ids"])
+    first, second = _read(path)
+    (s0,), (s1,) = _gen_spans([first]), _gen_spans([second])
+    assert "rtrace.prompt_text" not in s0.attributes and s0.prompt_ids == tok("before")["input_ids"]
+    assert s1.attributes["rtrace.prompt_text"] == "after" and s1.prompt_ids is None
+
+
+def test_set_tokenizer_before_configure_with_a_plain_decoder(tmp_path, tok):
+    """A plain object with only decode(ids) (no batch_decode, no keyword) works when set before configure."""
+
+    class PlainDecoder:
+        def decode(self, ids):
+            return "|".join(str(i) for i in ids)
+
+    rtrace.set_tokenizer(PlainDecoder())
+    path = tmp_path / "t.jsonl"
+    _configure(path)
+
+    @rtrace.traced_generation
+    def generate(prompt_ids):
+        return [7, 8]
+
+    with rtrace.rollout_context(step=0):
+        generate([1, 2, 3])
+    (span,) = _gen_spans(_read(path))
+    assert (span.attributes["rtrace.prompt_text"], span.attributes["rtrace.response_text"]) == ("1|2|3", "7|8")
+
+
+def test_set_tokenizer_rejects_objects_that_cannot_decode():
+    """set_tokenizer refuses an object with neither batch_decode nor decode, naming its type."""
+    with pytest.raises(TypeError, match="object has neither batch_decode nor decode"):
+        rtrace.set_tokenizer(object())
+
+
+def test_tokenizer_from_environment_local_path(tmp_path, tok, monkeypatch):
+    """RTRACE_TOKEN2TEXT=1 with RTRACE_TOKENIZER=<saved dir> loads it offline; a bad path is a ConfigError naming the variable."""
+    tok_dir = tmp_path / "tok"
+    tok.save_pretrained(tok_dir)
+    monkeypatch.setenv("RTRACE_TOKEN2TEXT", "1")
+    monkeypatch.setenv("RTRACE_TOKENIZER", str(tmp_path / "missing"))
+    with pytest.raises(rtrace.ConfigError, match="RTRACE_TOKENIZER=.*missing.*cannot load"):
+        rtrace.configure(exporter="jsonl", jsonl_path=str(tmp_path / "x.jsonl"))
+    monkeypatch.setenv("RTRACE_TOKENIZER", str(tok_dir))
+    path = tmp_path / "t.jsonl"
+    rtrace.configure(exporter="jsonl", jsonl_path=str(path), export_interval_s=60)
+
+    @rtrace.traced_generation
+    def generate(prompt_ids):
+        return tok(ANSWER)["input_ids"]
+
+    with rtrace.rollout_context(step=0):
+        generate(tok(PROMPT)["input_ids"])
+    (span,) = _gen_spans(_read(path))
+    assert span.attributes["rtrace.response_text"] == tok.decode(tok(ANSWER)["input_ids"], skip_special_tokens=True)
+
+
+def test_tokenizer_failure_exports_without_text(tmp_path, tok):
+    """A sequence the tokenizer cannot decode is exported with its ids and counted; the rest of the batch is decoded."""
+
+    class Strict:
+        def batch_decode(self, seqs, skip_special_tokens=True):
+            return [self.decode(s, skip_special_tokens) for s in seqs]
+
+        def decode(self, ids, skip_special_tokens=True):
+            if any(i >= len(tok) for i in ids):
+                raise IndexError(f"token id out of range: {max(ids)}")
+            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    path = tmp_path / "t.jsonl"
+    _configure(path, tokenizer=Strict())
+
+    @rtrace.traced_generation
+    def generate(prompt_ids, bad):
+        return [10**6] if bad else tok("fine")["input_ids"]
+
+    for i, bad in enumerate([False, True, False]):
+        with rtrace.rollout_context(step=0, sample_index=i):
+            generate(tok(f"q{i}")["input_ids"], bad)
+    trajs = sorted(_read(path), key=lambda t: t.sample_index)
+    assert len(trajs) == 3
+    spans = _gen_spans(trajs)
+    assert [s.attributes.get("rtrace.response_text") for s in spans] == ["fine", None, "fine"]
+    assert spans[1].response_ids == [10**6]
+    assert [s.attributes["rtrace.prompt_text"] for s in spans] == ["q0", "q1", "q2"]
+    assert rtrace.stats()["token2text_errors"] == 1
+    assert token2text.get_tokenizer() is not None
