@@ -20,6 +20,7 @@ from .instrumentation import (
     wrap_context,
 )
 from .instrumentation.batch import log_rollout_batch
+from .instrumentation.propagation import extract, inject
 from .trajectory import SpanRecord, Trajectory
 
 __version__ = "0.1.0"
@@ -33,7 +34,9 @@ __all__ = [
     "configure",
     "current_coordinates",
     "current_settings",
+    "extract",
     "flush",
+    "inject",
     "is_enabled",
     "log_rollout_batch",
     "record_reward",
