@@ -1,0 +1,268 @@
+"""The demo's agent: an async ``ToolAgentLoop`` with a calculator and a lookup tool.
+
+One episode, as in veRL's ToolAgentLoop or any ReAct-style rollout worker::
+
+    render chat -> generate -> parse <tool_call> blocks -> run the tools concurrently
+    -> append the tool results -> render chat -> generate ... (up to max_turns)
+
+then the reward function scores the final answer. It is instrumented with rtrace's
+public API only: ``@rtrace.traced_rollout`` on the loop, ``@rtrace.traced_generation``
+on the LLM call (it takes ``prompt_ids`` and returns ``response_ids`` and
+``finish_reason``, which rtrace reads), ``@rtrace.traced_tool`` on each tool (called
+with a ``tool_call_id``), and ``@rtrace.traced`` on the reward.
+
+**The forced first tool call.** The policy has random weights, so it never writes a
+well-formed ``<tool_call>``. So that every trajectory still shows the tool path, one
+documented rule stands in for a trained policy: *on the first turn, when the response
+holds no valid tool call, the agent adds the call the task needs* — ``calculator`` with
+the expression parsed from an arithmetic prompt, ``lookup`` with the key parsed from a
+lookup prompt. The added call is marked ``forced`` in the episode's outcome. Tool calls
+the model does write (a trained one would) are parsed and run the same way.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import operator
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import rtrace
+
+from .model import MODEL_NAME, Policy
+
+__all__ = ["Task", "ToolAgentLoop", "CalculatorTool", "LookupTool", "compute_reward", "make_tasks",
+           "SYSTEM_PROMPT"]
+
+SYSTEM_PROMPT = ("You are a helpful assistant. Use the calculator tool for arithmetic and the lookup "
+                 "tool for facts, then give the final answer.")
+
+# ----------------------------------------------------------------------------- tasks
+
+#: Facts the lookup tool knows; lookup prompts ask for one of them.
+FACTS = {
+    "capital of France": "Paris",
+    "capital of Japan": "Tokyo",
+    "boiling point of water in celsius": "100",
+    "days in a leap year": "366",
+    "speed of light in km/s": "299792",
+    "number of legs of a spider": "8",
+}
+_FACTS_BY_KEY = {k.lower(): v for k, v in FACTS.items()}
+
+
+@dataclass(frozen=True)
+class Task:
+    """A prompt, its expected answer and its kind (which tool the forced-call rule adds)."""
+
+    question: str
+    answer: str
+    kind: str  # "arithmetic" | "lookup"
+
+
+def make_tasks(n: int, rng: Any, validation: bool = False) -> list[Task]:
+    """``n`` tasks, alternating arithmetic and lookup, drawn from ``rng`` (a random.Random)."""
+    tasks = []
+    facts = sorted(FACTS)
+    for i in range(n):
+        if i % 2 == 0:
+            a, b, c = rng.randint(2, 60), rng.randint(2, 30), rng.randint(1, 9)
+            op1, op2 = rng.choice(["+", "-", "*"]), rng.choice(["+", "*"])
+            expression = f"{a} {op1} {b} {op2} {c}"
+            question = f"Evaluate {expression}." if validation else f"What is {expression}?"
+            tasks.append(Task(question, _format_number(_safe_eval(expression)), "arithmetic"))
+        else:
+            key = facts[rng.randrange(len(facts))]
+            tasks.append(Task(f"Look up the {key}.", FACTS[key], "lookup"))
+    return tasks
+
+
+# ----------------------------------------------------------------------------- tools
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+        ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def _safe_eval(expression: str) -> float:
+    """Arithmetic only (numbers, + - * / // % **, parentheses): no names, no calls."""
+    def ev(node: ast.AST) -> float:
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            if isinstance(node.op, ast.Pow) and abs(ev(node.right)) > 64:
+                raise ValueError("exponent too large")
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.operand))
+        raise ValueError(f"unsupported expression: {ast.dump(node)[:60]}")
+
+    return ev(ast.parse(expression, mode="eval"))
+
+
+def _format_number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+
+
+class CalculatorTool:
+    """Evaluates an arithmetic expression."""
+
+    name = "calculator"
+    schema = {"type": "function", "function": {
+        "name": "calculator", "description": "Evaluate an arithmetic expression.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                       "required": ["expression"]}}}
+
+    @rtrace.traced_tool
+    async def execute(self, tool_call_id: str, expression: str) -> str:
+        """The value of ``expression``; a bad expression raises (the span records it)."""
+        return _format_number(_safe_eval(expression))
+
+
+class LookupTool:
+    """Looks a fact up in a small table (a stand-in for a search or database tool)."""
+
+    name = "lookup"
+    schema = {"type": "function", "function": {
+        "name": "lookup", "description": "Look a fact up by key.",
+        "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}}
+
+    def __init__(self, latency_s: float = 0.005) -> None:
+        self.latency_s = latency_s
+
+    @rtrace.traced_tool
+    async def execute(self, tool_call_id: str, key: str) -> str:
+        """The fact stored under ``key`` (case-insensitive), or ``not found``."""
+        await asyncio.sleep(self.latency_s)  # a remote lookup would wait on I/O here
+        return _FACTS_BY_KEY.get(key.strip().lower().rstrip("."), "not found")
+
+
+# ----------------------------------------------------------------------------- reward
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_WORD = re.compile(r"\w+")
+
+
+@rtrace.traced(kind="chain", name="reward")
+def compute_reward(task: Task, answer: str) -> float:
+    """1.0 when the final answer is right, else 0.0.
+
+    Arithmetic: the last number in the answer equals the expected value. Lookup: the
+    last word of the answer is the expected fact. A random-weight policy almost always
+    gets 0.
+    """
+    if task.kind == "arithmetic":
+        numbers = _NUMBER.findall(answer)
+        return 1.0 if numbers and numbers[-1] == task.answer else 0.0
+    words = _WORD.findall(answer)
+    return 1.0 if words and words[-1].lower() == task.answer.lower() else 0.0
+
+
+# ----------------------------------------------------------------------------- the loop
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+_EXPRESSION = re.compile(r"([-\d.()\s]+(?:[-+*/][-\d.()\s]+)+)")
+_LOOKUP_KEY = re.compile(r"look up the (.+?)\.?$", re.I)
+
+
+class ToolAgentLoop:
+    """generate -> parse tool calls -> run tools -> append results -> generate, up to ``max_turns``."""
+
+    def __init__(self, policy: Policy, max_turns: int = 3, tools: list[Any] | None = None) -> None:
+        self.policy = policy
+        self.tokenizer = policy.tokenizer
+        self.max_turns = max_turns
+        self.tools = {t.name: t for t in (tools or [CalculatorTool(), LookupTool()])}
+
+    @rtrace.traced_rollout
+    async def run(self, question: str, kind: str, seed: int, temperature: float = 1.0) -> dict[str, Any]:
+        """One episode for ``question``: the final answer, turns, tool calls and finish reason.
+
+        Safe to run concurrently on one instance: all episode state is local.
+        """
+        messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT},
+                                          {"role": "user", "content": question}]
+        tool_calls = forced = 0
+        text, finish = "", "stop"
+        turn = 0
+        while turn < self.max_turns:
+            turn += 1
+            prompt_ids = self._render(messages)
+            out = await self.generate(messages, prompt_ids, seed=seed * 1000 + turn, temperature=temperature)
+            finish = out["finish_reason"]
+            text = self.tokenizer.decode(out["response_ids"], skip_special_tokens=True)
+            calls = self._parse_tool_calls(text)
+            if not calls and turn == 1:
+                calls = self._forced_call(question, kind)
+                forced += len(calls)
+            for k, call in enumerate(calls):
+                call["id"] = f"call_{turn}_{k}"
+            assistant: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                assistant["tool_calls"] = [{"id": c["id"], "type": "function",
+                                            "function": {"name": c["name"],
+                                                         "arguments": json.dumps(c["arguments"])}}
+                                           for c in calls]
+            messages.append(assistant)
+            if not calls or turn == self.max_turns:
+                break
+            results = await asyncio.gather(*(self._call_tool(c) for c in calls))
+            tool_calls += len(calls)
+            messages.extend({"role": "tool", "tool_call_id": c["id"], "name": c["name"], "content": r}
+                            for c, r in zip(calls, results))
+        return {"answer": text, "turns": turn, "tool_calls": tool_calls, "forced_tool_calls": forced,
+                "finish_reason": finish}
+
+    @rtrace.traced_generation(model=MODEL_NAME)
+    async def generate(self, messages: list[dict[str, Any]], prompt_ids: list[int], seed: int,
+                       temperature: float = 1.0) -> dict[str, Any]:
+        """One LLM call: ``prompt_ids`` in, ``{"response_ids", "finish_reason"}`` out.
+
+        ``messages`` is the conversation the prompt was rendered from; rtrace shows it as
+        the trajectory's chat (token2text adds the decoded prompt and response).
+        """
+        return await self.policy.generate(prompt_ids, seed=seed, temperature=temperature)
+
+    async def _call_tool(self, call: dict[str, Any]) -> str:
+        tool = self.tools.get(call["name"])
+        if tool is None:
+            return f"error: unknown tool {call['name']!r}"
+        try:
+            return await tool.execute(call["id"], **call["arguments"])
+        except Exception as exc:  # a bad tool call is part of the episode, not a crash
+            return f"error: {type(exc).__name__}: {exc}"
+
+    def _render(self, messages: list[dict[str, Any]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _parse_tool_calls(self, text: str) -> list[dict[str, Any]]:
+        """Well-formed ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks
+        naming a known tool; anything else is plain text."""
+        calls = []
+        for block in _TOOL_CALL.findall(text):
+            try:
+                data = json.loads(block)
+            except ValueError:
+                continue
+            if isinstance(data, dict) and data.get("name") in self.tools and isinstance(data.get("arguments"), dict):
+                calls.append({"name": data["name"], "arguments": data["arguments"]})
+        return calls
+
+    @staticmethod
+    def _forced_call(question: str, kind: str) -> list[dict[str, Any]]:
+        """The documented rule (see the module docstring): the call the task needs."""
+        if kind == "arithmetic":
+            match = _EXPRESSION.search(question)
+            if match:
+                return [{"name": "calculator", "arguments": {"expression": match.group(1).strip().rstrip(".")}}]
+        elif kind == "lookup":
+            match = _LOOKUP_KEY.search(question.strip())
+            if match:
+                return [{"name": "lookup", "arguments": {"key": match.group(1)}}]
+        return []

@@ -1,0 +1,298 @@
+"""``rtrace demo``: a small GRPO-style rollout, traced end to end, on CPU, offline.
+
+Steps x prompts x rollouts: for each step a batch of prompts is drawn, each prompt is
+rolled out ``--rollouts`` times (a GRPO group), every rollout runs concurrently on one
+asyncio loop inside its own ``rtrace.rollout_context``, and the reward is recorded on
+the trajectory. A greedy validation pass (``validate=True``) follows the last step.
+Then the traces are flushed to the chosen sinks, a per-step table is printed and the
+exact command to open the traces.
+
+The policy has random weights (see :mod:`rtrace.demo.model`): rewards are mostly 0. It
+stands in for a trained policy; what the demo shows is the tracing, not the learning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence, TextIO
+
+import rtrace
+from rtrace.config import load_settings
+
+__all__ = ["DemoOptions", "RolloutResult", "run_demo", "DEFAULT_EXPORTER"]
+
+#: The sink used when neither ``--exporter`` nor ``RTRACE_EXPORTER`` is given.
+DEFAULT_EXPORTER = "jsonl"  # switches to trackio once the trackio sink is in
+DEFAULT_OUT_DIR = "rtrace-demo"
+DEFAULT_PROJECT = "rtrace-demo"
+
+
+@dataclass
+class DemoOptions:
+    """The demo's knobs (the CLI flags of ``rtrace demo``)."""
+
+    steps: int = 2
+    prompts: int = 4
+    rollouts: int = 2
+    max_turns: int = 3
+    max_new_tokens: int = 16
+    exporter: str | None = None
+    project: str | None = None
+    out_dir: str = DEFAULT_OUT_DIR
+    max_traces_per_step: int | None = None
+    seed: int = 0
+    validation: bool = True
+
+
+@dataclass
+class RolloutResult:
+    """One finished rollout, as the table needs it."""
+
+    step: int
+    validate: bool
+    traced: bool
+    reward: float
+    turns: int
+    tool_calls: int
+    latency_ms: float
+
+
+@dataclass
+class _Row:
+    step: int
+    split: str
+    results: list[RolloutResult] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- wiring
+
+
+def _resolve_exporter(opts: DemoOptions) -> str:
+    return opts.exporter or os.environ.get("RTRACE_EXPORTER") or DEFAULT_EXPORTER
+
+
+def _configure(opts: DemoOptions, exporter: str, out_dir: Path, tokenizer: Any) -> dict[str, Any]:
+    """Configure rtrace for the demo; returns what the "open the traces" hint needs."""
+    names = [n.strip().lower() for n in exporter.split(",") if n.strip()]
+    kwargs: dict[str, Any] = {
+        "exporter": exporter,
+        "project": opts.project or os.environ.get("RTRACE_PROJECT") or DEFAULT_PROJECT,
+        "experiment": os.environ.get("RTRACE_EXPERIMENT") or time.strftime("demo-%Y%m%d-%H%M%S"),
+        "token2text": True,
+        "tokenizer": tokenizer,
+        "max_traces_per_step": opts.max_traces_per_step,
+        "export_interval_s": 0.2,
+    }
+    where: dict[str, Any] = {"names": names, "project": kwargs["project"]}
+    if "trackio" in names:
+        # trackio reads TRACKIO_DIR when it is imported (in the sink's thread, later):
+        # a local folder under --out-dir unless the user chose one. Nothing to start.
+        where["trackio_dir"] = os.environ.setdefault("TRACKIO_DIR", str(out_dir / "trackio"))
+    if "jsonl" in names:
+        where["jsonl_path"] = os.environ.get("RTRACE_JSONL_PATH") or str(out_dir / "traces.jsonl")
+        kwargs["jsonl_path"] = where["jsonl_path"]
+    if "mlflow" in names:
+        where["mlflow_uri"] = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{out_dir / 'mlflow.db'}"
+        kwargs["mlflow_tracking_uri"] = where["mlflow_uri"]
+    settings = rtrace.configure(**kwargs)
+    where["otlp_endpoint"] = settings.otlp_traces_endpoint or settings.otlp_endpoint
+    return where
+
+
+def open_commands(where: dict[str, Any]) -> list[str]:
+    """The exact commands / paths that open what each sink wrote."""
+    lines = []
+    q = shlex.quote
+    for name in where["names"]:
+        if name == "trackio":
+            lines.append(f"trackio:  TRACKIO_DIR={q(where['trackio_dir'])} trackio show --project {q(where['project'])}")
+        elif name == "mlflow":
+            lines.append(f"mlflow:   mlflow ui --backend-store-uri {q(where['mlflow_uri'])}   "
+                         f"(then http://127.0.0.1:5000 -> experiment {where['project']} -> Traces)")
+        elif name == "jsonl":
+            lines.append(f"jsonl:    {where['jsonl_path']}   (one trajectory per line, schema rtrace.trajectory/1)")
+        elif name == "otlp":
+            lines.append(f"otlp:     sent to {where['otlp_endpoint'] or 'http://localhost:4318'}; open your "
+                         "collector's UI (Jaeger: http://localhost:16686, see docker-compose.yml)")
+        elif name == "console":
+            lines.append("console:  printed above")
+    return lines
+
+
+# ----------------------------------------------------------------------------- rollouts
+
+
+def _seed(*parts: int) -> int:
+    value = 0
+    for p in parts:
+        value = (value * 1_000_003 + p) % (2**31 - 1)
+    return value
+
+
+async def _rollout(agent: Any, task: Any, step: int, sample_index: int, rollout_n: int, validate: bool,
+                   seed: int, temperature: float) -> RolloutResult:
+    from .agent import compute_reward
+
+    start = time.perf_counter()
+    with rtrace.rollout_context(step=step, sample_index=sample_index, rollout_n=rollout_n, validate=validate,
+                                group_id=f"step{step}-sample{sample_index}", policy_version=step,
+                                task_kind=task.kind) as ctx:
+        out = await agent.run(task.question, task.kind, seed=seed, temperature=temperature)
+        reward = compute_reward(task, out["answer"])
+        rtrace.record_reward(reward, correct=reward == 1.0, expected=task.answer,
+                             forced_tool_calls=out["forced_tool_calls"])
+    return RolloutResult(step, validate, ctx.traced, reward, out["turns"], out["tool_calls"],
+                         (time.perf_counter() - start) * 1000)
+
+
+class _Progress:
+    """A one-line progress bar on stderr (redrawn in place on a terminal)."""
+
+    def __init__(self, label: str, total: int, stream: TextIO) -> None:
+        self.label, self.total, self.done, self.stream = label, total, 0, stream
+        self.start = time.perf_counter()
+        self.tty = stream.isatty()
+        if self.tty:
+            self._draw()
+
+    def advance(self) -> None:
+        self.done += 1
+        if self.tty:
+            self._draw()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+        else:
+            self._draw(newline=True)
+        self.stream.flush()
+
+    def _draw(self, newline: bool = False) -> None:
+        width = 24
+        filled = width * self.done // max(self.total, 1)
+        bar = "#" * filled + "." * (width - filled)
+        text = f"{self.label:<14} [{bar}] {self.done}/{self.total} rollouts  {time.perf_counter() - self.start:5.1f}s"
+        self.stream.write(text + ("\n" if newline else "\r"))
+        self.stream.flush()
+
+
+async def _run_batch(agent: Any, tasks: Sequence[Any], step: int, first_index: int, rollouts: int,
+                     validate: bool, seed: int, label: str, stream: TextIO) -> list[RolloutResult]:
+    progress = _Progress(label, len(tasks) * rollouts, stream)
+    temperature = 0.0 if validate else 1.0  # validation is greedy, as in veRL's val_kwargs
+
+    async def one(i: int, n: int) -> RolloutResult:
+        result = await _rollout(agent, tasks[i], step, first_index + i, n, validate,
+                                _seed(seed, step, int(validate), first_index + i, n), temperature)
+        progress.advance()
+        return result
+
+    results = await asyncio.gather(*(one(i, n) for i in range(len(tasks)) for n in range(rollouts)))
+    progress.close()
+    return list(results)
+
+
+async def _run_all(opts: DemoOptions, agent: Any, stream: TextIO) -> list[_Row]:
+    from .agent import make_tasks
+
+    rng = random.Random(opts.seed)
+    rows = []
+    for step in range(1, opts.steps + 1):
+        tasks = make_tasks(opts.prompts, rng)
+        results = await _run_batch(agent, tasks, step, (step - 1) * opts.prompts, opts.rollouts, False,
+                                   opts.seed, f"step {step}/{opts.steps}", stream)
+        rows.append(_Row(step, "train", results))
+    if opts.validation:
+        tasks = make_tasks(opts.prompts, random.Random(opts.seed + 10_000), validation=True)
+        results = await _run_batch(agent, tasks, opts.steps, 0, 1, True, opts.seed, "validation", stream)
+        rows.append(_Row(opts.steps, "val", results))
+    return rows
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def format_table(rows: Sequence[_Row]) -> str:
+    """The end-of-run table: one line per step (and one for validation)."""
+    header = ("step", "split", "rollouts", "kept", "mean reward", "mean turns", "tool calls", "mean latency")
+    lines = [header]
+    for row in rows:
+        rs = row.results
+        n = max(len(rs), 1)
+        lines.append((str(row.step), row.split, str(len(rs)), str(sum(r.traced for r in rs)),
+                      f"{sum(r.reward for r in rs) / n:.2f}", f"{sum(r.turns for r in rs) / n:.2f}",
+                      str(sum(r.tool_calls for r in rs)), f"{sum(r.latency_ms for r in rs) / n:.0f} ms"))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = []
+    for k, line in enumerate(lines):
+        out.append("  ".join(cell.rjust(w) if k and i != 1 else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths))))
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def run_demo(opts: DemoOptions, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Run the demo; returns the process exit code (0: every sink wrote every trace)."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded, ever
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    random.seed(opts.seed)
+    out_dir = Path(opts.out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    exporter = _resolve_exporter(opts)
+    try:  # fail on a bad --exporter / RTRACE_* value now, not after building the model
+        load_settings({"exporter": exporter, "max_traces_per_step": opts.max_traces_per_step})
+    except rtrace.ConfigError as exc:
+        err.write(f"rtrace demo: {exc}\n")
+        return 2
+
+    err.write("rtrace demo: building a tiny random-weight Qwen2 policy (offline, CPU)...\n")
+    err.flush()
+    from .agent import ToolAgentLoop
+    from .model import build_policy
+
+    policy = build_policy(seed=opts.seed, max_new_tokens=opts.max_new_tokens)
+    try:
+        where = _configure(opts, exporter, out_dir, policy.tokenizer)
+    except rtrace.ConfigError as exc:
+        err.write(f"rtrace demo: {exc}\n")
+        policy.close()
+        return 2
+    err.write(f"rtrace demo: {opts.steps} steps x {opts.prompts} prompts x {opts.rollouts} rollouts, "
+              f"max {opts.max_turns} turns, exporter={exporter}\n")
+    agent = ToolAgentLoop(policy, max_turns=opts.max_turns)
+    start = time.perf_counter()
+    try:
+        rows = asyncio.run(_run_all(opts, agent, err))
+    finally:
+        flushed = rtrace.flush(60)
+        rtrace.shutdown()
+        policy.close()
+    elapsed = time.perf_counter() - start
+
+    stats = rtrace.stats()
+    out.write("\n" + format_table(rows) + "\n\n")
+    out.write("Rewards are mostly 0: the policy has random weights (a stand-in for a trained policy).\n"
+              "Each first turn calls a tool by the demo's forced-call rule (see rtrace/demo/agent.py).\n\n")
+    failed = False
+    for name in where["names"]:
+        exported = stats.get(f"sink.{name}.exported", 0)
+        lost = sum(stats.get(f"sink.{name}.{k}", 0) for k in ("failed_trajectories", "dropped_trajectories"))
+        failed |= bool(lost)
+        out.write(f"rtrace: {exported} trajectories written to {name}" + (f", {lost} LOST" if lost else "") + "\n")
+    out.write(f"rollouts finished in {elapsed:.1f}s\n\nOpen the traces:\n")
+    for line in open_commands(where):
+        out.write(f"  {line}\n")
+    out.flush()
+    if not flushed or failed:
+        err.write("rtrace demo: some traces were not written (see the counts above)\n")
+        return 1
+    return 0

@@ -1,0 +1,98 @@
+"""``rtrace demo``: the real traced rollout, run as users run it, read back from each backend.
+
+The demo runs as a subprocess with the venv's python (``python -m rtrace demo``), once
+per backend set (session fixtures: each run costs the torch/transformers import), and
+its traces are read back through the backend's own storage API.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rtrace.exporters.jsonl import read_jsonl
+
+STEPS, PROMPTS, ROLLOUTS = 1, 2, 2
+VAL = PROMPTS  # the validation pass: one greedy rollout per prompt
+SMALL = ["--steps", str(STEPS), "--prompts", str(PROMPTS), "--rollouts", str(ROLLOUTS),
+         "--max-turns", "2", "--max-new-tokens", "8", "--seed", "3"]
+
+
+def run_demo(out_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python -m rtrace demo`` in a clean environment (no RTRACE_*, no tracking URIs)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RTRACE_", "OTEL_", "TRACKIO_", "MLFLOW_"))}
+    env["HF_HUB_OFFLINE"] = "1"
+    return subprocess.run([sys.executable, "-m", "rtrace", "demo", *SMALL, "--out-dir", str(out_dir), *args],
+                          capture_output=True, text=True, env=env, cwd=str(out_dir), timeout=300)
+
+
+def check_trajectory_set(trajs: list) -> None:
+    """The demo's shape: coordinates, tool spans, decoded text, rewards."""
+    train = [t for t in trajs if not t.validate]
+    val = [t for t in trajs if t.validate]
+    assert len(train) == STEPS * PROMPTS * ROLLOUTS and len(val) == VAL
+    assert sorted((t.step, t.sample_index, t.rollout_n) for t in train) == [
+        (1, i, n) for i in range(PROMPTS) for n in range(ROLLOUTS)]
+    assert sorted((t.step, t.sample_index, t.rollout_n) for t in val) == [(STEPS, i, 0) for i in range(VAL)]
+    for t in trajs:
+        assert t.reward in (0.0, 1.0) and t.outcome["expected"]
+        assert t.group_id == f"step{t.step}-sample{t.sample_index}"
+        names = [s.name for s in t.spans]
+        assert names[0] == "rollout" and "ToolAgentLoop.run" in names and "reward" in names
+        tools = t.spans_of_kind("tool")
+        # the forced first-turn call (max-turns 2: one tool round, then the final answer)
+        assert [s.attributes["gen_ai.tool.name"] for s in tools] == [
+            "calculator" if t.extra["task_kind"] == "arithmetic" else "lookup"]
+        assert tools[0].attributes["gen_ai.tool.call.id"] == "call_1_0"
+        gens = t.spans_of_kind("generation")
+        assert len(gens) == 2
+        for g in gens:
+            assert isinstance(g.attributes["rtrace.prompt_text"], str)
+            assert isinstance(g.attributes["rtrace.response_text"], str)
+            assert g.attributes["gen_ai.usage.output_tokens"] <= 8
+        assert "user\n" in gens[0].attributes["rtrace.prompt_text"]
+        roles = [m["role"] for m in t.messages]
+        assert roles == ["system", "user", "assistant", "tool", "assistant"]
+        assert t.messages[3]["tool_call_id"] == "call_1_0"
+
+
+@pytest.fixture(scope="session")
+def jsonl_demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo-jsonl")
+    return out, run_demo(out, "--exporter", "jsonl")
+
+
+class TestDemoJsonl:
+    def test_exits_zero_and_prints_table_and_path(self, jsonl_demo):
+        """The demo exits 0, prints the per-step table, the random-weights note and the JSONL path."""
+        out, proc = jsonl_demo
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stdout.splitlines()
+        header = next(i for i, line in enumerate(lines) if line.startswith("step"))
+        assert lines[header].split() == ["step", "split", "rollouts", "kept", "mean", "reward", "mean", "turns",
+                                         "tool", "calls", "mean", "latency"]
+        assert lines[header + 2].split()[:4] == ["1", "train", str(PROMPTS * ROLLOUTS), str(PROMPTS * ROLLOUTS)]
+        assert lines[header + 3].split()[:4] == [str(STEPS), "val", str(VAL), str(VAL)]
+        assert "random weights" in proc.stdout
+        assert f"rtrace: {STEPS * PROMPTS * ROLLOUTS + VAL} trajectories written to jsonl" in proc.stdout
+        assert f"jsonl:    {out / 'traces.jsonl'}" in proc.stdout
+        assert "step 1/1" in proc.stderr and "validation" in proc.stderr  # the progress bars
+
+    def test_traces_have_tools_text_and_rewards(self, jsonl_demo):
+        """Every rollout is one trajectory with its coordinates, tool spans, decoded text and reward."""
+        out, proc = jsonl_demo
+        assert proc.returncode == 0, proc.stderr
+        check_trajectory_set(read_jsonl(out / "traces.jsonl"))
+
+
+def test_bad_exporter_is_a_clear_error(tmp_path):
+    """An unknown exporter name exits 2 with the accepted values, before any rollout."""
+    proc = run_demo(tmp_path, "--exporter", "wandb")
+    assert proc.returncode == 2
+    assert "unknown exporter 'wandb'" in proc.stderr and "accepted values" in proc.stderr
+    assert "rollouts" not in proc.stdout
