@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import sys
 import tempfile
 import uuid
@@ -27,15 +26,16 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="session")
 def trackio_mod(tmp_path_factory):
     """trackio imported with TRACKIO_DIR in a temporary directory (HF_HUB_OFFLINE=1)."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    if "trackio" not in sys.modules:
-        os.environ["TRACKIO_DIR"] = str(tmp_path_factory.mktemp("trackio"))
-    import trackio
-    from trackio import utils
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        if "trackio" not in sys.modules:
+            mp.setenv("TRACKIO_DIR", str(tmp_path_factory.mktemp("trackio")))
+        import trackio
+        from trackio import utils
 
-    if not str(utils.TRACKIO_DIR).startswith(tempfile.gettempdir()):
-        pytest.fail(f"trackio was imported before this module with TRACKIO_DIR={utils.TRACKIO_DIR}")
-    return trackio
+        if not str(utils.TRACKIO_DIR).startswith(tempfile.gettempdir()):
+            pytest.fail(f"trackio was imported before this module with TRACKIO_DIR={utils.TRACKIO_DIR}")
+        yield trackio
 
 
 @pytest.fixture
