@@ -67,6 +67,8 @@ def _tool_messages(span: SpanRecord) -> tuple[dict[str, Any], dict[str, Any]]:
     name = span.attributes.get("gen_ai.tool.name") or span.name
     call_id = tool_call_id(span)
     args = span.input if span.input is not None else {}
+    if isinstance(args, dict):  # the call id is the message's id, not a tool argument
+        args = {k: v for k, v in args.items() if k not in ("tool_call_id", "call_id")}
     call = {"id": call_id, "type": "function",
             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False, default=str)}}
     if span.status == "error":
