@@ -1,0 +1,560 @@
+"""MLflow sink: each trajectory becomes one MLflow trace with the full span tree.
+
+MLflow's own tracing exporter refuses spans it did not create, so this sink writes
+through the store API MLflow itself uses to ingest OTLP: every :class:`SpanRecord`
+becomes an OTLP protobuf span (our trace id, span ids, parent links and times kept),
+``mlflow.entities.Span.from_otel_proto`` turns it into an MLflow span, and one
+``store.log_spans(experiment_id, spans)`` call writes a whole batch of trajectories
+(against a ``mlflow server`` the same protobufs go in one POST to ``/v1/traces``). The
+traces are then linked to the training run with ``link_traces_to_run`` (100 per call,
+MLflow's limit). Both are internal MLflow APIs: :func:`check_mlflow_version` holds the
+sink to the tested version range.
+
+What MLflow shows (see docs/mlflow.md):
+
+* span types: the root and ``agent`` spans AGENT, ``generation`` LLM, ``tool`` TOOL, the
+  rest CHAIN; inputs / outputs as captured, the decoded text (``rtrace.prompt_text`` /
+  ``rtrace.response_text``) for generations when token2text is on;
+* trace tags on the root (``mlflow.traceTag.<k>``): step, sample_index, rollout_n,
+  validate, experiment, group_id, policy_version, reward (plus ``extra.<k>``), as
+  normalised strings, so ``search_traces(filter_string="tags.step = '1'")`` works;
+* the trace's request / response previews: the first user message and the final
+  assistant message of the trajectory.
+
+Everything here runs in the sink thread; ``import mlflow`` happens on the first export.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import math
+import os
+import re
+import sys
+import threading
+from typing import Any, Sequence
+
+from .. import _stats
+from ..config import ConfigError, Settings
+from ..trajectory import SpanRecord, Trajectory
+from .base import Sink
+
+__all__ = ["MlflowSink", "check_mlflow_version", "trace_tags", "tag_value", "MLFLOW_VERSION_RANGE"]
+
+#: The MLflow versions the sink is tested against (pyproject's ``mlflow`` extra).
+MLFLOW_VERSION_RANGE = ((3, 17), (3, 19))  # >= 3.17, < 3.19
+
+_SPAN_TYPES = {"rollout": "AGENT", "agent": "AGENT", "generation": "LLM", "tool": "TOOL"}
+_TAG_FIELDS = ("step", "sample_index", "rollout_n", "validate", "experiment", "group_id", "policy_version",
+               "reward")
+#: MLflow accepts at most 100 trace ids per link_traces_to_run call.
+_LINK_CHUNK = 100
+#: Spans per store call: large batches amortise the ~26 ms a call costs, and stay a
+#: reasonable HTTP body against a server.
+_MAX_SPANS_PER_CALL = 5000
+
+
+def check_mlflow_version() -> str:
+    """Check, without importing it, that MLflow is installed in the tested range.
+
+    Returns:
+        The installed version.
+
+    Raises:
+        ConfigError: MLflow is missing or outside :data:`MLFLOW_VERSION_RANGE`.
+    """
+    lo, hi = MLFLOW_VERSION_RANGE
+    wanted = f"mlflow>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"
+    version = None
+    if importlib.util.find_spec("mlflow") is not None:
+        for dist in ("mlflow", "mlflow-skinny"):
+            try:
+                version = importlib.metadata.version(dist)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    if version is None:
+        raise ConfigError(f"RTRACE_EXPORTER=mlflow needs {wanted}, which is not installed; "
+                          "install it with: pip install 'rtrace[mlflow]'")
+    release = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+    if not lo <= release < hi:
+        raise ConfigError(
+            f"RTRACE_EXPORTER=mlflow needs {wanted}, found mlflow {version}: the sink writes through "
+            "MLflow's internal span APIs (Span.from_otel_proto, store.log_spans), which change between "
+            "minor versions; install a tested version with: pip install 'rtrace[mlflow]'")
+    return version
+
+
+def tag_value(value: Any) -> str:
+    """A trace tag value as a normalised string: ``'true'``/``'false'``, integers (also
+    integral floats) without ``.0``, ``'NaN'`` / ``'Infinity'`` / ``'-Infinity'``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "NaN"
+        if math.isinf(value):
+            return "Infinity" if value > 0 else "-Infinity"
+        return str(int(value)) if value.is_integer() else repr(value)
+    return str(value)
+
+
+def trace_tags(traj: Trajectory) -> dict[str, str]:
+    """The searchable trace tags of a trajectory (None values left out)."""
+    tags = {name: tag_value(getattr(traj, name)) for name in _TAG_FIELDS if getattr(traj, name) is not None}
+    for key, value in traj.extra.items():
+        if isinstance(value, (str, int, float, bool)):
+            tags[f"extra.{key}"] = tag_value(value)
+    if traj.partial:
+        tags["partial"] = "true"
+    return tags
+
+
+# ----------------------------------------------------------------------------- conversion
+
+
+def _first_user_prefix(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages up to and including the first user message (system prompt + task)."""
+    for i, msg in enumerate(messages):
+        if msg.get("role") == "user":
+            return messages[: i + 1]
+    return messages[:1]
+
+
+def _last_assistant(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for msg in reversed(messages):
+        if msg.get("role") == "assistant":
+            return [msg]
+    return []
+
+
+def span_io(traj: Trajectory, span: SpanRecord, is_root: bool) -> tuple[Any, Any]:
+    """The (inputs, outputs) MLflow shows for ``span``.
+
+    Generations show their decoded text when token2text produced it. The root shows what
+    its call captured; when it captured nothing (a ``rollout_context`` root) it shows the
+    conversation's opening and final messages in chat format, which MLflow also turns into
+    the trace's request / response previews. A dict input gets a ``messages`` entry so
+    the preview is the user's task rather than the raw arguments.
+    """
+    inputs, outputs = span.input, span.output
+    attrs = span.attributes
+    if span.kind == "generation":
+        inputs = attrs.get("rtrace.prompt_text", inputs)
+        outputs = attrs.get("rtrace.response_text", outputs)
+    if is_root and traj.messages:
+        opening, final = _first_user_prefix(traj.messages), _last_assistant(traj.messages)
+        if inputs is None:
+            inputs = {"messages": opening}
+        elif isinstance(inputs, dict) and "messages" not in inputs:
+            inputs = {**inputs, "messages": opening}
+        if outputs is None and final:
+            outputs = {"messages": final}
+    return inputs, outputs
+
+
+class _Converter:
+    """SpanRecords -> OTLP protobuf spans with MLflow's attributes (sink thread only)."""
+
+    def __init__(self) -> None:
+        from opentelemetry.proto.trace.v1 import trace_pb2
+
+        from mlflow.tracing.utils.otlp import _set_otel_proto_anyvalue
+
+        self._pb = trace_pb2
+        self._set = _set_otel_proto_anyvalue
+
+    def trajectory(self, traj: Trajectory, tag_attributes: bool = True) -> list[Any]:
+        """The OTLP spans of ``traj``; with ``tag_attributes`` the trace tags ride on the
+        root as ``mlflow.traceTag.<k>`` attributes (the store turns them into tags)."""
+        pb = self._pb
+        trace_id = bytes.fromhex(traj.trace_id)
+        out = []
+        for i, span in enumerate(traj.spans):
+            is_root = i == 0
+            p = pb.Span(trace_id=trace_id, span_id=bytes.fromhex(span.span_id), name=span.name,
+                        start_time_unix_nano=span.start_ns, end_time_unix_nano=max(span.end_ns, span.start_ns))
+            if span.parent_id and not is_root:
+                p.parent_span_id = bytes.fromhex(span.parent_id)
+            if span.status == "error":
+                p.status.code = pb.Status.STATUS_CODE_ERROR
+                p.status.message = span.error or ""
+            elif span.status == "ok":
+                p.status.code = pb.Status.STATUS_CODE_OK
+            attrs: dict[str, Any] = dict(span.attributes)
+            attrs["mlflow.spanType"] = "AGENT" if is_root else _SPAN_TYPES.get(span.kind, "CHAIN")
+            attrs["rtrace.kind"] = span.kind
+            inputs, outputs = span_io(traj, span, is_root)
+            if inputs is not None:
+                attrs["mlflow.spanInputs"] = inputs
+            if outputs is not None:
+                attrs["mlflow.spanOutputs"] = outputs
+            if span.error:
+                attrs.setdefault("rtrace.error", span.error)
+            if is_root:
+                attrs["mlflow.traceTag.mlflow.traceName"] = traj.name
+                if tag_attributes:
+                    for key, value in trace_tags(traj).items():
+                        attrs[f"mlflow.traceTag.{key}"] = value
+            for key, value in attrs.items():
+                if value is None:
+                    continue
+                kv = p.attributes.add()
+                kv.key = key
+                self._set(kv.value, value)
+            for event in span.events:
+                ev = p.events.add()
+                ev.name = str(event.get("name", ""))
+                ev.time_unix_nano = int(event.get("time_ns") or span.start_ns)
+                for key, value in (event.get("attributes") or {}).items():
+                    kv = ev.attributes.add()
+                    kv.key = key
+                    self._set(kv.value, value)
+            out.append(p)
+        return out
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+class _StoreBackend:
+    """Any tracking URI MLflow has a store for (SQLite, other SQL databases...).
+
+    ``log_spans`` turns each ``mlflow.traceTag.<k>`` root attribute into its own
+    ``session.merge`` (a SELECT and an INSERT per tag): with 8 tags that is most of the
+    cost of a trace. On a SQL store the tags are written instead with one multi-row
+    upsert per batch, MLflow's own ``_bulk_upsert`` into the same table
+    (``set_trace_tag`` does a plain merge into it too, nothing else).
+    """
+
+    def __init__(self, uri: str) -> None:
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=uri)
+        self.store = self.client._tracking_client.store
+        self.bulk_tags = isinstance(self.store, SqlAlchemyStore)
+
+    def experiment_id(self, name: str) -> str:
+        from mlflow.exceptions import MlflowException
+
+        exp = self.client.get_experiment_by_name(name)
+        if exp is not None:
+            return exp.experiment_id
+        try:
+            return self.client.create_experiment(name)
+        except MlflowException:  # another process created it first
+            exp = self.client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+            return exp.experiment_id
+
+    def run_experiment_id(self, run_id: str) -> str:
+        return self.client.get_run(run_id).info.experiment_id
+
+    def log(self, experiment_id: str, protos: list[Any]) -> None:
+        from mlflow.entities import Span
+
+        self.store.log_spans(experiment_id, [Span.from_otel_proto(p) for p in protos])
+
+    def set_tags(self, tags: dict[str, dict[str, str]]) -> None:
+        """Upsert ``{trace_id: {key: value}}`` in one statement per 100 rows."""
+        from mlflow.store.tracking.dbmodels.models import SqlTraceTag
+        from mlflow.store.tracking.sqlalchemy_store import _bulk_upsert
+        from mlflow.utils.validation import _validate_trace_tag
+
+        rows = []
+        for trace_id, kv in tags.items():
+            for key, value in kv.items():
+                try:
+                    key, value = _validate_trace_tag(key, value)  # length limits, as MLflow does
+                except Exception:
+                    _stats.incr("sink.mlflow.invalid_tags")
+                    continue
+                rows.append({"request_id": trace_id, "key": key, "value": value})
+        if not rows:
+            return
+        with self.store.ManagedSessionMaker(read_only=False) as session:
+            dialect = session.bind.dialect.name
+            if dialect in ("sqlite", "postgresql"):
+                # One statement run with many parameter sets: compiled once, unlike the
+                # multi-row VALUES of _bulk_upsert (compiled again for every 100 rows).
+                if dialect == "sqlite":
+                    from sqlalchemy.dialects.sqlite import insert
+                else:
+                    from sqlalchemy.dialects.postgresql import insert
+                stmt = insert(SqlTraceTag.__table__)
+                stmt = stmt.on_conflict_do_update(index_elements=["request_id", "key"],
+                                                  set_={"value": stmt.excluded.value})
+                session.execute(stmt, rows)
+            else:
+                _bulk_upsert(session, SqlTraceTag, rows)
+
+    def link(self, trace_ids: list[str], run_id: str) -> None:
+        self.store.link_traces_to_run(trace_ids, run_id)
+
+
+class _HttpBackend:
+    """A ``mlflow server`` over HTTP, with bounded retries and timeouts.
+
+    MLflow's client retries a failing request 7 times with exponential backoff and waits
+    up to 120 s for each (``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / ``_TIMEOUT``): a batch
+    sent to a server that is down would hold the sink for minutes. Changing those
+    environment variables would also change the training job's own MLflow calls, so this
+    backend makes its few requests itself with explicit, small limits.
+    """
+
+    MAX_RETRIES = 2
+    BACKOFF_FACTOR = 1
+    TIMEOUT_S = 10
+    #: the server turns mlflow.traceTag.<k> attributes into tags
+    bulk_tags = False
+
+    def __init__(self, uri: str, timeout_s: float) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.creds = MlflowClient(tracking_uri=uri)._tracking_client.store.get_host_creds()
+        self.timeout = max(1, int(min(self.TIMEOUT_S, timeout_s or self.TIMEOUT_S)))
+
+    def _request(self, endpoint: str, method: str, **kwargs: Any) -> Any:
+        from mlflow.utils.rest_utils import http_request, verify_rest_response
+
+        response = http_request(self.creds, endpoint, method, max_retries=self.MAX_RETRIES,
+                                backoff_factor=self.BACKOFF_FACTOR, backoff_jitter=0.0, timeout=self.timeout,
+                                **kwargs)
+        return verify_rest_response(response, endpoint)
+
+    def experiment_id(self, name: str) -> str:
+        from mlflow.exceptions import RestException
+
+        try:
+            resp = self._request("/api/2.0/mlflow/experiments/get-by-name", "GET",
+                                 params={"experiment_name": name})
+            return resp.json()["experiment"]["experiment_id"]
+        except RestException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+        try:
+            resp = self._request("/api/2.0/mlflow/experiments/create", "POST", json={"name": name})
+            return resp.json()["experiment_id"]
+        except RestException as exc:  # another process created it first
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            resp = self._request("/api/2.0/mlflow/experiments/get-by-name", "GET",
+                                 params={"experiment_name": name})
+            return resp.json()["experiment"]["experiment_id"]
+
+    def run_experiment_id(self, run_id: str) -> str:
+        resp = self._request("/api/2.0/mlflow/runs/get", "GET", params={"run_id": run_id})
+        return resp.json()["run"]["info"]["experiment_id"]
+
+    def log(self, experiment_id: str, protos: list[Any]) -> None:
+        # The body RestStore.log_spans would send, built from our protobufs directly.
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        request = ExportTraceServiceRequest()
+        scope = request.resource_spans.add().scope_spans.add()
+        scope.spans.extend(protos)
+        self._request("/v1/traces", "POST", data=request.SerializeToString(),
+                      extra_headers={"Content-Type": "application/x-protobuf",
+                                     "x-mlflow-experiment-id": experiment_id})
+
+    def link(self, trace_ids: list[str], run_id: str) -> None:
+        self._request("/api/2.0/mlflow/traces/link-to-run", "POST", json={"trace_ids": trace_ids, "run_id": run_id})
+
+
+# ----------------------------------------------------------------------------- the sink
+
+
+def _mlflow_module(name: str) -> Any:
+    """An MLflow module if the application already imported it (never imports it)."""
+    return sys.modules.get(name)
+
+
+class MlflowSink(Sink):
+    """Writes each trajectory as one MLflow trace, linked to the training job's run.
+
+    Where traces go, resolved on the first export (docs/mlflow.md):
+
+    * tracking URI: ``MLFLOW_TRACKING_URI`` / ``configure(mlflow_tracking_uri=...)``; else
+      the URI the application gave ``mlflow.set_tracking_uri()`` or uses for its active
+      run; else ``sqlite:///<cwd>/.rtrace/mlflow.db``;
+    * run: ``RTRACE_MLFLOW_RUN_ID``; else the application's active MLflow run (looked up
+      across threads, since the sink runs in its own thread; the last one seen stays);
+    * experiment: the run's experiment when there is a run (so the run's Traces tab and
+      ``search_traces(run_id=...)`` find them); else the experiment the application set
+      with ``mlflow.set_experiment()``; else ``RTRACE_PROJECT``, created if missing.
+    """
+
+    name = "mlflow"
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.mlflow_version = check_mlflow_version()
+        self._lock = threading.Lock()
+        self._backend: Any = None
+        self._converter: _Converter | None = None
+        self._uri: str | None = settings.mlflow_tracking_uri
+        self._run_id: str | None = settings.mlflow_run_id
+        self._explicit_run = settings.mlflow_run_id is not None
+        self._experiments: dict[tuple[str, str], str] = {}
+        # The active run and tracking URI are the application thread's; capture them now
+        # when the application already imported mlflow (this never imports it).
+        self._app_thread = threading.get_ident()
+        if not self._explicit_run:
+            self._run_id = self._active_run_id()
+        if self._uri is None:
+            self._uri = self._app_tracking_uri()
+
+    # ------------------------------------------------------------------ app state
+    def _active_run_id(self) -> str | None:
+        """The application's active run, whichever thread started it."""
+        fluent = _mlflow_module("mlflow.tracking.fluent")
+        if fluent is None:
+            return None
+        try:
+            stacks = fluent._active_run_stack.get_all_thread_values()
+        except Exception:
+            return None
+        main = threading.main_thread().ident
+        for tid in (self._app_thread, main, *stacks):
+            stack = stacks.get(tid)
+            if stack:
+                return stack[-1].info.run_id
+        return None
+
+    def _app_tracking_uri(self) -> str | None:
+        """The tracking URI the application chose (set_tracking_uri, or the one its
+        active run lives in); None when it chose none."""
+        utils = _mlflow_module("mlflow.tracking._tracking_service.utils")
+        if utils is None:
+            return None
+        if getattr(utils, "_tracking_uri", None) or self._active_run_id() is not None:
+            try:
+                return str(utils.get_tracking_uri())
+            except Exception:
+                return None
+        return None
+
+    def _app_experiment_id(self) -> str | None:
+        fluent = _mlflow_module("mlflow.tracking.fluent")
+        return getattr(fluent, "_active_experiment_id", None) if fluent is not None else None
+
+    # ------------------------------------------------------------------ setup
+    def _default_uri(self) -> str:
+        folder = os.path.join(os.path.abspath(os.getcwd()), ".rtrace")
+        os.makedirs(folder, exist_ok=True)
+        return "sqlite:///" + os.path.join(folder, "mlflow.db")
+
+    def _ensure_backend(self) -> Any:
+        if self._backend is not None:
+            return self._backend
+        if self._uri is None:
+            self._uri = self._app_tracking_uri() or self._default_uri()
+        uri = self._uri
+        if uri.startswith(("http://", "https://")):
+            backend: Any = _HttpBackend(uri, self.settings.sink_timeout_s)
+        elif uri.startswith("sqlite:///"):
+            # Several processes (ranks) may create the same database at once: MLflow's
+            # schema migration is not safe against that, so the first open is serialised.
+            with _file_lock(uri[len("sqlite:///"):] + ".lock"):
+                backend = _StoreBackend(uri)
+        else:
+            backend = _StoreBackend(uri)
+        self._converter = _Converter()
+        self._backend = backend
+        return backend
+
+    def _experiment_for(self, run_id: str | None) -> str:
+        backend = self._backend
+        if run_id is not None:
+            key = ("run", run_id)
+            if key not in self._experiments:
+                try:
+                    self._experiments[key] = backend.run_experiment_id(run_id)
+                except Exception as exc:
+                    if getattr(exc, "error_code", None) != "RESOURCE_DOES_NOT_EXIST":
+                        raise  # the store is unreachable: the batch fails and is counted
+                    # A run of another tracking store: write the traces anyway, unlinked.
+                    _stats.warn_once("mlflow-run", "rtrace: MLflow run %s is not in %s; traces are not "
+                                     "linked to it", run_id, self._uri)
+                    self._experiments[key] = ""
+            if self._experiments[key]:
+                return self._experiments[key]
+        app_exp = self._app_experiment_id()
+        if app_exp is not None:
+            return app_exp
+        key = ("name", self.settings.project)
+        if key not in self._experiments:
+            self._experiments[key] = backend.experiment_id(self.settings.project)
+        return self._experiments[key]
+
+    # ------------------------------------------------------------------ export
+    def export(self, trajectories: Sequence[Trajectory]) -> None:
+        """Write the batch with as few store calls as possible, then link it to the run.
+
+        Raises:
+            Exception: the spans could not be written (the batch counts as failed).
+                A failed link is counted (``sink.mlflow.failed_links``) but not raised:
+                the traces are stored.
+        """
+        with self._lock:
+            backend = self._ensure_backend()
+            if not self._explicit_run:
+                self._run_id = self._active_run_id() or self._run_id
+            run_id = self._run_id
+            experiment_id = self._experiment_for(run_id)
+            bulk_tags = backend.bulk_tags
+            protos: list[Any] = []
+            trace_ids: list[str] = []
+            for traj in trajectories:
+                protos.extend(self._converter.trajectory(traj, tag_attributes=not bulk_tags))
+                trace_ids.append("tr-" + traj.trace_id)
+            for i in range(0, len(protos), _MAX_SPANS_PER_CALL):
+                backend.log(experiment_id, protos[i:i + _MAX_SPANS_PER_CALL])
+                _stats.incr("sink.mlflow.store_calls")
+            if bulk_tags:
+                backend.set_tags({tid: trace_tags(t) for tid, t in zip(trace_ids, trajectories)})
+                _stats.incr("sink.mlflow.store_calls")
+            if run_id is None or not self._experiments.get(("run", run_id)):
+                return
+            for i in range(0, len(trace_ids), _LINK_CHUNK):
+                chunk = trace_ids[i:i + _LINK_CHUNK]
+                try:
+                    backend.link(chunk, run_id)
+                except Exception:
+                    _stats.incr("sink.mlflow.failed_links", len(chunk))
+                    _stats.warn_once("mlflow-link", "rtrace could not link MLflow traces to run %s", run_id,
+                                     exc_info=True)
+
+    def shutdown(self) -> None:
+        self._backend = None
+
+
+class _file_lock:
+    """An exclusive advisory lock on ``path`` (POSIX; a no-op elsewhere)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd: int | None = None
+
+    def __enter__(self) -> "_file_lock":
+        try:
+            import fcntl
+        except ImportError:
+            return self
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.fd is not None:
+            import fcntl
+
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
