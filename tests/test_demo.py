@@ -7,6 +7,7 @@ its traces are read back through the backend's own storage API.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -59,6 +60,60 @@ def check_trajectory_set(trajs: list) -> None:
         roles = [m["role"] for m in t.messages]
         assert roles == ["system", "user", "assistant", "tool", "assistant"]
         assert t.messages[3]["tool_call_id"] == "call_1_0"
+
+
+def trackio_traces(trackio_dir: Path, project: str) -> list[dict]:
+    """Every trace of ``project``, read through trackio's own CLI (its storage API)."""
+    env = {**os.environ, "TRACKIO_DIR": str(trackio_dir), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([str(Path(sys.executable).parent / "trackio"), "list", "traces", "--project", project,
+                           "--json"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)["traces"]
+
+
+@pytest.fixture(scope="session")
+def trackio_demo(tmp_path_factory):
+    """The demo with no --exporter: trackio, in a local folder under --out-dir."""
+    out = tmp_path_factory.mktemp("demo-trackio")
+    return out, run_demo(out)
+
+
+class TestDemoTrackio:
+    def test_default_is_trackio_in_a_local_folder(self, trackio_demo):
+        """With no exporter given the demo writes to trackio under <out-dir>/trackio and prints
+        the exact command that opens it."""
+        out, proc = trackio_demo
+        assert proc.returncode == 0, proc.stderr
+        assert (out / "trackio" / "rtrace-demo.db").is_file()
+        assert f"trackio:  TRACKIO_DIR={out / 'trackio'} trackio show --project rtrace-demo" in proc.stdout
+        assert f"rtrace: {STEPS * PROMPTS * ROLLOUTS + VAL} trajectories written to trackio" in proc.stdout
+
+    def test_traces_readable_from_trackio_storage(self, trackio_demo):
+        """trackio's storage holds one trace per rollout (training under rollout/traces,
+        validation under eval/traces) with tool spans, decoded text and rewards."""
+        out, proc = trackio_demo
+        assert proc.returncode == 0, proc.stderr
+        traces = trackio_traces(out / "trackio", "rtrace-demo")
+        train = [t for t in traces if t["key"] == "rollout/traces"]
+        val = [t for t in traces if t["key"] == "eval/traces"]
+        assert len(train) == STEPS * PROMPTS * ROLLOUTS and len(val) == VAL and len(traces) == len(train) + len(val)
+        assert sorted((t["step"], t["metadata"]["sample_index"], t["metadata"]["rollout_n"]) for t in train) == [
+            (1, i, n) for i in range(PROMPTS) for n in range(ROLLOUTS)]
+        for t in traces:
+            meta = t["metadata"]
+            assert meta["reward"] in (0.0, 1.0) and meta["validate"] == (t["key"] == "eval/traces")
+            assert meta["num_tool_calls"] == 1 and meta["num_turns"] == 2
+            spans = t["spans"]
+            tools = [s for s in spans if s["kind"] == "tool"]
+            assert [s["metadata"]["gen_ai.tool.name"] for s in tools] == [
+                "calculator" if meta["extra"]["task_kind"] == "arithmetic" else "lookup"]
+            assert tools[0]["output"] == t["messages"][3]["content"] and tools[0]["output"] != "not found"
+            gens = [s for s in spans if s["kind"] == "generation"]
+            assert len(gens) == 2
+            assert all(isinstance(g["metadata"]["rtrace.response_text"], str) for g in gens)
+            assert "user\n" in gens[0]["metadata"]["rtrace.prompt_text"]
+            assert [m["role"] for m in t["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
+            assert t["messages"][2]["content"] == gens[0]["metadata"]["rtrace.response_text"]
 
 
 @pytest.fixture(scope="session")

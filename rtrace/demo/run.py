@@ -29,7 +29,7 @@ from rtrace.config import load_settings
 __all__ = ["DemoOptions", "RolloutResult", "run_demo", "DEFAULT_EXPORTER"]
 
 #: The sink used when neither ``--exporter`` nor ``RTRACE_EXPORTER`` is given.
-DEFAULT_EXPORTER = "jsonl"  # switches to trackio once the trackio sink is in
+DEFAULT_EXPORTER = "trackio"
 DEFAULT_OUT_DIR = "rtrace-demo"
 DEFAULT_PROJECT = "rtrace-demo"
 
