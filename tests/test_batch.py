@@ -274,3 +274,23 @@ def test_tracing_off_returns_immediately(tmp_path):
     rtrace.configure(exporter="none")
     assert rtrace.log_rollout_batch(object(), loss_mask="not even a tensor", n_samples_per_prompt=7) == 0
     assert rtrace.stats().get("batch_trajectories") is None
+
+
+def test_trainer_random_state_untouched_and_extra_made_plain(tmp_path, tok):
+    """Logging a batch does not move the trainer's seeded `random` state; tensor/numpy coordinates become plain values."""
+    import random
+
+    import numpy as np
+
+    path = tmp_path / "t.jsonl"
+    _configure(path)
+    tensors, _ = _verl_batch(tok)
+    random.seed(1234)
+    expected = random.random()
+    random.seed(1234)
+    rtrace.log_rollout_batch(**tensors, n_samples_per_prompt=N, step=0, sample_ids=torch.arange(6),
+                             extra={"epoch": np.int64(2), "temp": torch.tensor(0.5), "cfg": {"a": 1}})
+    assert random.random() == expected
+    trajs = _read(path)
+    assert [t.extra for t in trajs] == [{"epoch": 2, "temp": 0.5, "cfg": "{'a': 1}", "sample_id": i} for i in range(6)]
+    assert trajs[0].root.attributes["rl.extra.epoch"] == 2

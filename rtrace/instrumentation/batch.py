@@ -41,6 +41,9 @@ from . import _state
 __all__ = ["log_rollout_batch"]
 
 _SEGMENT_NS = 1_000  # synthetic duration of one segment span
+# A private generator for trace/span ids: drawing from the module-level one would move the
+# trainer's seeded ``random`` state.
+_rng = random.Random()
 
 
 def log_rollout_batch(
@@ -137,9 +140,9 @@ def log_rollout_batch(
                                   "group_id": str(uids[b]) if uids is not None else str(prompt_index)}
         if rt.experiment is not None:
             coords["experiment"] = rt.experiment
-        sample_extra = dict(extra or {})
+        sample_extra = {str(k): _plain(v) for k, v in (extra or {}).items()}
         if sids is not None:
-            sample_extra["sample_id"] = sids[b]
+            sample_extra["sample_id"] = _plain(sids[b])
         coords["extra"] = sample_extra
         if vers_sample is not None:
             coords["policy_version"] = _int(vers_sample[b])
@@ -273,6 +276,15 @@ def _reward(per_sample: Any, per_token: Any, b: int) -> float | None:
         return None
 
 
+def _plain(value: Any) -> Any:
+    """A JSON-safe coordinate value (sinks receive trajectories as they are built here)."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        return value.item()  # a numpy / torch scalar
+    return str(value)[:200]
+
+
 def _int(value: Any) -> int | None:
     try:
         return int(value)
@@ -288,7 +300,7 @@ def _skeleton(spans: list[SpanRecord]) -> list[dict[str, Any]]:
 
 
 def _span_id() -> str:
-    return format(random.getrandbits(64) or 1, "016x")
+    return format(_rng.getrandbits(64) or 1, "016x")
 
 
 def _trajectory(name: str, coords: dict[str, Any], row: list[int], prompt: list[int],
@@ -348,7 +360,7 @@ def _trajectory(name: str, coords: dict[str, Any], row: list[int], prompt: list[
             span.attributes.setdefault(key, value)  # a generation's own version wins
     if reward is not None:
         spans[0].attributes["rl.reward"] = reward
-    return Trajectory(trace_id=format(random.getrandbits(128) or 1, "032x"), name=name, spans=spans,
+    return Trajectory(trace_id=format(_rng.getrandbits(128) or 1, "032x"), name=name, spans=spans,
                       step=coords.get("step"), sample_index=coords.get("sample_index"),
                       rollout_n=coords.get("rollout_n"), validate=bool(coords.get("validate")),
                       experiment=coords.get("experiment"), group_id=coords.get("group_id"),
