@@ -116,13 +116,34 @@ class TestDemoTrackio:
             assert t["messages"][2]["content"] == gens[0]["metadata"]["rtrace.response_text"]
 
 
+MLFLOW_READER = """
+import json, sys
+from mlflow import MlflowClient
+client = MlflowClient(tracking_uri=sys.argv[1])
+exp = client.get_experiment_by_name(sys.argv[2])
+traces = client.search_traces(locations=[exp.experiment_id], max_results=1000)
+print(json.dumps([{"tags": t.info.tags,
+                   "spans": [{"name": s.name, "type": s.span_type, "attributes": s.attributes} for s in t.data.spans]}
+                  for t in traces], default=str))
+"""
+
+
+def mlflow_traces(uri: str, experiment: str) -> list[dict]:
+    """Every trace of an MLflow experiment, read with MlflowClient.search_traces."""
+    proc = subprocess.run([sys.executable, "-c", MLFLOW_READER, uri, experiment], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
 @pytest.fixture(scope="session")
 def jsonl_demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo-jsonl")
-    return out, run_demo(out, "--exporter", "jsonl")
+    """The demo with two sinks at once: JSONL and MLflow (SQLite under --out-dir)."""
+    out = tmp_path_factory.mktemp("demo-jsonl-mlflow")
+    return out, run_demo(out, "--exporter", "jsonl,mlflow")
 
 
-class TestDemoJsonl:
+class TestDemoJsonlMlflow:
     def test_exits_zero_and_prints_table_and_path(self, jsonl_demo):
         """The demo exits 0, prints the per-step table, the random-weights note and the JSONL path."""
         out, proc = jsonl_demo
@@ -134,8 +155,10 @@ class TestDemoJsonl:
         assert lines[header + 2].split()[:4] == ["1", "train", str(PROMPTS * ROLLOUTS), str(PROMPTS * ROLLOUTS)]
         assert lines[header + 3].split()[:4] == [str(STEPS), "val", str(VAL), str(VAL)]
         assert "random weights" in proc.stdout
-        assert f"rtrace: {STEPS * PROMPTS * ROLLOUTS + VAL} trajectories written to jsonl" in proc.stdout
+        for sink in ("jsonl", "mlflow"):
+            assert f"rtrace: {STEPS * PROMPTS * ROLLOUTS + VAL} trajectories written to {sink}" in proc.stdout
         assert f"jsonl:    {out / 'traces.jsonl'}" in proc.stdout
+        assert f"mlflow:   mlflow ui --backend-store-uri sqlite:///{out / 'mlflow.db'}" in proc.stdout
         assert "step 1/1" in proc.stderr and "validation" in proc.stderr  # the progress bars
 
     def test_traces_have_tools_text_and_rewards(self, jsonl_demo):
@@ -143,6 +166,29 @@ class TestDemoJsonl:
         out, proc = jsonl_demo
         assert proc.returncode == 0, proc.stderr
         check_trajectory_set(read_jsonl(out / "traces.jsonl"))
+
+    def test_mlflow_has_the_same_trajectories(self, jsonl_demo):
+        """MLflow holds the same trajectories as the JSONL file: same trace ids, coordinates
+        as trace tags, tool spans, decoded text on LLM spans and the reward."""
+        out, proc = jsonl_demo
+        assert proc.returncode == 0, proc.stderr
+        by_id = {t.trace_id: t for t in read_jsonl(out / "traces.jsonl")}
+        traces = mlflow_traces(f"sqlite:///{out / 'mlflow.db'}", "rtrace-demo")
+        assert len(traces) == len(by_id) == STEPS * PROMPTS * ROLLOUTS + VAL
+        for trace in traces:
+            tags = trace["tags"]
+            root = trace["spans"][0]["attributes"]
+            traj = next(t for t in by_id.values() if (t.step, t.sample_index, t.rollout_n, t.validate) == (
+                int(tags["step"]), int(tags["sample_index"]), int(tags["rollout_n"]), tags["validate"] == "true"))
+            assert float(tags["reward"]) == traj.reward and tags["group_id"] == traj.group_id
+            assert root["rl.reward"] == traj.reward
+            names = [(s["name"], s["type"]) for s in trace["spans"]]
+            assert sorted(names) == sorted((s.name, {"rollout": "AGENT", "agent": "AGENT", "generation": "LLM",
+                                                     "tool": "TOOL"}.get(s.kind, "CHAIN")) for s in traj.spans)
+            tool = next(s for s in trace["spans"] if s["type"] == "TOOL")
+            assert tool["attributes"]["gen_ai.tool.name"] == traj.spans_of_kind("tool")[0].attributes["gen_ai.tool.name"]
+            llm = [s["attributes"]["rtrace.response_text"] for s in trace["spans"] if s["type"] == "LLM"]
+            assert sorted(llm) == sorted(g.attributes["rtrace.response_text"] for g in traj.spans_of_kind("generation"))
 
 
 def test_bad_exporter_is_a_clear_error(tmp_path):
