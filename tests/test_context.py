@@ -116,6 +116,17 @@ class TestCoordinates:
         assert ctx.trace_id != format(app_span.get_span_context().trace_id, "032x")
         assert traj.root.parent_id is None
 
+    def test_trace_false_keeps_coordinates_and_traces_nothing(self, jsonl_path):
+        """rollout_context(trace=False): coordinates visible, nothing inside traced or sampled."""
+        with rtrace.rollout_context(step=5, sample_index=1, trace=False) as ctx:
+            assert rtrace.current_coordinates() == {"step": 5, "sample_index": 1}
+            assert run_tool("c", 1) == 2
+        with rtrace.rollout_context(step=5, sample_index=2):
+            run_tool("c", 2)
+        (traj,) = read_back(jsonl_path)
+        assert not ctx.traced and traj.sample_index == 2
+        assert rtrace.stats()["trajectories_started"] == 1
+
     async def test_async_with(self, jsonl_path):
         """rollout_context also works with `async with`."""
         async with rtrace.rollout_context(step=9):

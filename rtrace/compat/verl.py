@@ -222,19 +222,8 @@ def rollout_trace_attr(sample_index: Any = None, step: Any = None, rollout_n: An
     if trace and not config._admit(step, validate, sample_index):
         _stats.incr("trajectories_sampled_out")
         trace = False
-    if not trace:
-        coords = {k: v for k, v in (("step", step), ("sample_index", sample_index), ("rollout_n", rollout_n))
-                  if v is not None}
-        coords["validate"] = bool(validate)
-        # An open frame without a trajectory state: nested decorated calls are not traced.
-        token = _state.FRAME.set(_state.Frame(coords, None))
-        try:
-            yield
-        finally:
-            _state.FRAME.reset(token)
-        return
     with rtrace.rollout_context(step=step, sample_index=sample_index, rollout_n=rollout_n,
-                                validate=bool(validate), name=name):
+                                validate=bool(validate), name=name, trace=trace):
         yield
 
 

@@ -33,11 +33,12 @@ T = TypeVar("T")
 class RolloutContext:
     """The context manager returned by :func:`rollout_context` (sync and async ``with``)."""
 
-    __slots__ = ("_coords", "_name", "_span", "_frame", "_frame_token", "_span_token", "_trace_id")
+    __slots__ = ("_coords", "_name", "_trace", "_span", "_frame", "_frame_token", "_span_token", "_trace_id")
 
-    def __init__(self, coords: dict[str, Any], name: str) -> None:
+    def __init__(self, coords: dict[str, Any], name: str, trace: bool = True) -> None:
         self._coords = coords
         self._name = name
+        self._trace = trace
         self._span: Any = None
         self._frame: _state.Frame | None = None
         self._frame_token: Any = None
@@ -67,7 +68,7 @@ class RolloutContext:
         if outer is not None and "extra" in outer.coords and "extra" in self._coords:
             coords["extra"] = {**outer.coords["extra"], **self._coords["extra"]}
         frame = _state.Frame(coords, None)
-        rt = _state.get_runtime()
+        rt = _state.get_runtime() if self._trace else None
         if rt is not None:
             try:
                 self._span, frame = _state.start_root(rt, self._name, "rollout", coords)
@@ -108,7 +109,7 @@ class RolloutContext:
 def rollout_context(step: int | None = None, sample_index: int | None = None,
                     rollout_n: int | None = None, validate: bool | None = None,
                     group_id: Any = None, policy_version: int | None = None, *,
-                    name: str = "rollout", **extra: Any) -> RolloutContext:
+                    name: str = "rollout", trace: bool = True, **extra: Any) -> RolloutContext:
     """Open one trajectory with its RL coordinates.
 
     Use as ``with rtrace.rollout_context(step=3, sample_index=17, rollout_n=2): ...``
@@ -123,6 +124,9 @@ def rollout_context(step: int | None = None, sample_index: int | None = None,
 
     Args:
         name: the root span's name (default ``rollout``).
+        trace: ``False`` opens the context without a trajectory: its coordinates are
+            visible (``current_coordinates``) but nothing inside is traced (veRL's
+            ``trace=False``).
         **extra: more coordinates, exported as ``rl.extra.<key>``.
     """
     coords: dict[str, Any] = {}
@@ -133,7 +137,7 @@ def rollout_context(step: int | None = None, sample_index: int | None = None,
             coords[key] = value
     if extra:
         coords["extra"] = extra
-    return RolloutContext(coords, name)
+    return RolloutContext(coords, name, trace)
 
 
 def _record(frame: _state.Frame | None, value: Any, outcome: dict[str, Any]) -> None:
