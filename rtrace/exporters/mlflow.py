@@ -237,6 +237,7 @@ class _StoreBackend:
         self.client = MlflowClient(tracking_uri=uri)
         self.store = self.client._tracking_client.store
         self.bulk_tags = isinstance(self.store, SqlAlchemyStore)
+        self.max_spans_per_call = _MAX_SPANS_PER_CALL
 
     def experiment_id(self, name: str) -> str:
         from mlflow.exceptions import MlflowException
@@ -309,7 +310,11 @@ class _HttpBackend:
 
     MAX_RETRIES = 2
     BACKOFF_FACTOR = 1
-    TIMEOUT_S = 10
+    #: per-request timeout: the sink's timeout (RTRACE_SINK_TIMEOUT_S), kept within 10-60 s;
+    #: a loaded server can take several seconds for a request of 1000 spans
+    TIMEOUT_RANGE_S = (10, 60)
+    #: spans per POST, so that one request stays well within the timeout
+    max_spans_per_call = 1000
     #: the server turns mlflow.traceTag.<k> attributes into tags
     bulk_tags = False
 
@@ -317,7 +322,8 @@ class _HttpBackend:
         from mlflow.tracking import MlflowClient
 
         self.creds = MlflowClient(tracking_uri=uri)._tracking_client.store.get_host_creds()
-        self.timeout = max(1, int(min(self.TIMEOUT_S, timeout_s or self.TIMEOUT_S)))
+        lo, hi = self.TIMEOUT_RANGE_S
+        self.timeout = int(min(hi, max(lo, timeout_s)))
 
     def _request(self, endpoint: str, method: str, **kwargs: Any) -> Any:
         from mlflow.utils.rest_utils import http_request, verify_rest_response
@@ -513,8 +519,11 @@ class MlflowSink(Sink):
             for traj in trajectories:
                 protos.extend(self._converter.trajectory(traj, tag_attributes=not bulk_tags))
                 trace_ids.append("tr-" + traj.trace_id)
-            for i in range(0, len(protos), _MAX_SPANS_PER_CALL):
-                backend.log(experiment_id, protos[i:i + _MAX_SPANS_PER_CALL])
+            # Calls split between spans of one trajectory are fine: spans are upserted into
+            # their trace, and the trace's tags and times are merged across calls.
+            step = backend.max_spans_per_call
+            for i in range(0, len(protos), step):
+                backend.log(experiment_id, protos[i:i + step])
                 _stats.incr("sink.mlflow.store_calls")
             if bulk_tags:
                 backend.set_tags({tid: trace_tags(t) for tid, t in zip(trace_ids, trajectories)})
