@@ -294,3 +294,44 @@ def test_trainer_random_state_untouched_and_extra_made_plain(tmp_path, tok):
     trajs = _read(path)
     assert [t.extra for t in trajs] == [{"epoch": 2, "temp": 0.5, "cfg": "{'a': 1}", "sample_id": i} for i in range(6)]
     assert trajs[0].root.attributes["rl.extra.epoch"] == 2
+
+
+def _reference_turns(row, attn, loss, vers):
+    """Per-token reference of the documented layout (prompt = before the first loss 1)."""
+    width = len(row)
+    real = [t for t in range(width) if attn[t]]
+    off = width - len(loss)
+    flag = [bool(t >= off and loss[t - off]) for t in range(width)]
+    n_prompt = next((i for i, t in enumerate(real) if flag[t]), len(real)) if off == 0 else sum(t < off for t in real)
+    turns = []
+    for t in real[n_prompt:]:
+        if turns and turns[-1][0] == flag[t]:
+            turns[-1][1].append(t)
+        else:
+            turns.append((flag[t], [t]))
+    out = []
+    for asst, cols in turns:
+        vs = [vers[t - (width - len(vers))] for t in cols if t >= width - len(vers)]
+        vs = [v for v in vs if v >= 0]
+        out.append((asst, [row[t] for t in cols], min(vs) if asst and vs else None))
+    return [row[t] for t in real[:n_prompt]], out
+
+
+def test_run_based_slicing_matches_a_per_token_reference():
+    """The run-based slicing of masks (holes, narrow masks, -1 versions) equals a per-token reference on 300 random rows."""
+    import random
+
+    from rtrace.instrumentation import batch
+
+    rng = random.Random(7)
+    for _ in range(300):
+        width = rng.randint(1, 40)
+        row = [rng.randint(4, 99) for _ in range(width)]
+        attn = [int(rng.random() > 0.2) for _ in range(width)]
+        loss = [rng.choice([0, 1, True, False, 1.0]) for _ in range(rng.choice([width, rng.randint(0, width)]))]
+        vers = [rng.choice([-1, 2, 3, 5]) for _ in range(rng.choice([width, len(loss)]))]
+        real = [(lo, hi) for v, lo, hi in batch._runs(attn) if v]
+        n_prompt = batch._prompt_len(0, width, real, None, None, [loss])
+        prompt_iv, resp_iv = batch._split(real, n_prompt)
+        got = batch._gather(row, prompt_iv), batch._turns(row, resp_iv, loss, vers)
+        assert got == _reference_turns(row, attn, loss, vers), (row, attn, loss, vers)

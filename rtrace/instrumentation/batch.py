@@ -150,13 +150,15 @@ def log_rollout_batch(
         if not rt.sampler.admit(coords):
             continue
         row = ids[b]
-        real = range(len(row)) if attn is None else [t for t, a in enumerate(attn[b]) if a]
-        n_prompt = _prompt_len(b, row, real, pmask, plens, loss)
-        turns = _turns(real[n_prompt:], loss[b] if loss is not None else None, len(row))
+        width = len(row)
+        real = [(0, width)] if attn is None else [(lo, hi) for v, lo, hi in _runs(attn[b]) if v]
+        n_prompt = _prompt_len(b, width, real, pmask, plens, loss)
+        prompt_iv, response_iv = _split(real, n_prompt)
+        turns = _turns(row, response_iv, loss[b] if loss is not None else None,
+                       vers_tok[b] if vers_tok is not None else None)
         reward = _reward(rew_sample, rew_tok, b)
-        traj = _trajectory(name, coords, row, [row[t] for t in real[:n_prompt]], turns,
-                           vers_tok[b] if vers_tok is not None else None, len(row), reward,
-                           now, observation_role, rt.capture)
+        traj = _trajectory(name, coords, _gather(row, prompt_iv), turns, reward, now, observation_role,
+                           rt.capture)
         if messages is not None and messages[b]:
             traj.messages = [dict(m) for m in messages[b]]
         elif not decoded or not rt.capture:
@@ -184,7 +186,8 @@ def _rows(value: Any, name: str) -> list[list[int]]:
     rows = _to_lists(value)
     if not isinstance(rows, (list, tuple)) or not all(isinstance(r, (list, tuple)) for r in rows):
         raise ValueError(f"log_rollout_batch: {name} must be 2-D ([batch, tokens]), got {type(value).__name__}")
-    return [list(r) for r in rows]
+    # tolist() gives fresh lists already: copy only tuples / foreign sequences
+    return rows if type(rows) is list and all(type(r) is list for r in rows) else [list(r) for r in rows]
 
 
 def _per_token(value: Any, name: str, ids: list[list[int]], full_only: bool = False) -> list[list[Any]] | None:
@@ -228,37 +231,125 @@ def _per_sample(value: Any, name: str, batch: int, n: int) -> list[Any] | None:
                      f"{per_prompt}")
 
 
-def _prompt_len(b: int, row: list[int], real: Sequence[int], pmask: Any, plens: Any, loss: Any) -> int:
+# The per-sample work below scans 0/1 masks run by run with list.index (C speed) and cuts
+# ids with list slices: a sample of a few thousand tokens costs a few dozen Python steps,
+# not one per token. Columns are half-open intervals (lo, hi).
+Interval = tuple[int, int]
+
+
+def _runs(mask: list[Any]) -> list[tuple[int, int, int]]:
+    """Runs of equal truthiness in a mask row: (value 0/1, lo, hi)."""
+    if not set(mask) <= {0, 1}:  # True/False and 0.0/1.0 compare equal to 0/1
+        mask = [1 if v else 0 for v in mask]
+    out: list[tuple[int, int, int]] = []
+    lo, width = 0, len(mask)
+    while lo < width:
+        v = 1 if mask[lo] else 0
+        try:
+            hi = mask.index(1 - v, lo)
+        except ValueError:
+            hi = width
+        out.append((v, lo, hi))
+        lo = hi
+    return out
+
+
+def _split(intervals: list[Interval], k: int) -> tuple[list[Interval], list[Interval]]:
+    """The first ``k`` columns of ``intervals``, and the rest."""
+    head: list[Interval] = []
+    for i, (lo, hi) in enumerate(intervals):
+        if k <= 0:
+            return head, intervals[i:]
+        if hi - lo <= k:
+            head.append((lo, hi))
+            k -= hi - lo
+        else:
+            head.append((lo, lo + k))
+            return head, [(lo + k, hi)] + intervals[i + 1:]
+    return head, []
+
+
+def _gather(row: list[Any], intervals: list[Interval]) -> list[Any]:
+    if len(intervals) == 1:
+        lo, hi = intervals[0]
+        return row[lo:hi]
+    out: list[Any] = []
+    for lo, hi in intervals:
+        out += row[lo:hi]
+    return out
+
+
+def _prompt_len(b: int, width: int, real: list[Interval], pmask: Any, plens: Any, loss: Any) -> int:
     """How many of the sample's real tokens are prompt (see the module docstring)."""
+    n_real = sum(hi - lo for lo, hi in real)
     if pmask is not None:
-        return sum(1 for t in real if pmask[b][t])
+        return sum(sum(map(bool, pmask[b][lo:hi])) for lo, hi in real)
     if plens is not None:
         p = _int(plens[b])
-        if p is None or not 0 <= p <= len(real):
+        if p is None or not 0 <= p <= n_real:
             raise ValueError(f"log_rollout_batch: prompt_lengths[{b}]={plens[b]!r} but sample {b} has "
-                             f"{len(real)} real tokens")
+                             f"{n_real} real tokens")
         return p
     if loss is not None:
-        first = len(row) - len(loss[b])  # column of loss_mask[b][0]
-        if first > 0:  # response-part mask: everything left of it is prompt
-            return sum(1 for t in real if t < first)
-        for i, t in enumerate(real):
-            if loss[b][t]:
-                return i
-        return len(real)
-    return len(real)
+        first = width - len(loss[b])  # column of loss_mask[b][0]
+        if first > 0:  # a response-part mask: everything left of it is prompt
+            return sum(max(0, min(hi, first) - lo) for lo, hi in real)
+        before = 0
+        for lo, hi in real:
+            for t, v in _iter_runs(loss[b], lo, hi):
+                if v:
+                    return before + t - lo
+            before += hi - lo
+        return n_real
+    return n_real
 
 
-def _turns(cols: Sequence[int], loss_row: Any, width: int) -> list[tuple[bool, list[int]]]:
-    """Runs of equal loss flag over the response columns: (is_assistant, columns)."""
-    offset = width - len(loss_row) if loss_row is not None else 0
-    turns: list[tuple[bool, list[int]]] = []
-    for t in cols:
-        flag = True if loss_row is None else (t >= offset and bool(loss_row[t - offset]))
-        if turns and turns[-1][0] == flag:
-            turns[-1][1].append(t)
-        else:
-            turns.append((flag, [t]))
+def _iter_runs(mask: list[Any], lo: int, hi: int) -> list[tuple[int, int]]:
+    """(start column, value) of each run of ``mask[lo:hi]``."""
+    return [(lo + r_lo, v) for v, r_lo, _ in _runs(mask[lo:hi])]
+
+
+def _turns(row: list[int], response: list[Interval], loss_row: Any,
+           vers_row: Any) -> list[tuple[bool, list[int], int | None]]:
+    """The response cut into turns: (is_assistant, token ids, oldest version or None).
+
+    Runs of equal loss flag over the real response columns; columns left of a
+    response-part ``loss_row`` count as 0. Adjacent runs with the same flag (split by
+    padding) are one turn.
+    """
+    width = len(row)
+    if loss_row is None:
+        flags = [(1, 0, width)]
+    else:
+        offset = width - len(loss_row)
+        flags = ([(0, 0, offset)] if offset else []) + [(v, lo + offset, hi + offset) for v, lo, hi in _runs(loss_row)]
+    pieces: list[tuple[bool, list[Interval]]] = []
+    i = 0
+    for lo, hi in response:  # intersect the real response columns with the flag runs
+        while i < len(flags) and flags[i][2] <= lo:
+            i += 1
+        j = i
+        while j < len(flags) and flags[j][1] < hi:
+            v, f_lo, f_hi = flags[j]
+            piece = (max(lo, f_lo), min(hi, f_hi))
+            if pieces and pieces[-1][0] == bool(v):
+                pieces[-1][1].append(piece)
+            else:
+                pieces.append((bool(v), [piece]))
+            j += 1
+    v_off = width - len(vers_row) if vers_row is not None else 0
+    turns: list[tuple[bool, list[int], int | None]] = []
+    for assistant, ivs in pieces:
+        version = None
+        if assistant and vers_row is not None:
+            vs = _gather(vers_row, [(max(lo - v_off, 0), max(hi - v_off, 0)) for lo, hi in ivs])
+            if vs:
+                low = min(vs)
+                if low < 0:  # AReaL marks non-generated tokens -1: ignore them
+                    vs = [v for v in vs if v >= 0]
+                    low = min(vs) if vs else None
+                version = int(low) if low is not None else None
+        turns.append((assistant, _gather(row, ivs), version))
     return turns
 
 
@@ -303,9 +394,9 @@ def _span_id() -> str:
     return format(_rng.getrandbits(64) or 1, "016x")
 
 
-def _trajectory(name: str, coords: dict[str, Any], row: list[int], prompt: list[int],
-                turns: list[tuple[bool, list[int]]], vers_row: Any, width: int, reward: float | None,
-                now: int, observation_role: str, capture: bool) -> Trajectory:
+def _trajectory(name: str, coords: dict[str, Any], prompt: list[int],
+                turns: list[tuple[bool, list[int], int | None]], reward: float | None, now: int,
+                observation_role: str, capture: bool) -> Trajectory:
     root_id = _span_id()
     spans = [SpanRecord(span_id=root_id, parent_id=None, name=name, kind="rollout", start_ns=now,
                         end_ns=now + _SEGMENT_NS * max(1, len(turns)),
@@ -313,9 +404,8 @@ def _trajectory(name: str, coords: dict[str, Any], row: list[int], prompt: list[
     oldest: int | None = None
     context = len(prompt)
     first_gen = True
-    for k, (assistant, cols) in enumerate(turns):
+    for k, (assistant, tokens, version) in enumerate(turns):
         start = now + _SEGMENT_NS * k
-        tokens = [row[t] for t in cols]
         attrs: dict[str, Any] = {"rtrace.role": "assistant" if assistant else observation_role}
         span = SpanRecord(span_id=_span_id(), parent_id=root_id, name="generation" if assistant else "observation",
                           kind="generation" if assistant else "tool", start_ns=start, end_ns=start + _SEGMENT_NS,
@@ -324,12 +414,9 @@ def _trajectory(name: str, coords: dict[str, Any], row: list[int], prompt: list[
             attrs["gen_ai.operation.name"] = "chat"
             attrs["gen_ai.usage.input_tokens"] = context
             attrs["gen_ai.usage.output_tokens"] = len(tokens)
-            if vers_row is not None:
-                offset = width - len(vers_row)
-                vs = [int(vers_row[t - offset]) for t in cols if t >= offset and vers_row[t - offset] >= 0]
-                if vs:
-                    attrs["rl.policy_version"] = min(vs)
-                    oldest = min(vs) if oldest is None else min(oldest, min(vs))
+            if version is not None:
+                attrs["rl.policy_version"] = version
+                oldest = version if oldest is None else min(oldest, version)
             if capture:
                 if first_gen:
                     span.prompt_ids = prompt
