@@ -105,15 +105,9 @@ class Converter:
         self.truncated += 1
         return f"{text[: self.max_chars]}…[truncated, {len(text)} chars]"
 
-    def convert_args(self, names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
-        """Bound arguments as ``{name: value}``; secret-looking names are redacted."""
-        out: dict[str, Any] = {}
-        for i, value in enumerate(args):
-            key = names[i] if i < len(names) else f"arg{i}"
-            out[key] = self._redact_or_convert(key, value)
-        for key, value in kwargs.items():
-            out[key] = self._redact_or_convert(key, value)
-        return out
+    def convert_named(self, values: dict[str, Any]) -> dict[str, Any]:
+        """Arguments by name as ``{name: value}``; secret-looking names are redacted."""
+        return {key: self._redact_or_convert(key, value) for key, value in values.items()}
 
     def _redact_or_convert(self, key: str, value: Any) -> Any:
         if self.is_secret(key):
