@@ -19,19 +19,29 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 @pytest.fixture(autouse=True)
 def clean_rtrace(monkeypatch):
-    """Every test starts unconfigured, with no RTRACE_* variables and zeroed counters,
-    and leaves no pipeline or open trajectory behind."""
+    """Every test starts unconfigured, with no RTRACE_* variables, zeroed counters and no
+    tokenizer, and leaves no pipeline or open trajectory behind."""
     for key in list(os.environ):
         if key.startswith("RTRACE_") or key.startswith("OTEL_") or key in ("MLFLOW_TRACKING_URI", "TRACKIO_SPACE_ID"):
             monkeypatch.delenv(key, raising=False)
     rtrace.shutdown()
     _state.set_runtime(_state.UNSET)
     _stats.reset()
+    rtrace.set_tokenizer(None)  # the process-wide token2text tokenizer
     assert _state.FRAME.get() is None
     yield
     rtrace.shutdown()
     _state.set_runtime(_state.UNSET)
     _stats.reset()
+    rtrace.set_tokenizer(None)
+
+
+@pytest.fixture(scope="session")
+def tok():
+    """The demo's offline tokenizer (a real PreTrainedTokenizerFast; imports transformers)."""
+    from rtrace.demo import build_tokenizer
+
+    return build_tokenizer()
 
 
 @pytest.fixture

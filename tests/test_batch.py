@@ -6,24 +6,10 @@ import pytest
 import torch
 
 import rtrace
-from rtrace.demo import build_tokenizer
 from rtrace.exporters.jsonl import read_jsonl
 
 PAD = 3  # <|pad|>
 N = 3  # samples per prompt
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
-
-
-@pytest.fixture(autouse=True)
-def no_tokenizer():
-    """The process-wide tokenizer is cleared around every test."""
-    rtrace.set_tokenizer(None)
-    yield
-    rtrace.set_tokenizer(None)
 
 
 def _sample_turns(a: int, b: int, r: int) -> list[tuple[bool, str]]:

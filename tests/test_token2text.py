@@ -19,19 +19,6 @@ PROMPT = "<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n"
 ANSWER = "12 + 30 = 42. The answer is 42.<|im_end|>"
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
-
-
-@pytest.fixture(autouse=True)
-def no_tokenizer():
-    """The process-wide tokenizer is cleared around every test."""
-    rtrace.set_tokenizer(None)
-    yield
-    rtrace.set_tokenizer(None)
-
-
 class RecordingTokenizer:
     """A real tokenizer, wrapped to record each batch_decode call: thread, time, sizes."""
 
