@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -85,7 +86,9 @@ class TestDemoTrackio:
         out, proc = trackio_demo
         assert proc.returncode == 0, proc.stderr
         assert (out / "trackio" / "rtrace-demo.db").is_file()
-        assert f"trackio:  TRACKIO_DIR={out / 'trackio'} trackio show --project rtrace-demo" in proc.stdout
+        # `trackio`, or its full path next to the venv's python when it is not on PATH
+        assert re.search(rf"trackio:  TRACKIO_DIR={re.escape(str(out / 'trackio'))} (\S*/)?trackio show "
+                         r"--project rtrace-demo\n", proc.stdout)
         assert f"rtrace: {STEPS * PROMPTS * ROLLOUTS + VAL} trajectories written to trackio" in proc.stdout
 
     def test_traces_readable_from_trackio_storage(self, trackio_demo):

@@ -17,6 +17,7 @@ import asyncio
 import os
 import random
 import shlex
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -106,15 +107,25 @@ def _configure(opts: DemoOptions, exporter: str, out_dir: Path, tokenizer: Any) 
     return where
 
 
+def _command(name: str) -> str:
+    """``name`` if it is on PATH, else its path next to this Python (``make demo`` runs
+    from .venv without activating it)."""
+    if shutil.which(name):
+        return name
+    candidate = Path(sys.executable).parent / name
+    return shlex.quote(str(candidate)) if candidate.exists() else name
+
+
 def open_commands(where: dict[str, Any]) -> list[str]:
     """The exact commands / paths that open what each sink wrote."""
     lines = []
     q = shlex.quote
     for name in where["names"]:
         if name == "trackio":
-            lines.append(f"trackio:  TRACKIO_DIR={q(where['trackio_dir'])} trackio show --project {q(where['project'])}")
+            lines.append(f"trackio:  TRACKIO_DIR={q(where['trackio_dir'])} {_command('trackio')} show "
+                         f"--project {q(where['project'])}")
         elif name == "mlflow":
-            lines.append(f"mlflow:   mlflow ui --backend-store-uri {q(where['mlflow_uri'])}   "
+            lines.append(f"mlflow:   {_command('mlflow')} ui --backend-store-uri {q(where['mlflow_uri'])}   "
                          f"(then http://127.0.0.1:5000 -> experiment {where['project']} -> Traces)")
         elif name == "jsonl":
             lines.append(f"jsonl:    {where['jsonl_path']}   (one trajectory per line, schema rtrace.trajectory/1)")
