@@ -3,7 +3,7 @@
 The decorated call only calls :func:`snapshot` on each argument: lists keep a reference
 and their current length (agent loops extend ``prompt_ids`` in place, and the span must
 show what the call saw), dicts are shallow-copied, everything else is kept by reference.
-The worker thread later turns the snapshot into JSON-safe data with :func:`to_jsonable`:
+The worker thread later turns the snapshot into JSON-safe data with :class:`Converter`:
 secrets redacted, every value bounded.
 
 Defined forms (documented in docs/capture.md):
@@ -26,7 +26,7 @@ import json
 import math
 from typing import Any, Iterable
 
-__all__ = ["ListSnapshot", "snapshot", "to_jsonable", "Converter", "REDACTED"]
+__all__ = ["ListSnapshot", "snapshot", "unsnap", "is_array", "array_to_python", "Converter", "REDACTED"]
 
 REDACTED = "[REDACTED]"
 _MAX_DEPTH = 12
@@ -60,6 +60,21 @@ def snapshot(value: Any) -> Any:
 def unsnap(value: Any) -> Any:
     """The captured value of a :func:`snapshot` (worker thread)."""
     return value.value() if type(value) is ListSnapshot else value
+
+
+def is_array(value: Any) -> bool:
+    """A numpy array / scalar or a torch tensor (anything with ``tolist`` and ``shape``)."""
+    return hasattr(value, "tolist") and hasattr(value, "shape")
+
+
+def array_to_python(value: Any) -> Any:
+    """``value.tolist()`` of an array or tensor (a tensor is moved to the CPU first, in
+    one copy); any other value unchanged."""
+    if not is_array(value):
+        return value
+    if hasattr(value, "detach"):
+        value = value.detach().cpu()
+    return value.tolist()
 
 
 class Converter:
@@ -146,11 +161,8 @@ class Converter:
             return [self._convert(v, depth + 1) for v in sorted(value, key=repr)]
         if isinstance(value, (bytes, bytearray, memoryview)):
             return f"<bytes: {len(value)}>"
-        tolist = getattr(value, "tolist", None)
-        if tolist is not None and hasattr(value, "shape"):  # numpy arrays, torch tensors
-            if hasattr(value, "detach"):
-                value = value.detach().cpu()
-            return self._convert(value.tolist(), depth + 1)
+        if is_array(value):  # numpy arrays, torch tensors
+            return self._convert(array_to_python(value), depth + 1)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return {f.name: self._convert(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value)}
         dump = getattr(value, "model_dump", None)  # pydantic v2 models (tool call objects ...)

@@ -16,7 +16,7 @@ from opentelemetry.trace import StatusCode
 
 from .. import _stats
 from .._capture import CallRecord, TrajectoryState
-from .._serialize import Converter, unsnap
+from .._serialize import Converter, array_to_python, is_array, unsnap
 from ..config import Settings
 from ..trajectory import RL_FIELDS, SpanRecord, Trajectory
 from .messages import build_messages
@@ -31,10 +31,8 @@ def as_id_list(value: Any) -> list[int] | None:
     value = unsnap(value)
     if value is None:
         return None
-    if hasattr(value, "tolist") and hasattr(value, "shape"):
-        if hasattr(value, "detach"):
-            value = value.detach().cpu()
-        value = value.tolist()
+    if is_array(value):
+        value = array_to_python(value)
         if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list):
             value = value[0]  # a batch of one
     # set(map(type, ...)) runs in C (2x faster than isinstance per id); bools are not ids

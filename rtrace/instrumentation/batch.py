@@ -35,6 +35,7 @@ import time
 from typing import Any, Sequence
 
 from .. import _stats
+from .._serialize import array_to_python
 from ..trajectory import SpanRecord, Trajectory
 from . import _state
 
@@ -174,12 +175,9 @@ def log_rollout_batch(
 
 # ---------------------------------------------------------------------- inputs
 def _to_lists(value: Any) -> Any:
-    """Python lists from a tensor (moved to the CPU once), an array, or lists."""
-    if hasattr(value, "detach"):  # torch.Tensor: one device-to-host copy for the whole batch
-        return value.detach().cpu().tolist()
-    if hasattr(value, "tolist") and hasattr(value, "shape"):  # numpy
-        return value.tolist()
-    return value
+    """Python lists from a tensor (one device-to-host copy for the whole batch), an
+    array, or lists."""
+    return array_to_python(value)
 
 
 def _rows(value: Any, name: str) -> list[list[int]]:
