@@ -36,6 +36,7 @@ import threading
 from typing import Any, Sequence
 
 from .. import _stats
+from .._serialize import finite_or_str
 from ..config import ConfigError, Settings
 from ..trajectory import SpanRecord, Trajectory
 from .base import Sink
@@ -94,10 +95,8 @@ def tag_value(value: Any) -> str:
     if isinstance(value, int):
         return str(value)
     if isinstance(value, float):
-        if math.isnan(value):
-            return "NaN"
-        if math.isinf(value):
-            return "Infinity" if value > 0 else "-Infinity"
+        if not math.isfinite(value):
+            return str(finite_or_str(value))
         return str(int(value)) if value.is_integer() else repr(value)
     return str(value)
 

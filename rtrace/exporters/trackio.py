@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .. import _stats
+from .._serialize import finite_or_str
 from ..config import ConfigError, Settings
 from ..trajectory import SpanRecord, Trajectory
 from .base import Sink
@@ -79,9 +80,7 @@ def normalize(value: Any) -> Any:
     if cls is int:
         return value if _INT_MIN <= value <= _INT_MAX else str(value)
     if cls is float:
-        if math.isfinite(value):
-            return value
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+        return finite_or_str(value)
     if cls is dict:
         return {k if type(k) is str else str(k): normalize(v) for k, v in value.items()}
     if cls is list or cls is tuple:
