@@ -11,6 +11,9 @@ Sources, best first:
    entry on the preceding assistant turn plus a ``tool`` message with its result;
 3. nothing readable: an empty list.
 
+Trajectories of ``rtrace.log_rollout_batch`` (root attribute ``rtrace.source`` =
+``tensor_batch``) are rebuilt from their segments instead (:func:`segment_messages`).
+
 Tool messages carry ``tool_call_id`` (the captured ``tool_call_id``/``call_id``, else
 ``call_<span id>``) and ``name``; the assistant's ``tool_calls`` use the OpenAI shape
 ``{"id", "type": "function", "function": {"name", "arguments"}}`` with arguments as JSON.
@@ -23,7 +26,12 @@ from typing import Any
 
 from ..trajectory import SpanRecord, Trajectory
 
-__all__ = ["build_messages", "response_text", "tool_call_id"]
+__all__ = ["build_messages", "segment_messages", "response_text", "tool_call_id"]
+
+#: Root attribute ``rtrace.source`` of trajectories made by ``rtrace.log_rollout_batch``.
+BATCH_SOURCE = "tensor_batch"
+#: On a span of such a trajectory: the chat role of its segment ("user", "assistant", "tool").
+ROLE_ATTR = "rtrace.role"
 
 
 def _text(value: Any) -> str | None:
@@ -89,8 +97,29 @@ def _chat_messages(span: SpanRecord) -> list[dict[str, Any]] | None:
     return None
 
 
+def segment_messages(traj: Trajectory) -> list[dict[str, Any]]:
+    """The conversation of a tensor-batch trajectory, from its segments.
+
+    Each non-root span is one segment of the sample's token sequence, in order; its
+    role is the ``rtrace.role`` attribute. The first generation's prompt is the user
+    turn. A segment with no decoded text (token2text off, or no tokenizer) has empty
+    content, so the roles are there in order either way.
+    """
+    messages: list[dict[str, Any]] = []
+    for span in traj.spans[1:]:
+        if span.kind == "generation" and not messages:
+            prompt = span.attributes.get("rtrace.prompt_text")
+            messages.append({"role": "user", "content": prompt if isinstance(prompt, str) else ""})
+        role = span.attributes.get(ROLE_ATTR) or ("assistant" if span.kind == "generation" else "tool")
+        text = span.attributes.get("rtrace.response_text")
+        messages.append({"role": role, "content": text if isinstance(text, str) else ""})
+    return messages
+
+
 def build_messages(traj: Trajectory) -> list[dict[str, Any]]:
     """The trajectory's conversation (see the module docstring for the sources)."""
+    if traj.spans and traj.root.attributes.get("rtrace.source") == BATCH_SOURCE:
+        return segment_messages(traj)
     events = [s for s in traj.spans if s.kind in ("generation", "tool")]
     events.sort(key=lambda s: s.start_ns)
     gens = [s for s in events if s.kind == "generation"]

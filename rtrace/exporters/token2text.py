@@ -28,18 +28,11 @@ from .. import _stats
 from ..config import ConfigError, Settings
 from ..trajectory import SpanRecord, Trajectory
 
-__all__ = ["Token2Text", "set_tokenizer", "get_tokenizer", "load_tokenizer",
-           "PROMPT_TEXT", "RESPONSE_TEXT", "BATCH_SOURCE"]
+__all__ = ["Token2Text", "set_tokenizer", "get_tokenizer", "load_tokenizer", "PROMPT_TEXT", "RESPONSE_TEXT"]
 
 #: Span attributes written by token2text.
 PROMPT_TEXT = "rtrace.prompt_text"
 RESPONSE_TEXT = "rtrace.response_text"
-
-#: Root attribute ``rtrace.source`` of trajectories made by ``rtrace.log_rollout_batch``
-#: whose conversation is rebuilt from the decoded segments (see :func:`segment_messages`).
-BATCH_SOURCE = "tensor_batch"
-#: On a span of such a trajectory: the chat role of its segment ("user", "assistant", "tool").
-ROLE_ATTR = "rtrace.role"
 
 _lock = threading.Lock()
 _tokenizer: Any = None
@@ -147,9 +140,6 @@ class Token2Text:
             else:
                 self._field(tok, prompts, "prompt_ids", PROMPT_TEXT)
                 self._field(tok, responses, "response_ids", RESPONSE_TEXT)
-        for traj in trajectories:
-            if traj.spans and traj.root.attributes.get("rtrace.source") == BATCH_SOURCE and not traj.messages:
-                traj.messages = segment_messages(traj)
 
     # ------------------------------------------------------------------ decoding
     def _field(self, tok: Any, spans: list[SpanRecord], field: str, attr: str) -> None:
@@ -199,21 +189,3 @@ class Token2Text:
         if fn is not None:
             return list(fn(ids))
         return [tok.decode(one) for one in ids]
-
-
-def segment_messages(traj: Trajectory) -> list[dict[str, Any]]:
-    """The conversation of a tensor-batch trajectory, from its decoded segments.
-
-    Each non-root span is one segment of the sample's token sequence, in order; its
-    role is the ``rtrace.role`` attribute. The first generation's prompt is the user
-    turn. A segment with no decoded text has empty content.
-    """
-    messages: list[dict[str, Any]] = []
-    for span in traj.spans[1:]:
-        if span.kind == "generation" and not messages:
-            prompt = span.attributes.get(PROMPT_TEXT)
-            messages.append({"role": "user", "content": prompt if isinstance(prompt, str) else ""})
-        role = span.attributes.get(ROLE_ATTR) or ("assistant" if span.kind == "generation" else "tool")
-        text = span.attributes.get(RESPONSE_TEXT)
-        messages.append({"role": role, "content": text if isinstance(text, str) else ""})
-    return messages

@@ -130,8 +130,6 @@ def log_rollout_batch(
     if messages is not None and len(messages) != batch:
         raise ValueError(f"log_rollout_batch: messages has {len(messages)} entries, input_ids has {batch} rows")
 
-    settings = getattr(rt.pipeline, "settings", None)
-    decoded = bool(getattr(settings, "token2text", False))
     out: list[Trajectory] = []
     now = time.time_ns()
     for b in range(batch):
@@ -162,10 +160,7 @@ def log_rollout_batch(
                            rt.capture)
         if messages is not None and messages[b]:
             traj.messages = [dict(m) for m in messages[b]]
-        elif not decoded or not rt.capture:
-            # No worker-side decoder will fill them in: the roles in order, empty content;
-            # the token ids stay on the spans.
-            traj.messages = _skeleton(traj.spans)
+        # else the worker builds them from the segments, after token2text decoded them
         out.append(traj)
     if not out:
         return 0
@@ -382,12 +377,6 @@ def _int(value: Any) -> int | None:
 
 
 # ---------------------------------------------------------------------- output
-def _skeleton(spans: list[SpanRecord]) -> list[dict[str, Any]]:
-    """Messages without text: a user turn for the prompt, then one per segment span."""
-    roles = [s.attributes["rtrace.role"] for s in spans[1:]]
-    return [{"role": role, "content": ""} for role in (["user"] + roles if roles else [])]
-
-
 def _span_id() -> str:
     return format(_rng.getrandbits(64) or 1, "016x")
 
