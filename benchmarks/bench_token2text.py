@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import rtrace  # noqa: E402
 from rtrace.exporters.base import Sink  # noqa: E402
-from rtrace.exporters.token2text import Token2Text  # noqa: E402
+from rtrace.pipeline.token2text import Token2Text  # noqa: E402
 from rtrace.trajectory import SpanRecord, Trajectory  # noqa: E402
 
 
@@ -104,8 +104,7 @@ def run_postprocessor(tok, prompts, responses) -> float:
     trajs = [Trajectory(trace_id=f"{i:032x}", name="rollout", spans=[
         SpanRecord(span_id=f"{i:016x}", parent_id=None, name="gen", kind="generation", start_ns=0, end_ns=1,
                    prompt_ids=p, response_ids=r)]) for i, (p, r) in enumerate(zip(prompts, responses))]
-    rtrace.set_tokenizer(tok)
-    post = Token2Text()
+    post = Token2Text(lambda: tok)
     t0 = time.perf_counter()
     post(trajs)
     return time.perf_counter() - t0

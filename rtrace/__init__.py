@@ -5,10 +5,9 @@ timings, decoded text, reward, RL coordinates) goes to trackio, MLflow, an OTLP
 collector or JSONL. See README.md and docs/.
 """
 
-from ._setup import configure, current_settings, flush, is_enabled, shutdown, stats
+from ._setup import configure, current_settings, flush, is_enabled, set_tokenizer, shutdown, stats
 from .config import ConfigError, Settings
 from .exporters.base import Sink
-from .exporters.token2text import set_tokenizer
 from .instrumentation import (
     current_coordinates,
     record_reward,

@@ -1,22 +1,32 @@
-"""Captured values: a cheap snapshot on the hot path, JSON-safe conversion in the worker.
+"""Captured values: JSON-safe, bounded, redacted conversion in the worker thread.
 
-The decorated call only calls :func:`snapshot` on each argument: lists keep a reference
-and their current length (agent loops extend ``prompt_ids`` in place, and the span must
-show what the call saw), dicts are shallow-copied, everything else is kept by reference.
-The worker thread later turns the snapshot into JSON-safe data with :class:`Converter`:
-secrets redacted, every value bounded.
+The decorated call only snapshots its arguments (``rtrace.instrumentation.capture``):
+lists keep a reference and their length at call time (:class:`ListSnapshot`), dicts
+are shallow-copied, everything else is kept by reference. The worker thread later
+turns the snapshot into JSON-safe data with :class:`Converter`.
 
 Defined forms (documented in docs/capture.md):
 
 * a value whose JSON text is longer than ``max_chars`` becomes the string
-  ``<first max_chars characters of its JSON text>…[truncated, N chars]``;
-* a dict key that contains a redaction fragment (``api_key``, ``password``...) keeps
-  its key and gets the value ``"[REDACTED]"``;
+  ``<first max_chars characters of its JSON text>…[truncated, N chars]`` (the one
+  truncation marker, :func:`truncate`; N is a lower bound when conversion stopped early);
+* conversion is bounded *while* it runs: at most ``max_chars`` nodes and characters
+  are produced per value, so shared or self-referential containers (``a = []; a.extend([a] * 4)``)
+  and huge collections cost at most that much work;
+* a dict key (or dataclass field) that contains a redaction fragment (``api_key``,
+  ``password``, ``x-api-key``...; ``-`` and ``_`` are the same) keeps its key and gets
+  the value ``"[REDACTED]"``; inside strings, well-known token shapes (``sk-...``,
+  ``hf_...``, ``ghp_...``, ``Bearer ...``) are replaced by ``[REDACTED]``;
 * tuples and sets become lists, non-string dict keys become their ``str()``;
 * floats stay floats, NaN and infinities included: each sink writes those in its own
-  documented form;
-* bytes become ``"<bytes: N>"``; numpy arrays and torch tensors become lists (or, when
-  large, their JSON text truncated as above); other objects become ``repr()``.
+  documented form; integers beyond 64 bits become their decimal string (or
+  ``"<int of N bits>"`` past Python's digit limit); lone surrogates in strings become
+  ``\\udXXX`` escapes;
+* bytes become ``"<bytes: N>"``; numpy arrays and torch tensors of up to
+  :data:`ARRAY_INLINE` elements become lists, larger ones
+  ``{"shape": [...], "dtype": "...", "preview": [first elements]}`` without copying the
+  whole tensor; other objects become ``repr()`` (bounded); a value whose conversion
+  fails becomes ``"<unserialisable TYPE: ERROR>"`` and only that element is lost.
 """
 
 from __future__ import annotations
@@ -24,13 +34,50 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from typing import Any, Iterable
 
-__all__ = ["ListSnapshot", "snapshot", "unsnap", "is_array", "array_to_python", "Converter", "REDACTED"]
+__all__ = ["ListSnapshot", "unsnap", "is_array", "array_to_python", "Converter", "REDACTED", "truncate",
+           "attr_ok", "finite_or_str", "strict_json", "json_default", "ARRAY_INLINE"]
 
 REDACTED = "[REDACTED]"
 _MAX_DEPTH = 12
 _PRIMITIVES = (str, int, float, bool, type(None))
+#: arrays / tensors with more elements than this are summarised, not listed
+ARRAY_INLINE = 4096
+_PREVIEW = 16
+_INT_BITS = 64
+#: Well-known secret shapes inside strings.
+_SECRET_VALUES = re.compile(
+    r"\b(?:sk-(?:proj-|ant-)?[A-Za-z0-9_\-]{16,}|hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
+    r"|github_pat_[A-Za-z0-9_]{20,}|xox[abpr]-[A-Za-z0-9\-]{10,}|AKIA[0-9A-Z]{16})"
+    r"|(?i:bearer)\s+[A-Za-z0-9._~+/=\-]{8,}")
+
+
+def truncate(text: str, max_chars: int, total: int | None = None) -> str:
+    """The one truncation marker: ``text`` cut to ``max_chars`` characters, followed by
+    ``…[truncated, N chars]`` (N = ``total`` or ``len(text)``). Text that fits is
+    returned unchanged."""
+    if total is None:
+        if len(text) <= max_chars:
+            return text
+        total = len(text)
+    return f"{text[:max_chars]}…[truncated, {total} chars]"
+
+
+def attr_ok(value: Any) -> bool:
+    """The one check of an OTel attribute value: a primitive, or a homogeneous list of
+    primitives (str, bool, int within 64 bits, float)."""
+    cls = type(value)
+    if cls is str or cls is bool or cls is float:
+        return True
+    if cls is int:
+        return -(2**63) <= value < 2**63
+    if cls is list:
+        kinds = set(map(type, value))
+        return len(kinds) <= 1 and kinds <= {str, bool, int, float} and (
+            kinds != {int} or all(-(2**63) <= v < 2**63 for v in value))
+    return False
 
 
 class ListSnapshot:
@@ -47,24 +94,19 @@ class ListSnapshot:
         return self.ref[: self.length]
 
 
-def snapshot(value: Any) -> Any:
-    """Hot path: make ``value`` safe to read later, as cheaply as possible."""
-    cls = type(value)
-    if cls is list:
-        return ListSnapshot(value, len(value))
-    if cls is dict:
-        return value.copy()
-    return value
-
-
 def unsnap(value: Any) -> Any:
-    """The captured value of a :func:`snapshot` (worker thread)."""
+    """The captured value of a snapshot (worker thread)."""
     return value.value() if type(value) is ListSnapshot else value
 
 
 def is_array(value: Any) -> bool:
-    """A numpy array / scalar or a torch tensor (anything with ``tolist`` and ``shape``)."""
-    return hasattr(value, "tolist") and hasattr(value, "shape")
+    """A numpy array / scalar or a torch tensor (its type has ``tolist`` and ``shape``).
+
+    Looked up on the type, so an object whose ``__getattr__`` raises something other
+    than AttributeError (``class AttrDict(dict): __getattr__ = dict.__getitem__``) is
+    not asked."""
+    cls = type(value)
+    return hasattr(cls, "tolist") and hasattr(cls, "shape")
 
 
 def array_to_python(value: Any) -> Any:
@@ -77,6 +119,17 @@ def array_to_python(value: Any) -> Any:
     return value.tolist()
 
 
+def _numel(value: Any) -> int:
+    numel = getattr(value, "numel", None)
+    if callable(numel):
+        return int(numel())
+    return int(getattr(value, "size", 0) or 0)
+
+
+class _Budget(Exception):
+    """Raised inside a conversion when its node/character budget is spent."""
+
+
 class Converter:
     """Turns captured values into bounded, redacted, JSON-safe data (worker thread only).
 
@@ -86,22 +139,29 @@ class Converter:
 
     def __init__(self, max_chars: int, redact_keys: Iterable[str]) -> None:
         self.max_chars = max_chars
-        self.redact_keys = tuple(k.lower() for k in redact_keys)
+        self.redact_keys = tuple(_norm_key(k) for k in redact_keys)
         self.truncated = 0
         self.redacted = 0
         self.errors = 0
+        self._left = 0
 
     def is_secret(self, key: str) -> bool:
-        low = key.lower()
+        low = _norm_key(key)
         return any(fragment in low for fragment in self.redact_keys)
 
     def __call__(self, value: Any) -> Any:
         """JSON-safe, redacted and bounded form of ``value``."""
+        self._left = self.max_chars + 2
         try:
             data = self._convert(unsnap(value), 0)
+        except _Budget:
+            self.truncated += 1
+            if isinstance(self._partial, str):  # already cut and marked
+                return self._partial
+            data = self._partial
         except Exception as exc:  # a __repr__ that raises, a broken __len__ ...
             self.errors += 1
-            return f"<unserialisable {type(value).__name__}: {type(exc).__name__}>"
+            return _unserialisable(value, exc)
         return self.bound(data)
 
     def bound(self, data: Any) -> Any:
@@ -111,18 +171,17 @@ class Converter:
                 return data
             text = data
         elif isinstance(data, (list, dict)):
-            # Cheap pre-check: short containers cannot exceed the limit.
             text = json.dumps(data, ensure_ascii=False, default=str)
             if len(text) <= self.max_chars:
                 return data
         else:
             return data
         self.truncated += 1
-        return f"{text[: self.max_chars]}…[truncated, {len(text)} chars]"
+        return truncate(text, self.max_chars)
 
     def convert_named(self, values: dict[str, Any]) -> dict[str, Any]:
-        """Arguments by name as ``{name: value}``; secret-looking names are redacted."""
-        return {key: self._redact_or_convert(key, value) for key, value in values.items()}
+        """Values by name as ``{name: value}``; secret-looking names are redacted."""
+        return {key: self._redact_or_convert(str(key), value) for key, value in values.items()}
 
     def _redact_or_convert(self, key: str, value: Any) -> Any:
         if self.is_secret(key):
@@ -130,45 +189,137 @@ class Converter:
             return REDACTED
         return self(value)
 
+    # ------------------------------------------------------------------ the walk
+    def _spend(self, n: int) -> None:
+        self._left -= n
+        if self._left < 0:
+            raise _Budget
+
     def _convert(self, value: Any, depth: int) -> Any:
-        if isinstance(value, _PRIMITIVES):
-            if type(value) in _PRIMITIVES:
-                return value
-            # int/str/float subclasses (IntEnum, numpy scalars registered as float ...)
-            if isinstance(value, bool):
-                return bool(value)
-            if isinstance(value, int):
-                return int(value)
-            if isinstance(value, float):
-                return float(value)
-            return str(value)
+        # Every node costs one unit, every string character one: the walk stops once
+        # max_chars are spent, whatever the shape of the value (shared sublists repeat).
+        self._partial = "…"
+        cls = type(value)
+        if cls is str or isinstance(value, str):
+            return self._str(str.__str__(value))
+        if cls is bool or value is None:
+            self._spend(1)
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            self._spend(1)
+            return _int(int(value))
+        if isinstance(value, float):
+            self._spend(1)
+            return float(value)
+        if isinstance(value, bool):
+            return bool(value)
+        self._spend(1)
         if depth >= _MAX_DEPTH:
-            return f"<{type(value).__name__} nested deeper than {_MAX_DEPTH}>"
+            return f"<{cls.__name__} nested deeper than {_MAX_DEPTH}>"
         value = unsnap(value)
         if isinstance(value, dict):
-            out = {}
-            for k, v in value.items():
-                key = k if isinstance(k, str) else str(k)
+            return self._mapping(value.items(), depth)
+        if isinstance(value, (list, tuple)):
+            return self._sequence(value, depth)
+        if isinstance(value, (set, frozenset)):
+            return self._sequence(sorted(value, key=repr) if len(value) <= self._left else list(value), depth)
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            return f"<bytes: {len(value)}>"
+        if is_array(value):  # numpy arrays, torch tensors
+            return self._array(value, depth)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return self._mapping(((f.name, getattr(value, f.name)) for f in dataclasses.fields(value)), depth)
+        dump = getattr(type(value), "model_dump", None)  # pydantic v2 models (tool call objects ...)
+        if callable(dump):
+            return self._convert(dump(value), depth + 1)
+        return self._str(repr(value))
+
+    def _str(self, text: str) -> str:
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # lone surrogates: no sink can write them
+                text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+        if len(text) > self._left:
+            self._partial = truncate(text, min(self.max_chars, max(0, self._left)), len(text))
+            self._left = -1
+            raise _Budget
+        self._spend(len(text) + 1)
+        if len(text) >= 12 and _SECRET_VALUES.search(text):
+            self.redacted += 1
+            text = _SECRET_VALUES.sub(REDACTED, text)
+        return text
+
+    def _mapping(self, items: Iterable[tuple[Any, Any]], depth: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        try:
+            for k, v in items:
+                key = k if isinstance(k, str) else self._key(k)
                 if self.is_secret(key):
                     self.redacted += 1
                     out[key] = REDACTED
                 else:
-                    out[key] = self._convert(v, depth + 1)
-            return out
-        if isinstance(value, (list, tuple)):
-            return [self._convert(v, depth + 1) for v in value]
-        if isinstance(value, (set, frozenset)):
-            return [self._convert(v, depth + 1) for v in sorted(value, key=repr)]
-        if isinstance(value, (bytes, bytearray, memoryview)):
-            return f"<bytes: {len(value)}>"
-        if is_array(value):  # numpy arrays, torch tensors
+                    out[key] = self._element(v, depth)
+        except _Budget:
+            out["…"] = self._partial
+            self._partial = out
+            raise
+        return out
+
+    def _sequence(self, items: Iterable[Any], depth: int) -> list[Any]:
+        out: list[Any] = []
+        try:
+            for v in items:
+                out.append(self._element(v, depth))
+        except _Budget:
+            out.append(self._partial)
+            self._partial = out
+            raise
+        return out
+
+    def _element(self, value: Any, depth: int) -> Any:
+        """One element: a failure loses this element only."""
+        try:
+            return self._convert(value, depth + 1)
+        except _Budget:
+            raise
+        except Exception as exc:
+            self.errors += 1
+            return _unserialisable(value, exc)
+
+    def _key(self, key: Any) -> str:
+        try:
+            return self._str(str(key)) if not isinstance(key, int) else str(_int(key))
+        except _Budget:
+            raise
+        except Exception:
+            self.errors += 1
+            return f"<{type(key).__name__}>"
+
+    def _array(self, value: Any, depth: int) -> Any:
+        n = _numel(value)
+        if n <= ARRAY_INLINE:
             return self._convert(array_to_python(value), depth + 1)
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return {f.name: self._convert(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value)}
-        dump = getattr(value, "model_dump", None)  # pydantic v2 models (tool call objects ...)
-        if callable(dump):
-            return self._convert(dump(), depth + 1)
-        return repr(value)
+        flat = value.reshape(-1)[:_PREVIEW]  # a view: the tensor is not copied
+        return {"shape": list(getattr(value, "shape", ())), "dtype": str(getattr(value, "dtype", "")),
+                "numel": n, "preview": self._convert(array_to_python(flat), depth + 1)}
+
+
+def _unserialisable(value: Any, exc: BaseException) -> str:
+    return f"<unserialisable {type(value).__name__}: {type(exc).__name__}>"
+
+
+def _norm_key(key: str) -> str:
+    return key.lower().replace("-", "_")
+
+
+def _int(value: int) -> int | str:
+    if -(2**_INT_BITS) < value < 2**_INT_BITS:
+        return value
+    try:
+        return str(value)
+    except ValueError:  # beyond sys.get_int_max_str_digits()
+        return f"<int of {value.bit_length()} bits>"
 
 
 def json_default(value: Any) -> Any:

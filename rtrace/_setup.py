@@ -1,28 +1,41 @@
 """configure / flush / shutdown / stats: wiring settings, sinks, pipeline and hot path.
 
-This is the one module that knows both sides: it builds the exporters' pipeline and
-installs a :class:`~rtrace.instrumentation._state.Runtime` for the decorators. The
-instrumentation never imports an exporter, and no exporter imports the instrumentation.
+This is the composition root, the one module that knows every layer: it builds the
+sinks (exporters), the pipeline and the :class:`~rtrace.instrumentation._state.Runtime`
+the decorators read. Nothing below it imports it.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
+import signal
 import threading
 from typing import Any
 
 from opentelemetry import trace as otel_trace
 
 from . import _stats
-from .config import Settings, load_settings
+from .config import ConfigError, Settings, load_settings, unknown_env
 from .instrumentation import _state
 
-__all__ = ["configure", "flush", "shutdown", "stats", "is_enabled", "current_settings"]
+__all__ = ["configure", "flush", "shutdown", "stats", "is_enabled", "current_settings", "set_tokenizer",
+           "get_tokenizer"]
 
 _lock = threading.RLock()
 _pipeline: Any = None
 _settings: Settings | None = None
+#: the keyword arguments of the last configure(): a forked child configures with them again
+_last_kwargs: dict[str, Any] = {}
+#: set in a forked child: its first traced call configures with these (else: the environment)
+_fork_kwargs: dict[str, Any] | None = None
 _atexit_registered = False
+#: provider -> the one ProcessorBridge rtrace added to it (a provider cannot drop one)
+_bridges: dict[int, Any] = {}
+_own_provider: Any = None
+#: the tokenizer token2text decodes with (configure(tokenizer=...) or set_tokenizer())
+_tokenizer: Any = None
+_sigterm_installed = False
 
 
 def configure(**kwargs: Any) -> Settings:
@@ -36,7 +49,9 @@ def configure(**kwargs: Any) -> Settings:
 
     Calling it again replaces the previous configuration (flushing it first). With no
     exporter (``RTRACE_EXPORTER`` unset or ``none``) tracing is off and decorated calls
-    cost one check. ``sinks=[...]`` adds custom :class:`rtrace.Sink` instances.
+    cost one check. ``sinks=[...]`` adds custom :class:`rtrace.Sink` instances. If the
+    new configuration cannot be built (a bad value, a missing extra), the previous one
+    keeps running.
 
     Returns:
         The validated settings.
@@ -45,77 +60,144 @@ def configure(**kwargs: Any) -> Settings:
         ConfigError: a bad value, naming the variable and the accepted values, or a sink
             whose optional dependency is missing.
     """
+    global _last_kwargs
     settings = load_settings(kwargs)
+    _warn_unknown_env()
     with _lock:
-        _shutdown_locked()
         if not settings.enabled:
+            _shutdown_locked()
             _install(None, settings)
+            _last_kwargs = dict(kwargs)
             return settings
-        pipeline, tracer = _build(settings)
-        _install(pipeline, settings, tracer)
+        built = _build(settings)  # raises before anything running is touched
+        _shutdown_locked()
+        _install(built, settings)
+        _last_kwargs = dict(kwargs)
         return settings
 
 
+def _warn_unknown_env() -> None:
+    for name, close in unknown_env(os.environ):
+        hint = f"; did you mean {close}?" if close else ""
+        _stats.warn_once(f"unknown-env-{name}", "rtrace: unknown environment variable %s is ignored%s", name, hint)
+
+
 def _build(settings: Settings) -> tuple[Any, Any]:
+    from .exporters import create_sink
+    from .pipeline.fanout import Fanout
+    from .pipeline.token2text import Token2Text, check_tokenizer
+
+    global _tokenizer
+    sinks = [create_sink(name, settings) for name in settings.exporter] + list(settings.sinks)
+    if settings.tokenizer is not None:
+        try:
+            _tokenizer = check_tokenizer(settings.tokenizer)
+        except TypeError as exc:
+            raise ConfigError(f"configure(tokenizer=...) (env RTRACE_TOKENIZER): {exc}; accepted values: "
+                              "an object with batch_decode/decode, or a tokenizer name / local path") from None
+    fanout = Fanout(sinks, settings.max_export_batch_size, settings.sink_queue_size, settings.sink_timeout_s)
+    post = [Token2Text(get_tokenizer, settings.token2text_skip_special_tokens, settings.token2text_keep_ids)] \
+        if settings.token2text else []
+    from .pipeline.worker import Pipeline
+
+    return Pipeline(settings, fanout, post), _tracer(settings)
+
+
+def _tracer(settings: Settings) -> Any:
+    """rtrace's tracer, on the application's SDK provider if it set one globally (rtrace
+    adds to it, never replaces it), else on rtrace's own provider."""
+    global _own_provider
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
 
-    from .exporters import create_sink
-    from .exporters.builder import TrajectoryBuilder
-    from .exporters.pipeline import Pipeline
+    from ._ids import UrandomIdGenerator
 
-    sinks = [create_sink(name, settings) for name in settings.exporter] + list(settings.sinks)
-    postprocessors = []
-    if settings.token2text:
-        from .exporters.token2text import Token2Text
-
-        postprocessors.append(Token2Text.from_settings(settings))
-    pipeline = Pipeline(settings, sinks, TrajectoryBuilder(settings, postprocessors))
     provider = otel_trace.get_tracer_provider()
-    if isinstance(provider, TracerProvider):
-        # The application set its own SDK provider: add to it, never replace it.
-        provider.add_span_processor(pipeline)
-    else:
-        provider = TracerProvider(resource=Resource.create({"service.name": settings.service_name}))
-        provider.add_span_processor(pipeline)
-    return pipeline, provider.get_tracer("rtrace")
+    if not isinstance(provider, TracerProvider):
+        if _own_provider is None or _own_provider.resource.attributes.get("service.name") != settings.service_name:
+            _own_provider = TracerProvider(resource=Resource.create({"service.name": settings.service_name}),
+                                           id_generator=UrandomIdGenerator())
+        provider = _own_provider
+    return provider.get_tracer("rtrace")
 
 
-def _install(pipeline: Any, settings: Settings, tracer: Any = None) -> None:
+def _install(built: tuple[Any, Any] | None, settings: Settings) -> None:
     global _pipeline, _settings, _atexit_registered
-    from .exporters.sampling import StepSampler
+    from .pipeline.sampling import StepSampler
 
-    _pipeline, _settings = pipeline, settings
-    if pipeline is None:
+    _settings = settings
+    if built is None:
+        _pipeline = None
         _state.set_runtime(None)
         return
+    pipeline, tracer = built
+    provider = _provider_of(tracer)
+    bridge = _bridges.get(id(provider))
+    if bridge is None:
+        from .pipeline.worker import ProcessorBridge
+
+        bridge = _bridges[id(provider)] = ProcessorBridge()
+        provider.add_span_processor(bridge)
+    bridge.target = pipeline
+    _pipeline = pipeline
     sampler = StepSampler(settings.max_traces_per_step, settings.val_cap, settings.sample_groups)
-    _state.set_runtime(_state.Runtime(tracer, pipeline, sampler, settings.capture, settings.experiment))
+    _state.set_runtime(_state.Runtime(tracer, pipeline.registry, sampler, pipeline, settings.capture,
+                                      settings.experiment))
     if not _atexit_registered:
         atexit.register(shutdown)
         _atexit_registered = True
+    if settings.flush_on_sigterm:
+        _install_sigterm()
+
+
+def _provider_of(tracer: Any) -> Any:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    provider = otel_trace.get_tracer_provider()
+    return provider if isinstance(provider, TracerProvider) else _own_provider
+
+
+# ----------------------------------------------------------------------------- environment-only start
+_config_error: ConfigError | None = None
 
 
 def _autoconfigure() -> None:
+    """The first traced call with nobody having called configure(): configure from the
+    environment. A bad value raises its ConfigError once, here; tracing then stays off
+    and every later call is one check."""
+    global _config_error, _fork_kwargs
     with _lock:
-        if _state.runtime is _state.UNSET:
-            configure()
+        if _state.runtime is not _state.UNSET:
+            return
+        kwargs, _fork_kwargs = _fork_kwargs or {}, None
+        try:
+            configure(**kwargs)
+        except ConfigError as exc:
+            _config_error = exc
+            _state.set_runtime(None)
+            raise
 
 
 _state.autoconfigure = _autoconfigure
 
 
+# ----------------------------------------------------------------------------- lifecycle
 def flush(timeout_s: float = 30.0) -> bool:
     """Export every trajectory that has finished, and wait until every sink wrote it.
 
     Returns:
-        True when everything was written within ``timeout_s``; False otherwise (or when
-        tracing is off).
+        True when everything was written (durably, as each sink defines it) within
+        ``timeout_s``; False when a sink failed a batch since the last flush, the
+        timeout passed, or tracing is off.
     """
     pipeline = _pipeline
     if pipeline is None:
         return False
-    return pipeline.force_flush(int(timeout_s * 1000))
+    try:
+        millis = int(min(max(float(timeout_s), 0.0), 7 * 24 * 3600.0) * 1000)
+    except (TypeError, ValueError, OverflowError):
+        millis = 30_000
+    return pipeline.force_flush(millis)
 
 
 def _shutdown_locked() -> None:
@@ -123,12 +205,16 @@ def _shutdown_locked() -> None:
     pipeline, _pipeline = _pipeline, None
     if pipeline is not None:
         _state.set_runtime(None)
+        for bridge in _bridges.values():
+            if bridge.target is pipeline:
+                bridge.target = None
         pipeline.shutdown()
 
 
 def shutdown() -> None:
     """Flush, write still-open trajectories as partial, close the sinks; tracing is off
-    afterwards until the next ``configure()``. Registered with ``atexit``."""
+    afterwards until the next ``configure()``. Registered with ``atexit``; bounded by
+    ``sink_timeout_s`` even if a sink hangs."""
     with _lock:
         _shutdown_locked()
         if _state.runtime is _state.UNSET:
@@ -141,23 +227,116 @@ def stats() -> dict[str, int]:
     ``trajectories_started`` / ``trajectories_sampled_out`` / ``trajectories_completed`` /
     ``trajectories_partial``, ``spans_dropped_queue``, ``spans_dropped_trajectory_limit``,
     ``trajectories_dropped_open_limit``, ``sink.<name>.exported`` /
-    ``.failed_batches`` / ``.dropped_batches``, ``values_truncated``, ``values_redacted``,
-    ``internal_errors`` ... plus the gauges ``open_trajectories`` and ``queued_spans``.
-    The full list is in docs/stats.md.
+    ``.failed_batches`` / ``.dropped_batches`` / ``.abandoned_trajectories``,
+    ``values_truncated``, ``values_redacted``, ``internal_errors`` ... plus the gauges
+    ``open_trajectories`` and ``queued_spans``. The full list is in docs/stats.md.
     """
     out = _stats.snapshot()
     pipeline = _pipeline
-    out["open_trajectories"] = len(pipeline.open) if pipeline is not None else 0
-    out["queued_spans"] = len(pipeline._queue) if pipeline is not None else 0
+    gauges = pipeline.gauges() if pipeline is not None else {"open_trajectories": 0, "queued_spans": 0}
+    out.update(gauges)
     return out
 
 
 def is_enabled() -> bool:
     """True when tracing is configured on."""
-    return _state.get_runtime() is not None
+    try:
+        return _state.get_runtime() is not None
+    except ConfigError:
+        return False
 
 
 def current_settings() -> Settings | None:
-    """The settings of the last ``configure()`` (None before any)."""
+    """The settings in force (None before any configure, or after a failed one that had
+    nothing running)."""
     return _settings
 
+
+# ----------------------------------------------------------------------------- tokenizer
+def set_tokenizer(tokenizer: Any) -> None:
+    """Set the tokenizer token2text decodes with (before or after configure).
+
+    Args:
+        tokenizer: anything with ``batch_decode(list_of_id_lists, skip_special_tokens=...)``
+            or ``decode(ids, ...)`` (a transformers tokenizer, or a plain object); a name
+            or local path (loaded with ``AutoTokenizer``, offline); or None to clear.
+
+    Raises:
+        TypeError: the object has neither ``batch_decode`` nor ``decode``.
+        ConfigError: a name or path that cannot be loaded.
+
+    Decoding happens only when token2text is on (``configure(token2text=True)`` or
+    ``RTRACE_TOKEN2TEXT=1``), in rtrace's worker thread (the collector's in collector mode).
+    """
+    global _tokenizer
+    from .pipeline.token2text import check_tokenizer
+
+    try:
+        _tokenizer = check_tokenizer(tokenizer)
+    except TypeError as exc:
+        raise TypeError(f"set_tokenizer: {exc}") from None
+
+
+def get_tokenizer() -> Any:
+    """The tokenizer set by :func:`set_tokenizer` / ``configure(tokenizer=...)``, or None."""
+    return _tokenizer
+
+
+# ----------------------------------------------------------------------------- fork and SIGTERM
+def _after_fork_in_child() -> None:
+    """A forked child (multiprocessing, DataLoader workers, Ray) has none of the parent's
+    threads: drop the inherited pipeline without touching it (the parent exports what
+    it holds), renew the locks, and configure again on the child's first traced call
+    with the same arguments, as the OTel SDK's BatchProcessor does."""
+    global _lock, _pipeline, _fork_kwargs
+    _lock = threading.RLock()
+    _stats.after_fork()
+    if _pipeline is not None:
+        _fork_kwargs = dict(_last_kwargs)
+        for bridge in _bridges.values():
+            bridge.target = None
+        _pipeline = None
+        _state.set_runtime(_state.UNSET)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _install_sigterm() -> None:
+    """On SIGTERM (SLURM, Kubernetes, torchrun), write what rtrace holds, then do what
+    SIGTERM did before: call the previous Python handler, or, with the default
+    disposition, shut rtrace down (open trajectories written as partial) and terminate
+    by re-raising the signal with the default handler. Not installed when SIGTERM is
+    ignored, from a thread other than the main one, or with ``flush_on_sigterm=False``."""
+    global _sigterm_installed
+    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+    except (ValueError, OSError):
+        return
+    if previous is signal.SIG_IGN or previous is None:
+        return
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        settings = _settings
+        if settings is not None and settings.flush_on_sigterm:
+            try:
+                if callable(previous):
+                    flush(settings.sink_timeout_s)
+                else:
+                    shutdown()
+            except Exception:
+                _stats.incr("internal_errors")
+        if callable(previous):
+            previous(signum, frame)
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    except (ValueError, OSError):
+        return
+    _sigterm_installed = True

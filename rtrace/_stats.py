@@ -37,6 +37,12 @@ def reset() -> None:
         _warned.clear()
 
 
+def after_fork() -> None:
+    """In a forked child: a new lock (the parent's may have been held by another thread)."""
+    global _lock
+    _lock = threading.Lock()
+
+
 def warn_once(key: str, message: str, *args: object, exc_info: bool = False) -> None:
     """Log ``message`` at WARNING the first time ``key`` is seen; later calls are silent."""
     with _lock:

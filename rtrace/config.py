@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Callable, Mapping
 
 __all__ = ["ConfigError", "Settings", "PARAMS", "EXPORTERS", "load_settings"]
 
 #: Sink names accepted by ``RTRACE_EXPORTER`` (besides ``none``).
-EXPORTERS = ("console", "jsonl", "trackio", "mlflow", "otlp")
+EXPORTERS = ("console", "jsonl", "trackio", "mlflow", "otlp", "collector")
+
+#: The longest timeout / interval accepted (a week): larger values overflow thread waits.
+MAX_SECONDS = 7 * 24 * 3600.0
 
 DEFAULT_REDACT_KEYS = (
     "api_key",
@@ -35,6 +38,12 @@ DEFAULT_REDACT_KEYS = (
     "private_key",
     "cookie",
     "credentials",
+    "api_token",
+    "auth_token",
+    "hf_token",
+    "github_token",
+    "session_token",
+    "bearer",
 )
 
 
@@ -67,7 +76,7 @@ def _exporters(raw: Any) -> tuple[str, ...]:
 
 
 _TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
+_FALSE = ("0", "false", "no", "off")
 
 
 def _bool(raw: Any) -> bool:
@@ -96,42 +105,95 @@ def _int(minimum: int, optional: bool = False) -> Callable[[Any], int | None]:
             raise ValueError(f"not an integer: {raw!r}")
         if value < minimum:
             raise ValueError(f"{value} is below the minimum {minimum}")
+        if value > 2**31:
+            raise ValueError(f"{value} is above the maximum {2**31}")
         return value
 
     return parse
 
 
-def _float(minimum: float) -> Callable[[Any], float]:
+def _float(minimum: float, maximum: float = MAX_SECONDS) -> Callable[[Any], float]:
     def parse(raw: Any) -> float:
         if isinstance(raw, bool):
             raise ValueError(f"not a number: {raw!r}")
         try:
             value = float(raw)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ValueError(f"not a number: {raw!r}") from None
-        if not math.isfinite(value) or value < minimum:
-            raise ValueError(f"{raw!r} is not a finite number >= {minimum}")
+        if not math.isfinite(value) or not minimum <= value <= maximum:
+            raise ValueError(f"{raw!r} is not a number from {minimum} to {maximum:g}")
         return value
 
     return parse
 
 
-def _str(raw: Any) -> str | None:
-    if raw is None:
-        return None
+def _str(raw: Any) -> str:
+    """A non-empty string. An empty value is an error, never a silent 'unset': unset
+    the variable instead."""
     if not isinstance(raw, (str, os.PathLike)):
         raise ValueError(f"not a string: {raw!r}")
     value = os.fspath(raw).strip()
-    return value or None
+    if not value:
+        raise ValueError("empty value (unset the variable to use the default)")
+    return value
 
 
 def _str_list(raw: Any) -> tuple[str, ...]:
-    if raw is None:
-        return ()
+    """A comma list of names; ``none`` is the empty list. An empty string is an error."""
     items = raw.split(",") if isinstance(raw, str) else list(raw)
     if not all(isinstance(i, str) for i in items):
         raise ValueError(f"expected a comma-separated list of names, got {raw!r}")
-    return tuple(i.strip().lower() for i in items if i.strip())
+    names = tuple(i.strip().lower() for i in items if i.strip())
+    if not names:
+        raise ValueError("empty value (use 'none' for an empty list, or unset the variable for the default)")
+    return () if names == ("none",) else names
+
+
+def _path(raw: Any) -> str:
+    """A file path whose directory exists (or can be created) and is writable."""
+    value = _str(raw)
+    directory = os.path.dirname(os.path.abspath(value))
+    probe = directory
+    while not os.path.isdir(probe):  # the first existing ancestor must be writable
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if os.path.isdir(value):
+        raise ValueError(f"{value!r} is a directory")
+    if not os.access(probe, os.W_OK):
+        raise ValueError(f"{directory!r} is not writable")
+    if os.path.exists(value) and not os.access(value, os.W_OK):
+        raise ValueError(f"{value!r} is not writable")
+    return value
+
+
+def _tracking_uri(raw: Any) -> str:
+    value = _str(raw)
+    scheme = value.split(":", 1)[0].lower() if ":" in value else ""
+    known = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc",
+             "uc")
+    if scheme and scheme.split("+", 1)[0] not in known and len(scheme) > 1:
+        raise ValueError(f"unknown scheme {scheme!r} in {value!r}")
+    return value
+
+
+def _url(raw: Any) -> str:
+    """An OTLP endpoint: ``http(s)://host[:port][/path]`` or ``host:port`` (gRPC)."""
+    from urllib.parse import urlsplit
+
+    value = _str(raw)
+    parts = urlsplit(value if "://" in value else f"grpc://{value}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+        raise ValueError(f"bad port in {value!r}") from None
+    if parts.scheme not in ("http", "https", "grpc") or not parts.hostname:
+        raise ValueError(f"{value!r} is not 'http(s)://host:port' or 'host:port'")
+    if parts.scheme == "grpc" and port is None:
+        raise ValueError(f"{value!r} has no port")
+    return value
 
 
 def _headers(raw: Any) -> dict[str, str]:
@@ -180,145 +242,162 @@ class Param:
     doc: str
     #: The environment value is multiplied by this (OTEL_EXPORTER_OTLP_TIMEOUT is in ms).
     env_scale: float = 1.0
+    #: The field's type in :class:`Settings` (for readers and type checkers).
+    type: str = "Any"
 
+
+def _tokenizer(raw: Any) -> Any:
+    return _str(raw) if isinstance(raw, str) else raw
+
+
+_SEC = "seconds from {} to 604800"
 
 PARAMS: tuple[Param, ...] = (
     Param("exporter", "RTRACE_EXPORTER", _exporters, (),
           "comma list of none, " + ", ".join(EXPORTERS),
-          "Sinks that receive finished trajectories. Unset or `none`: tracing off, zero cost."),
-    Param("project", "RTRACE_PROJECT", _str, "rtrace", "a name",
-          "trackio project / MLflow experiment the trajectories go to."),
-    Param("experiment", "RTRACE_EXPERIMENT", _str, None, "a name",
-          "Run name (trackio run, MLflow run name); stamped as `rl.experiment` on every span."),
+          "Sinks that receive finished trajectories (`collector`: stream spans to an rtrace collector). "
+          "Unset or `none`: tracing off, zero cost.", type="tuple[str, ...]"),
+    Param("project", "RTRACE_PROJECT", _str, "rtrace", "a non-empty name",
+          "trackio project / MLflow experiment the trajectories go to.", type="str"),
+    Param("experiment", "RTRACE_EXPERIMENT", _str, None, "a non-empty name",
+          "Run name (trackio run, MLflow run name); stamped as `rl.experiment` on every span.", type="str | None"),
     Param("token2text", "RTRACE_TOKEN2TEXT", _bool, False, "true/false (1/0, yes/no, on/off)",
-          "Decode captured prompt/response token ids to text in the exporter thread."),
-    Param("tokenizer", "RTRACE_TOKENIZER", lambda v: v if not isinstance(v, str) else _str(v), None,
+          "Decode captured prompt/response token ids to text in the exporter thread (the collector's, "
+          "in collector mode).", type="bool"),
+    Param("tokenizer", "RTRACE_TOKENIZER", _tokenizer, None,
           "a tokenizer object, or a tokenizer name / local path for AutoTokenizer",
           "Tokenizer for token2text (objects only through configure() or set_tokenizer())."),
     Param("token2text_skip_special_tokens", "RTRACE_TOKEN2TEXT_SKIP_SPECIAL_TOKENS", _bool, True,
-          "true/false", "Drop special tokens when decoding."),
+          "true/false", "Drop special tokens when decoding.", type="bool"),
     Param("token2text_keep_ids", "RTRACE_TOKEN2TEXT_KEEP_IDS", _bool, False, "true/false",
-          "Keep the token id lists on spans after decoding them."),
+          "Keep the token id lists on spans after decoding them.", type="bool"),
     Param("max_traces_per_step", "RTRACE_MAX_TRACES_PER_STEP", _int(0, optional=True), None,
           "an integer >= 0, or none",
-          "Training trajectories kept per RL step, across the whole process. Unset: keep all."),
+          "Training trajectories kept per RL step: per process, or job-wide through a collector. Unset: keep all.",
+          type="int | None"),
     Param("max_val_traces_per_step", "RTRACE_MAX_VAL_TRACES_PER_STEP", _int(0, optional=True), None,
           "an integer >= 0, or none",
-          "Validation trajectories kept per step (counted apart from training). Unset: same as max_traces_per_step."),
+          "Validation trajectories kept per step (counted apart from training). Unset: same as max_traces_per_step.",
+          type="int | None"),
     Param("sample_groups", "RTRACE_SAMPLE_GROUPS", _bool, False, "true/false",
-          "Sample whole GRPO groups (same step, group_id or sample_index) together."),
+          "Sample whole GRPO groups (same step, group_id or sample_index) together.", type="bool"),
+    Param("sample_seed", "RTRACE_SAMPLE_SEED", _int(0), 0, "an integer >= 0",
+          "Seed of the collector's job-wide sample (which trajectories of a step are kept).", type="int"),
+    Param("pre_sample_rate", "RTRACE_PRE_SAMPLE_RATE", _float(0.0, 1.0), 1.0, "a number from 0 to 1",
+          "Collector mode: the fraction of trajectories (by the same hash as the collector's sample) a worker "
+          "records at all; limits worker work for trajectories that will not be kept.", type="float"),
     Param("capture", "RTRACE_CAPTURE", _bool, True, "true/false",
-          "Capture arguments and return values of decorated calls (off: names and timings only)."),
+          "Capture arguments and return values of decorated calls (off: names and timings only).", type="bool"),
     Param("max_value_chars", "RTRACE_MAX_VALUE_CHARS", _int(16), 20_000, "an integer >= 16",
-          "Captured values longer than this (as JSON text) are truncated."),
+          "Captured values longer than this (as JSON text) are truncated; conversion stops there.", type="int"),
     Param("redact_keys", "RTRACE_REDACT_KEYS", _str_list, DEFAULT_REDACT_KEYS,
-          "comma list of key fragments",
-          "Argument / dict keys containing one of these fragments are replaced by '[REDACTED]'."),
+          "comma list of key fragments, or none",
+          "Argument / dict keys containing one of these fragments are replaced by '[REDACTED]' "
+          "(`-` and `_` match each other). `none`: no key redaction (value patterns still apply).",
+          type="tuple[str, ...]"),
     Param("max_queue_size", "RTRACE_MAX_QUEUE_SIZE", _int(1), 65_536, "an integer >= 1",
-          "Ended spans waiting for the worker thread; beyond it spans are dropped and counted."),
+          "Ended spans waiting for the worker thread; beyond it spans are dropped and counted.", type="int"),
     Param("max_open_trajectories", "RTRACE_MAX_OPEN_TRAJECTORIES", _int(1), 20_000, "an integer >= 1",
-          "Trajectories started but not finished; beyond it new ones are not traced (counted)."),
+          "Trajectories started but not finished; beyond it new ones are not traced (counted).", type="int"),
     Param("max_spans_per_trajectory", "RTRACE_MAX_SPANS_PER_TRAJECTORY", _int(1), 2_000, "an integer >= 1",
-          "Spans kept per trajectory; the rest are dropped and counted."),
-    Param("orphan_timeout_s", "RTRACE_ORPHAN_TIMEOUT_S", _float(0.0), 1800.0, "seconds >= 0",
-          "A trajectory whose root has not ended after this long is written as partial."),
-    Param("export_interval_s", "RTRACE_EXPORT_INTERVAL_S", _float(0.001), 0.5, "seconds > 0",
-          "How often the worker thread assembles and exports what has ended."),
+          "Spans kept per trajectory; the rest are dropped and counted.", type="int"),
+    Param("orphan_timeout_s", "RTRACE_ORPHAN_TIMEOUT_S", _float(0.0), 1800.0, _SEC.format(0),
+          "A trajectory whose root has not ended after this long is written as partial.", type="float"),
+    Param("export_interval_s", "RTRACE_EXPORT_INTERVAL_S", _float(0.001), 0.5, _SEC.format(0.001),
+          "How often the worker thread assembles and exports what has ended (collector mode: how soon an "
+          "ended span leaves the worker).", type="float"),
     Param("max_export_batch_size", "RTRACE_MAX_EXPORT_BATCH_SIZE", _int(1), 256, "an integer >= 1",
-          "Trajectories handed to a sink per call."),
+          "Trajectories handed to a sink per call.", type="int"),
     Param("sink_queue_size", "RTRACE_SINK_QUEUE_SIZE", _int(1), 64, "an integer >= 1",
-          "Batches waiting per sink; a slow sink beyond it loses batches (counted)."),
-    Param("sink_timeout_s", "RTRACE_SINK_TIMEOUT_S", _float(0.0), 30.0, "seconds >= 0",
-          "How long flush()/shutdown() wait for each sink."),
-    Param("jsonl_path", "RTRACE_JSONL_PATH", _str, "rtrace_traces.jsonl", "a file path",
-          "Where the jsonl sink appends one trajectory per line."),
-    Param("service_name", "OTEL_SERVICE_NAME", _str, "rtrace", "a name",
-          "OTel resource service.name of rtrace's own TracerProvider."),
+          "Batches waiting per sink; a slow sink beyond it loses batches (counted).", type="int"),
+    Param("sink_timeout_s", "RTRACE_SINK_TIMEOUT_S", _float(0.0), 30.0, _SEC.format(0),
+          "How long flush()/shutdown() wait for each sink; also bounds interpreter exit.", type="float"),
+    Param("flush_on_sigterm", "RTRACE_FLUSH_ON_SIGTERM", _bool, True, "true/false",
+          "On SIGTERM, flush (bounded by sink_timeout_s) and then let the signal do what it did before "
+          "(the previous handler, or the default: terminate). Main thread only.", type="bool"),
+    Param("await_annotations", "RTRACE_AWAIT_ANNOTATIONS", _str_list, (), "comma list of keys, or none",
+          "Annotation keys (`reward`, `advantage`...) a finished trajectory waits for before it is exported.",
+          type="tuple[str, ...]"),
+    Param("annotation_timeout_s", "RTRACE_ANNOTATION_TIMEOUT_S", _float(0.0), 120.0, _SEC.format(0),
+          "How long a trajectory waits for awaited annotations; then it is exported without them (counted).",
+          type="float"),
+    Param("jsonl_path", "RTRACE_JSONL_PATH", _path, "rtrace_traces.jsonl", "a writable file path",
+          "Where the jsonl sink appends one trajectory per line.", type="str"),
+    Param("service_name", "OTEL_SERVICE_NAME", _str, "rtrace", "a non-empty name",
+          "OTel resource service.name of rtrace's own TracerProvider.", type="str"),
+    # collector mode
+    Param("collector_endpoint", "RTRACE_COLLECTOR_ENDPOINT", _url, None, "host:port",
+          "The rtrace collector workers send spans to (exporter `collector`; set by `collector.env`).",
+          type="str | None"),
+    Param("job_id", "RTRACE_JOB_ID", _str, None, "a non-empty id",
+          "The training job's id, set by the collector in `collector.env`; stamped as `rtrace.job_id`.",
+          type="str | None"),
     # trackio sink
-    Param("trackio_trace_key", "RTRACE_TRACKIO_TRACE_KEY", _str, "rollout/traces", "a log key",
-          "trackio key for training trajectories."),
-    Param("trackio_eval_trace_key", "RTRACE_TRACKIO_EVAL_TRACE_KEY", _str, "eval/traces", "a log key",
-          "trackio key for validation trajectories."),
+    Param("trackio_trace_key", "RTRACE_TRACKIO_TRACE_KEY", _str, "rollout/traces", "a non-empty log key",
+          "trackio key for training trajectories.", type="str"),
+    Param("trackio_eval_trace_key", "RTRACE_TRACKIO_EVAL_TRACE_KEY", _str, "eval/traces", "a non-empty log key",
+          "trackio key for validation trajectories.", type="str"),
     Param("space_id", "TRACKIO_SPACE_ID", _str, None, "a Hugging Face Space id",
-          "Send the trackio run to a Space, as trackio does."),
+          "Send the trackio run to a Space, as trackio does.", type="str | None"),
     Param("summary_metrics", "RTRACE_SUMMARY_METRICS", _bool, True, "true/false",
-          "Log per-step summary metrics (reward, turns, latency...) next to the traces (trackio)."),
+          "Log per-step summary metrics (reward, turns, latency...) next to the traces (trackio).", type="bool"),
     # MLflow sink
-    Param("mlflow_tracking_uri", "MLFLOW_TRACKING_URI", _str, None, "an MLflow tracking URI",
-          "Where the mlflow sink writes. Unset: sqlite:///<cwd>/.rtrace/mlflow.db."),
+    Param("mlflow_tracking_uri", "MLFLOW_TRACKING_URI", _tracking_uri, None, "an MLflow tracking URI",
+          "Where the mlflow sink writes. Unset: sqlite:///<cwd>/.rtrace/mlflow.db.", type="str | None"),
     Param("mlflow_run_id", "RTRACE_MLFLOW_RUN_ID", _str, None, "an MLflow run id",
-          "Run the traces are linked to. Unset: the active run of this process, if any."),
+          "Run the traces are linked to. Unset: the active run of this process, if any.", type="str | None"),
     # OTLP sink
-    Param("otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT", _str, None, "a URL",
-          "OTLP collector base URL (http: 'http://127.0.0.1:4318'; grpc: '127.0.0.1:4317')."),
-    Param("otlp_traces_endpoint", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", _str, None, "a URL",
-          "Full traces URL; overrides otlp_endpoint."),
+    Param("otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT", _url, None, "a URL",
+          "OTLP collector base URL (http: 'http://127.0.0.1:4318'; grpc: '127.0.0.1:4317').", type="str | None"),
+    Param("otlp_traces_endpoint", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", _url, None, "a URL",
+          "Full traces URL; overrides otlp_endpoint.", type="str | None"),
     Param("otlp_protocol", "OTEL_EXPORTER_OTLP_PROTOCOL", _choice("http/protobuf", "grpc"), "http/protobuf",
-          "http/protobuf or grpc", "OTLP transport."),
+          "http/protobuf or grpc", "OTLP transport.", type="str"),
     Param("otlp_headers", "OTEL_EXPORTER_OTLP_HEADERS", _headers, {}, "key=value,key2=value2",
-          "Headers sent with every OTLP request."),
+          "Headers sent with every OTLP request.", type="dict[str, str]"),
     # The OTel spec gives OTEL_EXPORTER_OTLP_TIMEOUT in milliseconds; configure() takes seconds.
-    Param("otlp_timeout_s", "OTEL_EXPORTER_OTLP_TIMEOUT", _float(0.001), 10.0,
+    Param("otlp_timeout_s", "OTEL_EXPORTER_OTLP_TIMEOUT", _float(0.001, 3600.0), 10.0,
           "milliseconds in the environment, seconds in configure()", "Per-request OTLP timeout.",
-          env_scale=0.001),
+          env_scale=0.001, type="float"),
 )
 
 _PARAMS_BY_NAME = {p.name: p for p in PARAMS}
+#: Environment variables rtrace reads besides the table's (not settings of their own).
+_OTHER_ENV = ("RTRACE_COLLECTOR_HOST", "RTRACE_COLLECTOR_PORT")
 
 
-@dataclass(frozen=True)
-class Settings:
-    """Validated settings. Build with :func:`load_settings`; every field is in :data:`PARAMS`."""
+class _SettingsBase:
+    """Behaviour of :class:`Settings`; the fields come from :data:`PARAMS`."""
 
-    exporter: tuple[str, ...] = ()
-    project: str = "rtrace"
-    experiment: str | None = None
-    token2text: bool = False
-    tokenizer: Any = None
-    token2text_skip_special_tokens: bool = True
-    token2text_keep_ids: bool = False
-    max_traces_per_step: int | None = None
-    max_val_traces_per_step: int | None = None
-    sample_groups: bool = False
-    capture: bool = True
-    max_value_chars: int = 20_000
-    redact_keys: tuple[str, ...] = DEFAULT_REDACT_KEYS
-    max_queue_size: int = 65_536
-    max_open_trajectories: int = 20_000
-    max_spans_per_trajectory: int = 2_000
-    orphan_timeout_s: float = 1800.0
-    export_interval_s: float = 0.5
-    max_export_batch_size: int = 256
-    sink_queue_size: int = 64
-    sink_timeout_s: float = 30.0
-    jsonl_path: str = "rtrace_traces.jsonl"
-    service_name: str = "rtrace"
-    trackio_trace_key: str = "rollout/traces"
-    trackio_eval_trace_key: str = "eval/traces"
-    space_id: str | None = None
-    summary_metrics: bool = True
-    mlflow_tracking_uri: str | None = None
-    mlflow_run_id: str | None = None
-    otlp_endpoint: str | None = None
-    otlp_traces_endpoint: str | None = None
-    otlp_protocol: str = "http/protobuf"
-    otlp_headers: dict = field(default_factory=dict)
-    otlp_timeout_s: float = 10.0
-    #: Keyword arguments that are not settings of the table but objects handed to sinks
-    #: (e.g. a custom Sink instance). Not read from the environment.
-    sinks: tuple = ()
+    __slots__ = ()
 
     @property
     def enabled(self) -> bool:
         """True when at least one sink is configured."""
-        return bool(self.exporter) or bool(self.sinks)
+        return bool(self.exporter) or bool(self.sinks)  # type: ignore[attr-defined]
 
     @property
     def val_cap(self) -> int | None:
         """The per-step cap that applies to validation trajectories."""
-        if self.max_val_traces_per_step is not None:
-            return self.max_val_traces_per_step
-        return self.max_traces_per_step
+        if self.max_val_traces_per_step is not None:  # type: ignore[attr-defined]
+            return self.max_val_traces_per_step  # type: ignore[attr-defined]
+        return self.max_traces_per_step  # type: ignore[attr-defined]
+
+
+def _default(value: Any) -> Any:
+    return field(default_factory=lambda: dict(value)) if isinstance(value, dict) else value
+
+
+#: Validated settings, one field per entry of :data:`PARAMS` (same name, same default),
+#: plus ``sinks``: custom :class:`rtrace.Sink` instances handed to ``configure()`` (not
+#: read from the environment). Build with :func:`load_settings`.
+Settings = make_dataclass(
+    "Settings",
+    [(p.name, p.type, _default(p.default)) for p in PARAMS] + [("sinks", "tuple", ())],
+    bases=(_SettingsBase,), frozen=True)
+Settings.__module__ = __name__
+Settings.__doc__ = ("Validated settings. Build with :func:`load_settings`; every field is in :data:`PARAMS` "
+                    "(docs/configuration.md).")
 
 
 def _parse(param: Param, raw: Any, source: str) -> Any:
@@ -330,8 +409,21 @@ def _parse(param: Param, raw: Any, source: str) -> Any:
         raise ConfigError(f"{where}{env}: {exc}; accepted values: {param.accepted}") from None
 
 
+def unknown_env(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """``RTRACE_*`` variables that are not settings, each with the closest known name."""
+    import difflib
+
+    known = [p.env for p in PARAMS if p.env and p.env.startswith("RTRACE_")] + list(_OTHER_ENV)
+    out = []
+    for key in sorted(environ):
+        if key.startswith("RTRACE_") and key not in known:
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            out.append((key, close[0] if close else None))
+    return out
+
+
 def load_settings(overrides: Mapping[str, Any] | None = None,
-                  environ: Mapping[str, str] | None = None) -> Settings:
+                  environ: Mapping[str, str] | None = None) -> Any:
     """Build :class:`Settings` from keyword overrides, then the environment, then defaults.
 
     Args:
@@ -358,8 +450,11 @@ def load_settings(overrides: Mapping[str, Any] | None = None,
             values[param.name] = value * param.env_scale if param.env_scale != 1.0 else value
     if sinks is not None:
         values["sinks"] = tuple(sinks) if isinstance(sinks, (list, tuple)) else (sinks,)
-    known = {f.name for f in fields(Settings)}
-    return Settings(**{k: v for k, v in values.items() if k in known})
+    settings = Settings(**values)
+    if "collector" in settings.exporter and settings.collector_endpoint is None:
+        raise ConfigError("RTRACE_EXPORTER=collector needs RTRACE_COLLECTOR_ENDPOINT (host:port of "
+                          "`rtrace collect` / rtrace.start_collector(); collector.env sets both)")
+    return settings
 
 
 def reference_markdown() -> str:

@@ -12,19 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-__all__ = ["SCHEMA", "SpanRecord", "Trajectory", "RL_FIELDS"]
+__all__ = ["SCHEMA", "SpanRecord", "Trajectory", "RL_FIELDS", "response_text"]
 
 #: Version tag written in every JSONL line; bumped only on incompatible changes.
 SCHEMA = "rtrace.trajectory/1"
 
 #: RL coordinates carried by every trajectory (``rl.<name>`` on every span).
 RL_FIELDS = ("step", "sample_index", "rollout_n", "validate", "experiment", "group_id", "policy_version")
-
-#: Span kinds: the root of a rollout_context is ``rollout``; decorated calls are ``agent``
-#: (traced_rollout), ``generation``, ``tool`` or the kind given to ``traced(kind=...)``;
-#: spans made by other OTel instrumentation inside a trajectory are ``span``.
-KINDS = ("rollout", "agent", "generation", "tool", "chain", "span")
-
 
 def _float_or_none(value: Any) -> float | None:
     # JSONL writes non-finite rewards as "NaN" / "Infinity" / "-Infinity" (strict JSON).
@@ -33,7 +27,13 @@ def _float_or_none(value: Any) -> float | None:
 
 @dataclass
 class SpanRecord:
-    """One finished span of a trajectory, with JSON-safe captured values."""
+    """One finished span of a trajectory, with JSON-safe captured values.
+
+    ``kind``: the root of a rollout_context is ``rollout``; decorated calls are ``agent``
+    (traced_rollout), ``generation``, ``tool`` or the kind given to ``traced(kind=...)``;
+    an ``rtrace.extract`` segment is ``segment``; spans made by other OTel
+    instrumentation inside a trajectory are ``span``.
+    """
 
     span_id: str
     parent_id: str | None
@@ -121,6 +121,8 @@ class Trajectory:
     extra: dict[str, Any] = field(default_factory=dict)
     reward: float | None = None
     outcome: dict[str, Any] = field(default_factory=dict)
+    #: values joined from rtrace.annotate / annotate_batch (advantage, returns...), by key
+    annotations: dict[str, Any] = field(default_factory=dict)
     status: str = "ok"
     error: str | None = None
     partial: bool = False
@@ -163,9 +165,6 @@ class Trajectory:
     def num_tool_calls(self) -> int:
         return sum(1 for s in self.spans if s.kind == "tool")
 
-    def children(self, span_id: str) -> list[SpanRecord]:
-        return [s for s in self.spans if s.parent_id == span_id]
-
     def walk(self) -> Iterator[tuple[int, SpanRecord]]:
         """(depth, span) pairs in tree order."""
         depth: dict[str | None, int] = {}
@@ -192,6 +191,7 @@ class Trajectory:
             "extra": self.extra,
             "reward": self.reward,
             "outcome": self.outcome,
+            "annotations": self.annotations,
             "status": self.status,
             "error": self.error,
             "partial": self.partial,
@@ -224,9 +224,30 @@ class Trajectory:
             extra=data.get("extra") or {},
             reward=_float_or_none(data.get("reward")),
             outcome=data.get("outcome") or {},
+            annotations=data.get("annotations") or {},
             status=data.get("status", "ok"),
             error=data.get("error"),
             partial=bool(data.get("partial", False)),
             dropped_spans=int(data.get("dropped_spans", 0)),
             messages=data.get("messages") or [],
         )
+
+
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        for key in ("content", "text", "response_text", "output"):
+            if isinstance(value.get(key), str):
+                return value[key]
+    return None
+
+
+def response_text(span: SpanRecord) -> str | None:
+    """The assistant text of a generation span, if any is readable."""
+    text = span.attributes.get("rtrace.response_text")
+    if isinstance(text, str):
+        return text
+    return _text(span.output)

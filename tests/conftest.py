@@ -1,6 +1,8 @@
 """Shared fixtures: a clean rtrace and environment per test, and a JSONL-backed setup.
 
-Real backends only: integration fixtures start real trackio / MLflow / OTLP receivers.
+rtrace's own pytest plugin (``rtrace.testing``) resets rtrace around every test; the
+integration fixtures (``tests/servers.py``) start real MLflow servers. Real backends
+only: no mocks of trackio, MLflow or OTLP receivers.
 """
 
 from __future__ import annotations
@@ -10,30 +12,20 @@ import os
 import pytest
 
 import rtrace
-from rtrace import _stats
-from rtrace.instrumentation import _state
+
+pytest_plugins = ["rtrace.testing", "tests.servers"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 @pytest.fixture(autouse=True)
-def clean_rtrace(monkeypatch):
-    """Every test starts unconfigured, with no RTRACE_* variables, zeroed counters and no
-    tokenizer, and leaves no pipeline or open trajectory behind."""
+def clean_env(monkeypatch):
+    """No RTRACE_* / OTEL_* / backend variables leak in from the machine or an earlier test."""
     for key in list(os.environ):
         if key.startswith("RTRACE_") or key.startswith("OTEL_") or key in ("MLFLOW_TRACKING_URI", "TRACKIO_SPACE_ID"):
             monkeypatch.delenv(key, raising=False)
-    rtrace.shutdown()
-    _state.set_runtime(_state.UNSET)
-    _stats.reset()
-    rtrace.set_tokenizer(None)  # the process-wide token2text tokenizer
-    assert _state.FRAME.get() is None
     yield
-    rtrace.shutdown()
-    _state.set_runtime(_state.UNSET)
-    _stats.reset()
-    rtrace.set_tokenizer(None)
 
 
 @pytest.fixture(scope="session")

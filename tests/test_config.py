@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 @pytest.mark.parametrize("env, value, message", [
     # unknown exporter name: names the variable and lists the accepted names
-    ("RTRACE_EXPORTER", "trakio", "RTRACE_EXPORTER: unknown exporter 'trakio'; accepted values: comma list of none, console, jsonl, trackio, mlflow, otlp"),
+    ("RTRACE_EXPORTER", "trakio", "RTRACE_EXPORTER: unknown exporter 'trakio'; accepted values: comma list of none, console, jsonl, trackio, mlflow, otlp, collector"),
     # non-integer cap
     ("RTRACE_MAX_TRACES_PER_STEP", "ten", "RTRACE_MAX_TRACES_PER_STEP: not an integer: 'ten'; accepted values: an integer >= 0, or none"),
     # negative cap
@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
     # bad boolean
     ("RTRACE_TOKEN2TEXT", "maybe", "RTRACE_TOKEN2TEXT: not a boolean: 'maybe'; accepted values: true/false (1/0, yes/no, on/off)"),
     # bad float
-    ("RTRACE_ORPHAN_TIMEOUT_S", "soon", "RTRACE_ORPHAN_TIMEOUT_S: not a number: 'soon'; accepted values: seconds >= 0"),
+    ("RTRACE_ORPHAN_TIMEOUT_S", "soon", "RTRACE_ORPHAN_TIMEOUT_S: not a number: 'soon'; accepted values: seconds from 0 to 604800"),
     # bad OTLP protocol
     ("OTEL_EXPORTER_OTLP_PROTOCOL", "udp", "OTEL_EXPORTER_OTLP_PROTOCOL: got 'udp'; accepted values: http/protobuf or grpc"),
 ])

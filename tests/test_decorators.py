@@ -9,6 +9,7 @@ import inspect
 import pytest
 
 import rtrace
+import rtrace.testing
 from tests.conftest import read_back
 
 
@@ -350,7 +351,7 @@ class TestOff:
         assert not rtrace.is_enabled()
         assert list(tmp_path.iterdir()) == []
 
-    def test_off_wrapper_is_one_check(self):
+    def test_off_wrapper_is_one_check(self, monkeypatch):
         """Tracing off: the wrapper reads one global and calls the function (no span code)."""
         rtrace.configure(exporter="none")
         calls = []
@@ -360,10 +361,14 @@ class TestOff:
             calls.append(x)
             return x
 
-        assert f(1) == 1 and calls == [1]
-        from rtrace.instrumentation import _state
+        from rtrace.instrumentation import decorators
 
-        assert _state.runtime is None
+        opened = []
+        monkeypatch.setattr(decorators, "_call_or_none", lambda *a: opened.append(a))
+        assert f(1) == 1 and calls == [1]
+        assert opened == []  # the off path never reached the span code
+        rtrace.configure(sinks=[rtrace.testing.MemorySink()])
+        assert f(2) == 2 and len(opened) == 1  # ... which the on path does (the check can fail)
 
     def test_env_var_turns_tracing_on_lazily(self, tmp_path, monkeypatch):
         """RTRACE_EXPORTER alone (no configure call) turns tracing on at the first traced call."""
@@ -377,4 +382,5 @@ class TestOff:
 def test_wraps_keeps_wrapped_attribute():
     """The original function is reachable as __wrapped__ (functools.wraps)."""
     assert plain.__wrapped__(1) == 5
-    assert isinstance(plain, functools.partial) is False
+    assert plain.__name__ == "plain" and plain.__doc__ == plain.__wrapped__.__doc__
+    assert inspect.signature(plain) == inspect.signature(plain.__wrapped__)

@@ -16,7 +16,7 @@ import pytest
 import rtrace
 from rtrace.exporters import mlflow as mlflow_sink
 from tests.conftest import read_back
-from tests.servers import mlflow_server, start_mlflow_server, stop_server  # noqa: F401  (fixture)
+from tests.servers import start_mlflow_server, stop_server
 
 mlflow = pytest.importorskip("mlflow")
 from mlflow.tracking import MlflowClient  # noqa: E402

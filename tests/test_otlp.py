@@ -18,7 +18,7 @@ from rtrace.config import ConfigError, load_settings
 from rtrace.exporters.jsonl import read_jsonl
 from rtrace.exporters.otlp import traces_endpoint
 from tests.otlp_receiver import OtlpGrpcReceiver, OtlpHttpReceiver
-from tests.servers import free_port, mlflow_server  # noqa: F401  (session fixture)
+from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 UNSET, ERROR = 0, 2  # OTLP status codes

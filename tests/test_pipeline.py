@@ -162,20 +162,41 @@ class TestBounds:
         assert rtrace.stats()["trajectories_dropped_open_limit"] == 2
 
     def test_queue_limit_drops_and_counts(self):
-        """A full span queue drops spans instead of growing or blocking; every span is kept or counted."""
+        """A full span queue drops spans instead of growing or blocking; every span is kept or counted,
+        and a dropped root frees its trajectory at once (partial), not after the orphan timeout."""
         sink = Collect()
-        rtrace.configure(sinks=[sink], max_queue_size=10, export_interval_s=0.05, orphan_timeout_s=0.3)
+        entered, release = threading.Event(), threading.Event()
+
+        class BlockingTokenizer:  # holds the worker thread inside token2text
+            def batch_decode(self, ids, **kwargs):
+                entered.set()
+                release.wait(10)
+                return ["x"] * len(ids)
+
+        rtrace.configure(sinks=[sink], max_queue_size=10, export_interval_s=0.05, orphan_timeout_s=600,
+                         token2text=True, tokenizer=BlockingTokenizer())
+
+        @rtrace.traced_generation
+        def gen(prompt_ids):
+            return [1]
+
+        with rtrace.rollout_context(step=0):
+            gen([1, 2])
+        assert entered.wait(10)  # the worker is busy: nothing drains the queue now
         with rtrace.rollout_context(step=1):
             for i in range(50):
                 tool(i)
+        release.set()
         deadline = time.monotonic() + 10
-        while not sink.trajectories and time.monotonic() < deadline:  # complete, or partial after the timeout
+        while len(sink.trajectories) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        (traj,) = sink.trajectories
+        traj = next(t for t in sink.trajectories if t.step == 1)
         dropped = rtrace.stats()["spans_dropped_queue"]
-        kept = len(traj.spans) - (1 if traj.partial else 0)  # a partial root is a stand-in
-        assert dropped > 0
+        assert dropped == 51 - 10  # the queue held 10 spans; the root (last to end) was dropped
+        assert traj.partial  # the lost root did not wait for the 600 s orphan timeout
+        kept = len(traj.spans) - 1  # a partial root is a stand-in
         assert kept + dropped == 51
+        assert rtrace.stats()["open_trajectories"] == 0
 
     def test_orphan_written_as_partial(self):
         """A trajectory whose root never ends is written as partial after the orphan timeout."""
@@ -202,8 +223,9 @@ class TestFailingSinks:
         rtrace.configure(sinks=[Raising(None), good], export_interval_s=0.01)
         results = [run_agent(1, i) for i in range(20)]
         assert results == [i * 2 for i in range(20)]
-        assert rtrace.flush(10)
+        assert rtrace.flush(10) is False  # a sink failed batches since the last flush: reported
         assert len(good.trajectories) == 20
+        assert rtrace.flush(10) is True  # nothing failed since
         stats = rtrace.stats()
         assert stats["sink.raising.failed_trajectories"] == 20
         assert stats["sink.collect.exported"] == 20
@@ -282,7 +304,7 @@ class TestJsonl:
         line = json.loads(jsonl_path.read_text().splitlines()[0])
         assert list(line) == [
             "schema", "trace_id", "name", "step", "sample_index", "rollout_n", "validate", "experiment",
-            "group_id", "policy_version", "extra", "reward", "outcome", "status", "error", "partial",
+            "group_id", "policy_version", "extra", "reward", "outcome", "annotations", "status", "error", "partial",
             "dropped_spans", "start_ns", "end_ns", "duration_ms", "num_turns", "num_tool_calls",
             "messages", "spans"]
         assert list(line["spans"][0]) == [

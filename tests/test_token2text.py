@@ -12,7 +12,7 @@ import torch
 
 import rtrace
 from rtrace.demo import build_tokenizer
-from rtrace.exporters import token2text
+from rtrace import _setup as token2text  # holds the tokenizer (get_tokenizer)
 from rtrace.exporters.jsonl import read_jsonl
 
 PROMPT = "<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n"

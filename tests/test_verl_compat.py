@@ -22,7 +22,7 @@ import rtrace
 from rtrace import _stats
 from rtrace.compat.verl import RolloutTraceConfig, rollout_trace_attr, rollout_trace_op
 from rtrace.exporters.jsonl import read_jsonl
-from rtrace.exporters.token2text import set_tokenizer
+from rtrace import set_tokenizer
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0}
 EXPERIMENT = "verl-run-1"

@@ -283,7 +283,7 @@ def _active() -> bool:
 
 
 def _adopt_tokenizer(owner: Any) -> None:
-    from ..exporters.token2text import get_tokenizer
+    from .._setup import get_tokenizer
 
     if get_tokenizer() is None:
         tok = getattr(owner, "tokenizer", None)

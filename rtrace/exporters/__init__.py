@@ -1,4 +1,4 @@
-"""Trajectory assembly, sampling, token2text and one module per sink.
+"""The sinks, one module each, and the one registry of exporter names.
 
 Sinks are imported only when configured, so a missing optional dependency (trackio,
 mlflow, opentelemetry-exporter-otlp) costs nothing until it is asked for.

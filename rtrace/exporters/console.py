@@ -17,7 +17,7 @@ from typing import Any, Sequence, TextIO
 from ..config import Settings
 from ..trajectory import SpanRecord, Trajectory
 from .base import Sink
-from .messages import response_text
+from ..trajectory import response_text
 
 __all__ = ["ConsoleSink", "format_trajectory"]
 

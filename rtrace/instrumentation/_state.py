@@ -6,20 +6,22 @@ Two pieces of state, both deliberately small:
   off and every decorated call is one check and a call; :data:`UNSET` means nobody has
   configured yet, and the first traced call configures from the environment.
 * ``FRAME``: a ContextVar holding the open trajectory (RL coordinates and the
-  :class:`~rtrace._capture.TrajectoryState`). ContextVars follow asyncio tasks and
+  :class:`~rtrace.pipeline.records.TrajectoryState`). ContextVars follow asyncio tasks and
   ``asyncio.gather`` by themselves; threads need :func:`rtrace.wrap_context`.
 """
 
 from __future__ import annotations
 
 from contextvars import ContextVar
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, Sequence
 
 from opentelemetry import trace as otel_trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Link
+from opentelemetry.trace import Link, Tracer
 
-from .._capture import TrajectoryState
+from ..pipeline.annotations import Annotation
+from ..pipeline.records import TrajectoryState
+from ..pipeline.registry import Registry
 
 __all__ = ["Runtime", "Frame", "FRAME", "UNSET", "get_runtime", "set_runtime", "start_root"]
 
@@ -50,20 +52,41 @@ def set_runtime(rt: Any) -> None:
         listener(rt)
 
 
+class Sampler(Protocol):
+    """The admission decision, made once when a trajectory starts."""
+
+    def admit(self, coords: dict[str, Any]) -> bool:
+        """True when the trajectory with these coordinates is recorded."""
+
+
+class Intake(Protocol):
+    """What the hot path hands to the pipeline besides spans."""
+
+    def submit_states(self, states: Sequence[TrajectoryState]) -> int:
+        """Queue finished trajectories built without spans; returns how many were queued."""
+
+    def annotate(self, annotations: Sequence[Annotation]) -> None:
+        """Queue annotations for trajectories (by coordinates or trace id)."""
+
+
 class Runtime:
     """What the hot path needs from the configured pipeline (set by ``rtrace.configure``)."""
 
-    __slots__ = ("tracer", "pipeline", "sampler", "capture", "experiment")
+    __slots__ = ("tracer", "registry", "sampler", "intake", "capture", "experiment", "root_attributes")
 
-    def __init__(self, tracer: Any, pipeline: Any, sampler: Any, capture: bool,
-                 experiment: str | None) -> None:
+    def __init__(self, tracer: Tracer, registry: Registry, sampler: Sampler, intake: Intake, capture: bool,
+                 experiment: str | None, root_attributes: dict[str, Any] | None = None) -> None:
         self.tracer = tracer
-        #: has ``register(state) -> bool`` (False: over the open-trajectory cap)
-        self.pipeline = pipeline
-        #: has ``admit(coords) -> bool`` (the per-step cap, decided at the trajectory start)
+        #: the open-trajectory table (register, lookup, set_root)
+        self.registry = registry
+        #: the per-step cap, decided at the trajectory start
         self.sampler = sampler
+        #: finished states (log_rollout_batch) and annotations go here
+        self.intake = intake
         self.capture = capture
         self.experiment = experiment
+        #: attributes every root span starts with (collector mode: ``rtrace.root``)
+        self.root_attributes = root_attributes
 
 
 class Frame:
@@ -101,12 +124,12 @@ def start_root(rt: Runtime, name: str, kind: str, coords: dict[str, Any]) -> tup
         return None, Frame(coords, None)
     current = otel_trace.get_current_span().get_span_context()
     links = (Link(current),) if current.is_valid else None
-    span = rt.tracer.start_span(name, context=Context(), links=links)
+    span = rt.tracer.start_span(name, context=Context(), links=links, attributes=rt.root_attributes)
     ctx = span.get_span_context()
     if not span.is_recording():  # the application's sampler said no
         return None, Frame(coords, None)
     state = TrajectoryState(ctx.trace_id, ctx.span_id, name, kind, coords)
-    if not rt.pipeline.register(state):
+    if not rt.registry.register(state):
         span.end()
         return None, Frame(coords, None)
     return span, Frame(coords, state)

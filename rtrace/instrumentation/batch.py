@@ -30,21 +30,20 @@ the call, each segment lasts 1 µs, in order. The root has ``rtrace.synthetic_ti
 
 from __future__ import annotations
 
-import random
 import time
 from typing import Any, Sequence
 
-from .. import _stats
+from .. import _ids, _stats
 from .._serialize import array_to_python
-from ..trajectory import SpanRecord, Trajectory
+from ..pipeline.records import TrajectoryState
+from ..trajectory import SpanRecord
 from . import _state
 
 __all__ = ["log_rollout_batch"]
 
 _SEGMENT_NS = 1_000  # synthetic duration of one segment span
-# A private generator for trace/span ids: drawing from the module-level one would move the
-# trainer's seeded ``random`` state.
-_rng = random.Random()
+# Ids come from rtrace._ids (os.urandom): drawing from the module-level `random` would
+# move the trainer's seeded state, and a private Random would repeat in forked workers.
 
 
 def log_rollout_batch(
@@ -130,7 +129,7 @@ def log_rollout_batch(
     if messages is not None and len(messages) != batch:
         raise ValueError(f"log_rollout_batch: messages has {len(messages)} entries, input_ids has {batch} rows")
 
-    out: list[Trajectory] = []
+    out: list[TrajectoryState] = []
     now = time.time_ns()
     for b in range(batch):
         prompt_index = prompt_offset + b // n
@@ -156,27 +155,21 @@ def log_rollout_batch(
         turns = _turns(row, response_iv, loss[b] if loss is not None else None,
                        vers_tok[b] if vers_tok is not None else None)
         reward = _reward(rew_sample, rew_tok, b)
-        traj = _trajectory(name, coords, _gather(row, prompt_iv), turns, reward, now, observation_role,
-                           rt.capture)
+        state = _trajectory(name, coords, _gather(row, prompt_iv), turns, reward, now, observation_role,
+                            rt.capture)
         if messages is not None and messages[b]:
-            traj.messages = [dict(m) for m in messages[b]]
+            state.messages = [dict(m) for m in messages[b]]
         # else the worker builds them from the segments, after token2text decoded them
-        out.append(traj)
+        out.append(state)
     if not out:
         return 0
     _stats.incr("batch_trajectories", len(out))
-    return rt.pipeline.submit_trajectories(out)
+    return rt.intake.submit_states(out)
 
 
 # ---------------------------------------------------------------------- inputs
-def _to_lists(value: Any) -> Any:
-    """Python lists from a tensor (one device-to-host copy for the whole batch), an
-    array, or lists."""
-    return array_to_python(value)
-
-
 def _rows(value: Any, name: str) -> list[list[int]]:
-    rows = _to_lists(value)
+    rows = array_to_python(value)
     if not isinstance(rows, (list, tuple)) or not all(isinstance(r, (list, tuple)) for r in rows):
         raise ValueError(f"log_rollout_batch: {name} must be 2-D ([batch, tokens]), got {type(value).__name__}")
     # tolist() gives fresh lists already: copy only tuples / foreign sequences
@@ -202,7 +195,7 @@ def _per_token_or_sample(value: Any, name: str, ids: list[list[int]], n: int) ->
     """(per-token rows, None) or (None, per-sample values) for rewards / versions."""
     if value is None:
         return None, None
-    lists = _to_lists(value)
+    lists = array_to_python(value)
     if isinstance(lists, (list, tuple)) and lists and isinstance(lists[0], (list, tuple)):
         return _per_token(lists, name, ids), None  # already on the CPU: no second copy
     return None, _per_sample(lists, name, len(ids), n)
@@ -212,7 +205,7 @@ def _per_sample(value: Any, name: str, batch: int, n: int) -> list[Any] | None:
     """One value per sample, from a scalar, ``[batch]`` or ``[batch // n]`` (per prompt)."""
     if value is None:
         return None
-    value = _to_lists(value)
+    value = array_to_python(value)
     if not isinstance(value, (list, tuple)):
         return [value] * batch
     if len(value) == batch:
@@ -378,12 +371,12 @@ def _int(value: Any) -> int | None:
 
 # ---------------------------------------------------------------------- output
 def _span_id() -> str:
-    return format(_rng.getrandbits(64) or 1, "016x")
+    return format(_ids.span_id(), "016x")
 
 
 def _trajectory(name: str, coords: dict[str, Any], prompt: list[int],
                 turns: list[tuple[bool, list[int], int | None]], reward: float | None, now: int,
-                observation_role: str, capture: bool) -> Trajectory:
+                observation_role: str, capture: bool) -> TrajectoryState:
     root_id = _span_id()
     spans = [SpanRecord(span_id=root_id, parent_id=None, name=name, kind="rollout", start_ns=now,
                         end_ns=now + _SEGMENT_NS * max(1, len(turns)),
@@ -426,16 +419,12 @@ def _trajectory(name: str, coords: dict[str, Any], prompt: list[int],
                                             "gen_ai.usage.output_tokens": 0}))
     if oldest is not None and coords.get("policy_version") is None:
         coords["policy_version"] = oldest
-    extra = coords.pop("extra")
-    stamp = {f"rl.{k}": v for k, v in coords.items() if v is not None and isinstance(v, (str, int, float, bool))}
-    stamp.update({f"rl.extra.{k}": v for k, v in extra.items() if isinstance(v, (str, int, float, bool))})
-    for span in spans:
-        for key, value in stamp.items():
-            span.attributes.setdefault(key, value)  # a generation's own version wins
+    # The pipeline finishes this state like any other: rl.* stamped on every span (a
+    # generation's own rl.policy_version wins), the reward on the root.
+    state = TrajectoryState(_ids.trace_id(), int(root_id, 16), name, "rollout", coords)
+    state.created_ns = now
+    state.records = spans
+    state.root_at = time.monotonic()
     if reward is not None:
-        spans[0].attributes["rl.reward"] = reward
-    return Trajectory(trace_id=format(_rng.getrandbits(128) or 1, "032x"), name=name, spans=spans,
-                      step=coords.get("step"), sample_index=coords.get("sample_index"),
-                      rollout_n=coords.get("rollout_n"), validate=bool(coords.get("validate")),
-                      experiment=coords.get("experiment"), group_id=coords.get("group_id"),
-                      policy_version=coords.get("policy_version"), extra=extra, reward=reward)
+        state.reward, state.has_reward = reward, True
+    return state

@@ -19,11 +19,11 @@ from typing import Any, Callable, TypeVar
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
-from opentelemetry.trace import Status, StatusCode
 
 from .. import _stats
-from .._serialize import snapshot
 from . import _state
+from .capture import snapshot
+from .decorators import fail_span
 
 __all__ = ["rollout_context", "record_reward", "wrap_context", "current_coordinates"]
 
@@ -91,8 +91,7 @@ class RolloutContext:
         span, self._span = self._span, None
         if span is not None:
             if exc is not None:
-                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
-                span.record_exception(exc, escaped=True)
+                fail_span(span, exc)
             span.end()
 
     async def __aenter__(self) -> "RolloutContext":

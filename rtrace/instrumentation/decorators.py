@@ -8,7 +8,7 @@ off that check and the call are all it does.
 
 On the hot path a decorated call creates its span, snapshots its arguments (references
 and list lengths, see ``rtrace._serialize.snapshot``) and stores one
-:class:`~rtrace._capture.CallRecord`. Attributes, RL coordinates, JSON conversion and
+:class:`~rtrace.pipeline.records.CallRecord`. Attributes, RL coordinates, JSON conversion and
 token decoding are all added later, in the worker thread.
 """
 
@@ -23,9 +23,9 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import Status, StatusCode
 
 from .. import _stats
-from .._capture import CallRecord, CallSpec
-from .._serialize import snapshot
+from ..pipeline.records import CallRecord, CallSpec
 from . import _state
+from .capture import snapshot
 
 __all__ = ["traced", "traced_rollout", "traced_generation", "traced_tool"]
 
@@ -36,6 +36,9 @@ _attach = otel_context.attach
 _detach = otel_context.detach
 _FRAME = _state.FRAME
 _ERROR = StatusCode.ERROR
+# The hot path keeps at most this much of an exception's text (the worker bounds it
+# again to max_value_chars): a 200,000-character message is not copied per span.
+_MAX_ERROR_CHARS = 65_536
 
 # The runtime, mirrored here so the wrappers' off check is a single global lookup.
 _runtime: Any = _state.runtime
@@ -94,7 +97,7 @@ class _Call:
             record = CallRecord(spec, None, None)
         captures = state.captures
         # Bounded: past max_spans_per_trajectory the worker drops the span anyway.
-        if len(captures) < rt.pipeline.max_spans:
+        if len(captures) < rt.registry.max_spans:
             captures[span.get_span_context().span_id] = record
         return _Call(span, record, opened)
 
@@ -121,12 +124,27 @@ class _Call:
     def fail(self, exc: BaseException) -> None:
         span = self.span
         if span is not None:
-            span.set_status(Status(_ERROR, f"{type(exc).__name__}: {exc}"))
-            span.record_exception(exc, escaped=True)
+            fail_span(span, exc)
 
     def end(self) -> None:
         if self.span is not None:
             self.span.end()
+
+
+def fail_span(span: Any, exc: BaseException) -> None:
+    """Mark ``span`` failed by ``exc`` without ever raising: an exception whose
+    ``__str__`` raises must still reach the program unchanged (its text is bounded and
+    converted in the worker, not here)."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = "<str() of the exception failed>"
+    try:
+        span.set_status(Status(_ERROR, f"{type(exc).__name__}: {text[:_MAX_ERROR_CHARS]}"))
+        span.record_exception(exc, escaped=True)
+    except Exception:
+        _stats.incr("internal_errors")
+        _stats.warn_once("record-exception", "rtrace could not record an exception on a span", exc_info=True)
 
 
 def _call_or_none(spec: CallSpec, args: tuple, kwargs: dict) -> _Call | None:
@@ -245,24 +263,18 @@ def _wrap_generator(func: Callable, spec: CallSpec) -> Callable:
 def _wrap_async_generator(func: Callable, spec: CallSpec) -> Callable:
     @functools.wraps(func)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if _runtime is None:
-            async for item in func(*args, **kwargs):
-                yield item
-            return
-        call = _call_or_none(spec, args, kwargs)
+        call = None if _runtime is None else _call_or_none(spec, args, kwargs)
         agen = func(*args, **kwargs)
-        if call is None:
-            # `yield from` does not exist for async generators; this loop forwards items
-            # (and, like the traced path below, asend/athrow values).
-            async for item in agen:
-                yield item
-            return
+        # `yield from` does not exist for async generators: this loop forwards every item,
+        # asend() value, athrow() exception and aclose(), traced or not, so the caller
+        # sees exactly what the undecorated generator would do.
         items = 0
         to_send: Any = None
         to_throw: BaseException | None = None
         try:
             while True:
-                call.enter()
+                if call is not None:
+                    call.enter()
                 try:
                     if to_throw is not None:
                         exc, to_throw = to_throw, None
@@ -270,30 +282,37 @@ def _wrap_async_generator(func: Callable, spec: CallSpec) -> Callable:
                     else:
                         item = await agen.asend(to_send)
                 except StopAsyncIteration:
-                    call.set_output({"yielded": items})
+                    if call is not None:
+                        call.set_output({"yielded": items})
                     return
                 finally:
-                    call.exit()
+                    if call is not None:
+                        call.exit()
                 items += 1
                 try:
                     to_send = yield item
                 except GeneratorExit:
                     raise
-                except BaseException as exc:
+                except BaseException as exc:  # caller's athrow(): pass it to the inner generator
                     to_throw = exc
         except GeneratorExit:
-            call.enter()
+            # Closed early (break, aclose(), garbage collection): close the inner one too.
+            if call is not None:
+                call.enter()
             try:
                 await agen.aclose()
             finally:
-                call.exit()
-            call.set_output({"yielded": items, "closed": True})
+                if call is not None:
+                    call.exit()
+                    call.set_output({"yielded": items, "closed": True})
             raise
         except BaseException as exc:
-            call.fail(exc)
+            if call is not None:
+                call.fail(exc)
             raise
         finally:
-            call.end()
+            if call is not None:
+                call.end()
 
     return wrapper
 

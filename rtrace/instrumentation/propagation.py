@@ -33,7 +33,6 @@ in-process servers), ``extract`` joins the driver's trajectory instead.
 from __future__ import annotations
 
 import json
-import random
 import threading
 from typing import Any, Mapping, MutableMapping
 
@@ -42,12 +41,13 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.propagators.textmap import Getter
-from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from .. import _stats
-from .._capture import CallRecord, CallSpec, TrajectoryState
+from .. import _ids, _stats
+from ..pipeline.records import CallRecord, CallSpec, TrajectoryState
 from . import _state
+from .decorators import fail_span
 
 __all__ = ["inject", "extract", "Extracted", "BAGGAGE_PREFIX"]
 
@@ -142,7 +142,7 @@ def inject(carrier: MutableMapping[str, str] | None = None) -> MutableMapping[st
                                             trace_flags=TraceFlags(TraceFlags.DEFAULT),
                                             trace_state=current.trace_state)
                 else:
-                    unsampled = SpanContext(random.getrandbits(128) or 1, random.getrandbits(64) or 1,
+                    unsampled = SpanContext(_ids.trace_id(), _ids.span_id(),
                                             is_remote=False, trace_flags=TraceFlags(TraceFlags.DEFAULT))
                 ctx = otel_trace.set_span_in_context(NonRecordingSpan(unsampled), ctx)
             for key, value in frame.coords.items():
@@ -200,17 +200,17 @@ def _open_segment(rt: _state.Runtime, remote: SpanContext, ctx: Any, name: str,
                   coords: dict[str, Any]) -> tuple[Any, _state.Frame]:
     """Start a segment span under ``remote`` and attach it to a unit (new or shared)."""
     tid = remote.trace_id
-    pipeline = rt.pipeline
+    registry = rt.registry
     attrs = {"rtrace.remote_parent": format(remote.span_id, "016x")}
     with _lock:
         unit = _units.get(tid)
-        if unit is not None and pipeline.open.get(tid) is not unit.state:
+        if unit is not None and registry.lookup(tid) is not unit.state:
             # left over from an earlier configure() (or expired as an orphan): start afresh
             del _units[tid]
             unit = None
         if unit is None:
             closing = _closing.pop(tid, None)
-            owner = pipeline.open.get(tid)
+            owner = registry.lookup(tid)
             if owner is not None and (closing is None or owner is not closing.state):
                 # The trace's trajectory is open in this very process (the driver runs
                 # here): the segment is part of it, no unit of its own.
@@ -220,18 +220,15 @@ def _open_segment(rt: _state.Runtime, remote: SpanContext, ctx: Any, name: str,
                 return span, _state.Frame(coords, owner)
             span = rt.tracer.start_span(name, context=ctx, attributes=attrs)
             sid = span.get_span_context().span_id
-            if owner is not None:
-                # The previous unit of this trace ended but the worker thread has not
-                # assembled it: make this segment its root again, so nothing is late.
-                # (If the worker completes it in the few bytecodes in between, the new
-                # segment's spans are counted as spans_late.)
+            if owner is not None and registry.set_root(closing.state, sid):
+                # The previous unit of this trace ended but the worker has not seen its
+                # root yet: this segment is the unit's root again, so nothing is late.
+                # (set_root and the worker's root check share the registry's lock.)
                 unit = closing
-                unit.state.root_span_id = sid
-                if pipeline.open.get(tid) is not unit.state:
-                    unit = None
             if unit is None:
                 state = TrajectoryState(tid, sid, name, "segment", coords)
-                if not pipeline.register(state):
+                state.remote_parent = remote.span_id
+                if not registry.register(state):
                     span.end()
                     return None, _state.Frame(coords, None)
                 unit = _Unit(state)
@@ -251,6 +248,7 @@ def _close_segment(span: Any) -> None:
     segment to exit is the one whose end completes the unit."""
     ctx = span.get_span_context()
     tid, sid = ctx.trace_id, ctx.span_id
+    registry = rt_registry()
     with _lock:
         unit = _units.get(tid)
         if unit is None or sid not in unit.active:  # joined a local trajectory: just end it
@@ -258,14 +256,21 @@ def _close_segment(span: Any) -> None:
         else:
             del unit.active[sid]
             if unit.active:
-                unit.state.root_span_id = next(iter(unit.active))
+                if registry is not None:
+                    registry.set_root(unit.state, next(iter(unit.active)))
             else:
-                unit.state.root_span_id = sid
+                if registry is not None:
+                    registry.set_root(unit.state, sid)
                 del _units[tid]
                 _closing[tid] = unit
                 if len(_closing) > 1024:  # bounded: forget the oldest; they are long assembled
                     del _closing[next(iter(_closing))]
     span.end()
+
+
+def rt_registry() -> Any:
+    rt = _state.runtime
+    return None if rt is None or rt is _state.UNSET else rt.registry
 
 
 class Extracted:
@@ -339,8 +344,7 @@ class Extracted:
             return
         try:
             if exc is not None:
-                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
-                span.record_exception(exc, escaped=True)
+                fail_span(span, exc)
             _close_segment(span)
         except Exception:
             _stats.incr("internal_errors")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..trajectory import SpanRecord, Trajectory
+from ..trajectory import SpanRecord, Trajectory, response_text
 
 __all__ = ["build_messages", "segment_messages", "response_text", "tool_call_id"]
 
@@ -32,26 +32,6 @@ __all__ = ["build_messages", "segment_messages", "response_text", "tool_call_id"
 BATCH_SOURCE = "tensor_batch"
 #: On a span of such a trajectory: the chat role of its segment ("user", "assistant", "tool").
 ROLE_ATTR = "rtrace.role"
-
-
-def _text(value: Any) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict):
-        for key in ("content", "text", "response_text", "output"):
-            if isinstance(value.get(key), str):
-                return value[key]
-    return None
-
-
-def response_text(span: SpanRecord) -> str | None:
-    """The assistant text of a generation span, if any is readable."""
-    text = span.attributes.get("rtrace.response_text")
-    if isinstance(text, str):
-        return text
-    return _text(span.output)
 
 
 def _prompt_text(span: SpanRecord) -> str | None:

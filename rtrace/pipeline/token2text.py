@@ -7,10 +7,10 @@ finished trajectories, :class:`Token2Text` gathers every span's prompt ids and m
 text to the span attributes ``rtrace.prompt_text`` / ``rtrace.response_text``. Unless
 ``token2text_keep_ids`` is set, the id lists are dropped afterwards.
 
-The tokenizer comes from a process-wide holder (:func:`set_tokenizer`), so it can be
-handed in before or after ``configure()`` and from whichever object owns it (a veRL
-agent loop sets it on itself after rtrace was configured). ``configure(tokenizer=...)``
-and ``RTRACE_TOKENIZER`` fill the same holder; the latest call wins.
+The tokenizer is read at each batch through a callable handed in by ``rtrace._setup``,
+which keeps the one set by ``configure(tokenizer=...)`` / ``RTRACE_TOKENIZER`` or
+``rtrace.set_tokenizer()`` (the latest call wins), so it can be handed in before or
+after ``configure()`` and from whichever object owns it.
 
 A tokenizer failure never loses a trajectory: the spans keep their ids, the failure is
 counted as ``token2text_errors`` and the trajectory is exported without text.
@@ -21,21 +21,18 @@ when a tokenizer *name or path* has to be loaded.
 
 from __future__ import annotations
 
-import threading
-from typing import Any
+from typing import Any, Callable
 
 from .. import _stats
-from ..config import ConfigError, Settings
+from ..config import ConfigError
 from ..trajectory import SpanRecord, Trajectory
 
-__all__ = ["Token2Text", "set_tokenizer", "get_tokenizer", "load_tokenizer", "PROMPT_TEXT", "RESPONSE_TEXT"]
+__all__ = ["Token2Text", "check_tokenizer", "load_tokenizer", "PROMPT_TEXT", "RESPONSE_TEXT"]
 
 #: Span attributes written by token2text.
 PROMPT_TEXT = "rtrace.prompt_text"
 RESPONSE_TEXT = "rtrace.response_text"
 
-_lock = threading.Lock()
-_tokenizer: Any = None
 
 
 def load_tokenizer(name_or_path: str) -> Any:
@@ -61,34 +58,20 @@ def load_tokenizer(name_or_path: str) -> Any:
             "tokenizer directory or a hub name already in the cache") from None
 
 
-def set_tokenizer(tokenizer: Any) -> None:
-    """Set the tokenizer token2text decodes with, process-wide (before or after configure).
-
-    Args:
-        tokenizer: anything with ``batch_decode(list_of_id_lists, skip_special_tokens=...)``
-            or ``decode(ids, ...)`` (a transformers tokenizer, or a plain object); a name
-            or local path (loaded with ``AutoTokenizer``, offline); or None to clear.
+def check_tokenizer(tokenizer: Any) -> Any:
+    """``tokenizer`` ready to decode: a name or path is loaded; an object must have
+    ``batch_decode`` or ``decode``.
 
     Raises:
         TypeError: the object has neither ``batch_decode`` nor ``decode``.
         ConfigError: a name or path that cannot be loaded.
-
-    Decoding happens only when token2text is on (``configure(token2text=True)`` or
-    ``RTRACE_TOKEN2TEXT=1``).
     """
-    global _tokenizer
     if isinstance(tokenizer, str):
-        tokenizer = load_tokenizer(tokenizer)
-    elif tokenizer is not None and not (callable(getattr(tokenizer, "batch_decode", None))
-                                        or callable(getattr(tokenizer, "decode", None))):
-        raise TypeError(f"set_tokenizer: {type(tokenizer).__name__} has neither batch_decode nor decode")
-    with _lock:
-        _tokenizer = tokenizer
-
-
-def get_tokenizer() -> Any:
-    """The tokenizer set by :func:`set_tokenizer` / ``configure(tokenizer=...)``, or None."""
-    return _tokenizer
+        return load_tokenizer(tokenizer)
+    if tokenizer is not None and not (callable(getattr(tokenizer, "batch_decode", None))
+                                      or callable(getattr(tokenizer, "decode", None))):
+        raise TypeError(f"{type(tokenizer).__name__} has neither batch_decode nor decode")
+    return tokenizer
 
 
 class Token2Text:
@@ -99,26 +82,13 @@ class Token2Text:
         keep_ids: keep ``prompt_ids`` / ``response_ids`` on the spans after decoding.
     """
 
-    def __init__(self, skip_special_tokens: bool = True, keep_ids: bool = False) -> None:
+    def __init__(self, tokenizer: Callable[[], Any], skip_special_tokens: bool = True,
+                 keep_ids: bool = False) -> None:
+        #: returns the tokenizer to decode with (read at each batch: it may be set later)
+        self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.keep_ids = keep_ids
         self._takes_kwarg: dict[int, bool] = {}  # id(tokenizer) -> accepts skip_special_tokens
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> "Token2Text":
-        """Build from settings; a tokenizer given there replaces the process-wide one.
-
-        Raises:
-            ConfigError: ``tokenizer`` is a name/path that cannot be loaded, or an object
-                that cannot decode.
-        """
-        if settings.tokenizer is not None:
-            try:
-                set_tokenizer(settings.tokenizer)
-            except TypeError as exc:
-                raise ConfigError(f"configure(tokenizer=...) (env RTRACE_TOKENIZER): {exc}; accepted values: "
-                                  "an object with batch_decode/decode, or a tokenizer name / local path") from None
-        return cls(settings.token2text_skip_special_tokens, settings.token2text_keep_ids)
 
     def __call__(self, trajectories: list[Trajectory]) -> None:
         """Decode every span's ids in place: one ``batch_decode`` per field for the batch."""
@@ -131,7 +101,7 @@ class Token2Text:
                 if span.response_ids is not None:
                     responses.append(span)
         if prompts or responses:
-            tok = _tokenizer
+            tok = self.tokenizer()
             if tok is None:
                 _stats.incr("token2text_no_tokenizer", len(trajectories))
                 _stats.warn_once("t2t-no-tokenizer", "rtrace token2text is on but no tokenizer is set: call "

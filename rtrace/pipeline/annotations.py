@@ -1,0 +1,150 @@
+"""Annotations: values the trainer attaches to trajectories after (or while) they run.
+
+``rtrace.annotate(step, sample_index, rollout_n, advantage=0.4)`` and
+``rtrace.annotate_batch(...)`` produce :class:`Annotation` records keyed by a
+trajectory's coordinates ``(validate, step, sample_index, rollout_n)`` (or its trace id).
+The worker thread joins them: to a trajectory still open (waiting, when
+``RTRACE_AWAIT_ANNOTATIONS`` names keys it has not got yet), or, when the trajectory has
+not finished yet, to a bounded table of pending annotations that the trajectory picks
+up when its root arrives. An annotation for a trajectory that was already exported is
+counted as ``annotations_late``; one for a sampled-out trajectory as
+``annotations_sampled_out`` (both cheap: a bounded table of recent outcomes is kept);
+one that matches nothing before ``annotation_timeout_s`` as ``annotations_unmatched``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any, Hashable
+
+from .. import _stats
+from .records import TrajectoryState
+
+__all__ = ["Annotation", "AnnotationTable", "coord_key"]
+
+#: Recent outcomes remembered (exported / sampled out), and pending annotations kept.
+_RECENT = 200_000
+_PENDING = 200_000
+
+
+def coord_key(coords: dict[str, Any]) -> Hashable | None:
+    """The key annotations are matched by; None without a step and sample index."""
+    step, index = coords.get("step"), coords.get("sample_index")
+    if step is None or index is None:
+        return None
+    return (bool(coords.get("validate") or False), _plain(step), _plain(index), _plain(coords.get("rollout_n")))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            return _plain(item())
+        except Exception:
+            return repr(value)
+    return value if isinstance(value, (float, type(None))) else str(value)
+
+
+class Annotation:
+    """Values for one trajectory, by coordinates or trace id."""
+
+    __slots__ = ("key", "trace_id", "values", "at")
+
+    def __init__(self, key: Hashable | None, trace_id: int | None, values: dict[str, Any]) -> None:
+        self.key = key
+        self.trace_id = trace_id
+        self.values = values
+        self.at = time.monotonic()
+
+
+class AnnotationTable:
+    """The worker's side of annotations (worker thread only)."""
+
+    def __init__(self, await_keys: tuple[str, ...], timeout_s: float) -> None:
+        self.await_keys = await_keys
+        self.timeout_s = timeout_s
+        self._pending: OrderedDict[Hashable, Annotation] = OrderedDict()
+        self._recent: OrderedDict[Hashable, str] = OrderedDict()
+        #: trajectories whose root arrived, waiting for awaited keys, by key and trace id
+        self._waiting: dict[Hashable, TrajectoryState] = {}
+
+    # ------------------------------------------------------------------ outcomes
+    def remember(self, key: Hashable | None, trace_id: int, outcome: str) -> None:
+        """Remember that a trajectory was ``exported`` or ``sampled_out``."""
+        for k in (key, ("trace", trace_id)):
+            if k is None:
+                continue
+            self._recent[k] = outcome
+            if len(self._recent) > _RECENT:
+                self._recent.popitem(last=False)
+
+    # ------------------------------------------------------------------ arrivals
+    def add(self, ann: Annotation) -> None:
+        """Join an annotation to its trajectory (waiting or later), or count it."""
+        k = ("trace", ann.trace_id) if ann.trace_id is not None else ann.key
+        state = self._waiting.get(k)
+        if state is not None:
+            state.annotations.update(ann.values)
+            return
+        outcome = self._recent.get(k)
+        if outcome is not None:
+            _stats.incr("annotations_late" if outcome == "exported" else "annotations_sampled_out")
+            return
+        prev = self._pending.get(k)
+        if prev is not None:
+            prev.values.update(ann.values)
+            return
+        self._pending[k] = ann
+        if len(self._pending) > _PENDING:
+            self._pending.popitem(last=False)
+            _stats.incr("annotations_unmatched")
+
+    def arrived(self, state: TrajectoryState, key: Hashable | None) -> None:
+        """A trajectory's root arrived: give it its pending annotations."""
+        for k in (("trace", state.trace_id), key):
+            if k is None:
+                continue
+            ann = self._pending.pop(k, None)
+            if ann is not None:
+                state.annotations.update(ann.values)
+
+    def ready(self, state: TrajectoryState, key: Hashable | None, now: float) -> bool:
+        """True when ``state`` has every awaited key, or waited long enough (counted)."""
+        if not self.await_keys:
+            return True
+        if all(k in state.annotations for k in self.await_keys):
+            self._forget(state, key)
+            return True
+        if state.root_at is not None and now - state.root_at >= self.timeout_s:
+            _stats.incr("trajectories_missing_annotations")
+            self._forget(state, key)
+            return True
+        if key is not None:
+            self._waiting[key] = state
+        self._waiting[("trace", state.trace_id)] = state
+        return False
+
+    def _forget(self, state: TrajectoryState, key: Hashable | None) -> None:
+        self._waiting.pop(("trace", state.trace_id), None)
+        if key is not None and self._waiting.get(key) is state:
+            del self._waiting[key]
+
+    def expire(self, now: float) -> None:
+        """Count and drop pending annotations older than the timeout."""
+        limit = max(self.timeout_s, 1.0) * 2
+        while self._pending:
+            k, ann = next(iter(self._pending.items()))
+            if now - ann.at < limit:
+                break
+            del self._pending[k]
+            _stats.incr("annotations_unmatched")
+
+    def pending(self) -> int:
+        return len(self._pending)

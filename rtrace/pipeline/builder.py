@@ -1,0 +1,279 @@
+"""From finished OTel spans and captured calls to :class:`~rtrace.trajectory.Trajectory`.
+
+Runs in the worker thread. Everything the hot path postponed happens here: captured
+arguments become bounded, redacted JSON; RL coordinates are stamped as ``rl.*`` on
+every span; GenAI attributes are derived for generation and tool spans; token ids are
+read out of the captured values; token2text decodes a whole batch at once; the
+conversation (``messages``) is built last, from whatever text is available.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from opentelemetry.trace import StatusCode
+
+from .. import _stats
+from .._serialize import Converter, array_to_python, attr_ok, is_array, truncate, unsnap
+from ..config import Settings
+from ..trajectory import RL_FIELDS, SpanRecord, Trajectory
+from .records import CallRecord, TrajectoryState
+
+__all__ = ["SpanConverter", "finish", "as_id_list"]
+
+
+def as_id_list(value: Any) -> list[int] | None:
+    """Token ids as a list of ints, from a list, tuple, numpy array or torch tensor."""
+    value = unsnap(value)
+    if value is None:
+        return None
+    if is_array(value):
+        value = array_to_python(value)
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list):
+            value = value[0]  # a batch of one
+    # set(map(type, ...)) runs in C (2x faster than isinstance per id); bools are not ids
+    if isinstance(value, (list, tuple)) and (not value or set(map(type, value)) == {int}):
+        return list(value)
+    return None
+
+
+def _field(value: Any, *names: str) -> Any:
+    """``value[name]`` or ``value.name`` for the first name present."""
+    value = unsnap(value)
+    for name in names:
+        if isinstance(value, dict):
+            if name in value:
+                return value[name]
+        elif hasattr(value, name) and not callable(getattr(value, name)):
+            return getattr(value, name)
+    return None
+
+
+def _hex_span(span_id: int) -> str:
+    return format(span_id, "016x")
+
+
+class SpanConverter:
+    """Converts ended spans into :class:`SpanRecord` as they reach the worker.
+
+    One instance per worker round: it owns that round's :class:`Converter`, whose
+    counters (truncated, redacted, errors) are added to ``rtrace.stats()`` by
+    :meth:`count`.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.conv = Converter(settings.max_value_chars, settings.redact_keys)
+
+    def count(self) -> None:
+        """Add this round's conversion counters to ``rtrace.stats()``."""
+        conv = self.conv
+        for name, n in (("values_truncated", conv.truncated), ("values_redacted", conv.redacted),
+                        ("capture_errors", conv.errors)):
+            if n:
+                _stats.incr(name, n)
+        conv.truncated = conv.redacted = conv.errors = 0
+
+    def convert(self, span: Any, rec: CallRecord | None) -> SpanRecord:
+        """One SDK ``ReadableSpan`` (and the call record of its decorated call) as a SpanRecord."""
+        return self._span(span, rec, self.conv)
+
+    def _span(self, span: Any, rec: CallRecord | None, conv: Converter) -> SpanRecord:
+        ctx = span.context
+        parent = span.parent
+        status = span.status
+        limit = self.settings.max_value_chars
+        is_error = status.status_code is StatusCode.ERROR
+        out = SpanRecord(
+            span_id=_hex_span(ctx.span_id),
+            parent_id=_hex_span(parent.span_id) if parent is not None and parent.trace_id == ctx.trace_id else None,
+            name=span.name,
+            kind=rec.spec.kind if rec is not None else "span",
+            start_ns=span.start_time or 0,
+            end_ns=span.end_time or span.start_time or 0,
+            status="error" if is_error else "ok",
+            # exception text is the program's: bounded like every captured value
+            error=truncate(status.description or "", limit) if is_error else None,
+            attributes=_attributes(span.attributes, limit),
+            events=[{"name": e.name, "time_ns": e.timestamp, "attributes": _attributes(e.attributes, limit)}
+                    for e in span.events],
+        )
+        if rec is not None and rec.args is not None:
+            self._captured(out, rec, conv)
+        return out
+
+    def _captured(self, out: SpanRecord, rec: CallRecord, conv: Converter) -> None:
+        spec = rec.spec
+        args, names = rec.args or (), spec.param_names
+        if spec.skip_first:
+            args, names = args[1:], names[1:]
+        inputs = {names[i] if i < len(names) else f"arg{i}": value for i, value in enumerate(args)}
+        inputs.update(rec.kwargs or {})
+        has_output = rec.has_output
+        output = unsnap(rec.output) if has_output else None
+        attrs = out.attributes
+        opts = spec.options
+        if spec.kind == "generation":
+            # Token ids go to prompt_ids/response_ids before anything is converted to
+            # JSON: they are not stored twice, and converting long id lists is most of
+            # the worker's cost.
+            has_output, output = self._generation(out, inputs, has_output, output, opts)
+        elif spec.kind == "tool":
+            attrs["gen_ai.operation.name"] = "execute_tool"
+            attrs["gen_ai.tool.name"] = opts.get("tool_name") or rec.owner_name or out.name
+            call_id = unsnap(inputs.get("tool_call_id", inputs.get("call_id")))
+            if isinstance(call_id, (str, int)):
+                attrs["gen_ai.tool.call.id"] = str(call_id)
+        out.input = conv.convert_named(inputs)
+        if has_output:
+            out.output = conv(output)
+
+    @staticmethod
+    def _generation(out: SpanRecord, inputs: dict[str, Any], has_output: bool, output: Any,
+                    opts: dict[str, Any]) -> tuple[bool, Any]:
+        """Fill prompt_ids / response_ids and the GenAI attributes of a generation span.
+
+        Removes the id lists from ``inputs`` and returns ``(has_output, output)`` without
+        them (an output that is the id list itself leaves no output)."""
+        attrs = out.attributes
+        attrs["gen_ai.operation.name"] = "chat"
+        model = opts.get("model") or unsnap(inputs.get("model"))
+        if isinstance(model, str):
+            attrs["gen_ai.request.model"] = model
+        prompt_field = opts.get("prompt_field", "prompt_ids")
+        out.prompt_ids = as_id_list(inputs.get(prompt_field))
+        if out.prompt_ids is not None:
+            del inputs[prompt_field]
+            attrs["gen_ai.usage.input_tokens"] = len(out.prompt_ids)
+        ids = as_id_list(output)
+        if ids is not None:
+            has_output, output = False, None
+        elif output is not None:
+            id_keys = (opts.get("response_field", "response_ids"), "token_ids", "output_ids")
+            ids = as_id_list(_field(output, *id_keys))
+            if ids is not None and isinstance(output, dict):
+                output = {k: v for k, v in output.items() if k not in id_keys}
+        out.response_ids = ids
+        if ids is not None:
+            attrs["gen_ai.usage.output_tokens"] = len(ids)
+        finish = _field(output, "finish_reason", "stop_reason") if output is not None else None
+        if isinstance(finish, str):
+            attrs["gen_ai.response.finish_reasons"] = [finish]
+        return has_output, output
+
+
+def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Trajectory:
+    """The Trajectory of a finished (or expired) state: spans in tree order, the RL
+    coordinates stamped as ``rl.*`` on every span, reward, outcome and annotations on
+    the root. Reads the state, never writes it."""
+    records = list(state.records)
+    root_id = _hex_span(state.root_span_id) if state.root_span_id is not None else None
+    if root_id is None or not any(r.span_id == root_id for r in records):
+        # The root never ended (orphan timeout / shutdown / lost): stand in for it.
+        if root_id is None:
+            root_id = _hex_span(state.trace_id & 0xFFFFFFFFFFFFFFFF or 1)
+        end = max((r.end_ns for r in records), default=state.created_ns)
+        start = min((r.start_ns for r in records), default=state.created_ns)
+        records.append(SpanRecord(span_id=root_id, parent_id=None, name=state.name, kind=state.kind,
+                                  start_ns=min(start, state.created_ns), end_ns=max(end, state.created_ns),
+                                  status="unset", attributes={"rtrace.partial": True}))
+    spans = _tree_order(records, root_id)
+    root = spans[0]
+    if root.kind == "span":  # a rollout_context root has no call record
+        root.kind = state.kind
+    # A root opened inside an application span links to it instead of using it as
+    # parent; a segment's remote parent is kept in ``rtrace.remote_parent``, which the
+    # one OTel conversion (exporters/otel) uses to join the process's tree.
+    root.parent_id = None
+
+    coords = {k: conv(v) for k, v in state.coords.items() if k != "extra"}
+    extra = {str(k): conv(v) for k, v in (state.coords.get("extra") or {}).items()}
+    coords["validate"] = bool(coords.get("validate") or False)
+    if settings.experiment is not None:
+        coords.setdefault("experiment", settings.experiment)
+    outcome = {str(k): conv(v) for k, v in state.outcome.items()}
+    reward = _reward(state.reward, outcome) if state.has_reward else None
+    annotations = {str(k): conv(v) for k, v in state.annotations.items() if k != "reward"}
+    if "reward" in state.annotations:
+        reward = _reward(state.annotations["reward"], annotations)
+
+    stamp = {f"rl.{k}": v for k, v in coords.items() if k in RL_FIELDS and attr_ok(v)}
+    stamp.update({f"rl.extra.{k}": v for k, v in extra.items() if attr_ok(v)})
+    for span in spans:
+        attrs = span.attributes
+        for key, value in stamp.items():
+            attrs.setdefault(key, value)  # a span's own value wins (a generation's version)
+    if reward is not None:
+        root.attributes["rl.reward"] = reward
+    root.attributes.update({f"rl.outcome.{k}": v for k, v in outcome.items() if attr_ok(v)})
+    root.attributes.update({f"rl.{k}": v for k, v in annotations.items() if attr_ok(v)})
+
+    return Trajectory(
+        trace_id=format(state.trace_id, "032x"), name=root.name, spans=spans,
+        step=coords.get("step"), sample_index=coords.get("sample_index"),
+        rollout_n=coords.get("rollout_n"), validate=coords["validate"],
+        experiment=coords.get("experiment"), group_id=coords.get("group_id"),
+        policy_version=coords.get("policy_version"), extra=extra, reward=reward, outcome=outcome,
+        annotations=annotations,
+        status="error" if root.status == "error" else "ok", error=root.error,
+        partial=state.partial, dropped_spans=state.dropped_spans,
+        messages=list(state.messages) if state.messages else [])
+
+
+def _reward(value: Any, outcome: dict[str, Any]) -> float | None:
+    """The reward as a float; anything that is not one real number (a tensor of two, a
+    string, an int beyond float range) is kept as ``reward_raw`` in ``outcome`` (a
+    bounded repr, written into the trajectory's own dict) and counted."""
+    value = unsnap(value)
+    if value is None:
+        return None
+    try:
+        if is_array(value):
+            value = value.item()  # a one-element tensor / array; more elements raise
+        reward = float(value)
+    except Exception:
+        _stats.incr("reward_errors")
+        _stats.warn_once("reward", "rtrace: a reward is not a number (%s); recorded as outcome reward_raw",
+                         type(value).__name__)
+        try:
+            raw = repr(value)
+        except Exception:
+            raw = f"<{type(value).__name__}>"
+        outcome["reward_raw"] = truncate(raw, 200)
+        return None
+    if not math.isfinite(reward):
+        _stats.incr("rewards_non_finite")
+    return reward
+
+
+def _attributes(attrs: Any, limit: int) -> dict[str, Any]:
+    """An SDK span's attributes as a dict: tuples as lists, long strings truncated."""
+    out: dict[str, Any] = {}
+    for key, value in (attrs or {}).items():
+        if isinstance(value, tuple):
+            value = list(value)
+        elif isinstance(value, str) and len(value) > limit:
+            value = truncate(value, limit)
+        out[key] = value
+    return out
+
+
+def _tree_order(records: list[SpanRecord], root_id: str) -> list[SpanRecord]:
+    """Root first, then depth first with siblings by start time. Spans whose parent is
+    missing (dropped or never ended) are placed under the root."""
+    by_id = {r.span_id: r for r in records}
+    children: dict[str, list[SpanRecord]] = {}
+    for r in records:
+        if r.span_id == root_id:
+            continue
+        parent = r.parent_id if r.parent_id in by_id else root_id
+        children.setdefault(parent, []).append(r)
+    ordered: list[SpanRecord] = []
+    stack = [by_id[root_id]]
+    while stack:
+        node = stack.pop()
+        ordered.append(node)
+        kids = sorted(children.get(node.span_id, ()), key=lambda s: (s.start_ns, s.end_ns))
+        stack.extend(reversed(kids))
+    return ordered

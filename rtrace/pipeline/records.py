@@ -1,0 +1,100 @@
+"""Records shared by the hot path (instrumentation) and the pipeline's worker thread.
+
+The instrumentation fills these records; the pipeline reads them. They live in the
+pipeline (downstream of the decorators) so that nothing imports upward: a sink depends
+on the :class:`~rtrace.trajectory.Trajectory` model only, the pipeline on these records,
+the decorators on both.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..trajectory import SpanRecord
+
+__all__ = ["CallSpec", "CallRecord", "TrajectoryState"]
+
+
+class CallSpec:
+    """What a decorator knows about its function, decided once at decoration time."""
+
+    __slots__ = ("kind", "name", "capture", "param_names", "skip_first", "options")
+
+    def __init__(self, kind: str, name: str, capture: bool, param_names: tuple[str, ...],
+                 skip_first: bool, options: dict[str, Any]) -> None:
+        self.kind = kind
+        self.name = name
+        self.capture = capture
+        self.param_names = param_names
+        #: the first positional argument is ``self`` / ``cls`` and is not captured
+        self.skip_first = skip_first
+        #: kind-specific options (generation: prompt_field, response_field, model;
+        #: tool: tool_name) — read by the worker only
+        self.options = options
+
+
+class CallRecord:
+    """One decorated call as the hot path saw it: references and snapshots, no conversion."""
+
+    __slots__ = ("spec", "args", "kwargs", "output", "has_output", "owner_name")
+
+    def __init__(self, spec: CallSpec, args: tuple | None, kwargs: dict | None) -> None:
+        self.spec = spec
+        self.args = args
+        self.kwargs = kwargs
+        self.output: Any = None
+        self.has_output = False
+        #: ``self.name`` of a method's instance (tool classes name themselves this way)
+        self.owner_name: str | None = None
+
+
+class TrajectoryState:
+    """One open trajectory in the registry.
+
+    In one process the hot path creates it when a root span starts and adds a
+    :class:`CallRecord` per decorated call, the reward and the outcome; the worker
+    converts each ended span into a :class:`~rtrace.trajectory.SpanRecord` as it arrives
+    (``records``). In the collector the state is opened by the first span of a trace
+    that arrives over OTLP, and the coordinates come from the root span's attributes.
+
+    Fields written by the hot path: ``captures``, ``reward``, ``has_reward``,
+    ``outcome``. Everything else belongs to the pipeline (the registry's lock guards
+    ``root_span_id``, the worker thread the rest). The worker never writes a field the
+    hot path owns.
+    """
+
+    __slots__ = ("trace_id", "root_span_id", "name", "kind", "coords", "captures", "reward",
+                 "has_reward", "outcome", "created", "created_ns", "records", "dropped_spans",
+                 "partial", "root_lost", "root_at", "annotations", "remote_parent", "messages")
+
+    def __init__(self, trace_id: int, root_span_id: int | None, name: str, kind: str,
+                 coords: dict[str, Any]) -> None:
+        self.trace_id = trace_id
+        #: None in the collector until the root span arrives
+        self.root_span_id = root_span_id
+        self.name = name
+        self.kind = kind
+        self.coords = coords
+        self.captures: dict[int, CallRecord] = {}
+        self.reward: Any = None
+        self.has_reward = False
+        self.outcome: dict[str, Any] = {}
+        self.created = time.monotonic()
+        self.created_ns = time.time_ns()
+        #: converted spans, filled by the worker as they arrive
+        self.records: list[SpanRecord] = []
+        self.dropped_spans = 0
+        #: set by the worker when the root never arrived (orphan timeout or shutdown)
+        self.partial = False
+        #: the root span was dropped on the way (queue full): finish as partial at once
+        self.root_lost = False
+        #: monotonic time the root arrived (the trajectory is then complete, or waits
+        #: for awaited annotations / a collector's settle time)
+        self.root_at: float | None = None
+        #: annotations joined from rtrace.annotate / annotate_batch (key -> value)
+        self.annotations: dict[str, Any] = {}
+        #: a segment's remote parent span id (int), for the one OTel conversion
+        self.remote_parent: int | None = None
+        #: a conversation given with the trajectory (log_rollout_batch(messages=...))
+        self.messages: list[dict[str, Any]] | None = None

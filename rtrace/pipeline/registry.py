@@ -1,0 +1,145 @@
+"""The open-trajectory table: one owner, one lock, a declared interface.
+
+Every trajectory that is being recorded has one :class:`~rtrace.pipeline.records.TrajectoryState`
+in the registry, keyed by its trace id, from the moment its root starts (in one process)
+or its first span arrives (in the collector) until the worker hands it to the sinks.
+Three parties use it, each through the methods of :class:`Registry` only:
+
+* the hot path registers a trajectory when its root span starts (``register``) and the
+  span processor asks whether an ended span is ours (``lookup``: one dict read, safe
+  without the lock under the GIL);
+* ``rtrace.extract`` moves a segment unit's root to the segment still open
+  (``set_root``), and the worker decides whether an arriving span is the root
+  (``arrive``). Both run under the lock, so a root moved by one thread is never
+  missed by the other;
+* the worker removes finished trajectories (``remove``) and expires orphans
+  (``expire``).
+
+Nobody else touches the table.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Protocol
+
+from .. import _stats
+from .records import TrajectoryState
+
+__all__ = ["Registry", "TrajectoryRegistry"]
+
+
+class Registry(Protocol):
+    """What the hot path and propagation may do with the open trajectories."""
+
+    #: spans kept per trajectory (the hot path stops storing call records beyond it)
+    max_spans: int
+
+    def register(self, state: TrajectoryState) -> bool:
+        """Add a new trajectory; False (counted) when over the cap or stopping."""
+
+    def lookup(self, trace_id: int) -> TrajectoryState | None:
+        """The open trajectory of ``trace_id``, if any."""
+
+    def set_root(self, state: TrajectoryState, span_id: int) -> bool:
+        """Make ``span_id`` the root of ``state``; False when ``state`` is no longer open
+        or its root was already seen by the worker."""
+
+
+class TrajectoryRegistry:
+    """The one implementation of :class:`Registry`, plus the worker's side."""
+
+    def __init__(self, max_open: int, max_spans: int) -> None:
+        self.max_open = max_open
+        self.max_spans = max_spans
+        self._lock = threading.Lock()
+        self._open: dict[int, TrajectoryState] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ hot path
+    def register(self, state: TrajectoryState) -> bool:
+        with self._lock:
+            if not self._closed and len(self._open) < self.max_open:
+                self._open[state.trace_id] = state
+                return True
+        _stats.incr("trajectories_dropped_open_limit")
+        _stats.warn_once("open-limit", "rtrace: more than %d open trajectories; new ones are not traced",
+                         self.max_open)
+        return False
+
+    def lookup(self, trace_id: int) -> TrajectoryState | None:
+        return self._open.get(trace_id)
+
+    def set_root(self, state: TrajectoryState, span_id: int) -> bool:
+        with self._lock:
+            if self._open.get(state.trace_id) is not state or state.root_at is not None:
+                return False
+            state.root_span_id = span_id
+            return True
+
+    def mark_root_lost(self, trace_id: int, span_id: int) -> None:
+        """The root span of ``trace_id`` was dropped before the worker saw it: the
+        trajectory is finished as partial in the worker's next round."""
+        with self._lock:
+            state = self._open.get(trace_id)
+            if state is not None and state.root_span_id == span_id:
+                state.root_lost = True
+
+    # ------------------------------------------------------------------ worker side
+    def open_or_get(self, trace_id: int, factory: Callable[[], TrajectoryState]) -> TrajectoryState | None:
+        """The open trajectory of ``trace_id``, opening it with ``factory()`` when new
+        (the collector: the first span of a trace opens it). None over the cap."""
+        state = self._open.get(trace_id)
+        if state is not None:
+            return state
+        state = factory()
+        return state if self.register(state) else None
+
+    def arrive(self, trace_id: int, span_id: int) -> tuple[TrajectoryState | None, bool]:
+        """The state a span of ``trace_id`` belongs to, and whether it is the root (then
+        ``state.root_at`` is set)."""
+        with self._lock:
+            state = self._open.get(trace_id)
+            if state is None:
+                return None, False
+            is_root = state.root_span_id == span_id and state.root_at is None
+            if is_root:
+                state.root_at = time.monotonic()
+            return state, is_root
+
+    def claim_root(self, state: TrajectoryState, span_id: int) -> bool:
+        """Collector: ``span_id`` says it is the root of ``state``; True if it is the first."""
+        with self._lock:
+            if state.root_at is not None:
+                return False
+            state.root_span_id = span_id
+            state.root_at = time.monotonic()
+            return True
+
+    def remove(self, state: TrajectoryState) -> None:
+        """Forget a finished trajectory: spans of its trace that arrive later are late."""
+        with self._lock:
+            if self._open.get(state.trace_id) is state:
+                del self._open[state.trace_id]
+
+    def expire(self, now: float, timeout_s: float, force: bool = False) -> list[TrajectoryState]:
+        """Remove and return trajectories whose root was lost, or that waited for their
+        root longer than ``timeout_s`` (all of them with ``force``), marked partial."""
+        with self._lock:
+            expired = [st for st in self._open.values()
+                       if st.root_at is None and (force or st.root_lost or now - st.created > timeout_s)]
+            for state in expired:
+                del self._open[state.trace_id]
+                state.partial = True
+        if expired:
+            _stats.incr("trajectories_partial", len(expired))
+        return expired
+
+    def close(self) -> None:
+        """Refuse new trajectories (shutdown)."""
+        with self._lock:
+            self._closed = True
+
+    def __len__(self) -> int:
+        return len(self._open)

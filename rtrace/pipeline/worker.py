@@ -1,0 +1,286 @@
+"""The trajectory pipeline: span processor, worker thread, fan-out to the sinks.
+
+::
+
+    span.end() --on_end--> bounded deque --worker thread------------------------> Fanout
+      (caller's thread:      (drops counted;   registry.arrive: root?              (one thread and
+       one dict lookup,       a dropped root    convert span -> SpanRecord          bounded queue
+       one append)            frees its slot)   annotations joined / awaited        per sink)
+                                                orphans expired as partial
+                                                finish -> Trajectory
+                                                token2text, messages
+
+rtrace owns its queue and threads instead of using the SDK's BatchSpanProcessor: that
+one runs ``export()`` on the caller's thread at ``force_flush`` and hides its drops.
+Here the traced program's thread only appends to a deque; assembling, converting,
+decoding and writing all happen in rtrace's threads, also during ``flush()``.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, attach, detach, set_value
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+
+from .. import _stats
+from ..config import Settings
+from ..trajectory import Trajectory
+from .annotations import Annotation, AnnotationTable, coord_key
+from .builder import SpanConverter, finish
+from .fanout import Fanout
+from .messages import build_messages
+from .records import TrajectoryState
+from .registry import TrajectoryRegistry
+
+__all__ = ["Pipeline", "ProcessorBridge"]
+
+Postprocessor = Callable[[list[Trajectory]], None]
+
+
+class ProcessorBridge(SpanProcessor):
+    """The SDK span processor rtrace adds to a TracerProvider: a filter and an append.
+
+    One bridge per provider, for the life of the process: a provider cannot drop a
+    processor, so when rtrace shuts down or is configured again the bridge is pointed at
+    the new pipeline (or at nothing) instead of adding another. A bridge with no
+    pipeline ignores spans and its ``force_flush`` returns True at once, so an
+    application's provider keeps flushing its other processors.
+    """
+
+    def __init__(self) -> None:
+        self.target: Pipeline | None = None
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        pass
+
+    def on_end(self, span: ReadableSpan) -> None:
+        target = self.target
+        if target is not None:
+            target.offer(span)
+
+    def shutdown(self) -> None:
+        self.target = None
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        target = self.target
+        return True if target is None else target.force_flush(timeout_millis)
+
+
+class Pipeline:
+    """Collects the spans of registered trajectories and exports them from a worker thread."""
+
+    def __init__(self, settings: Settings, fanout: Fanout, postprocessors: Sequence[Postprocessor] = ()) -> None:
+        self.settings = settings
+        self.registry = TrajectoryRegistry(settings.max_open_trajectories, settings.max_spans_per_trajectory)
+        self.fanout = fanout
+        self.postprocessors = list(postprocessors)
+        self.annotations = AnnotationTable(settings.await_annotations, settings.annotation_timeout_s)
+        self._max_queue = settings.max_queue_size
+        self._wake_at = max(1, min(2048, self._max_queue // 2))
+        self._queue: collections.deque[ReadableSpan] = collections.deque()
+        #: finished states built without spans (log_rollout_batch), and annotations
+        self._states: collections.deque[TrajectoryState] = collections.deque()
+        self._annotations: collections.deque[Annotation] = collections.deque()
+        #: trajectories whose root arrived, waiting for awaited annotations
+        self._waiting: list[TrajectoryState] = []
+        self._cond = threading.Condition()
+        self._flush_requests: list[tuple[threading.Event, list]] = []
+        self._stopping = False
+        self._worker = threading.Thread(target=self._run, name="rtrace-worker", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------ hot path
+    def offer(self, span: ReadableSpan) -> None:
+        """``on_end``: queue an ended span of one of our trajectories (others pass by)."""
+        ctx = span.context
+        if self.registry.lookup(ctx.trace_id) is None:
+            return  # not ours (or already finished: counted by the worker as late)
+        q = self._queue
+        if len(q) >= self._max_queue:
+            _stats.incr("spans_dropped_queue")
+            _stats.warn_once("queue-full", "rtrace span queue is full (%d); spans are dropped", self._max_queue)
+            # A dropped root would keep its trajectory open until the orphan timeout:
+            # mark it, so the worker writes it as partial in its next round.
+            self.registry.mark_root_lost(ctx.trace_id, ctx.span_id)
+            return
+        q.append(span)
+        if len(q) == self._wake_at:
+            with self._cond:
+                self._cond.notify()
+
+    def submit_states(self, states: Sequence[TrajectoryState]) -> int:
+        """Queue finished trajectories built without spans (``records`` filled, root set):
+        they are finished and post-processed like the others.
+
+        Returns:
+            How many were queued; the rest were dropped (queue full) and counted.
+        """
+        room = max(0, self._max_queue - len(self._states))
+        if room < len(states):
+            _stats.incr("trajectories_dropped_queue", len(states) - room)
+        self._states.extend(states[:room])
+        with self._cond:
+            self._cond.notify()
+        return min(room, len(states))
+
+    def annotate(self, annotations: Sequence[Annotation]) -> None:
+        """Queue annotations for the worker (bounded; the excess is counted)."""
+        room = max(0, self._max_queue - len(self._annotations))
+        if room < len(annotations):
+            _stats.incr("annotations_dropped_queue", len(annotations) - room)
+        self._annotations.extend(annotations[:room])
+        if self.settings.await_annotations:
+            with self._cond:
+                self._cond.notify()
+
+    def gauges(self) -> dict[str, int]:
+        return {"open_trajectories": len(self.registry), "queued_spans": len(self._queue)}
+
+    # ------------------------------------------------------------------ worker
+    def _run(self) -> None:
+        token = attach(set_value(_SUPPRESS_INSTRUMENTATION_KEY, True))
+        try:
+            last_expiry = time.monotonic()
+            while True:
+                with self._cond:
+                    if not self._stopping and not self._flush_requests:
+                        self._cond.wait(self.settings.export_interval_s)
+                    requests, self._flush_requests = self._flush_requests, []
+                    stopping = self._stopping
+                now = time.monotonic()
+                expire = stopping or now - last_expiry > min(1.0, self.settings.orphan_timeout_s)
+                try:
+                    self._round(now, expire, stopping)
+                except Exception:
+                    _stats.incr("internal_errors")
+                    _stats.warn_once("worker", "rtrace worker failed to assemble trajectories", exc_info=True)
+                if expire:
+                    last_expiry = now
+                for done, markers in requests:
+                    markers.extend(self.fanout.markers(now + self.settings.sink_timeout_s))
+                    done.set()
+                if stopping:
+                    return
+        finally:
+            detach(token)
+
+    def _round(self, now: float, expire: bool, force: bool) -> None:
+        q, pre, anns = self._queue, self._states, self._annotations
+        spans = [q.popleft() for _ in range(len(q))]
+        prebuilt = [pre.popleft() for _ in range(len(pre))]
+        for _ in range(len(anns)):
+            self.annotations.add(anns.popleft())
+        conv = SpanConverter(self.settings)
+        arrived = self._assemble(spans, conv) + prebuilt
+        for state in arrived:
+            self.annotations.arrived(state, coord_key(state.coords))
+        candidates, self._waiting = self._waiting + arrived, []
+        ready: list[TrajectoryState] = []
+        for state in candidates:
+            if force or self.annotations.ready(state, coord_key(state.coords), now):
+                ready.append(state)
+            else:
+                self._waiting.append(state)
+        for state in ready:
+            self.registry.remove(state)
+        if expire:
+            ready += self.registry.expire(now, self.settings.orphan_timeout_s, force)
+            self.annotations.expire(now)
+        if ready:
+            self._export(ready, conv)
+        conv.count()
+
+    def _assemble(self, spans: list[ReadableSpan], conv: SpanConverter) -> list[TrajectoryState]:
+        """Convert each span into its trajectory's records; return the trajectories whose
+        root arrived. The root is always kept; other spans beyond the cap are dropped."""
+        registry = self.registry
+        max_children = self.settings.max_spans_per_trajectory - 1
+        arrived: list[TrajectoryState] = []
+        for span in spans:
+            ctx = span.context
+            state, is_root = registry.arrive(ctx.trace_id, ctx.span_id)
+            if state is None:  # ended after its root was assembled
+                _stats.incr("spans_late")
+                continue
+            record = state.captures.pop(ctx.span_id, None)
+            if len(state.records) >= max_children and not is_root:
+                state.dropped_spans += 1
+                _stats.incr("spans_dropped_trajectory_limit")
+                continue
+            try:
+                state.records.append(conv.convert(span, record))
+            except Exception:
+                _stats.incr("capture_errors")
+                _stats.warn_once("convert", "rtrace could not convert a span; it is dropped", exc_info=True)
+            if is_root:
+                arrived.append(state)
+        return arrived
+
+    def _export(self, states: list[TrajectoryState], conv: SpanConverter) -> None:
+        out: list[Trajectory] = []
+        for state in states:
+            try:
+                out.append(finish(state, self.settings, conv.conv))
+            except Exception:
+                _stats.incr("trajectories_build_failed")
+                _stats.warn_once("build", "rtrace could not build a trajectory; it is dropped", exc_info=True)
+                continue
+            self.annotations.remember(coord_key(state.coords), state.trace_id, "exported")
+        for post in self.postprocessors:
+            try:
+                post(out)
+            except Exception:
+                _stats.incr("postprocess_errors")
+                _stats.warn_once(f"post-{post!r}", "rtrace postprocessor %r failed", post, exc_info=True)
+        for traj in out:
+            if traj.messages:
+                continue
+            try:
+                traj.messages = build_messages(traj)
+            except Exception:
+                _stats.incr("messages_errors")
+                _stats.warn_once("messages", "rtrace could not build messages", exc_info=True)
+        _stats.incr("trajectories_completed", len(out))
+        self.fanout.submit(out)
+
+    # ------------------------------------------------------------------ control
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        """Export everything that has ended and wait for every sink to write it.
+
+        Returns:
+            True if all sinks wrote everything within the timeout; False when a sink
+            failed a batch since the last flush, or the timeout passed.
+        """
+        deadline = time.monotonic() + max(0, timeout_millis) / 1000.0
+        if not self._worker.is_alive():
+            return False
+        done, markers = threading.Event(), []
+        with self._cond:
+            self._flush_requests.append((done, markers))
+            self._cond.notify()
+        if not done.wait(max(0.0, deadline - time.monotonic())):
+            return False
+        ok = True
+        for marker in markers:
+            if marker is None or not marker.wait(max(0.0, deadline - time.monotonic())) or not marker.ok:
+                ok = False
+        return ok
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Emit what is open as partial trajectories, flush the sinks, stop the threads;
+        bounded by ``sink_timeout_s`` for the worker and again for the sinks."""
+        if self._stopping:
+            return
+        timeout_s = self.settings.sink_timeout_s if timeout_s is None else timeout_s
+        self.registry.close()
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._worker.join(timeout_s)
+        if self._worker.is_alive():
+            _stats.incr("shutdown_worker_timeouts")
+        self.fanout.stop(timeout_s)
