@@ -19,28 +19,31 @@ decompression), at most :data:`HTTP_MAX_CONNECTIONS` HTTP connections (more are 
 What the callback can say, and what the client sees
 ---------------------------------------------------
 
-=============================  =====================================  ==========================================  ==========================
-``on_request`` ...             gRPC answer                            OTLP/HTTP answer                            OTel SDK exporter
-=============================  =====================================  ==========================================  ==========================
-returns ``None``               OK                                     200                                         SUCCESS
-returns ``PartialSuccess(n,    OK, ``partial_success.rejected_spans   200, same body                              SUCCESS; never retries (OTLP
-msg)``                         = n``, ``error_message = msg``                                                     spec) -- the n spans are gone
-raises :class:`Backpressure`   RESOURCE_EXHAUSTED + ``RetryInfo``     429 + ``Retry-After`` (whole seconds,       retries the whole request
-(queue full)                   (``retry_after_s``) in the trailers    at least 1) + ``google.rpc.Status``         after that delay, within its
-                                                                                                                  timeout; then FAILURE
-raises anything else           INTERNAL, message ``on_request failed  500 + ``google.rpc.Status``                 FAILURE at once (not
-                               : <Type>: <msg>``                                                                  retryable)
-=============================  =====================================  ==========================================  ==========================
+* returns ``None``: gRPC OK / HTTP 200. The OTel SDK exporter returns SUCCESS.
+* returns ``PartialSuccess(n, message)``: OK / 200 with ``partial_success.rejected_spans
+  = n`` and ``error_message``. SUCCESS; never resent (OTLP spec), so those n spans are gone.
+* raises :class:`Backpressure` (queue full): gRPC RESOURCE_EXHAUSTED with a
+  ``google.rpc.RetryInfo`` of ``retry_after_s`` in the trailers / HTTP 429 with
+  ``Retry-After`` (whole seconds, at least 1) and a ``google.rpc.Status`` body. The SDK
+  exporter waits that long and resends the whole request, within its timeout; after
+  that, FAILURE.
+* raises anything else: gRPC INTERNAL with ``on_request failed: <Type>: <message>`` /
+  HTTP 500 with a ``google.rpc.Status``. FAILURE at once (not retryable).
 
-So backpressure is :class:`Backpressure`, never a partial success: the SDK exporters
-(Python and Go alike) ignore ``partial_success`` and would drop the rejected spans
-silently, while RESOURCE_EXHAUSTED *with* ``RetryInfo`` (the OTLP spec makes the
-``RetryInfo`` the condition for retrying it) and HTTP 429 make every OTLP client, the
-OpenTelemetry Collector's exporters included, hold the batch and send it again.
-``PartialSuccess`` is for spans the receiver refuses for good (malformed, over a
-limit). Nothing the callback raises stops the server; every outcome is counted in
+So backpressure is :class:`Backpressure`, never a partial success: OTLP senders treat a
+partial success as success (at most they log it; the Python SDK does not even read it)
+and never resend the rejected spans, while RESOURCE_EXHAUSTED *with* ``RetryInfo`` (the
+OTLP spec makes ``RetryInfo`` the condition for retrying it) and HTTP 429 make every
+OTLP sender, the OpenTelemetry Collector's exporters included, hold the batch and send it
+again. ``PartialSuccess`` is for spans refused for good (malformed, over a limit).
+Nothing the callback raises stops the server; every outcome is counted in
 :meth:`OtlpReceiver.stats`. ``Backpressure`` must be raised before the callback kept
 anything of the request: the client sends all of it again.
+
+gRPC's own RESOURCE_EXHAUSTED, beyond ``max_concurrent_rpcs`` or ``max_message_bytes``,
+carries no ``RetryInfo``: the Python SDK retries it anyway (pointlessly for an oversized
+request, until its timeout), the Collector's exporters drop the batch. Keep senders'
+concurrency and batch sizes well below those limits.
 
 Helpers for the consumer side: :func:`spans_of` walks a request as ``(resource
 attributes, scope name, span)``; :func:`any_value` / :func:`attributes` turn OTLP
