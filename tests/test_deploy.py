@@ -1,0 +1,171 @@
+"""The deployment files, parsed with PyYAML (there is no container engine here): docker-compose.yml
+with its rtrace collector services and profiles, deploy/Dockerfile.collector, and the scale-out
+OpenTelemetry Collector config deploy/otel-collector-loadbalancing.yaml."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LB_CONFIG = ROOT / "deploy" / "otel-collector-loadbalancing.yaml"
+DEFAULT_SERVICES = {"otel-collector", "jaeger", "mlflow"}
+
+
+def _yaml(path):
+    yaml = pytest.importorskip("yaml")
+    return yaml.safe_load(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def services():
+    return _yaml(ROOT / "docker-compose.yml")["services"]
+
+
+@pytest.fixture(scope="module")
+def lb():
+    return _yaml(LB_CONFIG)
+
+
+def _command(svc) -> list[str]:
+    cmd = svc.get("command", [])
+    return shlex.split(cmd) if isinstance(cmd, str) else [str(c) for c in cmd]
+
+
+def _option(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def _rtrace_collectors(services) -> dict[str, dict]:
+    return {name: svc for name, svc in services.items() if _command(svc)[:2] == ["rtrace", "collect"]}
+
+
+def _type(component_id: str) -> str:
+    """`otlp/jaeger` -> `otlp` (the collector's type[/name] component ids)."""
+    return component_id.split("/")[0]
+
+
+# ----------------------------------------------------------------------------- compose
+def test_published_ports_are_loopback_only_and_distinct(services):
+    """Every published port of every service (all profiles) is 127.0.0.1:HOST:CONTAINER, no host port twice."""
+    host_ports = []
+    for name, svc in services.items():
+        for port in svc.get("ports", []):
+            m = re.fullmatch(r"127\.0\.0\.1:(\d+):(\d+)", str(port))
+            assert m, (name, port)
+            host_ports.append(int(m.group(1)))
+    assert len(host_ports) == len(set(host_ports)), sorted(host_ports)
+
+
+def test_rtrace_collector_service(services):
+    """rtrace-collector runs `rtrace collect --exporter jsonl,mlflow --host 0.0.0.0 --port 4317`, built from
+    deploy/Dockerfile.collector, healthy when its port answers, writing to a volume and to the mlflow service."""
+    svc = services["rtrace-collector"]
+    assert _command(svc) == ["rtrace", "collect", "--exporter", "jsonl,mlflow", "--host", "0.0.0.0", "--port", "4317"]
+    build = svc["build"]
+    assert (ROOT / build["context"] / build["dockerfile"]).resolve() == ROOT / "deploy" / "Dockerfile.collector"
+    assert "4317" in " ".join(svc["healthcheck"]["test"])
+    assert "127.0.0.1:4327:4317" in svc["ports"]
+    env = svc["environment"]
+    assert env["MLFLOW_TRACKING_URI"] == "http://mlflow:5000" and env["RTRACE_JSONL_PATH"].startswith("/data/")
+    assert svc["depends_on"]["mlflow"]["condition"] == "service_healthy"
+    assert any(str(v).endswith(":/data") for v in svc["volumes"])
+
+
+def test_every_rtrace_collector_is_complete_and_writes_its_own_file(services):
+    """Each rtrace collector (shards included) has the same command and image, a health check, and its own JSONL path."""
+    collectors = _rtrace_collectors(services)
+    assert len(collectors) >= 2
+    paths = [svc["environment"]["RTRACE_JSONL_PATH"] for svc in collectors.values()]
+    assert len(set(paths)) == len(paths)
+    for name, svc in collectors.items():
+        assert _command(svc) == _command(services["rtrace-collector"]), name
+        assert svc["image"] == services["rtrace-collector"]["image"] and svc["healthcheck"]["test"], name
+
+
+def test_profiles_keep_the_default_stack_and_close_over_dependencies(services):
+    """`docker compose up` starts the three original services as before; every service a profile starts
+    depends only on services started by the same profile (or by default)."""
+    default = {name for name, svc in services.items() if not svc.get("profiles")}
+    assert default == DEFAULT_SERVICES
+    profiles = {p for svc in services.values() for p in svc.get("profiles", [])}
+    assert {"rtrace", "scale-out"} <= profiles
+    for profile in profiles:
+        active = default | {name for name, svc in services.items() if profile in svc.get("profiles", [])}
+        for name in active:
+            assert set(services[name].get("depends_on") or {}) <= active, (profile, name)
+
+
+def test_dockerfile_installs_the_package_and_runs_the_collector():
+    """The Dockerfile copies only paths that exist in the build context, installs rtrace[all] from it,
+    and its default command is the one compose runs."""
+    text = (ROOT / "deploy" / "Dockerfile.collector").read_text()
+    for line in re.findall(r"^COPY\s+(.+)$", text, flags=re.M):
+        *sources, _dest = line.split()
+        for source in sources:
+            assert (ROOT / source).exists(), source
+    assert re.search(r'pip install .*"\.\[all\]"', text)
+    [cmd] = re.findall(r"^CMD\s+(\[.*\])$", text, flags=re.M)
+    yaml = pytest.importorskip("yaml")
+    assert yaml.safe_load(cmd)[:2] == ["rtrace", "collect"]
+
+
+# ----------------------------------------------------------------------------- scale-out config
+def test_loadbalancing_routes_by_trace_id_to_rtrace_collectors(services, lb):
+    """The loadbalancing exporter routes by traceID to >= 2 backends, each an rtrace collector compose
+    service at the port its `rtrace collect --port` listens on, over OTLP/gRPC."""
+    [lb_id] = [k for k in lb["exporters"] if _type(k) == "loadbalancing"]
+    exporter = lb["exporters"][lb_id]
+    assert exporter["routing_key"] == "traceID"
+    otlp = exporter["protocol"]["otlp"]
+    assert "endpoint" not in otlp and otlp["tls"]["insecure"] is True
+    hostnames = exporter["resolver"]["static"]["hostnames"]
+    assert len(hostnames) == len(set(hostnames)) >= 2
+    collectors = _rtrace_collectors(services)
+    for entry in hostnames:
+        host, port = entry.rsplit(":", 1)
+        assert host in collectors, entry
+        assert _option(_command(collectors[host]), "--port") == port, entry
+    # and every rtrace collector started with the scale-out profile is a backend
+    scale_out = {n for n, s in collectors.items() if "scale-out" in s.get("profiles", [])}
+    assert scale_out == {h.rsplit(":", 1)[0] for h in hostnames}
+
+
+def test_pipeline_wiring_references_defined_components(lb):
+    """Every pipeline names defined receivers, processors and exporters; nothing is defined and unused;
+    the traces pipeline fans out to the rtrace collectors and to Jaeger."""
+    used = {"receivers": set(), "processors": set(), "exporters": set()}
+    for name, pipeline in lb["service"]["pipelines"].items():
+        for kind in used:
+            names = pipeline.get(kind, [])
+            assert set(names) <= set(lb.get(kind) or {}), (name, kind, names)
+            used[kind] |= set(names)
+    for kind, names in used.items():
+        assert names == set(lb.get(kind) or {}), kind
+    assert set(lb["service"]["extensions"]) == set(lb["extensions"])
+    traces = lb["service"]["pipelines"]["traces"]
+    assert traces["processors"][0] == "memory_limiter"  # first, as the collector docs require
+    exporter_types = {_type(e): e for e in traces["exporters"]}
+    assert "loadbalancing" in exporter_types
+    jaeger = [e for e in traces["exporters"] if _type(e) == "otlp"]
+    assert [lb["exporters"][e]["endpoint"] for e in jaeger] == ["jaeger:4317"]
+    assert not {_type(k) for k in lb["exporters"]} & {"jaeger", "logging"}  # removed exporters
+
+
+def test_lb_service_mounts_the_config_and_publishes_its_receivers(services, lb):
+    """otel-collector-lb loads deploy/otel-collector-loadbalancing.yaml, its receivers bind 0.0.0.0 inside
+    the container on the ports compose publishes (on 127.0.0.1), and it starts after its backends."""
+    svc = services["otel-collector-lb"]
+    config_path = _command(svc)[0].split("=", 1)[1]
+    mounts = {str(v).split(":")[1]: str(v).split(":")[0] for v in svc["volumes"]}
+    assert (ROOT / mounts[config_path]).resolve() == LB_CONFIG
+    protocols = lb["receivers"]["otlp"]["protocols"]
+    bound = {p["endpoint"] for p in protocols.values()}
+    assert bound == {"0.0.0.0:4317", "0.0.0.0:4318"}
+    published = {str(p).rsplit(":", 1)[1] for p in svc["ports"]}
+    assert {"4317", "4318", lb["extensions"]["health_check"]["endpoint"].rsplit(":", 1)[1]} <= published
+    hosts = {h.rsplit(":", 1)[0] for h in lb["exporters"]["loadbalancing"]["resolver"]["static"]["hostnames"]}
+    assert hosts | {"jaeger"} <= set(svc["depends_on"])
