@@ -205,7 +205,7 @@ def test_non_primitive_attributes_become_json_text(receiver):
     [root] = receiver.wait_for_spans(1, 10)
     # the builder stamps only valid attribute values on spans; the rest stay on the Trajectory
     assert root.attributes["rl.reward"] == 0.5
-    from rtrace.exporters.otlp import _attributes
+    from rtrace.exporters.otel import attributes as _attributes  # the one validity check
 
     assert _attributes({"a": {"k": 1}, "b": [1, "two"], "c": 2**70, "d": [1.5, 2.5], "e": None}) == {
         "a": '{"k": 1}', "b": '[1, "two"]', "c": str(2**70), "d": [1.5, 2.5]}

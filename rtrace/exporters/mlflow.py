@@ -1,14 +1,18 @@
 """MLflow sink: each trajectory becomes one MLflow trace with the full span tree.
 
 MLflow's own tracing exporter refuses spans it did not create, so this sink writes
-through the store API MLflow itself uses to ingest OTLP: every :class:`SpanRecord`
-becomes an OTLP protobuf span (our trace id, span ids, parent links and times kept),
-``mlflow.entities.Span.from_otel_proto`` turns it into an MLflow span, and one
-``store.log_spans(experiment_id, spans)`` call writes a whole batch of trajectories
-(against a ``mlflow server`` the same protobufs go in one POST to ``/v1/traces``). The
-traces are then linked to the training run with ``link_traces_to_run`` (100 per call,
-MLflow's limit). Both are internal MLflow APIs: :func:`check_mlflow_version` holds the
-sink to the tested version range.
+through the API MLflow itself uses to ingest OTLP: the trajectory's spans come from
+rtrace's one OTel conversion (:mod:`rtrace.exporters.otel`: ids, parents — a segment's
+remote parent included, so a trajectory that crossed processes is one trace with one
+root —, status, events, attributes) with MLflow's attributes added on top, encoded by
+the OTel SDK's own OTLP encoder; ``mlflow.entities.Span.from_otel_proto`` turns each
+protobuf into an MLflow span, and one ``TracingClient.log_spans(experiment_id, spans)``
+call writes a whole batch of trajectories (against a ``mlflow server`` the same encoded
+request goes in one POST to ``/v1/traces``). The traces are then linked to the training
+run with ``MlflowClient.link_traces_to_run`` (100 per call, MLflow's limit). These are
+MLflow APIs without a stability promise: :func:`check_mlflow_version` holds the sink to
+the tested version range. The few private MLflow names the sink needs live in
+:mod:`rtrace.exporters._mlflow_private`, and nowhere else.
 
 What MLflow shows (see docs/mlflow.md):
 
@@ -39,7 +43,9 @@ from .. import _stats
 from .._serialize import finite_or_str
 from ..config import ConfigError, Settings
 from ..trajectory import SpanRecord, Trajectory
+from . import _mlflow_private
 from .base import Sink
+from .otel import DEFAULT_MAX_VALUE_CHARS, otlp_spans, to_otlp_request, to_readable_spans
 
 __all__ = ["MlflowSink", "check_mlflow_version", "trace_tags", "tag_value", "MLFLOW_VERSION_RANGE"]
 
@@ -82,7 +88,7 @@ def check_mlflow_version() -> str:
     if not lo <= release < hi:
         raise ConfigError(
             f"RTRACE_EXPORTER=mlflow needs {wanted}, found mlflow {version}: the sink writes through "
-            "MLflow's internal span APIs (Span.from_otel_proto, store.log_spans), which change between "
+            "MLflow's span ingestion APIs (Span.from_otel_proto, TracingClient.log_spans), which change between "
             "minor versions; install a tested version with: pip install 'rtrace[mlflow]'")
     return version
 
@@ -155,65 +161,52 @@ def span_io(traj: Trajectory, span: SpanRecord, is_root: bool) -> tuple[Any, Any
     return inputs, outputs
 
 
+def mlflow_attributes(traj: Trajectory, span: SpanRecord, is_root: bool, tag_attributes: bool = True
+                      ) -> dict[str, Any]:
+    """The MLflow attributes added on top of the shared OTel ones: span type, inputs,
+    outputs and, on the root, the trace name and (with ``tag_attributes``) the trace
+    tags as ``mlflow.traceTag.<k>`` (the store turns them into tags)."""
+    attrs: dict[str, Any] = {"mlflow.spanType": "AGENT" if is_root else _SPAN_TYPES.get(span.kind, "CHAIN")}
+    inputs, outputs = span_io(traj, span, is_root)
+    if inputs is not None:
+        attrs["mlflow.spanInputs"] = inputs
+    if outputs is not None:
+        attrs["mlflow.spanOutputs"] = outputs
+    if is_root:
+        # MLflow reads trace tags from a span without parent only: on a segment root
+        # (whose parent is remote) they are ignored, and the driver's root names the trace.
+        attrs["mlflow.traceTag.mlflow.traceName"] = traj.name
+        if tag_attributes:
+            for key, value in trace_tags(traj).items():
+                attrs[f"mlflow.traceTag.{key}"] = value
+    return attrs
+
+
 class _Converter:
-    """SpanRecords -> OTLP protobuf spans with MLflow's attributes (sink thread only)."""
+    """Trajectories -> OTel spans (the shared conversion) with MLflow's attributes."""
 
-    def __init__(self) -> None:
-        from opentelemetry.proto.trace.v1 import trace_pb2
+    def __init__(self, max_value_chars: int = DEFAULT_MAX_VALUE_CHARS) -> None:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-        from mlflow.tracing.utils.otlp import _set_otel_proto_anyvalue
+        from .. import __version__
 
-        self._pb = trace_pb2
-        self._set = _set_otel_proto_anyvalue
+        # No resource attributes: MLflow would store each one as a tag on every trace
+        # (one merge per tag and trace).
+        self.resource = Resource.get_empty()
+        self.scope = InstrumentationScope("rtrace", __version__)
+        self.max_value_chars = max_value_chars
+
+    def readable_spans(self, trajectories: Sequence[Trajectory], tag_attributes: bool = True) -> list[Any]:
+        """The SDK ``ReadableSpan`` objects of a batch, MLflow's attributes included."""
+        def extra(traj: Trajectory, span: SpanRecord, is_root: bool) -> dict[str, Any]:
+            return mlflow_attributes(traj, span, is_root, tag_attributes)
+
+        return to_readable_spans(trajectories, self.resource, self.scope, self.max_value_chars, extra)
 
     def trajectory(self, traj: Trajectory, tag_attributes: bool = True) -> list[Any]:
-        """The OTLP spans of ``traj``; with ``tag_attributes`` the trace tags ride on the
-        root as ``mlflow.traceTag.<k>`` attributes (the store turns them into tags)."""
-        pb = self._pb
-        trace_id = bytes.fromhex(traj.trace_id)
-        out = []
-        for i, span in enumerate(traj.spans):
-            is_root = i == 0
-            p = pb.Span(trace_id=trace_id, span_id=bytes.fromhex(span.span_id), name=span.name,
-                        start_time_unix_nano=span.start_ns, end_time_unix_nano=max(span.end_ns, span.start_ns))
-            if span.parent_id and not is_root:
-                p.parent_span_id = bytes.fromhex(span.parent_id)
-            if span.status == "error":
-                p.status.code = pb.Status.STATUS_CODE_ERROR
-                p.status.message = span.error or ""
-            elif span.status == "ok":
-                p.status.code = pb.Status.STATUS_CODE_OK
-            attrs: dict[str, Any] = dict(span.attributes)
-            attrs["mlflow.spanType"] = "AGENT" if is_root else _SPAN_TYPES.get(span.kind, "CHAIN")
-            attrs["rtrace.kind"] = span.kind
-            inputs, outputs = span_io(traj, span, is_root)
-            if inputs is not None:
-                attrs["mlflow.spanInputs"] = inputs
-            if outputs is not None:
-                attrs["mlflow.spanOutputs"] = outputs
-            if span.error:
-                attrs.setdefault("rtrace.error", span.error)
-            if is_root:
-                attrs["mlflow.traceTag.mlflow.traceName"] = traj.name
-                if tag_attributes:
-                    for key, value in trace_tags(traj).items():
-                        attrs[f"mlflow.traceTag.{key}"] = value
-            for key, value in attrs.items():
-                if value is None:
-                    continue
-                kv = p.attributes.add()
-                kv.key = key
-                self._set(kv.value, value)
-            for event in span.events:
-                ev = p.events.add()
-                ev.name = str(event.get("name", ""))
-                ev.time_unix_nano = int(event.get("time_ns") or span.start_ns)
-                for key, value in (event.get("attributes") or {}).items():
-                    kv = ev.attributes.add()
-                    kv.key = key
-                    self._set(kv.value, value)
-            out.append(p)
-        return out
+        """The OTLP protobuf spans of one trajectory, encoded by the OTel SDK."""
+        return otlp_spans(to_otlp_request(self.readable_spans([traj], tag_attributes)))
 
 
 # ----------------------------------------------------------------------------- backends
@@ -224,18 +217,17 @@ class _StoreBackend:
 
     ``log_spans`` turns each ``mlflow.traceTag.<k>`` root attribute into its own
     ``session.merge`` (a SELECT and an INSERT per tag): with 8 tags that is most of the
-    cost of a trace. On a SQL store the tags are written instead with one multi-row
-    upsert per batch, MLflow's own ``_bulk_upsert`` into the same table
-    (``set_trace_tag`` does a plain merge into it too, nothing else).
+    cost of a trace. On a SQL store the tags are written instead with one upsert per
+    batch into the same table (:func:`_mlflow_private.upsert_trace_tags`).
     """
 
     def __init__(self, uri: str) -> None:
-        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+        from mlflow.tracing.client import TracingClient
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=uri)
-        self.store = self.client._tracking_client.store
-        self.bulk_tags = isinstance(self.store, SqlAlchemyStore)
+        self.tracing = TracingClient(tracking_uri=uri)
+        self.bulk_tags = _mlflow_private.supports_bulk_tags(self.tracing.store)
         self.max_spans_per_call = _MAX_SPANS_PER_CALL
 
     def experiment_id(self, name: str) -> str:
@@ -255,46 +247,22 @@ class _StoreBackend:
     def run_experiment_id(self, run_id: str) -> str:
         return self.client.get_run(run_id).info.experiment_id
 
-    def log(self, experiment_id: str, protos: list[Any]) -> None:
+    def log(self, experiment_id: str, spans: Sequence[Any]) -> None:
+        """Write SDK spans: encoded by the OTel SDK, converted by MLflow's OTLP reader."""
         from mlflow.entities import Span
 
-        self.store.log_spans(experiment_id, [Span.from_otel_proto(p) for p in protos])
+        protos = otlp_spans(to_otlp_request(spans))
+        self.tracing.log_spans(experiment_id, [Span.from_otel_proto(p) for p in protos])
 
     def set_tags(self, tags: dict[str, dict[str, str]]) -> None:
-        """Upsert ``{trace_id: {key: value}}`` in one statement per 100 rows."""
-        from mlflow.store.tracking.dbmodels.models import SqlTraceTag
-        from mlflow.store.tracking.sqlalchemy_store import _bulk_upsert
-        from mlflow.utils.validation import _validate_trace_tag
-
-        rows = []
-        for trace_id, kv in tags.items():
-            for key, value in kv.items():
-                try:
-                    key, value = _validate_trace_tag(key, value)  # length limits, as MLflow does
-                except Exception:
-                    _stats.incr("sink.mlflow.invalid_tags")
-                    continue
-                rows.append({"request_id": trace_id, "key": key, "value": value})
-        if not rows:
-            return
-        with self.store.ManagedSessionMaker(read_only=False) as session:
-            dialect = session.bind.dialect.name
-            if dialect in ("sqlite", "postgresql"):
-                # One statement run with many parameter sets: compiled once, unlike the
-                # multi-row VALUES of _bulk_upsert (compiled again for every 100 rows).
-                if dialect == "sqlite":
-                    from sqlalchemy.dialects.sqlite import insert
-                else:
-                    from sqlalchemy.dialects.postgresql import insert
-                stmt = insert(SqlTraceTag.__table__)
-                stmt = stmt.on_conflict_do_update(index_elements=["request_id", "key"],
-                                                  set_={"value": stmt.excluded.value})
-                session.execute(stmt, rows)
-            else:
-                _bulk_upsert(session, SqlTraceTag, rows)
+        """Upsert ``{trace_id: {key: value}}`` in one statement."""
+        rows = [(trace_id, key, value) for trace_id, kv in tags.items() for key, value in kv.items()]
+        skipped = _mlflow_private.upsert_trace_tags(self.tracing.store, rows)
+        if skipped:
+            _stats.incr("sink.mlflow.invalid_tags", skipped)
 
     def link(self, trace_ids: list[str], run_id: str) -> None:
-        self.store.link_traces_to_run(trace_ids, run_id)
+        self.client.link_traces_to_run(trace_ids, run_id)
 
 
 class _HttpBackend:
@@ -318,9 +286,9 @@ class _HttpBackend:
     bulk_tags = False
 
     def __init__(self, uri: str, timeout_s: float) -> None:
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracing.client import TracingClient
 
-        self.creds = MlflowClient(tracking_uri=uri)._tracking_client.store.get_host_creds()
+        self.creds = TracingClient(tracking_uri=uri).store.get_host_creds()
         lo, hi = self.TIMEOUT_RANGE_S
         self.timeout = int(min(hi, max(lo, timeout_s)))
 
@@ -356,14 +324,9 @@ class _HttpBackend:
         resp = self._request("/api/2.0/mlflow/runs/get", "GET", params={"run_id": run_id})
         return resp.json()["run"]["info"]["experiment_id"]
 
-    def log(self, experiment_id: str, protos: list[Any]) -> None:
-        # The body RestStore.log_spans would send, built from our protobufs directly.
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-        request = ExportTraceServiceRequest()
-        scope = request.resource_spans.add().scope_spans.add()
-        scope.spans.extend(protos)
-        self._request("/v1/traces", "POST", data=request.SerializeToString(),
+    def log(self, experiment_id: str, spans: Sequence[Any]) -> None:
+        # What RestStore.log_spans sends: one OTLP request, here encoded by the OTel SDK.
+        self._request("/v1/traces", "POST", data=to_otlp_request(spans).SerializeToString(),
                       extra_headers={"Content-Type": "application/x-protobuf",
                                      "x-mlflow-experiment-id": experiment_id})
 
@@ -417,36 +380,38 @@ class MlflowSink(Sink):
     # ------------------------------------------------------------------ app state
     def _active_run_id(self) -> str | None:
         """The application's active run, whichever thread started it."""
-        fluent = _mlflow_module("mlflow.tracking.fluent")
-        if fluent is None:
-            return None
         try:
-            stacks = fluent._active_run_stack.get_all_thread_values()
+            runs = _mlflow_private.active_run_ids_by_thread()
         except Exception:
+            _stats.warn_once("mlflow-active-run", "rtrace could not look up the application's active MLflow run",
+                             exc_info=True)
             return None
         main = threading.main_thread().ident
-        for tid in (self._app_thread, main, *stacks):
-            stack = stacks.get(tid)
-            if stack:
-                return stack[-1].info.run_id
+        for tid in (self._app_thread, main, *runs):
+            if tid in runs:
+                return runs[tid]
         return None
 
     def _app_tracking_uri(self) -> str | None:
         """The tracking URI the application chose (set_tracking_uri, or the one its
         active run lives in); None when it chose none."""
-        utils = _mlflow_module("mlflow.tracking._tracking_service.utils")
-        if utils is None:
+        tracking = _mlflow_module("mlflow.tracking")
+        if tracking is None:
             return None
-        if getattr(utils, "_tracking_uri", None) or self._active_run_id() is not None:
-            try:
-                return str(utils.get_tracking_uri())
-            except Exception:
-                return None
+        try:
+            if tracking.is_tracking_uri_set() or self._active_run_id() is not None:
+                return str(tracking.get_tracking_uri())
+        except Exception:
+            return None
         return None
 
     def _app_experiment_id(self) -> str | None:
-        fluent = _mlflow_module("mlflow.tracking.fluent")
-        return getattr(fluent, "_active_experiment_id", None) if fluent is not None else None
+        try:
+            return _mlflow_private.active_experiment_id()
+        except Exception:
+            _stats.warn_once("mlflow-experiment", "rtrace could not look up the application's MLflow experiment",
+                             exc_info=True)
+            return None
 
     # ------------------------------------------------------------------ setup
     def _default_uri(self) -> str:
@@ -469,7 +434,7 @@ class MlflowSink(Sink):
                 backend = _StoreBackend(uri)
         else:
             backend = _StoreBackend(uri)
-        self._converter = _Converter()
+        self._converter = _Converter(self.settings.max_value_chars)
         self._backend = backend
         return backend
 
@@ -513,16 +478,13 @@ class MlflowSink(Sink):
             run_id = self._run_id
             experiment_id = self._experiment_for(run_id)
             bulk_tags = backend.bulk_tags
-            protos: list[Any] = []
-            trace_ids: list[str] = []
-            for traj in trajectories:
-                protos.extend(self._converter.trajectory(traj, tag_attributes=not bulk_tags))
-                trace_ids.append("tr-" + traj.trace_id)
+            spans = self._converter.readable_spans(trajectories, tag_attributes=not bulk_tags)
+            trace_ids = ["tr-" + traj.trace_id for traj in trajectories]
             # Calls split between spans of one trajectory are fine: spans are upserted into
             # their trace, and the trace's tags and times are merged across calls.
             step = backend.max_spans_per_call
-            for i in range(0, len(protos), step):
-                backend.log(experiment_id, protos[i:i + step])
+            for i in range(0, len(spans), step):
+                backend.log(experiment_id, spans[i:i + step])
                 _stats.incr("sink.mlflow.store_calls")
             if bulk_tags:
                 backend.set_tags({tid: trace_tags(t) for tid, t in zip(trace_ids, trajectories)})

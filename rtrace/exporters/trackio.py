@@ -23,17 +23,17 @@ the same stream (training or validation) or at ``flush()`` / ``shutdown()``. A
 trajectory of a step whose summary was already logged is still logged as a Trace but
 not re-summarised; it is counted in ``sink.trackio.summary_late_trajectories``.
 
-This module uses three private parts of trackio 0.43 (pinned in pyproject):
-``Run._stop_flag`` (is the run finished), ``Run._flush_queues_inline`` under
-``Run._client_lock`` (write queued logs now, for ``flush``), and ``Thread._target``
-(find runs by their writer thread).
+Logging uses trackio's public API only (``trackio.init``, ``Run.log``, ``Run.finish``,
+``trackio.Trace``). Finding the application's run, telling whether a run is finished and
+flushing a run without finishing it have no public API in trackio 0.43 (pinned in
+pyproject): those go through :mod:`rtrace.exporters._trackio_private`, the one module
+that touches trackio's private names (each listed there, with the reason).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,6 +43,7 @@ from .. import _stats
 from .._serialize import finite_or_str
 from ..config import ConfigError, Settings
 from ..trajectory import SpanRecord, Trajectory
+from . import _trackio_private
 from .base import Sink
 
 __all__ = ["TrackioSink", "trace_payload", "span_dict", "normalize", "SUMMARY_METRICS"]
@@ -262,12 +263,11 @@ class TrackioSink(Sink):
         # configure() runs on the application's thread: the only place where trackio's
         # ContextVar shows a run the application opened before (if trackio is imported).
         self._configure_run = None
-        mod = sys.modules.get("trackio")
-        if mod is not None:
-            try:
-                self._configure_run = mod.context_vars.current_run.get()
-            except Exception:
-                pass
+        try:
+            self._configure_run = _trackio_private.current_run()
+        except Exception:
+            _stats.warn_once("trackio-current-run", "rtrace could not look up the current trackio run",
+                             exc_info=True)
         self._trackio: Any = None
         self._own_run: Any = None
         self._lock = threading.Lock()
@@ -285,25 +285,31 @@ class TrackioSink(Sink):
 
     @staticmethod
     def _is_open(run: Any) -> bool:
-        flag = getattr(run, "_stop_flag", None)
-        return run is not None and not (flag is not None and flag.is_set())
+        if run is None:
+            return False
+        try:
+            return not _trackio_private.run_is_finished(run)
+        except Exception:  # trackio moved the flag: take the run as open, as before 0.1
+            _stats.warn_once("trackio-finished", "rtrace could not tell whether a trackio run is finished",
+                             exc_info=True)
+            return True
 
     def _app_run(self) -> Any:
         """The newest open run of this process that rtrace did not open, if any."""
         trackio = self._trackio
         run_cls = trackio.Run
         found: list[Any] = []
-        for candidate in (trackio.context_vars.current_run.get(), self._configure_run):
-            if isinstance(candidate, run_cls):
-                found.append(candidate)
-        for thread in threading.enumerate():
-            owner = getattr(getattr(thread, "_target", None), "__self__", None)
-            if isinstance(owner, run_cls):
-                found.append(owner)
-        found = [r for r in found if r is not self._own_run and self._is_open(r)]
+        try:
+            found.append(_trackio_private.current_run(trackio))
+            found.extend(_trackio_private.runs_with_writer_threads(run_cls))
+        except Exception:
+            _stats.warn_once("trackio-app-run", "rtrace could not look for the application's trackio run",
+                             exc_info=True)
+        found.append(self._configure_run)
+        found = [r for r in found if isinstance(r, run_cls) and r is not self._own_run and self._is_open(r)]
         if not found:
             return None
-        return max(found, key=lambda r: str((getattr(r, "config", None) or {}).get("_Created", "")))
+        return max(found, key=_trackio_private.run_created_at)
 
     def _run(self) -> Any:
         self._import()
@@ -382,17 +388,10 @@ class TrackioSink(Sink):
 def _drain(run: Any, deadline: float) -> None:
     """Make a run's queued logs durable: write them inline for a local run (trackio's
     writer thread would do it within 0.5 s), wait for the sender for a remote one."""
-    lock = getattr(run, "_client_lock", None)
-    inline = getattr(run, "_flush_queues_inline", None)
-    if getattr(run, "_is_local", False) and lock is not None and inline is not None:
-        if lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            try:
-                inline()
-            finally:
-                lock.release()
-            return
-    while time.monotonic() < deadline:
-        if not getattr(run, "_queued_logs", None) and getattr(run, "_sending_batch", None) is None:
-            return
-        time.sleep(0.05)
-    _stats.warn_once("trackio-flush", "rtrace: trackio did not write its queued logs in time")
+    try:
+        done = _trackio_private.flush_run(run, deadline)
+    except Exception:
+        _stats.warn_once("trackio-flush-api", "rtrace could not flush trackio's queued logs", exc_info=True)
+        return
+    if not done:
+        _stats.warn_once("trackio-flush", "rtrace: trackio did not write its queued logs in time")

@@ -1,0 +1,245 @@
+"""The one conversion from trajectories to OpenTelemetry spans, shared by the OTel sinks.
+
+The OTLP sink exports :func:`to_readable_spans` with the SDK's own exporter; the MLflow
+sink takes :func:`to_otlp_protos` (the same spans through the SDK's own OTLP encoder,
+with MLflow's attributes added on top) and hands them to ``Span.from_otel_proto``. Both
+therefore show a trajectory the same way:
+
+* **ids**: the trace id and span ids of the trajectory (hex in the Trajectory, ints in
+  the SDK, bytes in OTLP); span kind INTERNAL; start / end times (an end before the start
+  is raised to the start).
+* **parents**: each span's ``parent_id``. A trajectory root normally has none. A
+  *segment* root (the part of a trajectory that ran in another process, opened by
+  ``rtrace.extract``) carries ``rtrace.remote_parent`` = the 16-hex id of the span that
+  dispatched it (in the driver): that span becomes its parent, with ``is_remote=True``.
+  Backends that assemble traces by id (MLflow, Jaeger, Tempo, rtrace's collector) then
+  hang the segment under the dispatching span: a trajectory that crossed processes is
+  one trace with one root, not one root per process.
+* **status**: a span rtrace recorded as ``error`` is ``ERROR`` with its error text as
+  the description; every other span (``ok``: nobody marked it failed; ``unset``: the
+  stand-in root of a partial trajectory) is ``UNSET``. The OTel convention reserves
+  ``OK`` for an application or operator that explicitly overrides a status;
+  instrumentation, which rtrace is, leaves a successful span UNSET. MLflow gives a trace
+  whose root is UNSET the state OK, as for a root that says OK.
+* **attributes**: the span's own attributes (``rl.*``, ``gen_ai.*``, ``rtrace.*``), each
+  value passed through :func:`attribute_value` (the one validity check: a value OTel
+  does not accept becomes its JSON text, never dropped), plus ``rtrace.kind``;
+  ``rtrace.input`` / ``rtrace.output``, the captured arguments and return value as JSON
+  text bounded by :func:`bounded` (the one truncation marker,
+  ``…[truncated, N chars]``, the form ``rtrace._serialize.Converter.bound`` writes);
+  ``rtrace.prompt_ids`` / ``rtrace.response_ids`` when token ids are still on the span
+  (at most ``max_value_chars`` ids each); on the root ``rtrace.partial`` and
+  ``rtrace.dropped_spans`` when they apply.
+* **events**: name, time (the span's start when unknown) and attributes (checked the
+  same way).
+
+A sink may add backend-specific attributes on top (``extra``): those are set as given,
+after :func:`any_value` made them encodable as OTLP ``AnyValue`` (which, unlike the SDK's
+attribute API, has maps and nested lists: MLflow reads its span inputs from them).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from .._serialize import json_default, strict_json
+from ..trajectory import SpanRecord, Trajectory
+
+__all__ = ["to_readable_spans", "to_otlp_request", "to_otlp_protos", "otlp_spans", "attribute_value", "attributes",
+           "any_value", "bounded", "json_text", "is_valid_attribute", "DEFAULT_MAX_VALUE_CHARS"]
+
+#: The default bound of captured values (``Settings.max_value_chars``).
+DEFAULT_MAX_VALUE_CHARS = 20_000
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_PRIMITIVE_TYPES = (str, bool, int, float)
+
+#: ``extra(trajectory, span, is_root) -> {key: value}``: attributes a sink adds on top.
+ExtraAttributes = Callable[[Trajectory, SpanRecord, bool], Mapping[str, Any]]
+
+
+# ----------------------------------------------------------------------------- values
+def bounded(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters with rtrace's one truncation marker:
+    ``<first limit characters>…[truncated, N chars]`` (N = the full length)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}…[truncated, {len(text)} chars]"
+
+
+def json_text(value: Any, limit: int | None = None) -> str:
+    """``value`` as strict JSON text (non-finite floats as strings), bounded when a
+    ``limit`` is given."""
+    text = json.dumps(strict_json(value), ensure_ascii=False, allow_nan=False, default=json_default)
+    return text if limit is None else bounded(text, limit)
+
+
+def _int64(value: int) -> bool:
+    return _INT64_MIN <= value <= _INT64_MAX
+
+
+def is_valid_attribute(value: Any) -> bool:
+    """Is ``value`` an OTel attribute value: a str, bool, float or 64-bit int, or a
+    homogeneous list / tuple of one of those (an empty one included)."""
+    if isinstance(value, (str, bool, float)):
+        return True
+    if isinstance(value, int):
+        return _int64(value)
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return True
+        first = type(value[0])
+        if first not in _PRIMITIVE_TYPES or not all(type(v) is first for v in value):
+            return False
+        return first is not int or all(_int64(v) for v in value)
+    return False
+
+
+def attribute_value(value: Any) -> Any:
+    """``value`` if it is a valid OTel attribute value, else its JSON text (dicts, mixed
+    lists, ints beyond 64 bits, objects...)."""
+    return value if is_valid_attribute(value) else json_text(value)
+
+
+def attributes(attrs: Mapping[str, Any]) -> dict[str, Any]:
+    """OTel-valid attributes: None values left out, the rest through :func:`attribute_value`."""
+    return {str(k): attribute_value(v) for k, v in attrs.items() if v is not None}
+
+
+def any_value(value: Any) -> Any:
+    """``value`` in a form the OTLP encoder writes as an ``AnyValue`` without losing it:
+    maps with string keys, lists, strings encodable as UTF-8 (lone surrogates become
+    U+FFFD, as MLflow's own encoder does), 64-bit ints (larger ones become their
+    ``str()``), floats, bools, None; anything else its ``str()``."""
+    cls = type(value)
+    if cls is str:
+        if value.isascii():
+            return value
+        try:
+            value.encode("utf-8")
+            return value
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "replace").decode("utf-8")
+    if value is None or cls is bool or cls is float:
+        return value
+    if cls is int:
+        return value if _int64(value) else str(value)
+    if cls is dict:
+        return {str(k): any_value(v) for k, v in value.items()}
+    if cls is list or cls is tuple:
+        return [any_value(v) for v in value]
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return any_value(int(value))
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, str):
+        return any_value(str(value))
+    if isinstance(value, Mapping):
+        return any_value(dict(value))
+    if isinstance(value, (list, tuple)):
+        return any_value(list(value))
+    return str(value)
+
+
+# ----------------------------------------------------------------------------- spans
+def span_attributes(traj: Trajectory, rec: SpanRecord, is_root: bool,
+                    max_value_chars: int = DEFAULT_MAX_VALUE_CHARS) -> dict[str, Any]:
+    """The OTel attributes of one span (see the module docstring)."""
+    attrs = attributes(rec.attributes)
+    attrs["rtrace.kind"] = rec.kind
+    if rec.input is not None:
+        attrs["rtrace.input"] = json_text(rec.input, max_value_chars)
+    if rec.output is not None:
+        attrs["rtrace.output"] = json_text(rec.output, max_value_chars)
+    # Token ids are still here when token2text is off (or keeps them): the only record
+    # of what the model saw and said, so they travel too (bounded like captured values).
+    if rec.prompt_ids is not None:
+        attrs["rtrace.prompt_ids"] = attribute_value(rec.prompt_ids[:max_value_chars])
+    if rec.response_ids is not None:
+        attrs["rtrace.response_ids"] = attribute_value(rec.response_ids[:max_value_chars])
+    if is_root:
+        if traj.partial:
+            attrs["rtrace.partial"] = True
+        if traj.dropped_spans:
+            attrs["rtrace.dropped_spans"] = traj.dropped_spans
+    return attrs
+
+
+def to_readable_spans(trajectories: Trajectory | Iterable[Trajectory], resource: Any, scope: Any = None,
+                      max_value_chars: int = DEFAULT_MAX_VALUE_CHARS,
+                      extra: ExtraAttributes | None = None) -> list[Any]:
+    """The SDK ``ReadableSpan`` objects of one or more trajectories, in their order.
+
+    Args:
+        trajectories: a trajectory, or several (one batch).
+        resource: the ``opentelemetry.sdk.resources.Resource`` of every span.
+        scope: their ``InstrumentationScope`` (None: no scope).
+        max_value_chars: the bound of ``rtrace.input`` / ``rtrace.output`` (characters)
+            and of the token id lists (ids).
+        extra: attributes a sink adds on top of the shared ones (see :func:`any_value`).
+
+    Returns:
+        One ``ReadableSpan`` per span, with the ids, parents, status, attributes and
+        events described in the module docstring.
+    """
+    from opentelemetry.sdk.trace import Event, ReadableSpan
+    from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+    if isinstance(trajectories, Trajectory):
+        trajectories = (trajectories,)
+    sampled = TraceFlags(TraceFlags.SAMPLED)
+    unset = Status(StatusCode.UNSET)
+    internal = SpanKind.INTERNAL
+    out = []
+    for traj in trajectories:
+        trace_id = int(traj.trace_id, 16)
+        for i, rec in enumerate(traj.spans):
+            is_root = i == 0
+            parent_hex, remote = rec.parent_id, False
+            if is_root:
+                # A segment root points at the remote span it was extracted from (the
+                # builder blanks root parents; rtrace.extract records the remote one).
+                parent_hex = parent_hex or rec.attributes.get("rtrace.remote_parent")
+                remote = parent_hex is not None
+            parent = (SpanContext(trace_id, int(parent_hex, 16), is_remote=remote, trace_flags=sampled)
+                      if parent_hex else None)
+            status = Status(StatusCode.ERROR, rec.error or None) if rec.status == "error" else unset
+            attrs = span_attributes(traj, rec, is_root, max_value_chars)
+            if extra is not None:
+                for key, value in extra(traj, rec, is_root).items():
+                    if value is not None:
+                        attrs[key] = any_value(value)
+            events = [Event(str(e.get("name") or "event"), attributes(e.get("attributes") or {}),
+                            timestamp=int(e.get("time_ns") or rec.start_ns)) for e in rec.events]
+            out.append(ReadableSpan(
+                name=rec.name,
+                context=SpanContext(trace_id, int(rec.span_id, 16), is_remote=False, trace_flags=sampled),
+                parent=parent, resource=resource, attributes=attrs, events=events, kind=internal,
+                status=status, start_time=rec.start_ns, end_time=max(rec.end_ns, rec.start_ns),
+                instrumentation_scope=scope))
+    return out
+
+
+def to_otlp_request(spans: Sequence[Any]) -> Any:
+    """``ReadableSpan`` objects as one OTLP ``ExportTraceServiceRequest``, encoded by the
+    SDK's own encoder (the bytes an OTLP/HTTP exporter sends are its ``SerializeToString()``)."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    return encode_spans(spans)
+
+
+def to_otlp_protos(trajectories: Trajectory | Iterable[Trajectory], resource: Any, scope: Any = None,
+                   max_value_chars: int = DEFAULT_MAX_VALUE_CHARS,
+                   extra: ExtraAttributes | None = None) -> list[Any]:
+    """The OTLP protobuf ``Span`` messages of :func:`to_readable_spans` (same arguments),
+    in the same order, encoded by the SDK's own encoder."""
+    return otlp_spans(to_otlp_request(to_readable_spans(trajectories, resource, scope, max_value_chars, extra)))
+
+
+def otlp_spans(request: Any) -> list[Any]:
+    """The protobuf ``Span`` messages of an ``ExportTraceServiceRequest``, in order (the
+    encoder groups spans by resource and scope; one resource and scope keep the order)."""
+    return [span for rs in request.resource_spans for ss in rs.scope_spans for span in ss.spans]
