@@ -18,18 +18,23 @@ from .instrumentation import (
     traced_tool,
     wrap_context,
 )
+from .instrumentation.annotate import annotate, annotate_batch
 from .instrumentation.batch import log_rollout_batch
 from .instrumentation.propagation import extract, inject
+from ._setup import start_collector
 from .trajectory import SpanRecord, Trajectory
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Collector",
     "ConfigError",
     "Settings",
     "Sink",
     "SpanRecord",
     "Trajectory",
+    "annotate",
+    "annotate_batch",
     "configure",
     "current_coordinates",
     "current_settings",
@@ -42,6 +47,7 @@ __all__ = [
     "rollout_context",
     "set_tokenizer",
     "shutdown",
+    "start_collector",
     "stats",
     "traced",
     "traced_generation",
@@ -49,3 +55,11 @@ __all__ = [
     "traced_tool",
     "wrap_context",
 ]
+
+
+def __getattr__(name: str):  # Collector is imported on first use: it needs grpcio (the otlp extra)
+    if name == "Collector":
+        from .pipeline.collector import Collector
+
+        return Collector
+    raise AttributeError(f"module 'rtrace' has no attribute {name!r}")

@@ -20,7 +20,7 @@ from .config import ConfigError, Settings, load_settings, unknown_env
 from .instrumentation import _state
 
 __all__ = ["configure", "flush", "shutdown", "stats", "is_enabled", "current_settings", "set_tokenizer",
-           "get_tokenizer"]
+           "get_tokenizer", "start_collector"]
 
 _lock = threading.RLock()
 _pipeline: Any = None
@@ -96,6 +96,11 @@ def _build(settings: Settings) -> tuple[Any, Any]:
             raise ConfigError(f"configure(tokenizer=...) (env RTRACE_TOKENIZER): {exc}; accepted values: "
                               "an object with batch_decode/decode, or a tokenizer name / local path") from None
     fanout = Fanout(sinks, settings.max_export_batch_size, settings.sink_queue_size, settings.sink_timeout_s)
+    if "collector" in settings.exporter:
+        # Collector mode: spans stream to the job's collector, which decodes and writes.
+        from .pipeline.stream import StreamPipeline
+
+        return StreamPipeline(settings, fanout), _tracer(settings)
     post = [Token2Text(get_tokenizer, settings.token2text_skip_special_tokens, settings.token2text_keep_ids)] \
         if settings.token2text else []
     from .pipeline.worker import Pipeline
@@ -123,7 +128,7 @@ def _tracer(settings: Settings) -> Any:
 
 def _install(built: tuple[Any, Any] | None, settings: Settings) -> None:
     global _pipeline, _settings, _atexit_registered
-    from .pipeline.sampling import StepSampler
+    from .pipeline.sampling import PreSampler, StepSampler
 
     _settings = settings
     if built is None:
@@ -140,7 +145,11 @@ def _install(built: tuple[Any, Any] | None, settings: Settings) -> None:
         provider.add_span_processor(bridge)
     bridge.target = pipeline
     _pipeline = pipeline
-    sampler = StepSampler(settings.max_traces_per_step, settings.val_cap, settings.sample_groups)
+    if "collector" in settings.exporter:
+        # the per-step cap is job-wide, in the collector; here only the optional pre-sample
+        sampler: Any = PreSampler(settings.pre_sample_rate, settings.sample_seed, settings.sample_groups)
+    else:
+        sampler = StepSampler(settings.max_traces_per_step, settings.val_cap, settings.sample_groups)
     _state.set_runtime(_state.Runtime(tracer, pipeline.registry, sampler, pipeline, settings.capture,
                                       settings.experiment))
     if not _atexit_registered:
@@ -250,6 +259,38 @@ def current_settings() -> Settings | None:
     """The settings in force (None before any configure, or after a failed one that had
     nothing running)."""
     return _settings
+
+
+# ----------------------------------------------------------------------------- collector
+def start_collector(*, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None,
+                    settle_s: float = 2.0, **settings: Any) -> Any:
+    """Start an rtrace collector in this process (its own threads, no subprocess).
+
+    ``settings`` are those of :func:`configure` (``exporter="trackio,mlflow"``,
+    ``project``, ``experiment``, ``max_traces_per_step``, ``token2text``, ``tokenizer``
+    ...), read from the environment the same way; in collector mode
+    ``max_traces_per_step`` is exact across the whole job. Workers started with
+    ``collector.env`` (``RTRACE_EXPORTER=collector`` ...) stream their spans here;
+    ``rtrace.annotate`` / ``annotate_batch`` in this process reach it directly. See
+    docs/collector.md and docs/multi-process.md.
+
+    Args:
+        host: the address to bind (127.0.0.1 unless told otherwise).
+        port: the OTLP/gRPC port (0: a free one; read ``collector.endpoint``).
+        http_port: also serve OTLP/HTTP ``/v1/traces`` there (0: a free port).
+        settle_s: how long a finished trajectory waits for spans of other processes
+            still in flight.
+
+    Returns:
+        The running :class:`rtrace.Collector`: ``endpoint``, ``env``, ``flush()``,
+        ``stats()``, ``stop()``; also a context manager.
+
+    Raises:
+        ConfigError: a bad setting, or no sink.
+    """
+    from .pipeline.collector import start_collector as start
+
+    return start(host=host, port=port, http_port=http_port, settle_s=settle_s, **settings)
 
 
 # ----------------------------------------------------------------------------- tokenizer

@@ -58,7 +58,46 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and sampling (default 0)")
     demo.add_argument("--no-validation", dest="validation", action="store_false",
                       help="skip the validation pass after the last step")
+    collect = sub.add_parser(
+        "collect", help="run an rtrace collector: OTLP in from every rollout worker, trajectories to the sinks",
+        description=("Run the job's rtrace collector as a process (SLURM, Kubernetes). It prints the environment "
+                     "for workers (RTRACE_EXPORTER=collector, RTRACE_COLLECTOR_ENDPOINT, ...) and runs until "
+                     "SIGINT/SIGTERM, then writes what it holds. Other settings come from RTRACE_* variables."))
+    collect.add_argument("--exporter", default=None,
+                         help="comma list of trackio, mlflow, jsonl, otlp, console (default: $RTRACE_EXPORTER)")
+    collect.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    collect.add_argument("--port", type=_non_negative, default=4317, help="OTLP/gRPC port (default 4317; 0: any)")
+    collect.add_argument("--http-port", type=_non_negative, default=None, help="also serve OTLP/HTTP on this port")
+    collect.add_argument("--project", default=None, help="trackio project / MLflow experiment")
+    collect.add_argument("--experiment", default=None, help="run name")
+    collect.add_argument("--max-traces-per-step", type=_non_negative, default=None,
+                         help="trajectories kept per step, job-wide (default: all)")
     return parser
+
+
+def _collect(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from . import _setup
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    collector = _setup.start_collector(host=args.host, port=args.port, http_port=args.http_port,
+                                       exporter=args.exporter, project=args.project, experiment=args.experiment,
+                                       max_traces_per_step=args.max_traces_per_step, flush_on_sigterm=False)
+    host = args.host if args.host not in ("0.0.0.0", "::") else "<this host's address>"
+    print(f"rtrace collector listening on {collector.endpoint}; worker environment:", flush=True)
+    for key, value in collector.env.items():
+        if key == "RTRACE_COLLECTOR_ENDPOINT" and args.host in ("0.0.0.0", "::"):
+            value = f"{host}:{collector.endpoint.rsplit(':', 1)[1]}"
+        print(f"export {key}={value}", flush=True)
+    while not stop.wait(1.0):
+        pass
+    collector.stop()
+    print("rtrace collector stopped", flush=True)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -78,6 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             sys.stderr.write("rtrace demo: interrupted\n")
             return 130
+    if args.command == "collect":
+        return _collect(args)
     parser.print_help()
     return 0 if args.command is None else 2
 

@@ -23,6 +23,7 @@ SINKS = {
     "trackio": ("rtrace.exporters.trackio", "TrackioSink", "trackio"),
     "mlflow": ("rtrace.exporters.mlflow", "MlflowSink", "mlflow"),
     "otlp": ("rtrace.exporters.otlp", "OtlpSink", "otlp"),
+    "collector": ("rtrace.exporters.collector", "CollectorSink", "otlp"),
 }
 
 

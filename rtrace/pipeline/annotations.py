@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 from .. import _stats
 from .records import TrajectoryState
 
 __all__ = ["Annotation", "AnnotationTable", "coord_key"]
+
+#: The collector running in this process, if any: rtrace.annotate* hand it their records.
+local_target: Callable[[list["Annotation"]], None] | None = None
 
 #: Recent outcomes remembered (exported / sampled out), and pending annotations kept.
 _RECENT = 200_000

@@ -20,7 +20,7 @@ from ..config import Settings
 from ..trajectory import RL_FIELDS, SpanRecord, Trajectory
 from .records import CallRecord, TrajectoryState
 
-__all__ = ["SpanConverter", "finish", "as_id_list"]
+__all__ = ["SpanConverter", "finish", "coordinates", "as_id_list"]
 
 
 def as_id_list(value: Any) -> list[int] | None:
@@ -187,19 +187,12 @@ def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Traje
     # one OTel conversion (exporters/otel) uses to join the process's tree.
     root.parent_id = None
 
-    coords = {k: conv(v) for k, v in state.coords.items() if k != "extra"}
-    extra = {str(k): conv(v) for k, v in (state.coords.get("extra") or {}).items()}
-    coords["validate"] = bool(coords.get("validate") or False)
-    if settings.experiment is not None:
-        coords.setdefault("experiment", settings.experiment)
-    outcome = {str(k): conv(v) for k, v in state.outcome.items()}
+    coords, extra, stamp = coordinates(state, settings, conv)
+    outcome = conv.convert_named(state.outcome)
     reward = _reward(state.reward, outcome) if state.has_reward else None
-    annotations = {str(k): conv(v) for k, v in state.annotations.items() if k != "reward"}
+    annotations = conv.convert_named({k: v for k, v in state.annotations.items() if k != "reward"})
     if "reward" in state.annotations:
         reward = _reward(state.annotations["reward"], annotations)
-
-    stamp = {f"rl.{k}": v for k, v in coords.items() if k in RL_FIELDS and attr_ok(v)}
-    stamp.update({f"rl.extra.{k}": v for k, v in extra.items() if attr_ok(v)})
     for span in spans:
         attrs = span.attributes
         for key, value in stamp.items():
@@ -219,6 +212,20 @@ def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Traje
         status="error" if root.status == "error" else "ok", error=root.error,
         partial=state.partial, dropped_spans=state.dropped_spans,
         messages=list(state.messages) if state.messages else [])
+
+
+def coordinates(state: TrajectoryState, settings: Settings,
+                conv: Converter) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The trajectory's RL coordinates, its ``extra`` ones (values converted; secret-looking
+    keys redacted), and the ``rl.*`` attributes every span of it carries."""
+    coords = {k: conv(v) for k, v in state.coords.items() if k != "extra"}
+    extra = conv.convert_named(state.coords.get("extra") or {})
+    coords["validate"] = bool(coords.get("validate") or False)
+    if settings.experiment is not None:
+        coords.setdefault("experiment", settings.experiment)
+    stamp = {f"rl.{k}": v for k, v in coords.items() if k in RL_FIELDS and attr_ok(v)}
+    stamp.update({f"rl.extra.{k}": v for k, v in extra.items() if attr_ok(v)})
+    return coords, extra, stamp
 
 
 def _reward(value: Any, outcome: dict[str, Any]) -> float | None:

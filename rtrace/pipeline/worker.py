@@ -73,6 +73,12 @@ class ProcessorBridge(SpanProcessor):
 class Pipeline:
     """Collects the spans of registered trajectories and exports them from a worker thread."""
 
+    #: True while a flush is being served (the collector releases what it holds)
+    _flushing = False
+    #: seconds a trajectory waits after its root arrived (the collector: spans of other
+    #: processes may still be on their way); 0 in one process, where children end first
+    settle_s = 0.0
+
     def __init__(self, settings: Settings, fanout: Fanout, postprocessors: Sequence[Postprocessor] = ()) -> None:
         self.settings = settings
         self.registry = TrajectoryRegistry(settings.max_open_trajectories, settings.max_spans_per_trajectory)
@@ -181,7 +187,8 @@ class Pipeline:
         candidates, self._waiting = self._waiting + arrived, []
         ready: list[TrajectoryState] = []
         for state in candidates:
-            if force or self.annotations.ready(state, coord_key(state.coords), now):
+            settled = force or self._flushing or state.root_at is None or now - state.root_at >= self.settle_s
+            if settled and (force or self.annotations.ready(state, coord_key(state.coords), now)):
                 ready.append(state)
             else:
                 self._waiting.append(state)
@@ -190,9 +197,15 @@ class Pipeline:
         if expire:
             ready += self.registry.expire(now, self.settings.orphan_timeout_s, force)
             self.annotations.expire(now)
+        ready = self._select(ready, now, force)
         if ready:
             self._export(ready, conv)
         conv.count()
+
+    def _select(self, states: list[TrajectoryState], now: float, force: bool) -> list[TrajectoryState]:
+        """Which finished trajectories go to the sinks now (one process: all of them; the
+        sampling was decided at their start)."""
+        return states
 
     def _assemble(self, spans: list[ReadableSpan], conv: SpanConverter) -> list[TrajectoryState]:
         """Convert each span into its trajectory's records; return the trajectories whose
@@ -223,6 +236,8 @@ class Pipeline:
     def _export(self, states: list[TrajectoryState], conv: SpanConverter) -> None:
         out: list[Trajectory] = []
         for state in states:
+            # annotations that came while it was held (collector: the job-wide sample)
+            self.annotations.arrived(state, coord_key(state.coords))
             try:
                 out.append(finish(state, self.settings, conv.conv))
             except Exception:

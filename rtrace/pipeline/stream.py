@@ -1,0 +1,118 @@
+"""Collector mode in a rollout worker: spans leave the process as they end.
+
+With ``RTRACE_EXPORTER=collector`` the worker does not assemble trajectories. Every
+``export_interval_s`` (0.5 s) its worker thread converts the spans that ended (captured
+values to JSON-safe data; no decoding, no sink work), stamps each with its
+trajectory's ``rl.*`` coordinates, marks the trajectory root ``rtrace.root`` (with
+``rl.reward`` and ``rl.outcome.*``), and hands them, grouped by trace, to the collector
+sink. Annotations made here travel the same way, as ``rtrace.annotation`` spans. So a
+worker that Ray ends without ``atexit``, or that is killed, loses at most the last
+half second; its open trajectories are written by the collector as partial.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from .. import _ids, _stats
+from .._serialize import attr_ok
+from ..trajectory import SpanRecord, Trajectory
+from .annotations import Annotation
+from .builder import SpanConverter, _reward, coordinates
+from .records import TrajectoryState
+from .worker import Pipeline
+
+__all__ = ["StreamPipeline", "ANNOTATION_SPAN"]
+
+#: Name of the span that carries an annotation to the collector.
+ANNOTATION_SPAN = "rtrace.annotation"
+
+
+class StreamPipeline(Pipeline):
+    """The worker's pipeline in collector mode (see the module docstring)."""
+
+    def _round(self, now: float, expire: bool, force: bool) -> None:
+        q, pre, anns = self._queue, self._states, self._annotations
+        spans = [q.popleft() for _ in range(len(q))]
+        prebuilt = [pre.popleft() for _ in range(len(pre))]
+        annotations = [anns.popleft() for _ in range(len(anns))]
+        conv = SpanConverter(self.settings)
+        shells: dict[int, Trajectory] = {}
+        stamps: dict[int, dict[str, Any]] = {}
+        for span in spans:
+            ctx = span.context
+            state, is_root = self.registry.arrive(ctx.trace_id, ctx.span_id)
+            if state is None:
+                _stats.incr("spans_late")
+                continue
+            try:
+                record = conv.convert(span, state.captures.pop(ctx.span_id, None))
+                self._stamp(state, record, is_root, stamps, conv)
+            except Exception:
+                _stats.incr("capture_errors")
+                _stats.warn_once("convert", "rtrace could not convert a span; it is dropped", exc_info=True)
+                continue
+            if is_root:
+                self.registry.remove(state)
+            self._shell(shells, state).spans.append(record)
+        for state in prebuilt:  # log_rollout_batch: whole trajectories
+            for record in state.records:
+                self._stamp(state, record, record.span_id == format(state.root_span_id, "016x"), stamps, conv)
+            self._shell(shells, state).spans.extend(state.records)
+        if expire:
+            # Open trajectories whose root was lost (or, at shutdown, never ended): what
+            # arrived is already at the collector, which writes them as partial.
+            for state in self.registry.expire(now, self.settings.orphan_timeout_s, force):
+                _stats.incr("trajectories_left_to_collector")
+        out = list(shells.values()) + [_annotation_shell(a) for a in annotations]
+        conv.count()
+        if out:
+            _stats.incr("segments_streamed", len(out))
+            self.fanout.submit(out)
+
+    def _stamp(self, state: TrajectoryState, record: SpanRecord, is_root: bool,
+               stamps: dict[int, dict[str, Any]], conv: SpanConverter) -> None:
+        stamp = stamps.get(state.trace_id)
+        if stamp is None:
+            stamp = stamps[state.trace_id] = coordinates(state, self.settings, conv.conv)[2]
+        attrs = record.attributes
+        for key, value in stamp.items():
+            attrs.setdefault(key, value)
+        if is_root and state.kind != "segment":
+            attrs["rtrace.root"] = True
+            if record.kind == "span":
+                record.kind = state.kind
+            outcome = conv.conv.convert_named(state.outcome)
+            reward = _reward(state.reward, outcome) if state.has_reward else None
+            if reward is not None:
+                attrs["rl.reward"] = reward
+            attrs.update({f"rl.outcome.{k}": v for k, v in outcome.items() if attr_ok(v)})
+            if self.settings.job_id:
+                attrs["rtrace.job_id"] = self.settings.job_id
+
+    @staticmethod
+    def _shell(shells: dict[int, Trajectory], state: TrajectoryState) -> Trajectory:
+        shell = shells.get(state.trace_id)
+        if shell is None:
+            shell = shells[state.trace_id] = Trajectory(trace_id=format(state.trace_id, "032x"), name=state.name,
+                                                        spans=[])
+        return shell
+
+
+def _annotation_shell(ann: Annotation) -> Trajectory:
+    """An annotation as a one-span segment (its own trace, or the target's when known)."""
+    attrs: dict[str, Any] = {"rtrace.annotation.values": json.dumps(ann.values, default=str)}
+    if ann.key is not None:
+        validate, step, index, rollout = ann.key
+        attrs.update({"rl.validate": validate, "rl.step": step, "rl.sample_index": index})
+        if rollout is not None:
+            attrs["rl.rollout_n"] = rollout
+    if ann.trace_id is not None:
+        attrs["rtrace.annotation.trace_id"] = format(ann.trace_id, "032x")
+    trace_id = ann.trace_id if ann.trace_id is not None else _ids.trace_id()
+    span = SpanRecord(span_id=format(_ids.span_id(), "016x"), parent_id=None, name=ANNOTATION_SPAN,
+                      kind="annotation", start_ns=time.time_ns(), end_ns=time.time_ns(),
+                      attributes={k: v for k, v in attrs.items() if attr_ok(v)})
+    return Trajectory(trace_id=format(trace_id, "032x"), name=ANNOTATION_SPAN, spans=[span])
