@@ -122,6 +122,7 @@ class AnnotationTable:
         """True when ``state`` has every awaited key, or waited long enough (counted)."""
         if not self.await_keys:
             return True
+        self.arrived(state, key)  # annotations that came while it was settling
         if all(k in state.annotations for k in self.await_keys):
             self._forget(state, key)
             return True

@@ -184,10 +184,12 @@ class Pipeline:
         arrived = self._assemble(spans, conv) + prebuilt
         for state in arrived:
             self.annotations.arrived(state, coord_key(state.coords))
+        now = time.monotonic()  # roots arrived during the assembly, after the round's start
         candidates, self._waiting = self._waiting + arrived, []
         ready: list[TrajectoryState] = []
         for state in candidates:
-            settled = force or self._flushing or state.root_at is None or now - state.root_at >= self.settle_s
+            settled = (force or self._flushing or self.settle_s <= 0 or state.root_at is None
+                       or now - state.root_at >= self.settle_s)
             if settled and (force or self.annotations.ready(state, coord_key(state.coords), now)):
                 ready.append(state)
             else:

@@ -1,0 +1,143 @@
+"""Worker-process bodies for the collector tests (importable by `spawn` children).
+
+Each function runs in a fresh process configured only through the environment the
+collector handed out (``collector.env``), as a Ray actor or a SLURM task would be.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+
+def _apply(env: dict[str, str]) -> None:
+    os.environ.update(env)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def rollouts(env: dict[str, str], worker: int, workers: int, steps: int, prompts: int, n: int,
+             validate_prompts: int = 0, linger_s: float = 1.2) -> None:
+    """Prompts ``worker, worker + workers, ...`` of every step, ``n`` rollouts each; then
+    ends without flush or shutdown (what Ray does to an actor)."""
+    _apply(env)
+    import rtrace
+
+    @rtrace.traced_tool(tool_name="calculator")
+    def calc(x: int) -> int:
+        return x * 2
+
+    @rtrace.traced_rollout
+    def loop(i: int) -> int:
+        return calc(i)
+
+    for step in range(steps):
+        for p in range(worker, prompts, workers):
+            for r in range(n):
+                with rtrace.rollout_context(step=step, sample_index=p, rollout_n=r, group_id=f"p{p}"):
+                    loop(p)
+                    rtrace.record_reward(float(r))
+        for p in range(worker, validate_prompts, workers):
+            with rtrace.rollout_context(step=step, sample_index=p, rollout_n=0, validate=True):
+                loop(p)
+    time.sleep(linger_s)  # spans leave ~0.5 s after they end: no flush, no atexit needed
+    os._exit(0)
+
+
+def hop_worker(env: dict[str, str], carrier: dict[str, str], server_port: int, out: Any) -> None:
+    """The middle process of driver -> worker -> tool server: continues the driver's
+    trajectory, calls the tool server over HTTP with the context injected."""
+    _apply(env)
+    import json
+    import urllib.request
+
+    import rtrace
+
+    @rtrace.traced(kind="chain", name="worker.plan")
+    def plan(x: int) -> int:
+        req = urllib.request.Request(f"http://127.0.0.1:{server_port}/tool", data=json.dumps({"x": x}).encode(),
+                                     headers=rtrace.inject({}), method="POST")
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())["y"]
+
+    with rtrace.extract(carrier, name="worker"):
+        out.put(plan(21))
+    out.close()
+    out.join_thread()
+    time.sleep(1.2)
+    os._exit(0)
+
+
+def tool_server(env: dict[str, str], port_out: Any, stop: Any) -> None:
+    """A tool server process: each request continues the caller's trajectory."""
+    _apply(env)
+    import json
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    import rtrace
+
+    @rtrace.traced_tool(tool_name="doubler")
+    def double(x: int) -> int:
+        return x * 2
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with rtrace.extract(dict(self.headers), name="tool-server"):
+                y = double(body["x"])
+            payload = json.dumps({"y": y}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    server.timeout = 0.2
+    port_out.put(server.server_address[1])
+    while not stop.is_set():
+        server.handle_request()
+    time.sleep(1.2)
+    os._exit(0)
+
+
+def finish_then_hang(env: dict[str, str], finished: int, ready: Any) -> None:
+    """Finishes ``finished`` rollouts, waits for them to leave, then opens one more whose
+    tool span ends but whose root never does (the test SIGKILLs this process)."""
+    _apply(env)
+    import rtrace
+
+    @rtrace.traced_tool(tool_name="calculator")
+    def calc(x: int) -> int:
+        return x + 1
+
+    for i in range(finished):
+        with rtrace.rollout_context(step=0, sample_index=i, rollout_n=0):
+            calc(i)
+    with rtrace.rollout_context(step=0, sample_index=finished, rollout_n=0):
+        calc(-1)
+        time.sleep(1.5)  # the tool span and the finished rollouts have left the process
+        ready.set()
+        time.sleep(600)
+
+
+def against_dead_collector(env: dict[str, str], n: int, out: Any) -> None:
+    """Runs ``n`` traced rollouts against a collector that is not there."""
+    _apply(env)
+    import rtrace
+
+    @rtrace.traced_tool
+    def calc(x: int) -> int:
+        return x * 3
+
+    results = []
+    for i in range(n):
+        with rtrace.rollout_context(step=0, sample_index=i, rollout_n=0):
+            results.append(calc(i))
+    ok = rtrace.flush(5)
+    out.put((results, ok, rtrace.stats()))
+    out.close()
+    out.join_thread()  # os._exit would kill the queue's feeder thread before it wrote
+    os._exit(0)

@@ -1,0 +1,193 @@
+"""The job's collector with real worker processes (spawned, configured only by collector.env).
+
+Real parts: the collector's OTLP/gRPC receiver, the OTel SDK's OTLP exporter in each
+worker, the JSONL sink read back from disk.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections import Counter
+
+import pytest
+
+import rtrace
+from rtrace.exporters.jsonl import read_jsonl
+from rtrace.pipeline.sampling import priority
+from tests import collector_workers as workers
+
+pytestmark = pytest.mark.integration
+SPAWN = mp.get_context("spawn")
+
+
+def _run(target, *args):
+    proc = SPAWN.Process(target=target, args=args)
+    proc.start()
+    return proc
+
+
+def _join(procs, timeout_s=120):
+    for proc in procs:
+        proc.join(timeout_s)
+        assert proc.exitcode == 0, f"worker exit code {proc.exitcode}"
+
+
+@pytest.fixture
+def collector(tmp_path):
+    made = []
+
+    def start(**settings):
+        settings.setdefault("exporter", "jsonl")
+        settings.setdefault("jsonl_path", str(tmp_path / "traces.jsonl"))
+        settings.setdefault("settle_s", 0.5)
+        c = rtrace.start_collector(**settings)
+        made.append(c)
+        return c
+
+    yield start
+    for c in made:
+        c.stop()
+
+
+class TestJobWideSampling:
+    def test_exact_cap_per_step_whole_groups_across_four_processes(self, collector, tmp_path):
+        """4 worker processes, cap 8 per step with whole groups: exactly 8 per step job-wide (not 8 per
+        worker), each kept trajectory once with one root, and the kept groups are the 2 of lowest
+        priority (not the first to arrive); validation has its own cap."""
+        c = collector(max_traces_per_step=8, max_val_traces_per_step=3, sample_groups=True, sample_seed=7)
+        procs = [_run(workers.rollouts, c.env, w, 4, 2, 8, 4, 8) for w in range(4)]
+        _join(procs)
+        assert c.flush(30)
+        trajs = read_jsonl(tmp_path / "traces.jsonl")
+        train = [t for t in trajs if not t.validate]
+        assert Counter(t.step for t in train) == {0: 8, 1: 8}
+        assert Counter(t.step for t in trajs if t.validate) == {0: 3, 1: 3}
+        for step in (0, 1):
+            kept = {t.sample_index for t in train if t.step == step}
+            expected = sorted(range(8), key=lambda p: priority(
+                {"step": step, "sample_index": p, "group_id": f"p{p}", "validate": False}, 7, True))[:2]
+            assert kept == set(expected)  # two whole groups (4 rollouts each), chosen by priority
+        assert len({t.trace_id for t in trajs}) == len(trajs)  # each once
+        for t in trajs:
+            assert [s.kind for s in t.spans] == ["rollout", "agent", "tool"] and not t.partial
+            assert sum(1 for s in t.spans if s.parent_id is None) == 1
+            assert t.spans[2].attributes["gen_ai.tool.name"] == "calculator"
+            assert t.spans[2].output == t.sample_index * 2  # captured values crossed the wire
+        stats = c.stats()
+        assert stats["trajectories_sampled_out"] == 2 * (32 - 8) + 2 * (8 - 3)
+        assert stats["receiver.accepted_spans"] == 2 * (32 + 8) * 3
+
+    def test_no_cap_keeps_everything(self, collector, tmp_path):
+        """Without a cap every trajectory of every worker arrives, once."""
+        c = collector()
+        _join([_run(workers.rollouts, c.env, w, 2, 1, 6, 2) for w in range(2)])
+        assert c.flush(30)
+        trajs = read_jsonl(tmp_path / "traces.jsonl")
+        assert sorted((t.sample_index, t.rollout_n) for t in trajs) == [(p, r) for p in range(6) for r in range(2)]
+        assert [t.reward for t in sorted(trajs, key=lambda t: (t.sample_index, t.rollout_n))] == [0.0, 1.0] * 6
+
+
+class TestAnnotations:
+    def test_driver_annotations_join_trajectories_from_two_processes(self, collector, tmp_path):
+        """3 steps x 16 groups x 4 rollouts in 2 processes; the driver annotates advantages afterwards
+        from shuffled tensors: every trajectory carries its own value, none missing or misassigned."""
+        torch = pytest.importorskip("torch")
+        c = collector(await_annotations="advantage", annotation_timeout_s=60)
+        _join([_run(workers.rollouts, c.env, w, 2, 3, 16, 4) for w in range(2)])
+        for step in range(3):
+            perm = torch.randperm(64, generator=torch.Generator().manual_seed(step))
+            index = torch.arange(16).repeat_interleave(4)[perm]
+            rollout = torch.arange(4).repeat(16)[perm]
+            advantage = (step * 1000 + index * 10 + rollout).float()
+            assert rtrace.annotate_batch(step=step, sample_index=index, rollout_n=rollout,
+                                         advantage=advantage, returns=advantage / 2) == 64
+        assert c.flush(30), c.stats()
+        assert (tmp_path / "traces.jsonl").exists(), c.stats()
+        trajs = read_jsonl(tmp_path / "traces.jsonl")
+        assert len(trajs) == 3 * 64
+        for t in trajs:
+            expected = float(t.step * 1000 + t.sample_index * 10 + t.rollout_n)
+            assert t.annotations == {"advantage": expected, "returns": expected / 2}
+            assert t.root.attributes["rl.advantage"] == expected
+        assert c.stats().get("trajectories_missing_annotations", 0) == 0
+
+    def test_annotate_batch_checks_shapes(self, collector):
+        """A column of the wrong length raises ValueError naming it."""
+        collector()
+        with pytest.raises(ValueError, match="advantage has 3 entries; sample_index has 4"):
+            rtrace.annotate_batch(step=1, sample_index=[0, 1, 2, 3], rollout_n=[0, 0, 0, 0], advantage=[1, 2, 3])
+
+
+class TestAcrossProcesses:
+    def test_driver_worker_tool_server_is_one_tree(self, collector, tmp_path):
+        """A trajectory that runs in the driver, a worker and a tool server (3 processes) is one
+        trajectory with one root and the right parents."""
+        c = collector()
+        rtrace.configure(**{k.lower().removeprefix("rtrace_"): v for k, v in c.env.items()
+                            if k in ("RTRACE_EXPORTER", "RTRACE_COLLECTOR_ENDPOINT")})
+        port_q, stop, out = SPAWN.Queue(), SPAWN.Event(), SPAWN.Queue()
+        server = _run(workers.tool_server, c.env, port_q, stop)
+        port = port_q.get(timeout=60)
+
+        @rtrace.traced(kind="chain", name="driver.dispatch")
+        def dispatch():
+            carrier = rtrace.inject({})
+            worker = _run(workers.hop_worker, c.env, carrier, port, out)
+            result = out.get(timeout=60)
+            worker.join(60)
+            return result
+
+        with rtrace.rollout_context(step=2, sample_index=5, rollout_n=1) as ctx:
+            assert dispatch() == 42
+        stop.set()
+        server.join(60)
+        assert rtrace.flush(10)
+        assert c.flush(30)
+        (traj,) = read_jsonl(tmp_path / "traces.jsonl")
+        assert traj.trace_id == ctx.trace_id and not traj.partial
+        by_name = {s.name: s for s in traj.spans}
+        assert set(by_name) == {"rollout", "driver.dispatch", "worker", "worker.plan", "tool-server", "double"}
+        parent = {s.name: next((p.name for p in traj.spans if p.span_id == s.parent_id), None) for s in traj.spans}
+        assert parent == {"rollout": None, "driver.dispatch": "rollout", "worker": "driver.dispatch",
+                          "worker.plan": "worker", "tool-server": "worker.plan", "double": "tool-server"}
+        assert by_name["double"].output == 42 and by_name["double"].attributes["gen_ai.tool.name"] == "doubler"
+        assert {s.attributes["rl.sample_index"] for s in traj.spans} == {5}
+
+
+class TestFailures:
+    def test_killed_worker_keeps_finished_and_writes_open_as_partial(self, collector, tmp_path):
+        """SIGKILL a worker mid-rollout: what it finished before is there, its open rollout is
+        written as partial with the span that did arrive."""
+        c = collector(orphan_timeout_s=2.0)
+        ready = SPAWN.Event()
+        proc = _run(workers.finish_then_hang, c.env, 5, ready)
+        assert ready.wait(60)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and c.stats().get("trajectories_partial", 0) < 1:
+            time.sleep(0.2)
+        assert c.flush(30)
+        trajs = sorted(read_jsonl(tmp_path / "traces.jsonl"), key=lambda t: t.sample_index)
+        assert [(t.sample_index, t.partial) for t in trajs] == [(i, False) for i in range(5)] + [(5, True)]
+        partial = trajs[-1]
+        assert [s.kind for s in partial.spans] == ["rollout", "tool"] and partial.spans[1].output == 0
+        assert partial.step == 0  # coordinates recovered from the spans that arrived
+
+    def test_collector_down_leaves_the_program_alone_and_counts(self, tmp_path):
+        """Workers pointed at a collector that is not there: results unchanged, failures counted."""
+        from tests.servers import free_port
+
+        env = {"RTRACE_EXPORTER": "collector", "RTRACE_COLLECTOR_ENDPOINT": f"127.0.0.1:{free_port()}",
+               "OTEL_EXPORTER_OTLP_TIMEOUT": "500"}
+        out = SPAWN.Queue()
+        proc = _run(workers.against_dead_collector, env, 20, out)
+        results, flushed, stats = out.get(timeout=120)
+        proc.join(30)
+        assert results == [i * 3 for i in range(20)]
+        assert flushed is False
+        lost = stats.get("sink.collector.failed_batches", 0) + stats.get("sink.collector.dropped_batches", 0)
+        assert lost >= 1 and stats.get("sink.collector.exported", 0) == 0
