@@ -33,19 +33,10 @@ from rtrace.compat.verl import RolloutTraceConfig  # noqa: E402
 from rtrace.exporters.jsonl import read_jsonl  # noqa: E402
 
 import verl_app as app  # noqa: E402  (tests/verl on sys.path: see conftest.py)
+from verl_app import TOOL_LOOP_TREE, trace_overrides  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
-#: The span tree of one ToolAgentLoop rollout with one calculator call (tree order).
-TOOL_LOOP_TREE = [
-    (0, "agent_loop", "rollout"),
-    (1, "ToolAgentLoop.run", "agent"),
-    (2, "LLMServerClient.generate", "generation"),
-    (2, "HermesToolParser.extract_tool_calls", "chain"),
-    (2, "CalculatorTool.execute", "tool"),
-    (2, "LLMServerClient.generate", "generation"),
-    (2, "HermesToolParser.extract_tool_calls", "chain"),
-]
 RL_ATTRS = ("rl.step", "rl.sample_index", "rl.rollout_n", "rl.validate")
 
 #: Where phase 2 is to put a veRL tool's step reward and metrics (attribute names are
@@ -82,17 +73,6 @@ def fresh_trace_config(monkeypatch, tmp_path):
     monkeypatch.setenv("RTRACE_EXPORT_INTERVAL_S", "0.05")
     yield
     RolloutTraceConfig.reset()
-
-
-def trace_overrides(backend="jsonl", token2text=True, cap=None, **extra):
-    """veRL's own trace config: ``actor_rollout_ref.rollout.trace.*``."""
-    # Hydra reads an unquoted comma as a sweep: a comma list of sinks must be quoted.
-    value = "null" if backend is None else (f"'{backend}'" if "," in backend else backend)
-    out = [f"actor_rollout_ref.rollout.trace.backend={value}",
-           f"actor_rollout_ref.rollout.trace.token2text={token2text}"]
-    if cap is not None:
-        out.append(f"actor_rollout_ref.rollout.trace.max_samples_per_step_per_worker={cap}")
-    return out + [f"{k}={v}" for k, v in extra.items()]
 
 
 def worker_for(model_dir, tool_config, tokenizer, overrides):

@@ -217,6 +217,29 @@ def compose_config(model_dir: Path, tool_config: Path, overrides: list[str] = ()
         ])
 
 
+def trace_overrides(backend="jsonl", token2text=True, cap=None, **extra):
+    """veRL's own trace config: ``actor_rollout_ref.rollout.trace.*``."""
+    # Hydra reads an unquoted comma as a sweep: a comma list of sinks must be quoted.
+    value = "null" if backend is None else (f"'{backend}'" if "," in backend else backend)
+    out = [f"actor_rollout_ref.rollout.trace.backend={value}",
+           f"actor_rollout_ref.rollout.trace.token2text={token2text}"]
+    if cap is not None:
+        out.append(f"actor_rollout_ref.rollout.trace.max_samples_per_step_per_worker={cap}")
+    return out + [f"{k}={v}" for k, v in extra.items()]
+
+
+#: The span tree of one ToolAgentLoop rollout with one calculator call (tree order).
+TOOL_LOOP_TREE = [
+    (0, "agent_loop", "rollout"),
+    (1, "ToolAgentLoop.run", "agent"),
+    (2, "LLMServerClient.generate", "generation"),
+    (2, "HermesToolParser.extract_tool_calls", "chain"),
+    (2, "CalculatorTool.execute", "tool"),
+    (2, "LLMServerClient.generate", "generation"),
+    (2, "HermesToolParser.extract_tool_calls", "chain"),
+]
+
+
 # ----------------------------------------------------------------------------- batches
 
 
