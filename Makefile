@@ -1,11 +1,20 @@
 # The two commands of the README: `make demo` runs the main job, `make test` runs the test suite.
 # Both create .venv and install the package with its extras on first use; nothing else is needed.
+# `make test-verl` runs tests/verl against the real verl in its own venv (.venv-verl).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.rtrace-installed
 
-.PHONY: install demo test bench clean
+# veRL integration (tests/verl, issue #15): its own venv, since verl pins its own stack.
+# torch is pinned to the CPU wheel first, so verl's `torch` requirement pulls no CUDA build.
+VERL_VENV ?= .venv-verl
+VERL_VERSION ?= 0.9.1
+VERL_BIN := $(VERL_VENV)/bin
+VERL_STAMP := $(VERL_VENV)/.rtrace-verl-installed
+PIP_QUIET := -q --disable-pip-version-check
+
+.PHONY: install install-verl demo test test-verl bench clean
 
 install: $(STAMP)
 
@@ -15,14 +24,28 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	$(BIN)/python -m pip install -q --disable-pip-version-check -c constraints-dev.txt -e ".[dev]"
 	touch $(STAMP)
 
+install-verl: $(VERL_STAMP)
+
+$(VERL_STAMP): pyproject.toml constraints-dev.txt
+	$(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_BIN)/python -m pip install $(PIP_QUIET) --upgrade pip
+	$(VERL_BIN)/python -m pip install $(PIP_QUIET) torch==2.13.0
+	$(VERL_BIN)/python -m pip install $(PIP_QUIET) -c constraints-dev.txt verl==$(VERL_VERSION)
+	$(VERL_BIN)/python -m pip install $(PIP_QUIET) -c constraints-dev.txt -e ".[dev]"
+	touch $(VERL_STAMP)
+
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/rtrace demo
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
+# rtrace's veRL shim against the real verl (tests/verl); `make test` skips those tests without verl.
+test-verl: $(VERL_STAMP)
+	HF_HUB_OFFLINE=1 $(VERL_BIN)/python -m pytest -q tests/verl
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_hot_path.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VERL_VENV) .pytest_cache
