@@ -13,7 +13,7 @@ import pytest
 
 import rtrace
 
-pytest_plugins = ["rtrace.testing", "tests.servers"]
+pytest_plugins = ["rtrace.testing", "tests.servers", "tests.backends"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

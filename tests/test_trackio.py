@@ -10,7 +10,6 @@ import asyncio
 import json
 import math
 import sys
-import tempfile
 import uuid
 
 import pytest
@@ -21,21 +20,6 @@ from rtrace.exporters.trackio import TrackioSink, iso_time, normalize, span_dict
 from rtrace.trajectory import SpanRecord, Trajectory
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="session")
-def trackio_mod(tmp_path_factory):
-    """trackio imported with TRACKIO_DIR in a temporary directory (HF_HUB_OFFLINE=1)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        if "trackio" not in sys.modules:
-            mp.setenv("TRACKIO_DIR", str(tmp_path_factory.mktemp("trackio")))
-        import trackio
-        from trackio import utils
-
-        if not str(utils.TRACKIO_DIR).startswith(tempfile.gettempdir()):
-            pytest.fail(f"trackio was imported before this module with TRACKIO_DIR={utils.TRACKIO_DIR}")
-        yield trackio
 
 
 @pytest.fixture
