@@ -71,7 +71,10 @@ def bounded(text: str, limit: int) -> str:
 def json_text(value: Any, limit: int | None = None) -> str:
     """``value`` as strict JSON text (non-finite floats as strings), bounded when a
     ``limit`` is given."""
-    text = json.dumps(strict_json(value), ensure_ascii=False, allow_nan=False, default=json_default)
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False, default=json_default)
+    except ValueError:  # a NaN or infinity inside: written as strings (one C-speed pass before)
+        text = json.dumps(strict_json(value), ensure_ascii=False, allow_nan=False, default=json_default)
     return text if limit is None else bounded(text, limit)
 
 
@@ -109,9 +112,9 @@ def attributes(attrs: Mapping[str, Any]) -> dict[str, Any]:
 
 def any_value(value: Any) -> Any:
     """``value`` in a form the OTLP encoder writes as an ``AnyValue`` without losing it:
-    maps with string keys, lists, strings encodable as UTF-8 (lone surrogates become
-    U+FFFD, as MLflow's own encoder does), 64-bit ints (larger ones become their
-    ``str()``), floats, bools, None; anything else its ``str()``."""
+    maps with string keys, lists, strings encodable as UTF-8 (a lone surrogate becomes
+    ``?``, as in MLflow's own encoder), 64-bit ints (larger ones become their ``str()``),
+    floats, bools, None; anything else its ``str()``."""
     cls = type(value)
     if cls is str:
         if value.isascii():
