@@ -96,6 +96,19 @@ class TestConversion:
         [kv] = attrs["backend.inputs"].kvlist_value.values  # a map, as OTLP allows
         assert [v.WhichOneof("value") for v in kv.value.array_value.values] == ["int_value", "string_value"]
 
+    def test_values_protobuf_refuses_are_kept_in_a_defined_form(self):
+        """Lone surrogates (name, error, attributes, captured values) become '?', big ints text: nothing is dropped."""
+        rec = SpanRecord("a" * 16, None, "tool\udcff", "tool", 1, 2, status="error", error="bad\udcff",
+                         attributes={"s": "x\udcff", "l": ["y\udcff"], "big": 2**70},
+                         input={"s": "z\udcff", "n": float("nan")}, output=2**70)
+        [proto] = otel.to_otlp_protos(_traj(rec), _resource())
+        from tests.otlp_receiver import any_value
+
+        assert (proto.name, proto.status.message) == ("tool?", "bad?")
+        assert {kv.key: any_value(kv.value) for kv in proto.attributes} == {
+            "s": "x?", "l": ["y?"], "big": str(2**70), "rtrace.kind": "tool",
+            "rtrace.input": '{"s": "z?", "n": "NaN"}', "rtrace.output": str(2**70)}
+
     @pytest.mark.parametrize("value, valid", [
         ("s", True), (True, True), (1, True), (1.5, True),
         (2**63 - 1, True), (2**63, False),          # int64 only
@@ -202,6 +215,30 @@ def test_mlflow_and_otlp_sinks_show_the_same_spans(tmp_path):
     assert statuses == [UNSET] * 6 + [ERROR]
     [segment] = [s for s in received if s.name == "segment"]
     assert segment.parent_span_id == REMOTE_SPAN
+
+
+@pytest.mark.integration
+def test_odd_values_reach_mlflow(tmp_path):
+    """NaN, ints beyond 64 bits, tuples and lone surrogates in captured values reach MLflow in a defined form."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from rtrace.config import load_settings
+    from rtrace.exporters.mlflow import MlflowSink
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    root = SpanRecord("a" * 16, None, "root", "rollout", 1_000, 2_000, status="error", error="boom",
+                      input={"x": float("nan"), "big": 2**70, "s": "bad\udcffbyte", "t": (1, 2)}, output=2**70)
+    sink = MlflowSink(load_settings({"mlflow_tracking_uri": uri, "project": "odd"}))
+    sink.export([_traj(root, reward=float("inf"), status="error", error="boom")])
+    trace = MlflowClient(tracking_uri=uri).get_trace("tr-" + TRACE)
+    [span] = trace.data.spans
+    assert span.inputs["big"] == 2**70 and span.inputs["s"] == "bad?byte" and span.inputs["t"] == [1, 2]
+    assert span.inputs["x"] != span.inputs["x"]  # NaN
+    assert span.outputs == str(2**70)  # beyond OTLP int64: its text (MLflow reads JSON ints back as text)
+    assert (span.status.status_code, span.status.description) == ("ERROR", "boom")
+    assert trace.info.state.value == "ERROR" and trace.info.tags["reward"] == "Infinity"
+    assert span.attributes["rtrace.input"] == {"x": "NaN", "big": 2**70, "s": "bad?byte", "t": [1, 2]}
 
 
 # ----------------------------------------------------------------------------- processes
