@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import math
 import os
 import re
@@ -40,7 +41,7 @@ import threading
 from typing import Any, Sequence
 
 from .. import _stats
-from .._serialize import finite_or_str
+from .._serialize import finite_or_str, json_default
 from ..config import ConfigError, Settings
 from ..trajectory import SpanRecord, Trajectory
 from . import _mlflow_private
@@ -169,9 +170,9 @@ def mlflow_attributes(traj: Trajectory, span: SpanRecord, is_root: bool, tag_att
     attrs: dict[str, Any] = {"mlflow.spanType": "AGENT" if is_root else _SPAN_TYPES.get(span.kind, "CHAIN")}
     inputs, outputs = span_io(traj, span, is_root)
     if inputs is not None:
-        attrs["mlflow.spanInputs"] = inputs
+        attrs["mlflow.spanInputs"] = _wire_value(inputs)
     if outputs is not None:
-        attrs["mlflow.spanOutputs"] = outputs
+        attrs["mlflow.spanOutputs"] = _wire_value(outputs)
     if is_root:
         # MLflow reads trace tags from a span without parent only: on a segment root
         # (whose parent is remote) they are ignored, and the driver's root names the trace.
@@ -180,6 +181,16 @@ def mlflow_attributes(traj: Trajectory, span: SpanRecord, is_root: bool, tag_att
             for key, value in trace_tags(traj).items():
                 attrs[f"mlflow.traceTag.{key}"] = value
     return attrs
+
+
+def _wire_value(value: Any) -> Any:
+    """An MLflow attribute value as MLflow's own OTLP exporter sends it: objects and lists
+    as JSON text (MLflow's ingestion stores that text as the value; an OTLP map would be
+    decoded and re-encoded, node by node, at several times the cost), scalars as they are
+    (a number sent as JSON text would come back as a string)."""
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value, ensure_ascii=False, default=json_default)
+    return value
 
 
 class _Converter:

@@ -47,7 +47,7 @@ from .._serialize import json_default, strict_json
 from ..trajectory import SpanRecord, Trajectory
 
 __all__ = ["to_readable_spans", "to_otlp_request", "to_otlp_protos", "otlp_spans", "attribute_value", "attributes",
-           "any_value", "bounded", "json_text", "is_valid_attribute", "DEFAULT_MAX_VALUE_CHARS"]
+           "any_value", "bounded", "json_text", "utf8", "is_valid_attribute", "DEFAULT_MAX_VALUE_CHARS"]
 
 #: The default bound of captured values (``Settings.max_value_chars``).
 DEFAULT_MAX_VALUE_CHARS = 20_000
@@ -60,6 +60,19 @@ ExtraAttributes = Callable[[Trajectory, SpanRecord, bool], Mapping[str, Any]]
 
 
 # ----------------------------------------------------------------------------- values
+def utf8(text: str) -> str:
+    """``text`` if protobuf can encode it (valid UTF-8), else with each lone surrogate
+    replaced by ``?`` (as MLflow's own encoder does): the OTLP encoder would drop the
+    attribute, or fail the whole span for a name."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+
+
 def bounded(text: str, limit: int) -> str:
     """``text`` cut to ``limit`` characters with rtrace's one truncation marker:
     ``<first limit characters>…[truncated, N chars]`` (N = the full length)."""
@@ -71,8 +84,11 @@ def bounded(text: str, limit: int) -> str:
 def json_text(value: Any, limit: int | None = None) -> str:
     """``value`` as strict JSON text (non-finite floats as strings), bounded when a
     ``limit`` is given."""
-    text = json.dumps(strict_json(value), ensure_ascii=False, allow_nan=False, default=json_default)
-    return text if limit is None else bounded(text, limit)
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False, default=json_default)
+    except ValueError:  # a NaN or infinity inside: written as strings (one C-speed pass before)
+        text = json.dumps(strict_json(value), ensure_ascii=False, allow_nan=False, default=json_default)
+    return utf8(text if limit is None else bounded(text, limit))
 
 
 def _int64(value: int) -> bool:
@@ -98,8 +114,14 @@ def is_valid_attribute(value: Any) -> bool:
 
 def attribute_value(value: Any) -> Any:
     """``value`` if it is a valid OTel attribute value, else its JSON text (dicts, mixed
-    lists, ints beyond 64 bits, objects...)."""
-    return value if is_valid_attribute(value) else json_text(value)
+    lists, ints beyond 64 bits, objects...); strings pass through :func:`utf8`."""
+    if isinstance(value, str):
+        return utf8(value)
+    if not is_valid_attribute(value):
+        return json_text(value)
+    if value and isinstance(value, (list, tuple)) and isinstance(value[0], str):
+        return [utf8(v) for v in value]
+    return value
 
 
 def attributes(attrs: Mapping[str, Any]) -> dict[str, Any]:
@@ -109,18 +131,12 @@ def attributes(attrs: Mapping[str, Any]) -> dict[str, Any]:
 
 def any_value(value: Any) -> Any:
     """``value`` in a form the OTLP encoder writes as an ``AnyValue`` without losing it:
-    maps with string keys, lists, strings encodable as UTF-8 (lone surrogates become
-    U+FFFD, as MLflow's own encoder does), 64-bit ints (larger ones become their
-    ``str()``), floats, bools, None; anything else its ``str()``."""
+    maps with string keys, lists, strings encodable as UTF-8 (a lone surrogate becomes
+    ``?``, as in MLflow's own encoder), 64-bit ints (larger ones become their ``str()``),
+    floats, bools, None; anything else its ``str()``."""
     cls = type(value)
     if cls is str:
-        if value.isascii():
-            return value
-        try:
-            value.encode("utf-8")
-            return value
-        except UnicodeEncodeError:
-            return value.encode("utf-8", "replace").decode("utf-8")
+        return utf8(value)
     if value is None or cls is bool or cls is float:
         return value
     if cls is int:
@@ -206,16 +222,17 @@ def to_readable_spans(trajectories: Trajectory | Iterable[Trajectory], resource:
                 remote = parent_hex is not None
             parent = (SpanContext(trace_id, int(parent_hex, 16), is_remote=remote, trace_flags=sampled)
                       if parent_hex else None)
-            status = Status(StatusCode.ERROR, rec.error or None) if rec.status == "error" else unset
+            status = Status(StatusCode.ERROR, utf8(rec.error) if rec.error else None) if rec.status == "error" \
+                else unset
             attrs = span_attributes(traj, rec, is_root, max_value_chars)
             if extra is not None:
                 for key, value in extra(traj, rec, is_root).items():
                     if value is not None:
                         attrs[key] = any_value(value)
-            events = [Event(str(e.get("name") or "event"), attributes(e.get("attributes") or {}),
+            events = [Event(utf8(str(e.get("name") or "event")), attributes(e.get("attributes") or {}),
                             timestamp=int(e.get("time_ns") or rec.start_ns)) for e in rec.events]
             out.append(ReadableSpan(
-                name=rec.name,
+                name=utf8(rec.name),
                 context=SpanContext(trace_id, int(rec.span_id, 16), is_remote=False, trace_flags=sampled),
                 parent=parent, resource=resource, attributes=attrs, events=events, kind=internal,
                 status=status, start_time=rec.start_ns, end_time=max(rec.end_ns, rec.start_ns),
