@@ -110,7 +110,7 @@ def test_four_ray_actors_one_collector(tmp_path, trackio_mod, mlflow_server):
     client = MlflowClient(tracking_uri=base_url)
     exp = client.get_experiment_by_name(project)
     assert len(client.search_runs([exp.experiment_id])) == 1
-    found = client.search_traces(locations=[exp.experiment_id], max_results=1000)
+    found = client.search_traces(locations=[exp.experiment_id], max_results=500)
     assert sorted(t.info.trace_id.removeprefix("tr-") for t in found) == ids
     for trace in found[:10]:
         roots = [s for s in trace.data.spans if s.parent_id is None]

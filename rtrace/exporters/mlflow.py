@@ -473,6 +473,30 @@ class MlflowSink(Sink):
             self._experiments[key] = backend.experiment_id(self.settings.project)
         return self._experiments[key]
 
+    def ensure_run(self, run_name: str | None, tags: dict[str, str] | None = None) -> str:
+        """The run traces are linked to: ``RTRACE_MLFLOW_RUN_ID``, else the application's
+        active run, else a new run (named ``run_name``) in the project's experiment,
+        created now with MLflow's public client. The collector calls it at start, so a
+        job has one run and its id can travel in the workers' environment.
+
+        Returns:
+            The run id.
+        """
+        with self._lock:
+            if not self._explicit_run:
+                self._run_id = self._active_run_id() or self._run_id
+            if self._run_id is None:
+                self._ensure_backend()
+                from mlflow.tracking import MlflowClient
+
+                experiment_id = self._experiment_for(None)
+                run = MlflowClient(tracking_uri=self._uri).create_run(experiment_id, run_name=run_name,
+                                                                      tags=tags or {})
+                self._run_id = run.info.run_id
+                self._explicit_run = True
+                _stats.incr("sink.mlflow.runs_created")
+            return self._run_id
+
     # ------------------------------------------------------------------ export
     def export(self, trajectories: Sequence[Trajectory]) -> None:
         """Write the batch with as few store calls as possible, then link it to the run.

@@ -208,6 +208,11 @@ class Collector:
         self.settings = settings
         self.job_id = settings.job_id or uuid.uuid4().hex[:16]
         sinks = [create_sink(name, settings) for name in names] + list(settings.sinks)
+        self.mlflow_run_id: str | None = None
+        for sink in sinks:  # one MLflow run per job, created now so workers can be told its id
+            ensure_run = getattr(sink, "ensure_run", None)
+            if callable(ensure_run):
+                self.mlflow_run_id = ensure_run(settings.experiment, {"rtrace.job_id": self.job_id})
         self._tokenizer = check_tokenizer(settings.tokenizer) if settings.tokenizer is not None else None
         post = [Token2Text(lambda: self._tokenizer, settings.token2text_skip_special_tokens,
                            settings.token2text_keep_ids)] if settings.token2text else []
@@ -234,6 +239,8 @@ class Collector:
                "RTRACE_CAPTURE": "1" if s.capture else "0"}
         if s.experiment:
             env["RTRACE_EXPERIMENT"] = s.experiment
+        if self.mlflow_run_id:
+            env["RTRACE_MLFLOW_RUN_ID"] = self.mlflow_run_id
         if s.pre_sample_rate < 1.0:
             env["RTRACE_PRE_SAMPLE_RATE"] = repr(s.pre_sample_rate)
         return env
