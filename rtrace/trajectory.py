@@ -12,13 +12,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-__all__ = ["SCHEMA", "SpanRecord", "Trajectory", "RL_FIELDS", "response_text"]
+__all__ = ["SCHEMA", "SpanRecord", "Trajectory", "StepMetrics", "RL_FIELDS", "response_text"]
 
 #: Version tag written in every JSONL line; bumped only on incompatible changes.
 SCHEMA = "rtrace.trajectory/1"
 
 #: RL coordinates carried by every trajectory (``rl.<name>`` on every span).
 RL_FIELDS = ("step", "sample_index", "rollout_n", "validate", "experiment", "group_id", "policy_version")
+
+@dataclass
+class StepMetrics:
+    """The metrics of one RL step (training or validation), computed by the pipeline over
+    the whole job's sampled trajectories; see docs/metrics.md for the names."""
+
+    step: int
+    validate: bool
+    #: ``rollout/<name>`` or ``eval/<name>`` -> value
+    values: dict[str, float]
+    #: the slowest trajectory of the step: a straggler is one search away
+    slowest_trace_id: str | None = None
+
 
 def _float_or_none(value: Any) -> float | None:
     # JSONL writes non-finite rewards as "NaN" / "Infinity" / "-Infinity" (strict JSON).
@@ -123,6 +136,9 @@ class Trajectory:
     outcome: dict[str, Any] = field(default_factory=dict)
     #: values joined from rtrace.annotate / annotate_batch (advantage, returns...), by key
     annotations: dict[str, Any] = field(default_factory=dict)
+    #: why it was kept: "sampled" (the per-step sample), "error", "best", "worst",
+    #: "zero_variance"; empty when every trajectory is kept (no cap)
+    kept: list[str] = field(default_factory=list)
     status: str = "ok"
     error: str | None = None
     partial: bool = False
@@ -192,6 +208,7 @@ class Trajectory:
             "reward": self.reward,
             "outcome": self.outcome,
             "annotations": self.annotations,
+            "kept": self.kept,
             "status": self.status,
             "error": self.error,
             "partial": self.partial,
@@ -225,6 +242,7 @@ class Trajectory:
             reward=_float_or_none(data.get("reward")),
             outcome=data.get("outcome") or {},
             annotations=data.get("annotations") or {},
+            kept=list(data.get("kept") or []),
             status=data.get("status", "ok"),
             error=data.get("error"),
             partial=bool(data.get("partial", False)),

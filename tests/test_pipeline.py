@@ -304,7 +304,7 @@ class TestJsonl:
         line = json.loads(jsonl_path.read_text().splitlines()[0])
         assert list(line) == [
             "schema", "trace_id", "name", "step", "sample_index", "rollout_n", "validate", "experiment",
-            "group_id", "policy_version", "extra", "reward", "outcome", "annotations", "status", "error", "partial",
+            "group_id", "policy_version", "extra", "reward", "outcome", "annotations", "kept", "status", "error", "partial",
             "dropped_spans", "start_ns", "end_ns", "duration_ms", "num_turns", "num_tool_calls",
             "messages", "spans"]
         assert list(line["spans"][0]) == [

@@ -17,6 +17,7 @@ import pytest
 import rtrace
 from rtrace.exporters.jsonl import read_jsonl
 from rtrace.exporters.trackio import TrackioSink, iso_time, normalize, span_dict
+from rtrace.pipeline.metrics import StepMetricsTracker
 from rtrace.trajectory import SpanRecord, Trajectory
 
 pytestmark = pytest.mark.integration
@@ -136,10 +137,19 @@ class TestRoundTrip:
             "num_tool_calls": 2, "finish_reason": "stop", "prompt_tokens": 20 + 30 + 40,
             "response_tokens": 3 + 4 + 2}
 
+        total = ref.duration_ms
+        gen = sum(s.duration_ms for s in ref.spans if s.kind == "generation")
+        tool = sum(s.duration_ms for s in ref.spans if s.kind == "tool")
         assert logs_with(project, "run-1", "rollout/") == [{
             "step": 4, "rollout/trajectories": 1, "rollout/reward_mean": 1.0, "rollout/reward_min": 1.0,
-            "rollout/reward_max": 1.0, "rollout/turns_mean": 3.0, "rollout/tool_calls_mean": 2.0,
-            "rollout/latency_ms_mean": ref.duration_ms, "rollout/error_rate": 0.0}]
+            "rollout/reward_max": 1.0, "rollout/reward_std": 0.0, "rollout/turns_mean": 3.0,
+            "rollout/tool_calls_mean": 2.0, "rollout/tokens_in_mean": 90.0, "rollout/tokens_out_mean": 9.0,
+            "rollout/finish_reason/stop_frac": 1 / 3, "rollout/finish_reason/tool_calls_frac": 2 / 3,
+            "rollout/latency_ms_mean": total, "rollout/latency_ms_p50": total, "rollout/latency_ms_p90": total,
+            "rollout/latency_ms_max": total, "rollout/time_generation_frac": gen / total,
+            "rollout/time_tool_frac": tool / total, "rollout/time_other_frac": (total - gen - tool) / total,
+            "rollout/error_rate": 0.0, "rollout/truncated_rate": 0.0, "rollout/partial_rate": 0.0,
+            "rollout/slowest_trace_id": ref.trace_id}]
         capsys.readouterr()
         rtrace.shutdown()
         assert "Run finished" in capsys.readouterr().out  # the run rtrace opened is finished
@@ -237,10 +247,16 @@ class TestBadValues:
         truncated = "x" * 20_000 + "…[truncated, 1000000 chars]"
         assert got["spans"][1]["output"] == truncated
         assert got["messages"] == []  # no generation: nothing readable as a conversation
+        total = meta["duration_ms"]
+        tool = got["spans"][1]["duration_ms"]
         assert logs_with(project, "odd", "rollout/") == [{
             "step": 2, "rollout/trajectories": 1, "rollout/reward_non_finite": 1, "rollout/turns_mean": 0.0,
-            "rollout/tool_calls_mean": 1.0, "rollout/latency_ms_mean": meta["duration_ms"],
-            "rollout/error_rate": 0.0}]
+            "rollout/tool_calls_mean": 1.0, "rollout/tokens_in_mean": 0.0, "rollout/tokens_out_mean": 0.0,
+            "rollout/latency_ms_mean": total, "rollout/latency_ms_p50": total, "rollout/latency_ms_p90": total,
+            "rollout/latency_ms_max": total, "rollout/time_generation_frac": 0.0,
+            "rollout/time_tool_frac": tool / total, "rollout/time_other_frac": (total - tool) / total,
+            "rollout/error_rate": 0.0, "rollout/truncated_rate": 0.0, "rollout/partial_rate": 0.0,
+            "rollout/slowest_trace_id": meta["trace_id"]}]
         stats = rtrace.stats()
         assert stats["sink.trackio.exported"] == 1 and "sink.trackio.failed_batches" not in stats
 
@@ -254,6 +270,9 @@ class TestBadValues:
                           status="error", error="boom", messages=[{"role": "user", "content": ("tu", "ple")}])
         sink = TrackioSink(settings)
         sink.export([traj])
+        tracker = StepMetricsTracker()  # the pipeline computes step metrics; the sink logs them
+        assert tracker.observe([traj]) == []
+        sink.export_step_metrics(tracker.release())
         sink.shutdown()
         (got,) = traces_of(project, "hand")
         (span,) = got["spans"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..config import Settings
-from ..trajectory import Trajectory
+from ..trajectory import StepMetrics, Trajectory
 
 __all__ = ["Sink"]
 
@@ -42,6 +42,14 @@ class Sink:
             Exception: anything; rtrace counts the batch as failed and goes on.
         """
         raise NotImplementedError
+
+    def export_step_metrics(self, metrics: Sequence[StepMetrics]) -> None:
+        """Optional: write the metrics of finished RL steps (docs/metrics.md), computed by
+        the pipeline over the whole job. Called from the sink's thread, in step order.
+
+        Args:
+            metrics: one entry per finished (validate, step).
+        """
 
     def flush(self, timeout_s: float) -> None:
         """Make everything exported so far durable (e.g. wait for a writer thread).

@@ -17,11 +17,10 @@ through the ``Run`` object: ``trackio.log`` only sees the ContextVar of its own 
 Batching. trackio stores a list of Traces logged under one key as one log entry with
 one row per trace, so each export batch costs one ``run.log`` per (run, key, step).
 
-Per-step summaries (``rollout/trajectories``, ``rollout/reward_mean`` ... and the same
-under ``eval/``) are logged once per step, when a trajectory of a later step arrives in
-the same stream (training or validation) or at ``flush()`` / ``shutdown()``. A
-trajectory of a step whose summary was already logged is still logged as a Trace but
-not re-summarised; it is counted in ``sink.trackio.summary_late_trajectories``.
+Per-step metrics (``rollout/trajectories``, ``rollout/reward_mean`` ... and the same
+under ``eval/``, docs/metrics.md) are computed by the pipeline (job-wide in collector
+mode) and logged here by :meth:`TrackioSink.export_step_metrics`, once per step, at that
+step.
 
 Logging uses trackio's public API only (``trackio.init``, ``Run.log``, ``Run.finish``,
 ``trackio.Trace``). Finding the application's run, telling whether a run is finished and
@@ -42,13 +41,13 @@ from typing import Any, Sequence
 from .. import _stats
 from .._serialize import finite_or_str
 from ..config import ConfigError, Settings
-from ..trajectory import SpanRecord, Trajectory
+from ..trajectory import SpanRecord, StepMetrics, Trajectory
 from . import _trackio_private
 from .base import Sink
 
 __all__ = ["TrackioSink", "trace_payload", "span_dict", "normalize", "SUMMARY_METRICS"]
 
-#: Summary metric names, after the ``rollout/`` or ``eval/`` prefix.
+#: Some of the step metric names (after ``rollout/`` or ``eval/``); all are in docs/metrics.md.
 SUMMARY_METRICS = ("trajectories", "reward_mean", "reward_min", "reward_max", "reward_non_finite",
                    "turns_mean", "tool_calls_mean", "latency_ms_mean", "error_rate")
 
@@ -207,44 +206,6 @@ def trace_payload(traj: Trajectory) -> tuple[list[dict], dict[str, Any], list[di
 
 
 # ----------------------------------------------------------------------------- summaries
-@dataclass
-class _StepSummary:
-    run: Any
-    n: int = 0
-    rewards: list[float] = field(default_factory=list)
-    non_finite: int = 0
-    turns: int = 0
-    tool_calls: int = 0
-    latency_ms: float = 0.0
-    errors: int = 0
-
-    def add(self, traj: Trajectory) -> None:
-        self.n += 1
-        if isinstance(traj.reward, (int, float)) and not isinstance(traj.reward, bool):
-            if math.isfinite(traj.reward):
-                self.rewards.append(float(traj.reward))
-            else:
-                self.non_finite += 1
-        self.turns += traj.num_turns
-        self.tool_calls += traj.num_tool_calls
-        self.latency_ms += traj.duration_ms
-        self.errors += traj.status == "error"
-
-    def metrics(self, prefix: str) -> dict[str, float | int]:
-        out: dict[str, float | int] = {f"{prefix}/trajectories": self.n}
-        if self.rewards:
-            out[f"{prefix}/reward_mean"] = sum(self.rewards) / len(self.rewards)
-            out[f"{prefix}/reward_min"] = min(self.rewards)
-            out[f"{prefix}/reward_max"] = max(self.rewards)
-        if self.non_finite:
-            out[f"{prefix}/reward_non_finite"] = self.non_finite
-        out[f"{prefix}/turns_mean"] = self.turns / self.n
-        out[f"{prefix}/tool_calls_mean"] = self.tool_calls / self.n
-        out[f"{prefix}/latency_ms_mean"] = self.latency_ms / self.n
-        out[f"{prefix}/error_rate"] = self.errors / self.n
-        return out
-
-
 def _int_step(step: Any) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
@@ -272,8 +233,6 @@ class TrackioSink(Sink):
         self._own_run: Any = None
         self._lock = threading.Lock()
         self._touched: list[Any] = []  # runs logged to since the last flush
-        self._open_steps: dict[tuple[str, int], _StepSummary] = {}
-        self._last_step: dict[str, int] = {}  # prefix -> highest step summarised
 
     # ------------------------------------------------------------------ runs
     def _import(self) -> Any:
@@ -337,41 +296,24 @@ class TrackioSink(Sink):
                 run.log({key: traces}, step=step)
             if run not in self._touched:
                 self._touched.append(run)
-            if s.summary_metrics:
-                self._summarise(run, trajectories)
 
-    def _summarise(self, run: Any, trajectories: Sequence[Trajectory]) -> None:
-        newest: dict[str, int] = {}
-        for traj in trajectories:
-            step = _int_step(traj.step)
-            if step is None:
-                continue
-            prefix = "eval" if traj.validate else "rollout"
-            if step <= self._last_step.get(prefix, -1) and (prefix, step) not in self._open_steps:
-                _stats.incr("sink.trackio.summary_late_trajectories")
-                continue
-            summary = self._open_steps.get((prefix, step))
-            if summary is None:
-                summary = self._open_steps[(prefix, step)] = _StepSummary(run)
-            summary.add(traj)
-            newest[prefix] = max(step, newest.get(prefix, -1))
-        # A step is complete when a later step of the same stream shows up.
-        self._finalise(lambda prefix, step: prefix in newest and step < newest[prefix])
-
-    def _finalise(self, done: Any) -> None:
-        for (prefix, step) in sorted(k for k in self._open_steps if done(*k)):
-            summary = self._open_steps.pop((prefix, step))
-            summary.run.log(summary.metrics(prefix), step=step)
-            self._last_step[prefix] = max(step, self._last_step.get(prefix, -1))
-            if summary.run not in self._touched:
-                self._touched.append(summary.run)
+    def export_step_metrics(self, metrics: Sequence[StepMetrics]) -> None:
+        """Log each step's metrics (computed job-wide by the pipeline) at that step."""
+        with self._lock:
+            run = self._run()
+            for m in metrics:
+                values: dict[str, Any] = dict(m.values)
+                if m.slowest_trace_id:
+                    values[("eval" if m.validate else "rollout") + "/slowest_trace_id"] = m.slowest_trace_id
+                run.log(values, step=_int_step(m.step))
+            if run not in self._touched:
+                self._touched.append(run)
 
     # ------------------------------------------------------------------ flush / shutdown
     def flush(self, timeout_s: float) -> None:
-        """Log the summaries of open steps, then write every queued log to storage."""
+        """Write every queued log to storage."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            self._finalise(lambda prefix, step: True)
             runs, self._touched = self._touched, []
         for run in runs:
             _drain(run, deadline)

@@ -19,7 +19,7 @@ from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, attach, detach,
 
 from .. import _stats
 from ..exporters.base import Sink
-from ..trajectory import Trajectory
+from ..trajectory import StepMetrics, Trajectory
 
 __all__ = ["SinkWorker", "Fanout"]
 
@@ -66,6 +66,10 @@ class SinkWorker:
                 item = self.queue.get()
                 if item is None:
                     return
+                if isinstance(item, _Metrics):
+                    if not self._call("export_step_metrics", self.sink.export_step_metrics, list(item)):
+                        self._count("failed_step_metrics", len(item))
+                    continue
                 if isinstance(item, _Marker):
                     flushed = self._call("flush", self.sink.flush, self.timeout_s)
                     item.ok = flushed and not self._failed_since_marker
@@ -118,7 +122,7 @@ class SinkWorker:
                 item = self.queue.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(item, list):
+            if isinstance(item, list) and not isinstance(item, _Metrics):
                 lost += len(item)
             elif isinstance(item, _Marker):
                 item.set()
@@ -127,6 +131,10 @@ class SinkWorker:
             self._count("abandoned_trajectories", lost)
         _stats.warn_once(f"sink-hang-{self.name}", "rtrace sink %r did not finish in time; %d queued "
                          "trajectories abandoned", self.name, lost)
+
+
+class _Metrics(list):
+    """A batch of StepMetrics in a sink's queue."""
 
 
 class _Marker(threading.Event):
@@ -150,6 +158,13 @@ class Fanout:
             batch = trajectories[i:i + size]
             for worker in self.workers:
                 worker.submit(batch)
+
+    def submit_metrics(self, metrics: list[StepMetrics]) -> None:
+        for worker in self.workers:
+            try:
+                worker.queue.put_nowait(_Metrics(metrics))
+            except queue.Full:
+                worker._count("dropped_step_metrics", len(metrics))
 
     def markers(self, deadline: float) -> list[_Marker | None]:
         return [w.marker(deadline) for w in self.workers]

@@ -33,6 +33,7 @@ from .annotations import Annotation, AnnotationTable, coord_key
 from .builder import SpanConverter, finish
 from .fanout import Fanout
 from .messages import build_messages
+from .metrics import StepMetricsTracker
 from .records import TrajectoryState
 from .registry import TrajectoryRegistry
 
@@ -85,6 +86,8 @@ class Pipeline:
         self.fanout = fanout
         self.postprocessors = list(postprocessors)
         self.annotations = AnnotationTable(settings.await_annotations, settings.annotation_timeout_s)
+        #: per-step metrics over the exported trajectories (None: summary_metrics off)
+        self.metrics = StepMetricsTracker() if settings.summary_metrics else None
         self._max_queue = settings.max_queue_size
         self._wake_at = max(1, min(2048, self._max_queue // 2))
         self._queue: collections.deque[ReadableSpan] = collections.deque()
@@ -166,6 +169,10 @@ class Pipeline:
                     _stats.warn_once("worker", "rtrace worker failed to assemble trajectories", exc_info=True)
                 if expire:
                     last_expiry = now
+                if (requests or stopping) and self.metrics is not None:
+                    rows = self.metrics.release()  # flush / stop: every open step is done
+                    if rows:
+                        self.fanout.submit_metrics(rows)
                 for done, markers in requests:
                     markers.extend(self.fanout.markers(now + self.settings.sink_timeout_s))
                     done.set()
@@ -263,6 +270,10 @@ class Pipeline:
                 _stats.warn_once("messages", "rtrace could not build messages", exc_info=True)
         _stats.incr("trajectories_completed", len(out))
         self.fanout.submit(out)
+        if self.metrics is not None:
+            rows = self.metrics.observe(out)
+            if rows:
+                self.fanout.submit_metrics(rows)
 
     # ------------------------------------------------------------------ control
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
