@@ -148,6 +148,12 @@ def _install(built: tuple[Any, Any] | None, settings: Settings) -> None:
     if "collector" in settings.exporter:
         # the per-step cap is job-wide, in the collector; here only the optional pre-sample
         sampler: Any = PreSampler(settings.pre_sample_rate, settings.sample_seed, settings.sample_groups)
+    elif settings.selects_at_end:
+        # tail keeping / prompt sampling: record every trajectory, choose at its end
+        from .pipeline.sampling import selector_for
+
+        sampler = PreSampler(1.0, settings.sample_seed, settings.sample_groups)
+        pipeline.selector = selector_for(settings, linger_s=3.0, on_drop=pipeline.dropped)
     else:
         sampler = StepSampler(settings.max_traces_per_step, settings.val_cap, settings.sample_groups)
     _state.set_runtime(_state.Runtime(tracer, pipeline.registry, sampler, pipeline, settings.capture,

@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     collect.add_argument("--experiment", default=None, help="run name")
     collect.add_argument("--max-traces-per-step", type=_non_negative, default=None,
                          help="trajectories kept per step, job-wide (default: all)")
+    report = sub.add_parser(
+        "report", help="per-step metrics of JSONL trajectory files (a table; optionally one HTML page)",
+        description="Print the per-step table (reward, turns, tokens, errors, latency...) of one or more JSONL "
+                    "files written by rtrace's jsonl sink (several workers' files merge exactly).")
+    report.add_argument("paths", nargs="+", help="JSONL files")
+    report.add_argument("--html", default=None, help="also write a static HTML page with tables and plots here")
     return parser
 
 
@@ -119,6 +125,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
     if args.command == "collect":
         return _collect(args)
+    if args.command == "report":
+        from .report import write_report
+
+        write_report(args.paths, sys.stdout, args.html)
+        return 0
     parser.print_help()
     return 0 if args.command is None else 2
 

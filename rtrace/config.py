@@ -281,6 +281,19 @@ PARAMS: tuple[Param, ...] = (
           type="int | None"),
     Param("sample_groups", "RTRACE_SAMPLE_GROUPS", _bool, False, "true/false",
           "Sample whole GRPO groups (same step, group_id or sample_index) together.", type="bool"),
+    Param("sample_prompts", "RTRACE_SAMPLE_PROMPTS", _bool, False, "true/false",
+          "Keep the same prompts at every step where they recur (by `prompt_id` in rollout_context's extra, "
+          "else group_id, else sample_index), so one prompt can be followed across steps.", type="bool"),
+    Param("keep_errors", "RTRACE_KEEP_ERRORS", _int(0), 0, "an integer >= 0",
+          "Per step, keep up to this many trajectories that ended in error or were truncated, past the cap.",
+          type="int"),
+    Param("keep_extremes", "RTRACE_KEEP_EXTREMES", _int(0), 0, "an integer >= 0",
+          "Per step, keep the N best and N worst trajectories by `keep_by`, past the cap.", type="int"),
+    Param("keep_by", "RTRACE_KEEP_BY", _str, "reward", "`reward` or an annotation key",
+          "The value best / worst trajectories are chosen by.", type="str"),
+    Param("keep_zero_variance_groups", "RTRACE_KEEP_ZERO_VARIANCE_GROUPS", _int(0), 0, "an integer >= 0",
+          "Per step, keep up to this many GRPO groups whose rewards are all equal (zero advantage), past the cap.",
+          type="int"),
     Param("sample_seed", "RTRACE_SAMPLE_SEED", _int(0), 0, "an integer >= 0",
           "Seed of the collector's job-wide sample (which trajectories of a step are kept).", type="int"),
     Param("pre_sample_rate", "RTRACE_PRE_SAMPLE_RATE", _float(0.0, 1.0), 1.0, "a number from 0 to 1",
@@ -375,6 +388,15 @@ class _SettingsBase:
     def enabled(self) -> bool:
         """True when at least one sink is configured."""
         return bool(self.exporter) or bool(self.sinks)  # type: ignore[attr-defined]
+
+    @property
+    def selects_at_end(self) -> bool:
+        """True when one process must record every trajectory and choose at its end (tail
+        keeping or prompt sampling under a cap); the collector always does."""
+        capped = self.max_traces_per_step is not None or self.max_val_traces_per_step is not None  # type: ignore[attr-defined]
+        tail = (self.keep_errors or self.keep_extremes or self.keep_zero_variance_groups  # type: ignore[attr-defined]
+                or self.sample_prompts)  # type: ignore[attr-defined]
+        return bool(capped and tail)
 
     @property
     def val_cap(self) -> int | None:

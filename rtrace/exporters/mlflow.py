@@ -38,12 +38,13 @@ import os
 import re
 import sys
 import threading
+import time
 from typing import Any, Sequence
 
 from .. import _stats
 from .._serialize import finite_or_str, json_default
 from ..config import ConfigError, Settings
-from ..trajectory import SpanRecord, Trajectory
+from ..trajectory import SpanRecord, StepMetrics, Trajectory
 from . import _mlflow_private
 from .base import Sink
 from .otel import DEFAULT_MAX_VALUE_CHARS, otlp_spans, to_otlp_request, to_readable_spans
@@ -534,6 +535,31 @@ class MlflowSink(Sink):
                     _stats.incr("sink.mlflow.failed_links", len(chunk))
                     _stats.warn_once("mlflow-link", "rtrace could not link MLflow traces to run %s", run_id,
                                      exc_info=True)
+
+    def export_step_metrics(self, metrics: Sequence[StepMetrics]) -> None:
+        """Log each step's metrics on the linked run (``MlflowClient.log_batch``), at that
+        step; the slowest trajectory's trace id becomes the run tag
+        ``rtrace.slowest_trace_id.<rollout|eval>.<step>``. Without a run nothing is logged
+        (counted as ``sink.mlflow.step_metrics_without_run``)."""
+        from mlflow.entities import Metric, RunTag
+        from mlflow.tracking import MlflowClient
+
+        with self._lock:
+            self._ensure_backend()
+            if not self._explicit_run:
+                self._run_id = self._active_run_id() or self._run_id
+            run_id = self._run_id
+            if run_id is None:
+                _stats.incr("sink.mlflow.step_metrics_without_run", len(metrics))
+                return
+            now = int(time.time() * 1000)
+            rows = [Metric(key, float(value), now, int(m.step)) for m in metrics for key, value in m.values.items()
+                    if isinstance(value, (int, float)) and math.isfinite(value)]
+            tags = [RunTag(f"rtrace.slowest_trace_id.{'eval' if m.validate else 'rollout'}.{m.step}",
+                           "tr-" + m.slowest_trace_id) for m in metrics if m.slowest_trace_id]
+            client = MlflowClient(tracking_uri=self._uri)
+            for i in range(0, len(rows), 1000):  # MLflow's log_batch limit
+                client.log_batch(run_id, metrics=rows[i:i + 1000], tags=tags if i == 0 else [])
 
     def shutdown(self) -> None:
         self._backend = None

@@ -20,7 +20,7 @@ from ..config import Settings
 from ..trajectory import RL_FIELDS, SpanRecord, Trajectory
 from .records import CallRecord, TrajectoryState
 
-__all__ = ["SpanConverter", "finish", "coordinates", "as_id_list"]
+__all__ = ["SpanConverter", "finish", "coordinates", "tail_of", "as_id_list"]
 
 
 def as_id_list(value: Any) -> list[int] | None:
@@ -211,7 +211,33 @@ def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Traje
         annotations=annotations,
         status="error" if root.status == "error" else "ok", error=root.error,
         partial=state.partial, dropped_spans=state.dropped_spans,
-        messages=list(state.messages) if state.messages else [])
+        messages=list(state.messages) if state.messages else [], kept=list(state.kept))
+
+
+def tail_of(state: TrajectoryState, keep_by: str) -> Any:
+    """What the end-of-trajectory selection needs to know about a finished state."""
+    from .sampling import Tail
+
+    failed = state.partial
+    for record in state.records:
+        if record.status == "error" and record.parent_id is None:
+            failed = True
+        if "length" in (record.attributes.get("gen_ai.response.finish_reasons") or ()):
+            failed = True
+    reward = _number(state.annotations.get("reward", state.reward if state.has_reward else None))
+    value = reward if keep_by == "reward" else _number(state.annotations.get(keep_by))
+    return Tail(failed, value, reward)
+
+
+def _number(value: Any) -> float | None:
+    value = unsnap(value)
+    try:
+        if is_array(value):
+            value = value.item()
+        out = float(value)
+    except Exception:
+        return None
+    return out if math.isfinite(out) else None
 
 
 def coordinates(state: TrajectoryState, settings: Settings,

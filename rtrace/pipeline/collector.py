@@ -40,7 +40,7 @@ from .builder import SpanConverter
 from .fanout import Fanout
 from .otlp_receiver import Backpressure, OtlpReceiver, attributes, count_spans, spans_of
 from .records import TrajectoryState
-from .sampling import StepSelector
+from .sampling import selector_for
 from .stream import ANNOTATION_SPAN
 from .token2text import Token2Text, check_tokenizer
 from .worker import Pipeline
@@ -58,11 +58,7 @@ class CollectorPipeline(Pipeline):
         self._queued = 0
         self._qlock = threading.Lock()
         super().__init__(settings, fanout, postprocessors)
-        self.selector = StepSelector(settings.max_traces_per_step, settings.val_cap, settings.sample_groups,
-                                     settings.sample_seed, linger_s=max(3.0, 2 * settle_s), on_drop=self._dropped)
-
-    def _dropped(self, state: TrajectoryState) -> None:
-        self.annotations.remember(coord_key(state.coords), state.trace_id, "sampled_out")
+        self.selector = selector_for(settings, linger_s=max(3.0, 2 * settle_s), on_drop=self.dropped)
 
     # ------------------------------------------------------------------ receiver threads
     def on_request(self, request: Any) -> None:
@@ -125,22 +121,6 @@ class CollectorPipeline(Pipeline):
                 state.records.append(record)
         return arrived
 
-    def _select(self, states: list[TrajectoryState], now: float, force: bool) -> list[TrajectoryState]:
-        out: list[TrajectoryState] = []
-        for state in states:
-            out.extend(self.selector.offer(state.coords, state, now))
-        out.extend(self.selector.release(now, force or self._flushing))
-        return out
-
-    _flushing = False
-
-    def force_flush(self, timeout_millis: int = 30_000) -> bool:
-        # A flush releases every step held for the job-wide sample (documented).
-        self._flushing = True
-        try:
-            return super().force_flush(timeout_millis)
-        finally:
-            self._flushing = False
 
 
 def _coords(attrs: dict[str, Any]) -> dict[str, Any]:

@@ -66,7 +66,7 @@ class TrajectoryState:
 
     __slots__ = ("trace_id", "root_span_id", "name", "kind", "coords", "captures", "reward",
                  "has_reward", "outcome", "created", "created_ns", "records", "dropped_spans",
-                 "partial", "root_lost", "root_at", "annotations", "remote_parent", "messages")
+                 "partial", "root_lost", "root_at", "annotations", "remote_parent", "messages", "kept")
 
     def __init__(self, trace_id: int, root_span_id: int | None, name: str, kind: str,
                  coords: dict[str, Any]) -> None:
@@ -98,3 +98,5 @@ class TrajectoryState:
         self.remote_parent: int | None = None
         #: a conversation given with the trajectory (log_rollout_batch(messages=...))
         self.messages: list[dict[str, Any]] | None = None
+        #: why the end-of-trajectory selection kept it ("sampled", "error", "best", ...)
+        self.kept: list[str] = []

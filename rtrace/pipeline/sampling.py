@@ -23,7 +23,7 @@ from typing import Any
 
 from .. import _stats
 
-__all__ = ["StepSampler", "StepSelector", "PreSampler", "priority"]
+__all__ = ["StepSampler", "StepSelector", "PreSampler", "Tail", "priority", "selector_for"]
 
 #: Steps whose counters are kept; older ones are forgotten (bounded memory).
 _STEPS_KEPT = 64
@@ -94,30 +94,64 @@ class PreSampler:
         return admitted
 
 
-class StepSelector:
-    """The collector's job-wide cap: per (validate, step), the ``cap`` finished
-    trajectories with the lowest :func:`priority`, whatever the order they arrive in.
+class Tail:
+    """What a finished trajectory tells the selector besides its coordinates."""
 
-    Candidates wait in a bounded heap per step (at most ``cap`` each). A step is released
-    (its kept trajectories go to the sinks) once a later step has been seen and nothing
-    of this step arrived for ``linger_s``, or at flush / stop. A trajectory of a step
-    released already is kept while the step has kept fewer than ``cap``
-    (``trajectories_late_step``). Without a cap, trajectories pass at once.
+    __slots__ = ("failed", "value", "reward")
+
+    def __init__(self, failed: bool, value: float | None, reward: float | None) -> None:
+        #: ended in error or was truncated (a generation stopped by ``length``)
+        self.failed = failed
+        #: the value best / worst are chosen by (``keep_by``: the reward or an annotation)
+        self.value = value
+        #: the reward, for zero-variance groups
+        self.reward = reward
+
+
+class StepSelector:
+    """End-of-trajectory selection: the job-wide sample, plus the tail.
+
+    Per (validate, step):
+
+    * **sampled**: the ``cap`` finished trajectories with the lowest :func:`priority`,
+      whatever the order they arrive in (a bounded heap; exact and deterministic for a
+      seed). ``groups`` keeps GRPO groups whole (exact when ``cap`` is a multiple of the
+      group size); ``prompts`` drops the step from the hash, so the same prompts are kept
+      at every step where they recur.
+    * **error**: up to ``keep_errors`` trajectories that ended in error or were truncated;
+    * **best** / **worst**: the ``keep_extremes`` highest and lowest by ``keep_by``;
+    * **zero_variance**: up to ``keep_zero_variance`` groups whose rewards are all equal
+      (the lowest-priority groups among at most ``2 * keep_zero_variance`` candidates
+      held; a candidate stops being one when a member with another reward arrives).
+
+    Each has its own counter (``trajectories_kept_<reason>``); a trajectory records every
+    reason it was kept for. A step is released once a later step of the same stream has
+    been seen and nothing of it arrived for ``linger_s``, or at flush / stop; a
+    trajectory of a released step is kept while the step's sample has room
+    (``trajectories_late_step``). Memory is bounded by what the structures hold.
     """
 
     def __init__(self, cap: int | None, val_cap: int | None, groups: bool, seed: int, linger_s: float,
-                 on_drop: Any = None) -> None:
+                 on_drop: Any = None, keep_errors: int = 0, keep_extremes: int = 0,
+                 keep_zero_variance: int = 0, prompts: bool = False) -> None:
         #: called with each item sampled out (the collector remembers it for annotations)
         self.on_drop = on_drop or (lambda item: None)
         self.caps = {False: cap, True: val_cap}
-        self.groups, self.seed, self.linger_s = groups, seed, linger_s
-        # (validate, step) -> [heap of (-priority, tiebreak, item), last arrival, kept so far]
-        self._open: dict[tuple[bool, Any], list] = {}
+        self.groups, self.seed, self.linger_s, self.prompts = groups, seed, linger_s, prompts
+        self.keep_errors, self.keep_extremes, self.keep_zero_variance = keep_errors, keep_extremes, keep_zero_variance
+        self._open: dict[tuple[bool, Any], _Step] = {}
         self._released: OrderedDict[tuple[bool, Any], int] = OrderedDict()
         self._latest: dict[bool, Any] = {}
         self._n = 0
 
-    def offer(self, coords: dict[str, Any], item: Any, now: float) -> list[Any]:
+    def priority(self, coords: dict[str, Any]) -> float:
+        if self.prompts:
+            prompt = (coords.get("extra") or {}).get("prompt_id", coords.get("group_id", coords.get("sample_index")))
+            coords = {"validate": coords.get("validate"), "step": None, "sample_index": prompt,
+                      "group_id": prompt, "rollout_n": coords.get("rollout_n")}
+        return priority(coords, self.seed, self.groups or self.prompts)
+
+    def offer(self, coords: dict[str, Any], item: Any, now: float, tail: Tail | None = None) -> list[Any]:
         """Add a finished trajectory; returns what passes at once (no cap, late step)."""
         validate = bool(coords.get("validate"))
         cap = self.caps[validate]
@@ -139,41 +173,145 @@ class StepSelector:
             return []
         entry = self._open.get(key)
         if entry is None:
-            entry = self._open[key] = [[], now]
-        entry[1] = now
-        heap = entry[0]
+            entry = self._open[key] = _Step()
+        entry.last = now
         self._n += 1
-        rank = (-priority(coords, self.seed, self.groups), -_plain_num(coords.get("rollout_n")), -self._n)
-        if len(heap) < cap:
-            heapq.heappush(heap, (rank, item))
-        elif cap and rank > heap[0][0]:
-            _, evicted = heapq.heapreplace(heap, (rank, item))
-            _stats.incr("trajectories_sampled_out")
-            self.on_drop(evicted)
-        else:
-            _stats.incr("trajectories_sampled_out")
-            self.on_drop(item)
+        prio = self.priority(coords)
+        rank = (-prio, -_plain_num(coords.get("rollout_n")), -self._n)
+        uid = self._n
+        entry.items[uid] = [item, 0]
+        if cap and (len(entry.sample) < cap or rank > entry.sample[0][0]):
+            self._push(entry, entry.sample, cap, (rank, uid))
+        if tail is not None:
+            if self.keep_errors and tail.failed:
+                self._push(entry, entry.errors, self.keep_errors, (rank, uid))
+            if self.keep_extremes and tail.value is not None:
+                self._push(entry, entry.best, self.keep_extremes, ((tail.value, rank), uid))
+                self._push(entry, entry.worst, self.keep_extremes, ((-tail.value, rank), uid))
+            if self.keep_zero_variance:
+                self._group(entry, coords, tail, prio, uid)
+        if entry.items[uid][1] == 0:
+            self._drop(entry, uid)
         return []
 
+    # ------------------------------------------------------------------ holding
+    def _push(self, entry: "_Step", heap: list, size: int, node: tuple) -> None:
+        """Keep the ``size`` largest nodes in ``heap``; holds count references to items."""
+        uid = node[1]
+        if len(heap) < size:
+            heapq.heappush(heap, node)
+            entry.items[uid][1] += 1
+        elif node[0] > heap[0][0]:
+            _, out = heapq.heapreplace(heap, node)
+            entry.items[uid][1] += 1
+            self._release_ref(entry, out)
+
+    def _release_ref(self, entry: "_Step", uid: int) -> None:
+        held = entry.items.get(uid)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] <= 0:
+            self._drop(entry, uid)
+
+    def _drop(self, entry: "_Step", uid: int) -> None:
+        item, _ = entry.items.pop(uid)
+        _stats.incr("trajectories_sampled_out")
+        self.on_drop(item)
+
+    def _group(self, entry: "_Step", coords: dict[str, Any], tail: Tail, prio: float, uid: int) -> None:
+        group = coords.get("group_id", coords.get("sample_index"))
+        if group is None or tail.reward is None:
+            return
+        g = entry.groups.get(group)
+        if g is None:
+            if len(entry.groups) >= 2 * self.keep_zero_variance:
+                worst = max(entry.groups, key=lambda k: entry.groups[k][0])
+                if entry.groups[worst][0] <= prio:
+                    return
+                self._forget_group(entry, worst)
+            g = entry.groups[group] = [prio, tail.reward, []]
+        if g[1] != tail.reward:  # not zero variance any more: no longer held for it
+            self._forget_group(entry, group)
+            entry.broken.add(group)
+            return
+        if group in entry.broken:
+            return
+        g[2].append(uid)
+        entry.items[uid][1] += 1
+
+    def _forget_group(self, entry: "_Step", group: Any) -> None:
+        g = entry.groups.pop(group, None)
+        if g is not None:
+            for uid in g[2]:
+                self._release_ref(entry, uid)
+
+    # ------------------------------------------------------------------ release
     def release(self, now: float, force: bool) -> list[Any]:
-        """The kept trajectories of every step that is done (all of them with ``force``)."""
+        """The kept trajectories of every step that is done (all of them with ``force``),
+        each with ``item.kept`` set to its reasons when it has that attribute."""
         out: list[Any] = []
         for key in list(self._open):
             validate, step = key
             latest = self._latest.get(validate)
-            heap, last = self._open[key]
+            entry = self._open[key]
             later_seen = latest is not None and isinstance(step, (int, float)) and step < latest
-            if force or (later_seen and now - last >= self.linger_s):
-                del self._open[key]
-                kept = sorted(heap, reverse=True)  # lowest priority first
-                out.extend(item for _, item in kept)
-                self._released[key] = len(kept)
-                if len(self._released) > _STEPS_KEPT * 4:
-                    self._released.popitem(last=False)
+            if not (force or (later_seen and now - entry.last >= self.linger_s)):
+                continue
+            del self._open[key]
+            reasons: dict[int, list[str]] = {}
+            for name, heap in (("sampled", entry.sample), ("error", entry.errors), ("best", entry.best),
+                               ("worst", entry.worst)):
+                for _, uid in sorted(heap, reverse=True):
+                    reasons.setdefault(uid, []).append(name)
+            zero = sorted((g for g in entry.groups.values() if len(g[2]) >= 2), key=lambda g: g[0])
+            for g in zero[: self.keep_zero_variance]:
+                for uid in g[2]:
+                    reasons.setdefault(uid, []).append("zero_variance")
+            for uid, (item, _) in entry.items.items():
+                why = reasons.get(uid)
+                if why is None:
+                    _stats.incr("trajectories_sampled_out")
+                    self.on_drop(item)
+                    continue
+                for reason in why:
+                    _stats.incr(f"trajectories_kept_{reason}")
+                if hasattr(item, "kept"):
+                    item.kept = why
+                out.append(item)
+            self._released[key] = len(entry.sample)
+            if len(self._released) > _STEPS_KEPT * 4:
+                self._released.popitem(last=False)
         return out
 
     def held(self) -> int:
-        return sum(len(h) for h, _ in self._open.values())
+        return sum(len(e.items) for e in self._open.values())
+
+
+class _Step:
+    """What the selector holds for one (validate, step)."""
+
+    __slots__ = ("sample", "errors", "best", "worst", "groups", "broken", "items", "last")
+
+    def __init__(self) -> None:
+        self.sample: list = []
+        self.errors: list = []
+        self.best: list = []
+        self.worst: list = []
+        #: zero-variance candidates: group -> [priority, reward, [uids]]
+        self.groups: dict[Any, list] = {}
+        self.broken: set = set()
+        #: uid -> [item, references held]
+        self.items: dict[int, list] = {}
+        self.last = 0.0
+
+
+def selector_for(settings: Any, linger_s: float, on_drop: Any = None) -> StepSelector:
+    """The :class:`StepSelector` the settings ask for."""
+    return StepSelector(settings.max_traces_per_step, settings.val_cap, settings.sample_groups, settings.sample_seed,
+                        linger_s, on_drop=on_drop, keep_errors=settings.keep_errors,
+                        keep_extremes=settings.keep_extremes, keep_zero_variance=settings.keep_zero_variance_groups,
+                        prompts=settings.sample_prompts)
 
 
 def _plain_num(value: Any) -> float:

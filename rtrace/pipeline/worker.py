@@ -30,7 +30,7 @@ from .. import _stats
 from ..config import Settings
 from ..trajectory import Trajectory
 from .annotations import Annotation, AnnotationTable, coord_key
-from .builder import SpanConverter, finish
+from .builder import SpanConverter, finish, tail_of
 from .fanout import Fanout
 from .messages import build_messages
 from .metrics import StepMetricsTracker
@@ -88,6 +88,8 @@ class Pipeline:
         self.annotations = AnnotationTable(settings.await_annotations, settings.annotation_timeout_s)
         #: per-step metrics over the exported trajectories (None: summary_metrics off)
         self.metrics = StepMetricsTracker() if settings.summary_metrics else None
+        #: end-of-trajectory selection (the collector; one process with tail keeping)
+        self.selector: Any = None
         self._max_queue = settings.max_queue_size
         self._wake_at = max(1, min(2048, self._max_queue // 2))
         self._queue: collections.deque[ReadableSpan] = collections.deque()
@@ -211,10 +213,27 @@ class Pipeline:
             self._export(ready, conv)
         conv.count()
 
+    def dropped(self, state: TrajectoryState) -> None:
+        """The selector sampled ``state`` out: its annotations are then dropped cheaply."""
+        self.annotations.remember(coord_key(state.coords), state.trace_id, "sampled_out")
+
     def _select(self, states: list[TrajectoryState], now: float, force: bool) -> list[TrajectoryState]:
-        """Which finished trajectories go to the sinks now (one process: all of them; the
-        sampling was decided at their start)."""
-        return states
+        """Which finished trajectories go to the sinks now: all of them when sampling was
+        decided at their start, else what the selector keeps (and releases)."""
+        selector = self.selector
+        if selector is None:
+            s = self.settings
+            for state in states:
+                cap = s.val_cap if state.coords.get("validate") else s.max_traces_per_step
+                if cap is not None and not state.kept:
+                    state.kept = ["sampled"]
+            return states
+        out: list[TrajectoryState] = []
+        keep_by = self.settings.keep_by
+        for state in states:
+            out.extend(selector.offer(state.coords, state, now, tail_of(state, keep_by)))
+        out.extend(selector.release(now, force or self._flushing))
+        return out
 
     def _assemble(self, spans: list[ReadableSpan], conv: SpanConverter) -> list[TrajectoryState]:
         """Convert each span into its trajectory's records; return the trajectories whose
@@ -287,11 +306,15 @@ class Pipeline:
         if not self._worker.is_alive():
             return False
         done, markers = threading.Event(), []
-        with self._cond:
-            self._flush_requests.append((done, markers))
-            self._cond.notify()
-        if not done.wait(max(0.0, deadline - time.monotonic())):
-            return False
+        self._flushing = True  # releases what the selector holds, skips settle times
+        try:
+            with self._cond:
+                self._flush_requests.append((done, markers))
+                self._cond.notify()
+            if not done.wait(max(0.0, deadline - time.monotonic())):
+                return False
+        finally:
+            self._flushing = False
         ok = True
         for marker in markers:
             if marker is None or not marker.wait(max(0.0, deadline - time.monotonic())) or not marker.ok:
