@@ -141,3 +141,18 @@ def against_dead_collector(env: dict[str, str], n: int, out: Any) -> None:
     out.close()
     out.join_thread()  # os._exit would kill the queue's feeder thread before it wrote
     os._exit(0)
+
+
+def generations(env: dict[str, str], prompt: list[int], response: list[int]) -> None:
+    """One trajectory with a generation span: token ids only (no tokenizer here)."""
+    _apply(env)
+    import rtrace
+
+    @rtrace.traced_generation(model="toy")
+    def generate(prompt_ids: list[int]) -> dict:
+        return {"response_ids": response, "finish_reason": "stop"}
+
+    with rtrace.rollout_context(step=0, sample_index=0, rollout_n=0):
+        generate(prompt)
+    time.sleep(1.2)
+    os._exit(0)

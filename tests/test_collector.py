@@ -191,3 +191,19 @@ class TestFailures:
         assert flushed is False
         lost = stats.get("sink.collector.failed_batches", 0) + stats.get("sink.collector.dropped_batches", 0)
         assert lost >= 1 and stats.get("sink.collector.exported", 0) == 0
+
+
+class TestDecodingInTheCollector:
+    def test_worker_sends_ids_collector_decodes(self, collector, tmp_path, tok):
+        """token2text runs in the collector: the worker has no tokenizer, the texts are on the spans."""
+        c = collector(token2text=True, tokenizer=tok)
+        prompt = tok.encode("What is 6 * 7?")
+        response = tok.encode("The answer is 42.")
+        _join([_run(workers.generations, c.env, prompt, response)])
+        assert c.flush(30)
+        (traj,) = read_jsonl(tmp_path / "traces.jsonl")
+        gen = next(s for s in traj.spans if s.kind == "generation")
+        assert gen.attributes["rtrace.prompt_text"] == tok.decode(prompt, skip_special_tokens=True)
+        assert gen.attributes["rtrace.response_text"] == tok.decode(response, skip_special_tokens=True)
+        assert gen.attributes["gen_ai.usage.input_tokens"] == len(prompt)
+        assert gen.attributes["gen_ai.request.model"] == "toy"

@@ -46,7 +46,8 @@ from .token2text import Token2Text, check_tokenizer
 from .worker import Pipeline
 
 __all__ = ["Collector", "start_collector"]
-_POPPED = ("rtrace.kind", "rtrace.input", "rtrace.output", "rtrace.prompt_ids", "rtrace.response_ids", "rtrace.root")
+_POPPED = ("rtrace.kind", "rtrace.input", "rtrace.output", "rtrace.prompt_ids", "rtrace.response_ids", "rtrace.root",
+           "rtrace.prompt_ids_json", "rtrace.response_ids_json")
 
 
 class CollectorPipeline(Pipeline):
@@ -105,7 +106,7 @@ class CollectorPipeline(Pipeline):
                 is_root = bool(attrs.get("rtrace.root")) and registry.claim_root(state, int.from_bytes(
                     span.span_id, "big"))
                 if not state.coords or is_root:
-                    state.coords = _coords(attrs) or state.coords
+                    state.coords = _coords(attrs) or state.coords  # workers stamp some spans only
                 if len(state.records) >= max_children and not is_root:
                     state.dropped_spans += 1
                     _stats.incr("spans_dropped_trajectory_limit")
@@ -144,7 +145,8 @@ def _record(span: Any, attrs: dict[str, Any], max_chars: int) -> SpanRecord:
     """The inverse of the one OTel conversion (rtrace.exporters.otel)."""
     kind = attrs.get("rtrace.kind", "span")
     inp, out = _json(attrs.get("rtrace.input")), _json(attrs.get("rtrace.output"))
-    prompt_ids, response_ids = attrs.get("rtrace.prompt_ids"), attrs.get("rtrace.response_ids")
+    prompt_ids = _json(attrs.get("rtrace.prompt_ids_json", attrs.get("rtrace.prompt_ids")))
+    response_ids = _json(attrs.get("rtrace.response_ids_json", attrs.get("rtrace.response_ids")))
     is_error = span.status.code == 2
     record = SpanRecord(
         span_id=span.span_id.hex(), parent_id=span.parent_span_id.hex() or None, name=span.name, kind=kind,

@@ -74,12 +74,23 @@ class StreamPipeline(Pipeline):
 
     def _stamp(self, state: TrajectoryState, record: SpanRecord, is_root: bool,
                stamps: dict[int, dict[str, Any]], conv: SpanConverter) -> None:
-        stamp = stamps.get(state.trace_id)
-        if stamp is None:
-            stamp = stamps[state.trace_id] = coordinates(state, self.settings, conv.conv)[2]
+        # Coordinates go on the root and on the first span of each trace in a round (the
+        # collector stamps every span; a partial trajectory gets them from any span that
+        # arrived): the SDK's OTLP encoder costs per attribute.
         attrs = record.attributes
-        for key, value in stamp.items():
-            attrs.setdefault(key, value)
+        first = state.trace_id not in stamps
+        if first:
+            stamps[state.trace_id] = coordinates(state, self.settings, conv.conv)[2]
+        if first or is_root:
+            for key, value in stamps[state.trace_id].items():
+                attrs.setdefault(key, value)
+        # Token ids travel as one compact JSON text each (an OTLP array costs one
+        # AnyValue per id); the collector reads them back into prompt_ids/response_ids.
+        for name in ("prompt_ids", "response_ids"):
+            ids = getattr(record, name)
+            if ids is not None:
+                attrs[f"rtrace.{name}_json"] = json.dumps(ids[: self.settings.max_value_chars], separators=(",", ":"))
+                setattr(record, name, None)
         if is_root and state.kind != "segment":
             attrs["rtrace.root"] = True
             if record.kind == "span":

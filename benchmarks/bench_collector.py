@@ -1,0 +1,168 @@
+"""Collector mode, measured against baselines in the same run.
+
+(a) Collector throughput: 4 worker processes stream trajectories (6 spans each) to one
+    collector in this process, which writes JSONL; spans/s from the first span sent to
+    the last trajectory written, and spans lost (target >= 10,000 spans/s, 0 lost).
+(b) Rollout-worker CPU per trajectory (process CPU of the worker, loop + flush) in
+    three set-ups, each in a fresh process, same agent loop:
+      one-process mode (rtrace assembling and writing JSONL itself),
+      collector mode (rtrace streaming to the collector),
+      the OTel SDK with its own OTLP/gRPC exporter (BatchSpanProcessor), same spans.
+    Target: collector mode below one-process mode.
+
+Run: ``.venv/bin/python benchmarks/bench_collector.py [--n 3000]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+SPANS_PER_TRAJECTORY = 6
+
+
+def agent_loop(rtrace):
+    @rtrace.traced_generation
+    def generate(prompt_ids):
+        return {"response_ids": [1, 2, 3, 4], "finish_reason": "stop"}
+
+    @rtrace.traced_tool
+    def calculator(tool_call_id, expression):
+        return "42"
+
+    @rtrace.traced_rollout
+    def agent(prompt_ids):
+        out = generate(prompt_ids)
+        calculator("c1", "6*7")
+        out = generate(prompt_ids + out["response_ids"])
+        calculator("c2", "6*7")
+        return out
+
+    def trajectory(i, worker=0):
+        with rtrace.rollout_context(step=i // 64, sample_index=i % 64 + worker * 64, rollout_n=0):
+            agent([1, 2, 3, 4, 5, 6, 7, 8])
+            rtrace.record_reward(1.0)
+
+    return trajectory
+
+
+def rtrace_worker(env, n, worker, out):
+    os.environ.update(env)
+    import rtrace
+
+    traj = agent_loop(rtrace)
+    c0 = time.process_time()
+    for i in range(n):
+        traj(i, worker)
+    ok = rtrace.flush(120)
+    out.put((time.process_time() - c0, ok, rtrace.stats()))
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+def sdk_worker(endpoint, n, out):
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True),
+                                                   max_queue_size=65536))
+    tracer = provider.get_tracer("by-hand")
+
+    def coords(i):
+        return {"rl.step": i // 64, "rl.sample_index": i % 64, "rl.rollout_n": 0, "rl.validate": False}
+
+    def span(name, i, **attrs):
+        return tracer.start_as_current_span(name, attributes={**coords(i), **attrs})
+
+    c0 = time.process_time()
+    for i in range(n):
+        with span("rollout", i, **{"rtrace.root": True}) as root:
+            with span("agent", i, input=json.dumps({"prompt_ids": [1, 2, 3, 4, 5, 6, 7, 8]})):
+                for call in ("c1", "c2"):
+                    with span("generate", i, **{"gen_ai.operation.name": "chat", "gen_ai.usage.input_tokens": 8,
+                                                "gen_ai.usage.output_tokens": 4,
+                                                "output": json.dumps({"finish_reason": "stop"})}):
+                        pass
+                    with span("calculator", i, **{"gen_ai.tool.name": "calculator", "gen_ai.tool.call.id": call,
+                                                  "input": json.dumps({"expression": "6*7"}),
+                                                  "output": json.dumps("42")}):
+                        pass
+            root.set_attribute("rl.reward", 1.0)
+    ok = provider.force_flush(120_000)
+    out.put((time.process_time() - c0, ok, {}))
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+def run(target, *args):
+    q = mp.get_context("spawn").Queue()
+    p = mp.get_context("spawn").Process(target=target, args=(*args, q))
+    p.start()
+    return p, q
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=3000, help="trajectories per worker")
+    args = parser.parse_args()
+    import rtrace
+    from rtrace.exporters.jsonl import read_jsonl
+
+    with tempfile.TemporaryDirectory() as tmp:
+        # (a) throughput: 4 workers -> one collector -> JSONL
+        path = os.path.join(tmp, "a.jsonl")
+        collector = rtrace.start_collector(exporter="jsonl", jsonl_path=path, settle_s=0.5,
+                                           max_queue_size=1_000_000, max_open_trajectories=200_000)
+        t0 = time.perf_counter()
+        procs = [run(rtrace_worker, collector.env, args.n, w) for w in range(4)]
+        for p, q in procs:
+            q.get(timeout=600)
+            p.join(60)
+        assert collector.flush(600)
+        elapsed = time.perf_counter() - t0
+        stats = collector.stats()
+        collector.stop()
+        written = len(read_jsonl(path))
+        spans = written * SPANS_PER_TRAJECTORY
+        sent = 4 * args.n * SPANS_PER_TRAJECTORY
+        print(f"(a) collector: 4 workers x {args.n} trajectories x {SPANS_PER_TRAJECTORY} spans -> JSONL: "
+              f"{spans / elapsed:,.0f} spans/s ({written:,} trajectories in {elapsed:.1f} s), "
+              f"lost {sent - spans} spans (received {stats.get('receiver.accepted_spans')}, "
+              f"backpressure retries {stats.get('receiver.backpressure_requests')})")
+
+        # (b) worker CPU per trajectory, one process at a time
+        n = args.n
+        results = {}
+        p, q = run(rtrace_worker, {"RTRACE_EXPORTER": "jsonl", "RTRACE_JSONL_PATH": os.path.join(tmp, "b.jsonl")},
+                   n, 0)
+        results["one-process (rtrace -> JSONL)"] = q.get(timeout=600)[0]
+        p.join(60)
+        collector = rtrace.start_collector(exporter="jsonl", jsonl_path=os.path.join(tmp, "c.jsonl"), settle_s=0.5,
+                                           max_queue_size=1_000_000)
+        p, q = run(rtrace_worker, collector.env, n, 0)
+        results["collector mode (rtrace -> collector)"] = q.get(timeout=600)[0]
+        p.join(60)
+        p, q = run(sdk_worker, collector.endpoint, n)
+        results["OTel SDK + OTLP gRPC exporter"] = q.get(timeout=600)[0]
+        p.join(60)
+        collector.flush(120)
+        collector.stop()
+        base = results["one-process (rtrace -> JSONL)"]
+        print(f"(b) rollout-worker CPU per trajectory (loop + flush), {n} trajectories:")
+        for name, cpu in results.items():
+            print(f"    {name:40} {cpu / n * 1e6:7.0f} us  ({cpu / base:.2f}x one-process)")
+
+
+if __name__ == "__main__":
+    main()
