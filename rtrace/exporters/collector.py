@@ -4,9 +4,13 @@ job's rtrace collector over standard OTLP/gRPC.
 The worker's pipeline (``rtrace.pipeline.stream``) hands this sink *segments*: the
 spans of one trace that ended since the last round, already converted (captured values
 as JSON-safe data, ``rl.*`` coordinates stamped, the trajectory root marked
-``rtrace.root``). They go through the one OTel conversion (:mod:`rtrace.exporters.otel`)
-and the OTel SDK's own OTLP gRPC exporter (its retries and timeout,
-``OTEL_EXPORTER_OTLP_TIMEOUT``). No decoding and no backend work happens here: the
+``rtrace.root``). They are encoded as OTLP spans in the compact form of
+:func:`rtrace.exporters.otel.encode_compact` (standard ids, parents, times and status;
+rtrace's record as one JSON attribute: the SDK's generic encoder would cost the worker
+more than all the rest of its tracing) and sent with the standard OTLP/gRPC service
+(opentelemetry-proto's ``TraceService/Export``), retrying UNAVAILABLE and
+RESOURCE_EXHAUSTED (the collector's backpressure) with backoff within
+``OTEL_EXPORTER_OTLP_TIMEOUT``. No decoding and no backend work happens here: the
 tokenizer and the sinks live in the collector. ``sink.collector.exported`` counts
 segments; a failed export (collector down, or refusing) counts the segment batch as
 failed, and a full queue drops it (``sink.collector.dropped_batches``).
@@ -15,12 +19,13 @@ failed, and a full queue drops it (``sink.collector.dropped_batches``).
 from __future__ import annotations
 
 import os
+import time
 from typing import Sequence
 
 from ..config import ConfigError, Settings
 from ..trajectory import Trajectory
 from .base import Sink
-from .otel import to_readable_spans
+from .otel import encode_compact
 
 __all__ = ["CollectorSink"]
 
@@ -33,27 +38,37 @@ class CollectorSink(Sink):
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
         try:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-            from opentelemetry.sdk.resources import Resource
+            import grpc
+            from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
         except ImportError as exc:
             raise ConfigError("RTRACE_EXPORTER=collector needs the OTLP exporter (pip install 'rtrace[otlp]'): "
                               f"{exc}") from None
         if not settings.collector_endpoint:
             raise ConfigError("RTRACE_EXPORTER=collector needs RTRACE_COLLECTOR_ENDPOINT (host:port)")
-        self._exporter = OTLPSpanExporter(endpoint=settings.collector_endpoint, insecure=True,
-                                          timeout=settings.otlp_timeout_s)
-        attrs = {"service.name": settings.service_name, "process.pid": os.getpid()}
+        self._grpc = grpc
+        self._channel = grpc.insecure_channel(settings.collector_endpoint)
+        self._stub = TraceServiceStub(self._channel)
+        self._resource = {"service.name": settings.service_name, "process.pid": os.getpid()}
         if settings.job_id:
-            attrs["rtrace.job_id"] = settings.job_id
-        self._resource = Resource.create(attrs)
+            self._resource["rtrace.job_id"] = settings.job_id
 
     def export(self, trajectories: Sequence[Trajectory]) -> None:
-        from opentelemetry.sdk.trace.export import SpanExportResult
-
-        spans = to_readable_spans(trajectories, self._resource, max_value_chars=self.settings.max_value_chars)
-        if self._exporter.export(spans) is not SpanExportResult.SUCCESS:
-            raise ConnectionError(f"the rtrace collector at {self.settings.collector_endpoint} did not take "
-                                  f"{len(spans)} spans")
+        request = encode_compact(trajectories, self._resource, self.settings.max_value_chars)
+        grpc = self._grpc
+        retry = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+        deadline = time.monotonic() + self.settings.otlp_timeout_s
+        delay = 0.05
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self._stub.Export(request, timeout=max(0.05, left))
+                return
+            except grpc.RpcError as exc:
+                if exc.code() not in retry or left <= delay:
+                    raise ConnectionError(f"the rtrace collector at {self.settings.collector_endpoint} did not "
+                                          f"take the spans: {exc.code().name}") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     def shutdown(self) -> None:
-        self._exporter.shutdown()
+        self._channel.close()

@@ -33,6 +33,7 @@ from typing import Any
 
 from .. import _stats
 from ..config import ConfigError, Settings, load_settings
+from ..exporters.otel import RECORD_ATTR
 from ..trajectory import RL_FIELDS, SpanRecord
 from . import annotations as _annotations
 from .annotations import Annotation, coord_key
@@ -46,8 +47,7 @@ from .token2text import Token2Text, check_tokenizer
 from .worker import Pipeline
 
 __all__ = ["Collector", "start_collector"]
-_POPPED = ("rtrace.kind", "rtrace.input", "rtrace.output", "rtrace.prompt_ids", "rtrace.response_ids", "rtrace.root",
-           "rtrace.prompt_ids_json", "rtrace.response_ids_json")
+_POPPED = ("rtrace.kind", "rtrace.input", "rtrace.output", "rtrace.prompt_ids", "rtrace.response_ids", "rtrace.root")
 
 
 class CollectorPipeline(Pipeline):
@@ -55,6 +55,7 @@ class CollectorPipeline(Pipeline):
 
     def __init__(self, settings: Settings, fanout: Fanout, postprocessors: list, settle_s: float) -> None:
         self.settle_s = settle_s
+        self.metrics_linger_s = max(3.0, 2 * settle_s)
         self._requests: deque[tuple[Any, int]] = deque()
         self._queued = 0
         self._qlock = threading.Lock()
@@ -95,6 +96,12 @@ class CollectorPipeline(Pipeline):
                 _stats.incr("collector_spans_received")
                 trace_id = int.from_bytes(span.trace_id, "big")
                 attrs = attributes(span.attributes)
+                packed = attrs.pop(RECORD_ATTR, None)
+                record_data = _json(packed) if packed is not None else None
+                if isinstance(record_data, dict):  # rtrace's compact form (exporters.otel.encode_compact)
+                    attrs.update(record_data.get("attributes") or {})
+                else:
+                    record_data = None
                 if span.name == ANNOTATION_SPAN and "rtrace.annotation.values" in attrs:
                     self.annotations.add(_annotation(attrs))
                     continue
@@ -111,7 +118,7 @@ class CollectorPipeline(Pipeline):
                     state.dropped_spans += 1
                     _stats.incr("spans_dropped_trajectory_limit")
                     continue
-                record = _record(span, attrs, conv.settings.max_value_chars)
+                record = _record(span, attrs, record_data)
                 if is_root:
                     state.name, state.kind = record.name, record.kind
                     if "rl.reward" in attrs:
@@ -141,12 +148,17 @@ def _json(text: Any) -> Any:
         return text  # truncated JSON text stays the bounded string it is
 
 
-def _record(span: Any, attrs: dict[str, Any], max_chars: int) -> SpanRecord:
-    """The inverse of the one OTel conversion (rtrace.exporters.otel)."""
-    kind = attrs.get("rtrace.kind", "span")
-    inp, out = _json(attrs.get("rtrace.input")), _json(attrs.get("rtrace.output"))
-    prompt_ids = _json(attrs.get("rtrace.prompt_ids_json", attrs.get("rtrace.prompt_ids")))
-    response_ids = _json(attrs.get("rtrace.response_ids_json", attrs.get("rtrace.response_ids")))
+def _record(span: Any, attrs: dict[str, Any], packed: dict[str, Any] | None) -> SpanRecord:
+    """A SpanRecord from an OTLP span: rtrace's compact form (``packed``), else the full
+    attribute form of the one OTel conversion (``rtrace.kind``, ``rtrace.input`` ...)."""
+    if packed is not None:
+        kind = packed.get("kind", "span")
+        inp, out = packed.get("input"), packed.get("output")
+        prompt_ids, response_ids = packed.get("prompt_ids"), packed.get("response_ids")
+    else:
+        kind = attrs.get("rtrace.kind", "span")
+        inp, out = _json(attrs.get("rtrace.input")), _json(attrs.get("rtrace.output"))
+        prompt_ids, response_ids = _json(attrs.get("rtrace.prompt_ids")), _json(attrs.get("rtrace.response_ids"))
     is_error = span.status.code == 2
     record = SpanRecord(
         span_id=span.span_id.hex(), parent_id=span.parent_span_id.hex() or None, name=span.name, kind=kind,

@@ -204,15 +204,22 @@ def step_metrics(validate: bool, step: int, stats: StepStats) -> StepMetrics:
 
 
 class StepMetricsTracker:
-    """Accumulates exported trajectories per (validate, step); releases finished steps."""
+    """Accumulates exported trajectories per (validate, step); releases finished steps.
 
-    def __init__(self) -> None:
+    A step is done once a later step of the same stream (training or validation) has been
+    seen and nothing of it arrived for ``linger_s`` (workers run steps out of phase), or
+    at flush / shutdown (:meth:`release`).
+    """
+
+    def __init__(self, linger_s: float = 0.0) -> None:
+        self.linger_s = linger_s
         self._open: dict[tuple[bool, int], StepStats] = {}
+        self._seen: dict[tuple[bool, int], float] = {}
         self._last: dict[bool, int] = {}
+        self._newest: dict[bool, int] = {}
 
-    def observe(self, trajectories: Iterable[Trajectory]) -> list[StepMetrics]:
+    def observe(self, trajectories: Iterable[Trajectory], now: float = 0.0) -> list[StepMetrics]:
         """Add exported trajectories; returns the metrics of steps now done."""
-        newest: dict[bool, int] = {}
         for traj in trajectories:
             step = traj.step
             if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -224,14 +231,21 @@ class StepMetricsTracker:
                 _stats.incr("step_metrics_late_trajectories")
                 continue
             self._open.setdefault(key, StepStats()).add(traj)
-            newest[traj.validate] = max(step, newest.get(traj.validate, -1))
-        return self.release(lambda v, s: v in newest and s < newest[v])
+            self._seen[key] = now
+            self._newest[traj.validate] = max(step, self._newest.get(traj.validate, -1))
+        return self.due(now)
+
+    def due(self, now: float) -> list[StepMetrics]:
+        """The metrics of steps that are done by now (see the class docstring)."""
+        return self.release(lambda v, s: s < self._newest.get(v, -1)
+                            and now - self._seen.get((v, s), now) >= self.linger_s)
 
     def release(self, done: Any = None) -> list[StepMetrics]:
         """Metrics of the steps ``done(validate, step)`` says are finished (all by default)."""
         out = []
         for key in sorted(k for k in self._open if done is None or done(*k)):
             validate, step = key
+            self._seen.pop(key, None)
             out.append(step_metrics(validate, step, self._open.pop(key)))
             self._last[validate] = max(step, self._last.get(validate, -1))
         return out

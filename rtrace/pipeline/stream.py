@@ -84,13 +84,7 @@ class StreamPipeline(Pipeline):
         if first or is_root:
             for key, value in stamps[state.trace_id].items():
                 attrs.setdefault(key, value)
-        # Token ids travel as one compact JSON text each (an OTLP array costs one
-        # AnyValue per id); the collector reads them back into prompt_ids/response_ids.
-        for name in ("prompt_ids", "response_ids"):
-            ids = getattr(record, name)
-            if ids is not None:
-                attrs[f"rtrace.{name}_json"] = json.dumps(ids[: self.settings.max_value_chars], separators=(",", ":"))
-                setattr(record, name, None)
+
         if is_root and state.kind != "segment":
             attrs["rtrace.root"] = True
             if record.kind == "span":

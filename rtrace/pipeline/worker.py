@@ -76,6 +76,8 @@ class Pipeline:
 
     #: True while a flush is being served (the collector releases what it holds)
     _flushing = False
+    #: a step's metrics wait this long after its last trajectory once a later step began
+    metrics_linger_s = 1.0
     #: seconds a trajectory waits after its root arrived (the collector: spans of other
     #: processes may still be on their way); 0 in one process, where children end first
     settle_s = 0.0
@@ -87,7 +89,7 @@ class Pipeline:
         self.postprocessors = list(postprocessors)
         self.annotations = AnnotationTable(settings.await_annotations, settings.annotation_timeout_s)
         #: per-step metrics over the exported trajectories (None: summary_metrics off)
-        self.metrics = StepMetricsTracker() if settings.summary_metrics else None
+        self.metrics = StepMetricsTracker(self.metrics_linger_s) if settings.summary_metrics else None
         #: end-of-trajectory selection (the collector; one process with tail keeping)
         self.selector: Any = None
         self._max_queue = settings.max_queue_size
@@ -212,6 +214,10 @@ class Pipeline:
         if ready:
             self._export(ready, conv)
         conv.count()
+        if self.metrics is not None:
+            rows = self.metrics.due(time.monotonic())
+            if rows:
+                self.fanout.submit_metrics(rows)
 
     def dropped(self, state: TrajectoryState) -> None:
         """The selector sampled ``state`` out: its annotations are then dropped cheaply."""
@@ -290,9 +296,7 @@ class Pipeline:
         _stats.incr("trajectories_completed", len(out))
         self.fanout.submit(out)
         if self.metrics is not None:
-            rows = self.metrics.observe(out)
-            if rows:
-                self.fanout.submit_metrics(rows)
+            self.metrics.observe(out, time.monotonic())
 
     # ------------------------------------------------------------------ control
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
