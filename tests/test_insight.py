@@ -214,3 +214,32 @@ class TestReport:
         assert row.split()[:4] == ["7", "6", "2.500", "1.708"]  # step, n, reward mean, std
         page = html.read_text()
         assert "<svg" in page and "reward mean" in page and "<td>2.500</td>" in page
+
+
+class TestInTheBackends:
+    def test_kept_and_annotations_in_trackio_and_mlflow(self, tmp_path, trackio_mod):
+        """trackio metadata and MLflow trace tags say why a trajectory was kept and carry its
+        annotations; MLflow finds them with one filter."""
+        import uuid
+
+        from mlflow.tracking import MlflowClient
+        from trackio.sqlite_storage import SQLiteStorage
+
+        project = f"ins-{uuid.uuid4().hex[:8]}"
+        uri = f"sqlite:///{tmp_path}/mlflow.db"
+        rtrace.configure(exporter="trackio,mlflow", project=project, experiment="kept", mlflow_tracking_uri=uri,
+                         max_traces_per_step=1, keep_extremes=1, await_annotations="advantage",
+                         export_interval_s=0.05)
+        for i in range(4):
+            rollout(1, i, 0, float(i))
+        rtrace.annotate_batch(step=1, sample_index=[0, 1, 2, 3], rollout_n=[0, 0, 0, 0],
+                              advantage=[-1.5, -0.5, 0.5, 1.5])
+        assert rtrace.flush(60)
+        traces = SQLiteStorage.get_traces(project, run="kept")
+        meta = {t["metadata"]["sample_index"]: t["metadata"] for t in traces}
+        assert "best" in meta[3]["kept"] and "worst" in meta[0]["kept"]
+        assert meta[3]["annotations"] == {"advantage": 1.5}
+        client = MlflowClient(tracking_uri=uri)
+        exp = client.get_experiment_by_name(project)
+        best = client.search_traces(locations=[exp.experiment_id], filter_string="tags.kept LIKE '%best%'")
+        assert [(t.info.tags["sample_index"], t.info.tags["advantage"]) for t in best] == [("3", "1.5")]

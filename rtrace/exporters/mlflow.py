@@ -117,6 +117,11 @@ def trace_tags(traj: Trajectory) -> dict[str, str]:
             tags[f"extra.{key}"] = tag_value(value)
     if traj.partial:
         tags["partial"] = "true"
+    if traj.kept:
+        tags["kept"] = ",".join(traj.kept)
+    for key, value in traj.annotations.items():  # advantage, returns ... (never over a standard tag)
+        if isinstance(value, (str, int, float, bool)) and key not in tags:
+            tags[key] = tag_value(value)
     return tags
 
 

@@ -186,6 +186,8 @@ def trace_metadata(traj: Trajectory) -> dict[str, Any]:
         "policy_version": traj.policy_version,
         "reward": traj.reward,
         "outcome": traj.outcome,
+        "annotations": traj.annotations,
+        "kept": traj.kept,
         "extra": traj.extra,
         "status": _STATUS.get(traj.status, traj.status),
         "error": traj.error,
