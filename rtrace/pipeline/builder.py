@@ -9,6 +9,7 @@ conversation (``messages``) is built last, from whatever text is available.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -18,6 +19,7 @@ from .. import _stats
 from .._serialize import Converter, array_to_python, attr_ok, is_array, truncate, unsnap
 from ..config import Settings
 from ..trajectory import RL_FIELDS, SpanRecord, Trajectory
+from .messages import tool_result
 from .records import CallRecord, TrajectoryState
 
 __all__ = ["SpanConverter", "finish", "coordinates", "as_id_list"]
@@ -128,6 +130,8 @@ class SpanConverter:
         out.input = conv.convert_named(inputs)
         if has_output:
             out.output = conv(output)
+            if spec.kind == "tool":
+                _tool_attributes(attrs, out.output)
 
     @staticmethod
     def _generation(out: SpanRecord, inputs: dict[str, Any], has_output: bool, output: Any,
@@ -161,6 +165,32 @@ class SpanConverter:
         if isinstance(finish, str):
             attrs["gen_ai.response.finish_reasons"] = [finish]
         return has_output, output
+
+
+#: Tool span attributes read out of what the tool returned (see :func:`messages.tool_result`).
+TOOL_REWARD = "rl.tool.reward"
+TOOL_DONE = "rl.tool.done"
+TOOL_METRICS = "rl.tool.metrics."
+
+
+def _tool_attributes(attrs: dict[str, Any], output: Any) -> None:
+    """The step reward, done flag and metrics a tool returned with its answer (veRL's
+    ``(ToolResponse, reward, metrics)``, gym-style tuples, ...) as ``rl.tool.reward``,
+    ``rl.tool.done`` and ``rl.tool.metrics.<key>`` (a value that is not an attribute
+    value is its JSON text, None is left out); an OpenAI tool message's ``tool_call_id`` as
+    ``gen_ai.tool.call.id`` unless the call had one."""
+    result = tool_result(output)
+    if result.reward is not None:
+        attrs[TOOL_REWARD] = result.reward
+    if result.done is not None:
+        attrs[TOOL_DONE] = result.done
+    for key, value in (result.metrics or {}).items():
+        if value is None:
+            continue
+        attrs[f"{TOOL_METRICS}{key}"] = value if attr_ok(value) else json.dumps(value, ensure_ascii=False,
+                                                                                 default=str)
+    if result.call_id is not None:
+        attrs.setdefault("gen_ai.tool.call.id", result.call_id)
 
 
 def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Trajectory:
