@@ -9,6 +9,7 @@ conversation (``messages``) is built last, from whatever text is available.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any
@@ -49,6 +50,22 @@ def _field(value: Any, *names: str) -> Any:
                 return value[name]
         elif hasattr(value, name) and not callable(getattr(value, name)):
             return getattr(value, name)
+    return None
+
+
+def _fields(value: Any) -> dict[str, Any] | None:
+    """A dict, a dataclass or a pydantic model (veRL's ``TokenOutput``) as a dict of its
+    fields (shallow); None for anything else."""
+    if isinstance(value, dict):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    dump = getattr(type(value), "model_dump", None)
+    if callable(dump):
+        try:
+            return dict(dump(value))
+        except Exception:
+            return None
     return None
 
 
@@ -156,8 +173,9 @@ class SpanConverter:
         elif output is not None:
             id_keys = (opts.get("response_field", "response_ids"), "token_ids", "output_ids")
             ids = as_id_list(_field(output, *id_keys))
-            if ids is not None and isinstance(output, dict):
-                output = {k: v for k, v in output.items() if k not in id_keys}
+            view = _fields(output) if ids is not None else None
+            if view is not None:  # the ids are kept once, in response_ids
+                output = {k: v for k, v in view.items() if k not in id_keys}
         out.response_ids = ids
         if ids is not None:
             attrs["gen_ai.usage.output_tokens"] = len(ids)
