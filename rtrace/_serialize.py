@@ -25,8 +25,9 @@ Defined forms (documented in docs/capture.md):
 * bytes become ``"<bytes: N>"``; numpy arrays and torch tensors of up to
   :data:`ARRAY_INLINE` elements become lists, larger ones
   ``{"shape": [...], "dtype": "...", "preview": [first elements]}`` without copying the
-  whole tensor; other objects become ``repr()`` (bounded); a value whose conversion
-  fails becomes ``"<unserialisable TYPE: ERROR>"`` and only that element is lost.
+  whole tensor; other objects become ``repr()`` (bounded), ``"<module.Class object>"``
+  for a class without its own ``__repr__`` (object's default repr has the address, which
+  differs run to run); a value whose conversion fails becomes ``"<unserialisable TYPE: ERROR>"`` and only that element is lost.
 """
 
 from __future__ import annotations
@@ -232,6 +233,10 @@ class Converter:
         dump = getattr(type(value), "model_dump", None)  # pydantic v2 models (tool call objects ...)
         if callable(dump):
             return self._convert(dump(value), depth + 1)
+        if cls.__repr__ is object.__repr__:
+            # object's default repr holds the address: '<m.C object at 0x7f..>' differs run to
+            # run (and call to call), so traces of the same rollout would not compare equal
+            return self._str(f"<{cls.__module__}.{cls.__qualname__} object>")
         return self._str(repr(value))
 
     def _str(self, text: str) -> str:

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Callable, Mapping
 
-__all__ = ["ConfigError", "Settings", "PARAMS", "EXPORTERS", "load_settings"]
+__all__ = ["ConfigError", "Settings", "PARAMS", "EXPORTERS", "load_settings", "env_exporters"]
 
 #: Sink names accepted by ``RTRACE_EXPORTER`` (besides ``none``).
 EXPORTERS = ("console", "jsonl", "trackio", "mlflow", "otlp", "collector")
@@ -477,6 +477,16 @@ def load_settings(overrides: Mapping[str, Any] | None = None,
         raise ConfigError("RTRACE_EXPORTER=collector needs RTRACE_COLLECTOR_ENDPOINT (host:port of "
                           "`rtrace collect` / rtrace.start_collector(); collector.env sets both)")
     return settings
+
+
+def env_exporters(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The sinks ``RTRACE_EXPORTER`` names in the environment (``()`` when unset or ``none``).
+
+    Raises:
+        ConfigError: a name that is not a sink.
+    """
+    environ = os.environ if environ is None else environ
+    return _parse(_PARAMS_BY_NAME["exporter"], environ.get("RTRACE_EXPORTER"), "env")
 
 
 def reference_markdown() -> str:
