@@ -468,8 +468,13 @@ def load_settings(overrides: Mapping[str, Any] | None = None,
         if overrides.get(param.name) is not None:
             values[param.name] = _parse(param, overrides[param.name], "arg")
         elif param.env and environ.get(param.env) is not None:
-            value = _parse(param, environ[param.env], "env")
-            values[param.name] = value * param.env_scale if param.env_scale != 1.0 else value
+            raw = environ[param.env]
+            if param.env_scale != 1.0:  # e.g. milliseconds in the environment, seconds in configure()
+                try:
+                    raw = float(raw) * param.env_scale
+                except ValueError:
+                    pass  # the parser names the variable and the accepted values
+            values[param.name] = _parse(param, raw, "env")
     if sinks is not None:
         values["sinks"] = tuple(sinks) if isinstance(sinks, (list, tuple)) else (sinks,)
     settings = Settings(**values)
