@@ -147,23 +147,7 @@ class Token2Text:
     def _field(self, tok: Any, spans: list[SpanRecord], field: str, attr: str) -> None:
         if not spans:
             return
-        ids = [getattr(span, field) for span in spans]
-        try:
-            texts = self._decode(tok, ids)
-            if len(texts) != len(ids):
-                raise ValueError(f"batch_decode returned {len(texts)} texts for {len(ids)} sequences")
-        except Exception:
-            # One bad sequence (an id out of the vocabulary, ...) must not cost the text of
-            # the whole batch: decode one by one, and count only what still fails.
-            _stats.warn_once("t2t-batch", "rtrace token2text: batch_decode failed; decoding one by one",
-                             exc_info=True)
-            texts = []
-            for one in ids:
-                try:
-                    texts.append(self._decode(tok, [one])[0])
-                except Exception:
-                    _stats.incr("token2text_errors")
-                    texts.append(None)
+        texts = self._decode_all(tok, [getattr(span, field) for span in spans])
         decoded = 0
         for span, text in zip(spans, texts):
             if not isinstance(text, str):
@@ -178,25 +162,33 @@ class Token2Text:
         """The text of ids in outputs, next to them (one ``batch_decode`` for all of them)."""
         if not outputs:
             return
-        ids = [one for _, _, one in outputs]
-        try:
-            texts = self._decode(tok, ids)
-            if len(texts) != len(ids):
-                raise ValueError(f"batch_decode returned {len(texts)} texts for {len(ids)} sequences")
-        except Exception:
-            texts = []
-            for one in ids:
-                try:
-                    texts.append(self._decode(tok, [one])[0])
-                except Exception:
-                    _stats.incr("token2text_errors")
-                    texts.append(None)
+        texts = self._decode_all(tok, [one for _, _, one in outputs])
         decoded = 0
         for (output, key, _), text in zip(outputs, texts):
             if isinstance(text, str):
                 output[key] = text
                 decoded += 1
         _stats.incr("token2text_decoded", decoded)
+
+    def _decode_all(self, tok: Any, ids: list[list[int]]) -> list[Any]:
+        """One ``batch_decode`` for ``ids``; if it fails, one call per sequence, so one bad
+        sequence (an id out of the vocabulary ...) costs only its own text (None, counted)."""
+        try:
+            texts = self._decode(tok, ids)
+            if len(texts) != len(ids):
+                raise ValueError(f"batch_decode returned {len(texts)} texts for {len(ids)} sequences")
+            return texts
+        except Exception:
+            _stats.warn_once("t2t-batch", "rtrace token2text: batch_decode failed; decoding one by one",
+                             exc_info=True)
+        texts = []
+        for one in ids:
+            try:
+                texts.append(self._decode(tok, [one])[0])
+            except Exception:
+                _stats.incr("token2text_errors")
+                texts.append(None)
+        return texts
 
     def _decode(self, tok: Any, ids: list[list[int]]) -> list[Any]:
         key = id(tok)
