@@ -39,7 +39,7 @@ import re
 from typing import Any, Iterable
 
 __all__ = ["ListSnapshot", "unsnap", "is_array", "array_to_python", "Converter", "REDACTED", "truncate",
-           "attr_ok", "finite_or_str", "strict_json", "json_default", "ARRAY_INLINE"]
+           "attr_ok", "finite_or_str", "strict_json", "json_default", "json_safe", "clean_text", "ARRAY_INLINE"]
 
 REDACTED = "[REDACTED]"
 _MAX_DEPTH = 12
@@ -48,6 +48,9 @@ _PRIMITIVES = (str, int, float, bool, type(None))
 ARRAY_INLINE = 4096
 _PREVIEW = 16
 _INT_BITS = 64
+#: A string cut to max_chars is redacted over this many more characters first, so a
+#: token that straddles the cut is still recognised (and replaced) whole.
+_REDACT_WINDOW = 256
 #: Well-known secret shapes inside strings.
 _SECRET_VALUES = re.compile(
     r"\b(?:sk-(?:proj-|ant-)?[A-Za-z0-9_\-]{16,}|hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
@@ -64,6 +67,24 @@ def truncate(text: str, max_chars: int, total: int | None = None) -> str:
             return text
         total = len(text)
     return f"{text[:max_chars]}…[truncated, {total} chars]"
+
+
+def clean_text(text: str) -> str:
+    """``text`` with lone surrogates as ``\\udXXX`` escapes: no sink can encode them."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
+def _redact_text(text: str) -> tuple[str, int]:
+    """``text`` with well-known token shapes replaced by ``[REDACTED]``, and how many."""
+    if len(text) < 12 or not _SECRET_VALUES.search(text):
+        return text, 0
+    return _SECRET_VALUES.subn(REDACTED, text)
 
 
 def attr_ok(value: Any) -> bool:
@@ -190,6 +211,38 @@ class Converter:
             return REDACTED
         return self(value)
 
+    def text(self, text: str, limit: int | None = None) -> str:
+        """A string that did not come through a capture (exception text, an attribute the
+        application set): lone surrogates escaped, token shapes redacted, then cut to
+        ``limit`` (default max_chars) with the truncation marker."""
+        limit = self.max_chars if limit is None else limit
+        total = len(text)
+        if total > limit:
+            text = text[:limit + _REDACT_WINDOW]
+        text, n = _redact_text(clean_text(text))
+        self.redacted += n
+        if total > limit:
+            self.truncated += 1
+            return truncate(text, limit, total)
+        return text
+
+    def attribute(self, key: str, value: Any) -> Any:
+        """An OTel attribute value as exported: redacted when its key looks secret, strings
+        through :meth:`text`, integers beyond 64 bits as their decimal string."""
+        if self.is_secret(key):
+            self.redacted += 1
+            return REDACTED
+        return self._attribute_value(value)
+
+    def _attribute_value(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, (list, tuple)):
+            return [self._attribute_value(v) for v in value]
+        if type(value) is int:
+            return _int(value)
+        return value
+
     # ------------------------------------------------------------------ the walk
     def _spend(self, n: int) -> None:
         self._left -= n
@@ -240,19 +293,18 @@ class Converter:
         return self._str(repr(value))
 
     def _str(self, text: str) -> str:
-        if not text.isascii():
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:  # lone surrogates: no sink can write them
-                text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+        text = clean_text(text)  # lone surrogates: no sink can write them
         if len(text) > self._left:
-            self._partial = truncate(text, min(self.max_chars, max(0, self._left)), len(text))
+            # Redact before cutting: a token cut in half would no longer be recognised.
+            keep = min(self.max_chars, max(0, self._left))
+            head, n = _redact_text(text[:keep + _REDACT_WINDOW])
+            self.redacted += n
+            self._partial = truncate(head, keep, len(text))
             self._left = -1
             raise _Budget
         self._spend(len(text) + 1)
-        if len(text) >= 12 and _SECRET_VALUES.search(text):
-            self.redacted += 1
-            text = _SECRET_VALUES.sub(REDACTED, text)
+        text, n = _redact_text(text)
+        self.redacted += n
         return text
 
     def _mapping(self, items: Iterable[tuple[Any, Any]], depth: int) -> dict[str, Any]:
@@ -325,6 +377,36 @@ def _int(value: int) -> int | str:
         return str(value)
     except ValueError:  # beyond sys.get_int_max_str_digits()
         return f"<int of {value.bit_length()} bits>"
+
+
+def json_safe(data: Any, depth: int = 0) -> Any:
+    """``data`` made encodable as strict UTF-8 JSON whatever it holds: lone surrogates
+    escaped, integers past Python's digit limit as ``"<int of N bits>"``, non-finite
+    floats as strings, other objects as their ``str()``. A sink's fallback for a
+    trajectory that did not encode as it was; each bad value degrades alone."""
+    if isinstance(data, str):
+        return clean_text(data)
+    if isinstance(data, bool) or data is None:
+        return data
+    if isinstance(data, int):
+        try:
+            str(data)
+        except ValueError:
+            return f"<int of {data.bit_length()} bits>"
+        return int(data)
+    if isinstance(data, float):
+        return finite_or_str(data)
+    if depth >= 2 * _MAX_DEPTH + 8:
+        return f"<{type(data).__name__} nested too deep>"
+    if isinstance(data, dict):
+        return {clean_text(k) if isinstance(k, str) else str(json_safe(k, depth + 1)): json_safe(v, depth + 1)
+                for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [json_safe(v, depth + 1) for v in data]
+    try:
+        return clean_text(str(data))
+    except Exception as exc:
+        return _unserialisable(data, exc)
 
 
 def json_default(value: Any) -> Any:
