@@ -60,7 +60,7 @@ def configure(**kwargs: Any) -> Settings:
         ConfigError: a bad value, naming the variable and the accepted values, or a sink
             whose optional dependency is missing.
     """
-    global _last_kwargs
+    global _last_kwargs, _tokenizer
     settings = load_settings(kwargs)
     _warn_unknown_env()
     with _lock:
@@ -69,8 +69,10 @@ def configure(**kwargs: Any) -> Settings:
             _install(None, settings)
             _last_kwargs = dict(kwargs)
             return settings
-        built = _build(settings)  # raises before anything running is touched
+        built, tokenizer = _build(settings)  # raises before anything running is touched
         _shutdown_locked()
+        if tokenizer is not None:
+            _tokenizer = tokenizer
         _install(built, settings)
         _last_kwargs = dict(kwargs)
         return settings
@@ -82,30 +84,36 @@ def _warn_unknown_env() -> None:
         _stats.warn_once(f"unknown-env-{name}", "rtrace: unknown environment variable %s is ignored%s", name, hint)
 
 
-def _build(settings: Settings) -> tuple[Any, Any]:
+def _build(settings: Settings) -> tuple[tuple[Any, Any], Any]:
+    """The new pipeline and tracer, and the checked tokenizer (or None). Changes nothing
+    that is running: on any error the previous configuration stays in force."""
     from .exporters import create_sink
     from .pipeline.fanout import Fanout
     from .pipeline.token2text import Token2Text, check_tokenizer
 
-    global _tokenizer
     sinks = [create_sink(name, settings) for name in settings.exporter] + list(settings.sinks)
+    tokenizer = None
     if settings.tokenizer is not None:
         try:
-            _tokenizer = check_tokenizer(settings.tokenizer)
+            tokenizer = check_tokenizer(settings.tokenizer)
         except TypeError as exc:
             raise ConfigError(f"configure(tokenizer=...) (env RTRACE_TOKENIZER): {exc}; accepted values: "
                               "an object with batch_decode/decode, or a tokenizer name / local path") from None
     fanout = Fanout(sinks, settings.max_export_batch_size, settings.sink_queue_size, settings.sink_timeout_s)
-    if "collector" in settings.exporter:
-        # Collector mode: spans stream to the job's collector, which decodes and writes.
-        from .pipeline.stream import StreamPipeline
+    try:
+        if "collector" in settings.exporter:
+            # Collector mode: spans stream to the job's collector, which decodes and writes.
+            from .pipeline.stream import StreamPipeline
 
-        return StreamPipeline(settings, fanout), _tracer(settings)
-    post = [Token2Text(get_tokenizer, settings.token2text_skip_special_tokens, settings.token2text_keep_ids)] \
-        if settings.token2text else []
-    from .pipeline.worker import Pipeline
+            return (StreamPipeline(settings, fanout), _tracer(settings)), tokenizer
+        post = [Token2Text(get_tokenizer, settings.token2text_skip_special_tokens, settings.token2text_keep_ids)] \
+            if settings.token2text else []
+        from .pipeline.worker import Pipeline
 
-    return Pipeline(settings, fanout, post), _tracer(settings)
+        return (Pipeline(settings, fanout, post), _tracer(settings)), tokenizer
+    except BaseException:
+        fanout.stop(0.0)  # no sink thread of a configuration that never ran is left behind
+        raise
 
 
 def _tracer(settings: Settings) -> Any:

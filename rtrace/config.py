@@ -154,13 +154,15 @@ def _path(raw: Any) -> str:
     value = _str(raw)
     directory = os.path.dirname(os.path.abspath(value))
     probe = directory
-    while not os.path.isdir(probe):  # the first existing ancestor must be writable
+    while not os.path.exists(probe):  # the first existing ancestor must be a writable directory
         parent = os.path.dirname(probe)
         if parent == probe:
             break
         probe = parent
     if os.path.isdir(value):
         raise ValueError(f"{value!r} is a directory")
+    if not os.path.isdir(probe):
+        raise ValueError(f"{probe!r} is not a directory")
     if not os.access(probe, os.W_OK):
         raise ValueError(f"{directory!r} is not writable")
     if os.path.exists(value) and not os.access(value, os.W_OK):
@@ -169,13 +171,25 @@ def _path(raw: Any) -> str:
 
 
 def _tracking_uri(raw: Any) -> str:
+    """An MLflow tracking URI: a path, or a scheme MLflow knows (its own, or one an
+    installed plugin registers, e.g. ``azureml``)."""
     value = _str(raw)
     scheme = value.split(":", 1)[0].lower() if ":" in value else ""
     known = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc",
              "uc")
-    if scheme and scheme.split("+", 1)[0] not in known and len(scheme) > 1:
+    if scheme and scheme.split("+", 1)[0] not in known and len(scheme) > 1 and scheme not in _plugin_schemes():
         raise ValueError(f"unknown scheme {scheme!r} in {value!r}")
     return value
+
+
+def _plugin_schemes() -> set[str]:
+    """Tracking-store URI schemes registered by installed MLflow plugins."""
+    from importlib.metadata import entry_points
+
+    try:
+        return {ep.name.lower() for ep in entry_points(group="mlflow.tracking_store")}
+    except Exception:  # a broken distribution's metadata: no plugin schemes
+        return set()
 
 
 def _url(raw: Any) -> str:
@@ -469,6 +483,8 @@ def load_settings(overrides: Mapping[str, Any] | None = None,
             values[param.name] = _parse(param, overrides[param.name], "arg")
         elif param.env and environ.get(param.env) is not None:
             raw = environ[param.env]
+            if param.env.startswith("OTEL_") and not raw.strip():
+                continue  # the OTel specification: an empty variable is the same as unset
             if param.env_scale != 1.0:  # e.g. milliseconds in the environment, seconds in configure()
                 try:
                     raw = float(raw) * param.env_scale
