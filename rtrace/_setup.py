@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -30,6 +31,8 @@ _last_kwargs: dict[str, Any] = {}
 #: set in a forked child: its first traced call configures with these (else: the environment)
 _fork_kwargs: dict[str, Any] | None = None
 _atexit_registered = False
+#: the process that registered shutdown() with multiprocessing's exit finalizers
+_mp_finalizer_pid: int | None = None
 #: provider -> the one ProcessorBridge rtrace added to it (a provider cannot drop one)
 _bridges: dict[int, Any] = {}
 _own_provider: Any = None
@@ -169,8 +172,28 @@ def _install(built: tuple[Any, Any] | None, settings: Settings) -> None:
     if not _atexit_registered:
         atexit.register(shutdown)
         _atexit_registered = True
+    _register_multiprocessing_exit()
     if settings.flush_on_sigterm:
         _install_sigterm()
+
+
+def _register_multiprocessing_exit() -> None:
+    """A multiprocessing child started by fork (Pool and DataLoader workers too) leaves
+    through ``os._exit``: ``atexit`` never runs there, multiprocessing's own exit
+    finalizers do. Register shutdown() with them once per process, so such a child
+    writes what it traced (bounded by sink_timeout_s). A no-op unless the program
+    imported multiprocessing; a second shutdown() in the parent is a no-op."""
+    global _mp_finalizer_pid
+    util = sys.modules.get("multiprocessing.util")
+    if util is None or _mp_finalizer_pid == os.getpid():
+        return
+    try:
+        util.Finalize(None, shutdown, exitpriority=0)
+    except Exception:
+        _stats.warn_once("mp-finalizer", "rtrace could not register its exit hook with multiprocessing",
+                         exc_info=True)
+        return
+    _mp_finalizer_pid = os.getpid()
 
 
 def _provider_of(tracer: Any) -> Any:
