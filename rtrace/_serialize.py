@@ -33,6 +33,7 @@ Defined forms (documented in docs/capture.md):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -80,11 +81,35 @@ def clean_text(text: str) -> str:
     return text
 
 
-def _redact_text(text: str) -> tuple[str, int]:
-    """``text`` with well-known token shapes replaced by ``[REDACTED]``, and how many."""
-    if len(text) < 12 or not _SECRET_VALUES.search(text):
+@functools.lru_cache(maxsize=8)
+def _assignment_pattern(fragments: tuple[str, ...]) -> re.Pattern[str] | None:
+    """``<key containing a fragment><quote?> = or : <quote?><value>`` inside text (query
+    strings, ``repr()`` of objects, log lines, JSON): group 1 is kept, the value replaced."""
+    if not fragments:
+        return None
+    keys = "|".join(re.escape(f).replace("_", "[-_]") for f in sorted(fragments, key=len, reverse=True))
+    return re.compile(rf"(?i)((?:{keys})[\w-]*[\"']?\s*[=:]\s*)"
+                      rf"(?!\[REDACTED\]|[\"']\[REDACTED\])(?:\"[^\"]*\"|'[^']*'|[^\s\"'&,;)}}\]]+)")
+
+
+def _redact_assignment(match: re.Match[str]) -> str:
+    value = match.group(0)[len(match.group(1)):]
+    quote = value[0] if value[0] in "\"'" else ""
+    return f"{match.group(1)}{quote}{REDACTED}{quote}"
+
+
+def _redact_text(text: str, assignment: re.Pattern[str] | None = None) -> tuple[str, int]:
+    """``text`` with well-known token shapes, and values assigned to secret-looking keys
+    (``api_key=...``), replaced by ``[REDACTED]``; and how many were replaced."""
+    if len(text) < 12:
         return text, 0
-    return _SECRET_VALUES.subn(REDACTED, text)
+    n = 0
+    if _SECRET_VALUES.search(text):
+        text, n = _SECRET_VALUES.subn(REDACTED, text)
+    if assignment is not None and assignment.search(text):
+        text, m = assignment.subn(_redact_assignment, text)
+        n += m
+    return text, n
 
 
 def attr_ok(value: Any) -> bool:
@@ -162,6 +187,7 @@ class Converter:
     def __init__(self, max_chars: int, redact_keys: Iterable[str]) -> None:
         self.max_chars = max_chars
         self.redact_keys = tuple(_norm_key(k) for k in redact_keys)
+        self._assignment = _assignment_pattern(self.redact_keys)
         self.truncated = 0
         self.redacted = 0
         self.errors = 0
@@ -219,7 +245,7 @@ class Converter:
         total = len(text)
         if total > limit:
             text = text[:limit + _REDACT_WINDOW]
-        text, n = _redact_text(clean_text(text))
+        text, n = _redact_text(clean_text(text), self._assignment)
         self.redacted += n
         if total > limit:
             self.truncated += 1
@@ -297,13 +323,13 @@ class Converter:
         if len(text) > self._left:
             # Redact before cutting: a token cut in half would no longer be recognised.
             keep = min(self.max_chars, max(0, self._left))
-            head, n = _redact_text(text[:keep + _REDACT_WINDOW])
+            head, n = _redact_text(text[:keep + _REDACT_WINDOW], self._assignment)
             self.redacted += n
             self._partial = truncate(head, keep, len(text))
             self._left = -1
             raise _Budget
         self._spend(len(text) + 1)
-        text, n = _redact_text(text)
+        text, n = _redact_text(text, self._assignment)
         self.redacted += n
         return text
 

@@ -251,6 +251,22 @@ class TestRedaction:
         assert data["x"] == [f"curl -H 'x: {REDACTED}' host", {"nested": REDACTED}]
         assert secret not in self.dump(rtrace_capture)
 
+    @pytest.mark.parametrize("text, expected", [
+        # a query string
+        ("GET /v1/models?api_key=abc123xyz&limit=5", f"GET /v1/models?api_key={REDACTED}&limit=5"),
+        # the repr of a config object
+        ("Client(api_key='abc 123', model='m')", f"Client(api_key='{REDACTED}', model='m')"),
+        # JSON text
+        ('{"password": "hunter 2", "user": "bob"}', f'{{"password": "{REDACTED}", "user": "bob"}}'),
+        # a header line
+        ("x-goog-api-key: 0123456789", f"x-goog-api-key: {REDACTED}"),
+        # a shell line
+        ("export GITHUB_TOKEN=abcdef0123", f"export GITHUB_TOKEN={REDACTED}"),
+    ])
+    def test_values_assigned_to_secret_keys_inside_strings(self, rtrace_capture, text, expected):
+        """`key=value` / `key: value` with a secret-looking key is redacted inside any string."""
+        assert exported_input(rtrace_capture, x=text)["x"] == expected
+
     def test_exception_text_and_application_attributes(self, rtrace_capture):
         """A secret in an exception message or in an attribute the application set is redacted in
         the span's error, its exception event (message and stack trace) and its attributes."""
