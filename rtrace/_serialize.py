@@ -337,7 +337,7 @@ class Converter:
         out: dict[str, Any] = {}
         try:
             for k, v in items:
-                key = k if isinstance(k, str) else self._key(k)
+                key = self._key(k)  # bounded, encodable, token shapes redacted
                 if self.is_secret(key):
                     self.redacted += 1
                     out[key] = REDACTED

@@ -187,6 +187,12 @@ class TestOddValues:
         assert span.output == {"finish_reason": "stop", "text": "hi"}
         assert span.attributes["gen_ai.response.finish_reasons"] == ["stop"]
 
+    def test_dict_keys_are_converted_like_strings(self, rtrace_capture):
+        """A string key with a lone surrogate or a token shape is escaped / redacted like a string value
+        (found by the property suite: the key reached the JSONL encoder as it was)."""
+        data = exported_input(rtrace_capture, x={"\ud800": 1, f"key {SECRET}": 2})["x"]
+        assert data == {"\\ud800": 1, f"key {REDACTED}": 2}
+
     def test_one_bad_element_does_not_wipe_the_argument(self, rtrace_capture):
         """A nested huge int and an object whose repr raises degrade alone; the rest of the argument stays."""
 
