@@ -124,9 +124,11 @@ class Gate(rtrace.Sink):
     def __init__(self):
         super().__init__(None)
         self.release = threading.Event()
+        self.entered = threading.Event()
         self.exported = 0
 
     def export(self, trajectories):
+        self.entered.set()
         self.release.wait()
         self.exported += len(trajectories)
 
@@ -246,6 +248,22 @@ class TestFailedStorage:
         assert rtrace.flush(10) is False
         sink.healthy = True
         assert rtrace.flush(10) is True
+
+
+    def test_dropped_batches_make_flush_false(self):
+        """A sink that could not keep up (its queue was full, batches dropped and counted): flush()
+        is False, since not everything was written (found by the soak test: it returned True)."""
+        gate = Gate()
+        rtrace.configure(sinks=[gate], export_interval_s=0.02, max_export_batch_size=1, sink_queue_size=1)
+        rollouts(1)
+        assert gate.entered.wait(10)  # the first batch is inside export()
+        rollouts(4)  # one waits in the queue, the rest are dropped
+        wait_for(lambda: rtrace.stats().get("sink.gate.dropped_trajectories", 0) == 3)
+        gate.release.set()
+        assert rtrace.flush(10) is False
+        assert rtrace.stats()["sink.gate.exported"] == 2
+        rollouts(1)
+        assert rtrace.flush(10) is True  # nothing dropped since the previous flush
 
 
 # ----------------------------------------------------------------------------- item 14

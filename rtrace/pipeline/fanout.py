@@ -50,6 +50,8 @@ class SinkWorker:
         try:
             self.queue.put_nowait(batch)
         except queue.Full:
+            with self._lock:
+                self._failed_since_marker = True  # the next flush() cannot say "all written"
             self._count("dropped_batches", 1)
             self._count("dropped_trajectories", len(batch))
             _stats.warn_once(f"sink-full-{self.name}",
@@ -78,8 +80,9 @@ class SinkWorker:
                     continue
                 if isinstance(item, _Marker):
                     flushed = self._call("flush", self.sink.flush, self.timeout_s)
-                    item.ok = flushed and not self._failed_since_marker
-                    self._failed_since_marker = False
+                    with self._lock:
+                        item.ok = flushed and not self._failed_since_marker
+                        self._failed_since_marker = False
                     item.set()
                     continue
                 with self._lock:
