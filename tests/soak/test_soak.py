@@ -33,7 +33,7 @@ WARMUP_S = min(15.0, SECONDS / 4)
 SAMPLE_EVERY_S = 5.0
 #: allowed RSS growth after warm-up (MiB): a leak of one trajectory's data per rollout
 #: would grow by hundreds of MiB over a minute at this rate
-RSS_GROWTH_BOUND_MIB = 40.0
+RSS_GROWTH_BOUND_MIB = 25.0
 THREADS = 3
 
 
