@@ -98,17 +98,29 @@ def _redact_assignment(match: re.Match[str]) -> str:
     return f"{match.group(1)}{quote}{REDACTED}{quote}"
 
 
-def _redact_text(text: str, assignment: re.Pattern[str] | None = None) -> tuple[str, int]:
+#: Lower-case substrings one of which every match of _SECRET_VALUES contains: a cheap
+#: test in C before the regular expression runs (most strings contain none of them).
+_TOKEN_MARKERS = ("sk-", "hf_", "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_", "xoxa-", "xoxb-",
+                  "xoxp-", "xoxr-", "akia", "bearer")
+
+
+def _redact_text(text: str, assignment: re.Pattern[str] | None = None,
+                 fragments: tuple[str, ...] = ()) -> tuple[str, int]:
     """``text`` with well-known token shapes, and values assigned to secret-looking keys
-    (``api_key=...``), replaced by ``[REDACTED]``; and how many were replaced."""
+    (``api_key=...``; ``fragments`` are the keys, lower case with ``_``), replaced by
+    ``[REDACTED]``; and how many were replaced."""
     if len(text) < 12:
         return text, 0
+    low = text.lower()
     n = 0
-    if _SECRET_VALUES.search(text):
+    if any(marker in low for marker in _TOKEN_MARKERS) and _SECRET_VALUES.search(text):
         text, n = _SECRET_VALUES.subn(REDACTED, text)
-    if assignment is not None and assignment.search(text):
-        text, m = assignment.subn(_redact_assignment, text)
-        n += m
+    if assignment is not None:
+        if "-" in low:
+            low = low.replace("-", "_")
+        if any(fragment in low for fragment in fragments) and assignment.search(text):
+            text, m = assignment.subn(_redact_assignment, text)
+            n += m
     return text, n
 
 
@@ -245,7 +257,7 @@ class Converter:
         total = len(text)
         if total > limit:
             text = text[:limit + _REDACT_WINDOW]
-        text, n = _redact_text(clean_text(text), self._assignment)
+        text, n = _redact_text(clean_text(text), self._assignment, self.redact_keys)
         self.redacted += n
         if total > limit:
             self.truncated += 1
@@ -323,13 +335,13 @@ class Converter:
         if len(text) > self._left:
             # Redact before cutting: a token cut in half would no longer be recognised.
             keep = min(self.max_chars, max(0, self._left))
-            head, n = _redact_text(text[:keep + _REDACT_WINDOW], self._assignment)
+            head, n = _redact_text(text[:keep + _REDACT_WINDOW], self._assignment, self.redact_keys)
             self.redacted += n
             self._partial = truncate(head, keep, len(text))
             self._left = -1
             raise _Budget
         self._spend(len(text) + 1)
-        text, n = _redact_text(text, self._assignment)
+        text, n = _redact_text(text, self._assignment, self.redact_keys)
         self.redacted += n
         return text
 
