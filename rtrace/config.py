@@ -17,7 +17,8 @@ import os
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Callable, Mapping
 
-__all__ = ["ConfigError", "Settings", "PARAMS", "EXPORTERS", "load_settings", "env_exporters"]
+__all__ = ["ConfigError", "Settings", "PARAMS", "EXPORTERS", "load_settings", "env_exporters",
+           "writable_path"]
 
 #: Sink names accepted by ``RTRACE_EXPORTER`` (besides ``none``).
 EXPORTERS = ("console", "jsonl", "trackio", "mlflow", "otlp", "collector")
@@ -149,8 +150,9 @@ def _str_list(raw: Any) -> tuple[str, ...]:
     return () if names == ("none",) else names
 
 
-def _path(raw: Any) -> str:
-    """A file path whose directory exists (or can be created) and is writable."""
+def writable_path(raw: Any) -> str:
+    """A file path whose directory exists (or can be created) and is writable; raises
+    ValueError saying why not."""
     value = _str(raw)
     directory = os.path.dirname(os.path.abspath(value))
     probe = directory
@@ -348,7 +350,7 @@ PARAMS: tuple[Param, ...] = (
     Param("annotation_timeout_s", "RTRACE_ANNOTATION_TIMEOUT_S", _float(0.0), 120.0, _SEC.format(0),
           "How long a trajectory waits for awaited annotations; then it is exported without them (counted).",
           type="float"),
-    Param("jsonl_path", "RTRACE_JSONL_PATH", _path, "rtrace_traces.jsonl", "a writable file path",
+    Param("jsonl_path", "RTRACE_JSONL_PATH", writable_path, "rtrace_traces.jsonl", "a writable file path",
           "Where the jsonl sink appends one trajectory per line.", type="str"),
     Param("service_name", "OTEL_SERVICE_NAME", _str, "rtrace", "a non-empty name",
           "OTel resource service.name of rtrace's own TracerProvider.", type="str"),

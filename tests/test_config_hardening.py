@@ -149,6 +149,13 @@ class TestEarlyChecks:
         with pytest.raises(ConfigError, match=rf"^{env}: .*{match}"):
             rtrace.configure(sinks=[MemorySink()])
 
+    def test_default_jsonl_path_is_checked_too(self, tmp_path, monkeypatch):
+        """The default path (relative to the working directory) is checked when the sink is built."""
+        (tmp_path / "rtrace_traces.jsonl").mkdir()
+        monkeypatch.chdir(tmp_path)
+        with pytest.raises(ConfigError, match="^RTRACE_JSONL_PATH: .*is a directory"):
+            rtrace.configure(exporter="jsonl")
+
     def test_plugin_tracking_uri_schemes_are_accepted(self, monkeypatch):
         """A tracking-store scheme registered by an installed MLflow plugin (azureml, ...) is valid."""
         from rtrace import config

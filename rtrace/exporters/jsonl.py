@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from .. import _stats
 from .._serialize import json_default, json_safe, strict_json
-from ..config import Settings
+from ..config import ConfigError, Settings, writable_path
 from ..trajectory import Trajectory
 from .base import Sink
 
@@ -54,6 +54,10 @@ class JsonlSink(Sink):
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
         self.path = os.path.abspath(settings.jsonl_path)
+        try:  # the default path was not checked by the settings: it is relative to the cwd
+            writable_path(self.path)
+        except ValueError as exc:
+            raise ConfigError(f"RTRACE_JSONL_PATH: {exc}; accepted values: a writable file path") from None
         self._fd: int | None = None
         self._lock = threading.Lock()
 
