@@ -134,7 +134,14 @@ def _tracer(settings: Settings) -> Any:
             _own_provider = TracerProvider(resource=Resource.create({"service.name": settings.service_name}),
                                            id_generator=UrandomIdGenerator())
         provider = _own_provider
-    return provider.get_tracer("rtrace")
+    tracer = provider.get_tracer("rtrace")
+    # On an application's provider, rtrace's own tracer still draws its ids from
+    # os.urandom: the SDK's default generator draws from the seeded global `random`
+    # (the program's state would move, seeded workers would repeat trace ids). Each
+    # get_tracer() returns a new SDK Tracer; the application's tracers keep its generator.
+    if not isinstance(getattr(tracer, "id_generator", None), UrandomIdGenerator) and hasattr(tracer, "id_generator"):
+        tracer.id_generator = UrandomIdGenerator()
+    return tracer
 
 
 def _install(built: tuple[Any, Any] | None, settings: Settings) -> None:

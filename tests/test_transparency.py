@@ -240,6 +240,37 @@ class TestRandomState:
         assert len(spans) == 5
 
 
+    def test_application_provider_with_the_sdks_random_ids(self):
+        """On an application's TracerProvider (whose default id generator draws from `random`),
+        rtrace's own spans still take their ids from os.urandom: the program's random state does not
+        move and seeded runs do not repeat trace ids; the application's own spans keep its generator."""
+        from opentelemetry import trace as otel_trace
+        from opentelemetry.sdk.trace import TracerProvider
+
+        provider = TracerProvider()  # RandomIdGenerator: random.getrandbits
+        old = otel_trace._TRACER_PROVIDER
+        otel_trace._TRACER_PROVIDER = provider
+        try:
+            with rtrace.testing.capture() as got:
+                ids = []
+                for _ in range(3):
+                    random.seed(7)
+                    before = random.getstate()
+                    with rtrace.rollout_context(step=0) as ctx:
+                        pass
+                    assert random.getstate() == before
+                    ids.append(ctx.trace_id)
+                assert len(set(ids)) == 3 and len(got.trajectories) == 3
+            random.seed(7)
+            before = random.getstate()
+            with provider.get_tracer("app").start_as_current_span("app-span"):
+                pass
+            assert random.getstate() != before  # the application's generator is its own business
+        finally:
+            rtrace.shutdown()
+            otel_trace._TRACER_PROVIDER = old
+
+
 # ----------------------------------------------------------------------------- item 8
 def test_exception_text_is_bounded_by_max_value_chars():
     """A 200,000-character exception message is cut to max_value_chars (plus the marker) in the
