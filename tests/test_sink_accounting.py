@@ -73,6 +73,25 @@ class TestApplicationProvider:
             otel_trace._TRACER_PROVIDER = old
 
 
+    def test_roots_the_applications_sampler_drops_are_counted(self):
+        """A trajectory whose root the application's sampler does not record is counted
+        (trajectories_dropped_provider_sampler), so started = completed + dropped still holds."""
+        from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+        provider = TracerProvider(sampler=ALWAYS_OFF)
+        old = otel_trace._TRACER_PROVIDER
+        otel_trace._TRACER_PROVIDER = provider
+        try:
+            rtrace.configure(sinks=[MemorySink()])
+            rollouts(3)
+            assert rtrace.flush(10)
+            stats = rtrace.stats()
+            assert stats["trajectories_started"] == 3 == stats["trajectories_dropped_provider_sampler"]
+        finally:
+            rtrace.shutdown()
+            otel_trace._TRACER_PROVIDER = old
+
+
 # ----------------------------------------------------------------------------- item 9
 class TestDroppedRootFreesItsSlot:
     def test_open_trajectory_cap_full(self):
