@@ -102,7 +102,6 @@ class SpanConverter:
         ctx = span.context
         parent = span.parent
         status = span.status
-        limit = self.settings.max_value_chars
         is_error = status.status_code is StatusCode.ERROR
         out = SpanRecord(
             span_id=_hex_span(ctx.span_id),
@@ -112,10 +111,11 @@ class SpanConverter:
             start_ns=span.start_time or 0,
             end_ns=span.end_time or span.start_time or 0,
             status="error" if is_error else "ok",
-            # exception text is the program's: bounded like every captured value
-            error=truncate(status.description or "", limit) if is_error else None,
-            attributes=_attributes(span.attributes, limit),
-            events=[{"name": e.name, "time_ns": e.timestamp, "attributes": _attributes(e.attributes, limit)}
+            # exception text and attributes the application set did not come through a
+            # capture: bounded, redacted and made encodable like every captured value
+            error=conv.text(status.description or "") if is_error else None,
+            attributes=_attributes(span.attributes, conv),
+            events=[{"name": e.name, "time_ns": e.timestamp, "attributes": _attributes(e.attributes, conv)}
                     for e in span.events],
         )
         if rec is not None and rec.args is not None:
@@ -328,16 +328,10 @@ def _reward(value: Any, outcome: dict[str, Any]) -> float | None:
     return reward
 
 
-def _attributes(attrs: Any, limit: int) -> dict[str, Any]:
-    """An SDK span's attributes as a dict: tuples as lists, long strings truncated."""
-    out: dict[str, Any] = {}
-    for key, value in (attrs or {}).items():
-        if isinstance(value, tuple):
-            value = list(value)
-        elif isinstance(value, str) and len(value) > limit:
-            value = truncate(value, limit)
-        out[key] = value
-    return out
+def _attributes(attrs: Any, conv: Converter) -> dict[str, Any]:
+    """An SDK span's attributes as a dict: tuples as lists, strings bounded and redacted,
+    secret-looking keys redacted, ints beyond 64 bits as strings (``Converter.attribute``)."""
+    return {key: conv.attribute(key, value) for key, value in (attrs or {}).items()}
 
 
 def _tree_order(records: list[SpanRecord], root_id: str) -> list[SpanRecord]:
