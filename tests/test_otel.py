@@ -127,10 +127,19 @@ class TestConversion:
         ("bad\udcff", "bad?"),                      # lone surrogate: '?' (as MLflow's encoder)
         (float("inf"), float("inf")),               # OTLP has doubles
         (object, str(object)),
+        ({}, {}), ([], []),                         # empty maps and lists stay maps and lists
+        ({"k": [None, True, 1.5]}, {"k": [None, True, 1.5]}),
     ])
     def test_any_value(self, value, expected):
-        """any_value gives a form the OTLP encoder writes without dropping the attribute."""
+        """any_value gives a form OTLP can hold without dropping the attribute; set_any_value writes that form."""
+        from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+        from tests.otlp_receiver import any_value as decode
+
         assert otel.any_value(value) == expected
+        pb = AnyValue()
+        otel.set_any_value(pb, value)
+        assert decode(pb) == expected
 
 
 # ----------------------------------------------------------------------------- both sinks

@@ -196,12 +196,8 @@ def set_any_value(pb: Any, value: Any) -> None:
         items = array.values
         for item in value:
             set_any_value(items.add(), item)
-    else:  # subclasses (IntEnum, OrderedDict...) and other objects
-        normal = any_value(value)
-        if type(normal) is not cls:
-            set_any_value(pb, normal)
-        else:
-            pb.string_value = utf8(str(value))
+    else:  # subclasses (IntEnum, OrderedDict...) and other objects: any_value gives base types
+        set_any_value(pb, any_value(value))
 
 
 # ----------------------------------------------------------------------------- spans
