@@ -50,7 +50,7 @@ from .otel import DEFAULT_MAX_VALUE_CHARS, otlp_spans, to_otlp_request
 __all__ = ["MlflowSink", "check_mlflow_version", "trace_tags", "tag_value", "MLFLOW_VERSION_RANGE"]
 
 #: The MLflow versions the sink is tested against (pyproject's ``mlflow`` extra).
-MLFLOW_VERSION_RANGE = ((3, 17), (3, 19))  # >= 3.17, < 3.19
+MLFLOW_VERSION_RANGE = ((3, 16), (3, 19))  # >= 3.16, < 3.19
 
 _SPAN_TYPES = {"rollout": "AGENT", "agent": "AGENT", "generation": "LLM", "tool": "TOOL"}
 _TAG_FIELDS = ("step", "sample_index", "rollout_n", "validate", "experiment", "group_id", "policy_version",
