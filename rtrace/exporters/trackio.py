@@ -250,7 +250,7 @@ class TrackioSink(Sink):
             return False
         try:
             return not _trackio_private.run_is_finished(run)
-        except Exception:  # trackio moved the flag: take the run as open, as before 0.1
+        except Exception:  # trackio moved the flag: take the run as open (the canary test names it)
             _stats.warn_once("trackio-finished", "rtrace could not tell whether a trackio run is finished",
                              exc_info=True)
             return True
