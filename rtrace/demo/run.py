@@ -255,7 +255,6 @@ def run_demo(opts: DemoOptions, out: TextIO | None = None, err: TextIO | None = 
     err = err or sys.stderr
     os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded, ever
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    random.seed(opts.seed)
     out_dir = Path(opts.out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     exporter = _resolve_exporter(opts)
