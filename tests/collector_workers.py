@@ -118,7 +118,7 @@ def finish_then_hang(env: dict[str, str], finished: int, ready: Any) -> None:
             calc(i)
     with rtrace.rollout_context(step=0, sample_index=finished, rollout_n=0):
         calc(-1)
-        time.sleep(1.5)  # the tool span and the finished rollouts have left the process
+        time.sleep(2.5)  # the tool span and the finished rollouts have left the process
         ready.set()
         time.sleep(600)
 
