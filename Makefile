@@ -38,7 +38,7 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/rtrace demo
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=10
 
 # rtrace's veRL shim against the real verl (tests/verl); `make test` skips those tests without verl.
 test-verl: $(VERL_STAMP)

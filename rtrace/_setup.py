@@ -171,7 +171,7 @@ def _install(built: tuple[Any, Any] | None, settings: Settings) -> None:
         from .pipeline.sampling import selector_for
 
         sampler = PreSampler(1.0, settings.sample_seed, settings.sample_groups)
-        pipeline.selector = selector_for(settings, linger_s=3.0, on_drop=pipeline.dropped)
+        pipeline.selector = selector_for(settings, linger_s=settings.step_linger_s, on_drop=pipeline.dropped)
     else:
         sampler = StepSampler(settings.max_traces_per_step, settings.val_cap, settings.sample_groups)
     _state.set_runtime(_state.Runtime(tracer, pipeline.registry, sampler, pipeline, settings.capture,

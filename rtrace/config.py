@@ -310,6 +310,10 @@ PARAMS: tuple[Param, ...] = (
     Param("keep_zero_variance_groups", "RTRACE_KEEP_ZERO_VARIANCE_GROUPS", _int(0), 0, "an integer >= 0",
           "Per step, keep up to this many GRPO groups whose rewards are all equal (zero advantage), past the cap.",
           type="int"),
+    Param("step_linger_s", "RTRACE_STEP_LINGER_S", _float(0.0), 10.0, _SEC.format(0),
+          "Once a later step has begun, a step stays open this long after its last trajectory (workers run "
+          "steps out of phase) before its job-wide sample and step metrics are written; flush() writes at "
+          "once.", type="float"),
     Param("sample_seed", "RTRACE_SAMPLE_SEED", _int(0), 0, "an integer >= 0",
           "Seed of the collector's job-wide sample (which trajectories of a step are kept).", type="int"),
     Param("pre_sample_rate", "RTRACE_PRE_SAMPLE_RATE", _float(0.0, 1.0), 1.0, "a number from 0 to 1",

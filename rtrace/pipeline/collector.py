@@ -57,12 +57,12 @@ class CollectorPipeline(Pipeline):
 
     def __init__(self, settings: Settings, fanout: Fanout, postprocessors: list, settle_s: float) -> None:
         self.settle_s = settle_s
-        self.metrics_linger_s = max(3.0, 2 * settle_s)
+        self.metrics_linger_s = settings.step_linger_s
         self._requests: deque[tuple[Any, int]] = deque()
         self._queued = 0
         self._qlock = threading.Lock()
         super().__init__(settings, fanout, postprocessors)
-        self.selector = selector_for(settings, linger_s=max(3.0, 2 * settle_s), on_drop=self.dropped)
+        self.selector = selector_for(settings, linger_s=settings.step_linger_s, on_drop=self.dropped)
 
     # ------------------------------------------------------------------ receiver threads
     def on_request(self, request: Any) -> None:
