@@ -109,9 +109,9 @@ class TestRoundTrip:
         spans = got["spans"]
         assert [(s["name"], s["kind"], s["metadata"]["rtrace.kind"]) for s in spans] == [
             ("rollout", "span", "rollout"), ("agent_loop", "span", "agent"),
-            ("generate", "generation", "generation"), ("Calculator.__call__", "tool", "tool"),
-            ("generate", "generation", "generation"), ("Calculator.__call__", "tool", "tool"),
-            ("generate", "generation", "generation")]
+            ("toy-lm", "generation", "generation"), ("calculator", "tool", "tool"),
+            ("toy-lm", "generation", "generation"), ("calculator", "tool", "tool"),
+            ("toy-lm", "generation", "generation")]
         ids = [s["id"] for s in spans]
         assert [s["parent_id"] for s in spans] == [None, ids[0]] + [ids[1]] * 5
         for s, r in zip(spans, ref.spans):

@@ -128,6 +128,8 @@ class SpanConverter:
         out.input = conv.convert_named(inputs)
         if has_output:
             out.output = conv(output)
+        if spec.default_name:
+            _display_name(out)
 
     @staticmethod
     def _generation(out: SpanRecord, inputs: dict[str, Any], has_output: bool, output: Any,
@@ -161,6 +163,19 @@ class SpanConverter:
         if isinstance(finish, str):
             attrs["gen_ai.response.finish_reasons"] = [finish]
         return has_output, output
+
+
+def _display_name(out: SpanRecord) -> None:
+    """Name a tool span after its tool (``gen_ai.tool.name``) and a generation span after
+    its model (``gen_ai.request.model``), so that every sink shows ``calculator`` rather
+    than ``CalculatorTool.execute``; the function's qualified name stays in the
+    ``code.function`` attribute. Only for spans named by default (no ``name=``)."""
+    attrs = out.attributes
+    key = "gen_ai.tool.name" if out.kind == "tool" else "gen_ai.request.model" if out.kind == "generation" else None
+    shown = attrs.get(key) if key else None
+    if isinstance(shown, str) and shown and shown != out.name:
+        attrs["code.function"] = out.name
+        out.name = shown
 
 
 def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Trajectory:
