@@ -11,6 +11,16 @@ Sources, best first:
    entry on the preceding assistant turn plus a ``tool`` message with its result;
 3. nothing readable: an empty list.
 
+A turn whose text is unknown is never an empty string when something is there: a
+prompt or a response with token ids but no decoded text reads
+``[16 tokens, not decoded: set RTRACE_TOKEN2TEXT]`` (:func:`placeholder`), so every
+sink shows what the turn holds and how to see its text.
+
+Each generation span whose response is an assistant message of the conversation gets
+the attribute ``rtrace.message_index`` (:data:`MESSAGE_INDEX`): that message's position
+in ``Trajectory.messages``, so a sink can show a generation's output as the assistant
+turn it produced, tool calls included.
+
 Trajectories of ``rtrace.log_rollout_batch`` (root attribute ``rtrace.source`` =
 ``tensor_batch``) are rebuilt from their segments instead (:func:`segment_messages`).
 
@@ -26,12 +36,37 @@ from typing import Any
 
 from ..trajectory import SpanRecord, Trajectory, response_text
 
-__all__ = ["build_messages", "segment_messages", "response_text", "tool_call_id"]
+__all__ = ["build_messages", "segment_messages", "response_text", "tool_call_id", "placeholder", "MESSAGE_INDEX"]
 
 #: Root attribute ``rtrace.source`` of trajectories made by ``rtrace.log_rollout_batch``.
 BATCH_SOURCE = "tensor_batch"
 #: On a span of such a trajectory: the chat role of its segment ("user", "assistant", "tool").
 ROLE_ATTR = "rtrace.role"
+#: On a generation span: the index in ``Trajectory.messages`` of the assistant turn it produced.
+MESSAGE_INDEX = "rtrace.message_index"
+
+
+def placeholder(n_tokens: int | None, token2text: bool) -> str:
+    """The content of a turn without text: what is there, and how to see its text."""
+    if n_tokens is None:
+        return "[no text captured]"
+    why = ("token2text has no tokenizer or could not decode, see rtrace.stats()" if token2text
+           else "set RTRACE_TOKEN2TEXT")
+    return f"[{n_tokens} tokens, not decoded: {why}]"
+
+
+def _n_tokens(span: SpanRecord, ids: list[int] | None, usage_key: str) -> int | None:
+    if ids is not None:
+        return len(ids)
+    n = span.attributes.get(usage_key)
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def _response(span: SpanRecord, token2text: bool) -> str:
+    text = response_text(span)
+    if text is not None:
+        return text
+    return placeholder(_n_tokens(span, span.response_ids, "gen_ai.usage.output_tokens"), token2text)
 
 
 def _prompt_text(span: SpanRecord) -> str | None:
@@ -77,29 +112,51 @@ def _chat_messages(span: SpanRecord) -> list[dict[str, Any]] | None:
     return None
 
 
-def segment_messages(traj: Trajectory) -> list[dict[str, Any]]:
+def _segment_text(text: Any, ids: list[int] | None, token2text: bool) -> str:
+    if isinstance(text, str):
+        return text
+    return placeholder(len(ids), token2text) if ids else ""
+
+
+def segment_messages(traj: Trajectory, token2text: bool = False) -> list[dict[str, Any]]:
     """The conversation of a tensor-batch trajectory, from its segments.
 
     Each non-root span is one segment of the sample's token sequence, in order; its
     role is the ``rtrace.role`` attribute. The first generation's prompt is the user
-    turn. A segment with no decoded text (token2text off, or no tokenizer) has empty
-    content, so the roles are there in order either way.
+    turn. A segment with no decoded text (token2text off, or no tokenizer) reads as a
+    :func:`placeholder` (empty when it holds no token ids), so the roles are there in
+    order either way.
     """
     messages: list[dict[str, Any]] = []
     for span in traj.spans[1:]:
         if span.kind == "generation" and not messages:
-            prompt = span.attributes.get("rtrace.prompt_text")
-            messages.append({"role": "user", "content": prompt if isinstance(prompt, str) else ""})
+            text = _segment_text(span.attributes.get("rtrace.prompt_text"), span.prompt_ids, token2text)
+            messages.append({"role": "user", "content": text})
         role = span.attributes.get(ROLE_ATTR) or ("assistant" if span.kind == "generation" else "tool")
-        text = span.attributes.get("rtrace.response_text")
-        messages.append({"role": role, "content": text if isinstance(text, str) else ""})
+        if span.kind == "generation" and role == "assistant":
+            span.attributes[MESSAGE_INDEX] = len(messages)
+        text = _segment_text(span.attributes.get("rtrace.response_text"), span.response_ids, token2text)
+        messages.append({"role": role, "content": text})
     return messages
 
 
-def build_messages(traj: Trajectory) -> list[dict[str, Any]]:
-    """The trajectory's conversation (see the module docstring for the sources)."""
+def _index_chat(gens: list[SpanRecord], chat: list[dict[str, Any]]) -> None:
+    """Generations before the one whose chat messages open the conversation produced the
+    assistant turns of that chat, in order: link them when the counts agree."""
+    turns = [i for i, m in enumerate(chat) if m.get("role") == "assistant"]
+    if len(turns) == len(gens):
+        for span, i in zip(gens, turns):
+            span.attributes[MESSAGE_INDEX] = i
+
+
+def build_messages(traj: Trajectory, token2text: bool = False) -> list[dict[str, Any]]:
+    """The trajectory's conversation (see the module docstring for the sources).
+
+    Args:
+        token2text: whether token2text was on, for the placeholder of undecoded turns.
+    """
     if traj.spans and traj.root.attributes.get("rtrace.source") == BATCH_SOURCE:
-        return segment_messages(traj)
+        return segment_messages(traj, token2text)
     events = [s for s in traj.spans if s.kind in ("generation", "tool")]
     events.sort(key=lambda s: s.start_ns)
     gens = [s for s in events if s.kind == "generation"]
@@ -111,15 +168,19 @@ def build_messages(traj: Trajectory) -> list[dict[str, Any]]:
         chat = _chat_messages(events[i]) if events[i].kind == "generation" else None
         if chat is not None:
             messages, start = chat, i
+            _index_chat([s for s in events[:i] if s.kind == "generation"], chat)
             break
     else:
         prompt = _prompt_text(gens[0])
+        if prompt is None and gens[0].prompt_ids is not None:
+            prompt = placeholder(len(gens[0].prompt_ids), token2text)
         if prompt is not None:
             messages.append({"role": "user", "content": prompt})
     last_assistant: dict[str, Any] | None = None
     for span in events[start:]:
         if span.kind == "generation":
-            last_assistant = {"role": "assistant", "content": response_text(span) or ""}
+            last_assistant = {"role": "assistant", "content": _response(span, token2text)}
+            span.attributes[MESSAGE_INDEX] = len(messages)
             messages.append(last_assistant)
         else:
             call, result = _tool_messages(span)
