@@ -109,7 +109,8 @@ class TestDemoTrackio:
             spans = t["spans"]
             tools = [s for s in spans if s["kind"] == "tool"]
             assert [s["metadata"]["gen_ai.tool.name"] for s in tools] == [
-                "calculator" if meta["extra"]["task_kind"] == "arithmetic" else "lookup"]
+                "calculator" if meta["extra.task_kind"] == "arithmetic" else "lookup"]
+            assert [s["name"] for s in tools] == [s["metadata"]["gen_ai.tool.name"] for s in tools]
             assert tools[0]["output"] == t["messages"][3]["content"] and tools[0]["output"] != "not found"
             gens = [s for s in spans if s["kind"] == "generation"]
             assert len(gens) == 2
@@ -117,6 +118,14 @@ class TestDemoTrackio:
             assert "user\n" in gens[0]["metadata"]["rtrace.prompt_text"]
             assert [m["role"] for m in t["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
             assert t["messages"][2]["content"] == gens[0]["metadata"]["rtrace.response_text"]
+            # what the traces page shows: each generation's chat in and its response out (the first
+            # with the tool call that followed it); the root: the task in, the answer and reward out
+            assert [g["input"] for g in gens] == [t["messages"][:2], t["messages"][:4]]
+            assert gens[0]["output"] == t["messages"][2] and gens[1]["output"] == t["messages"][4]["content"]
+            assert spans[0]["input"] == t["messages"][:2]
+            assert spans[0]["output"]["answer"] == t["messages"][4]["content"]
+            assert spans[0]["output"]["reward"] == meta["reward"]
+            assert meta["status"] == ("[val] success" if meta["validate"] else "success")
 
 
 MLFLOW_READER = """

@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..trajectory import SpanRecord, Trajectory, response_text
+from ..trajectory import MESSAGE_INDEX, SpanRecord, Trajectory, response_text
 
 __all__ = ["build_messages", "segment_messages", "response_text", "tool_call_id", "placeholder", "MESSAGE_INDEX"]
 
@@ -42,8 +42,6 @@ __all__ = ["build_messages", "segment_messages", "response_text", "tool_call_id"
 BATCH_SOURCE = "tensor_batch"
 #: On a span of such a trajectory: the chat role of its segment ("user", "assistant", "tool").
 ROLE_ATTR = "rtrace.role"
-#: On a generation span: the index in ``Trajectory.messages`` of the assistant turn it produced.
-MESSAGE_INDEX = "rtrace.message_index"
 
 
 def placeholder(n_tokens: int | None, token2text: bool) -> str:
