@@ -15,7 +15,7 @@ VERL_BIN := $(VERL_VENV)/bin
 VERL_STAMP := $(VERL_VENV)/.rtrace-verl-installed
 PIP_QUIET := -q --disable-pip-version-check
 
-.PHONY: install install-verl demo test test-ui test-verl bench clean
+.PHONY: install install-verl demo test test-ui test-verl soak bench clean
 
 install: $(STAMP)
 
@@ -52,6 +52,10 @@ test-ui: $(STAMP)
 # rtrace's veRL shim against the real verl (tests/verl); `make test` skips those tests without verl.
 test-verl: $(VERL_STAMP)
 	HF_HUB_OFFLINE=1 $(VERL_BIN)/python -m pytest -q tests/verl
+
+# A minute of concurrent traced rollouts into JSONL and a slow sink: RSS growth and accounting.
+soak: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/soak -q -s
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_hot_path.py

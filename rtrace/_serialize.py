@@ -25,20 +25,22 @@ Defined forms (documented in docs/capture.md):
 * bytes become ``"<bytes: N>"``; numpy arrays and torch tensors of up to
   :data:`ARRAY_INLINE` elements become lists, larger ones
   ``{"shape": [...], "dtype": "...", "preview": [first elements]}`` without copying the
-  whole tensor; other objects become ``repr()`` (bounded); a value whose conversion
-  fails becomes ``"<unserialisable TYPE: ERROR>"`` and only that element is lost.
+  whole tensor; other objects become ``repr()`` (bounded), ``"<module.Class object>"``
+  for a class without its own ``__repr__`` (object's default repr has the address, which
+  differs run to run); a value whose conversion fails becomes ``"<unserialisable TYPE: ERROR>"`` and only that element is lost.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
 from typing import Any, Iterable
 
 __all__ = ["ListSnapshot", "unsnap", "is_array", "array_to_python", "Converter", "REDACTED", "truncate",
-           "attr_ok", "finite_or_str", "strict_json", "json_default", "ARRAY_INLINE"]
+           "attr_ok", "finite_or_str", "strict_json", "json_default", "json_safe", "clean_text", "ARRAY_INLINE"]
 
 REDACTED = "[REDACTED]"
 _MAX_DEPTH = 12
@@ -47,6 +49,9 @@ _PRIMITIVES = (str, int, float, bool, type(None))
 ARRAY_INLINE = 4096
 _PREVIEW = 16
 _INT_BITS = 64
+#: A string cut to max_chars is redacted over this many more characters first, so a
+#: token that straddles the cut is still recognised (and replaced) whole.
+_REDACT_WINDOW = 256
 #: Well-known secret shapes inside strings.
 _SECRET_VALUES = re.compile(
     r"\b(?:sk-(?:proj-|ant-)?[A-Za-z0-9_\-]{16,}|hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
@@ -63,6 +68,60 @@ def truncate(text: str, max_chars: int, total: int | None = None) -> str:
             return text
         total = len(text)
     return f"{text[:max_chars]}…[truncated, {total} chars]"
+
+
+def clean_text(text: str) -> str:
+    """``text`` with lone surrogates as ``\\udXXX`` escapes: no sink can encode them."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
+@functools.lru_cache(maxsize=8)
+def _assignment_pattern(fragments: tuple[str, ...]) -> re.Pattern[str] | None:
+    """``<key containing a fragment><quote?> = or : <quote?><value>`` inside text (query
+    strings, ``repr()`` of objects, log lines, JSON): group 1 is kept, the value replaced."""
+    if not fragments:
+        return None
+    keys = "|".join(re.escape(f).replace("_", "[-_]") for f in sorted(fragments, key=len, reverse=True))
+    return re.compile(rf"(?i)((?:{keys})[\w-]*[\"']?\s*[=:]\s*)"
+                      rf"(?!\[REDACTED\]|[\"']\[REDACTED\])(?:\"[^\"]*\"|'[^']*'|[^\s\"'&,;)}}\]]+)")
+
+
+def _redact_assignment(match: re.Match[str]) -> str:
+    value = match.group(0)[len(match.group(1)):]
+    quote = value[0] if value[0] in "\"'" else ""
+    return f"{match.group(1)}{quote}{REDACTED}{quote}"
+
+
+#: Lower-case substrings one of which every match of _SECRET_VALUES contains: a cheap
+#: test in C before the regular expression runs (most strings contain none of them).
+_TOKEN_MARKERS = ("sk-", "hf_", "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_", "xoxa-", "xoxb-",
+                  "xoxp-", "xoxr-", "akia", "bearer")
+
+
+def _redact_text(text: str, assignment: re.Pattern[str] | None = None,
+                 fragments: tuple[str, ...] = ()) -> tuple[str, int]:
+    """``text`` with well-known token shapes, and values assigned to secret-looking keys
+    (``api_key=...``; ``fragments`` are the keys, lower case with ``_``), replaced by
+    ``[REDACTED]``; and how many were replaced."""
+    if len(text) < 12:
+        return text, 0
+    low = text.lower()
+    n = 0
+    if any(marker in low for marker in _TOKEN_MARKERS) and _SECRET_VALUES.search(text):
+        text, n = _SECRET_VALUES.subn(REDACTED, text)
+    if assignment is not None:
+        if "-" in low:
+            low = low.replace("-", "_")
+        if any(fragment in low for fragment in fragments) and assignment.search(text):
+            text, m = assignment.subn(_redact_assignment, text)
+            n += m
+    return text, n
 
 
 def attr_ok(value: Any) -> bool:
@@ -140,6 +199,7 @@ class Converter:
     def __init__(self, max_chars: int, redact_keys: Iterable[str]) -> None:
         self.max_chars = max_chars
         self.redact_keys = tuple(_norm_key(k) for k in redact_keys)
+        self._assignment = _assignment_pattern(self.redact_keys)
         self.truncated = 0
         self.redacted = 0
         self.errors = 0
@@ -189,6 +249,38 @@ class Converter:
             return REDACTED
         return self(value)
 
+    def text(self, text: str, limit: int | None = None) -> str:
+        """A string that did not come through a capture (exception text, an attribute the
+        application set): lone surrogates escaped, token shapes redacted, then cut to
+        ``limit`` (default max_chars) with the truncation marker."""
+        limit = self.max_chars if limit is None else limit
+        total = len(text)
+        if total > limit:
+            text = text[:limit + _REDACT_WINDOW]
+        text, n = _redact_text(clean_text(text), self._assignment, self.redact_keys)
+        self.redacted += n
+        if total > limit:
+            self.truncated += 1
+            return truncate(text, limit, total)
+        return text
+
+    def attribute(self, key: str, value: Any) -> Any:
+        """An OTel attribute value as exported: redacted when its key looks secret, strings
+        through :meth:`text`, integers beyond 64 bits as their decimal string."""
+        if self.is_secret(key):
+            self.redacted += 1
+            return REDACTED
+        return self._attribute_value(value)
+
+    def _attribute_value(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, (list, tuple)):
+            return [self._attribute_value(v) for v in value]
+        if type(value) is int:
+            return _int(value)
+        return value
+
     # ------------------------------------------------------------------ the walk
     def _spend(self, n: int) -> None:
         self._left -= n
@@ -232,29 +324,32 @@ class Converter:
         dump = getattr(type(value), "model_dump", None)  # pydantic v2 models (tool call objects ...)
         if callable(dump):
             return self._convert(dump(value), depth + 1)
+        if cls.__repr__ is object.__repr__:
+            # object's default repr holds the address: '<m.C object at 0x7f..>' differs run to
+            # run (and call to call), so traces of the same rollout would not compare equal
+            return self._str(f"<{cls.__module__}.{cls.__qualname__} object>")
         return self._str(repr(value))
 
     def _str(self, text: str) -> str:
-        if not text.isascii():
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:  # lone surrogates: no sink can write them
-                text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+        text = clean_text(text)  # lone surrogates: no sink can write them
         if len(text) > self._left:
-            self._partial = truncate(text, min(self.max_chars, max(0, self._left)), len(text))
+            # Redact before cutting: a token cut in half would no longer be recognised.
+            keep = min(self.max_chars, max(0, self._left))
+            head, n = _redact_text(text[:keep + _REDACT_WINDOW], self._assignment, self.redact_keys)
+            self.redacted += n
+            self._partial = truncate(head, keep, len(text))
             self._left = -1
             raise _Budget
         self._spend(len(text) + 1)
-        if len(text) >= 12 and _SECRET_VALUES.search(text):
-            self.redacted += 1
-            text = _SECRET_VALUES.sub(REDACTED, text)
+        text, n = _redact_text(text, self._assignment, self.redact_keys)
+        self.redacted += n
         return text
 
     def _mapping(self, items: Iterable[tuple[Any, Any]], depth: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
         try:
             for k, v in items:
-                key = k if isinstance(k, str) else self._key(k)
+                key = self._key(k)  # bounded, encodable, token shapes redacted
                 if self.is_secret(key):
                     self.redacted += 1
                     out[key] = REDACTED
@@ -320,6 +415,36 @@ def _int(value: int) -> int | str:
         return str(value)
     except ValueError:  # beyond sys.get_int_max_str_digits()
         return f"<int of {value.bit_length()} bits>"
+
+
+def json_safe(data: Any, depth: int = 0) -> Any:
+    """``data`` made encodable as strict UTF-8 JSON whatever it holds: lone surrogates
+    escaped, integers past Python's digit limit as ``"<int of N bits>"``, non-finite
+    floats as strings, other objects as their ``str()``. A sink's fallback for a
+    trajectory that did not encode as it was; each bad value degrades alone."""
+    if isinstance(data, str):
+        return clean_text(data)
+    if isinstance(data, bool) or data is None:
+        return data
+    if isinstance(data, int):
+        try:
+            str(data)
+        except ValueError:
+            return f"<int of {data.bit_length()} bits>"
+        return int(data)
+    if isinstance(data, float):
+        return finite_or_str(data)
+    if depth >= 2 * _MAX_DEPTH + 8:
+        return f"<{type(data).__name__} nested too deep>"
+    if isinstance(data, dict):
+        return {clean_text(k) if isinstance(k, str) else str(json_safe(k, depth + 1)): json_safe(v, depth + 1)
+                for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [json_safe(v, depth + 1) for v in data]
+    try:
+        return clean_text(str(data))
+    except Exception as exc:
+        return _unserialisable(data, exc)
 
 
 def json_default(value: Any) -> Any:

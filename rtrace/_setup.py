@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -30,6 +31,8 @@ _last_kwargs: dict[str, Any] = {}
 #: set in a forked child: its first traced call configures with these (else: the environment)
 _fork_kwargs: dict[str, Any] | None = None
 _atexit_registered = False
+#: the process that registered shutdown() with multiprocessing's exit finalizers
+_mp_finalizer_pid: int | None = None
 #: provider -> the one ProcessorBridge rtrace added to it (a provider cannot drop one)
 _bridges: dict[int, Any] = {}
 _own_provider: Any = None
@@ -60,7 +63,7 @@ def configure(**kwargs: Any) -> Settings:
         ConfigError: a bad value, naming the variable and the accepted values, or a sink
             whose optional dependency is missing.
     """
-    global _last_kwargs
+    global _last_kwargs, _tokenizer
     settings = load_settings(kwargs)
     _warn_unknown_env()
     with _lock:
@@ -69,8 +72,10 @@ def configure(**kwargs: Any) -> Settings:
             _install(None, settings)
             _last_kwargs = dict(kwargs)
             return settings
-        built = _build(settings)  # raises before anything running is touched
+        built, tokenizer = _build(settings)  # raises before anything running is touched
         _shutdown_locked()
+        if tokenizer is not None:
+            _tokenizer = tokenizer
         _install(built, settings)
         _last_kwargs = dict(kwargs)
         return settings
@@ -82,30 +87,36 @@ def _warn_unknown_env() -> None:
         _stats.warn_once(f"unknown-env-{name}", "rtrace: unknown environment variable %s is ignored%s", name, hint)
 
 
-def _build(settings: Settings) -> tuple[Any, Any]:
+def _build(settings: Settings) -> tuple[tuple[Any, Any], Any]:
+    """The new pipeline and tracer, and the checked tokenizer (or None). Changes nothing
+    that is running: on any error the previous configuration stays in force."""
     from .exporters import create_sink
     from .pipeline.fanout import Fanout
     from .pipeline.token2text import Token2Text, check_tokenizer
 
-    global _tokenizer
     sinks = [create_sink(name, settings) for name in settings.exporter] + list(settings.sinks)
+    tokenizer = None
     if settings.tokenizer is not None:
         try:
-            _tokenizer = check_tokenizer(settings.tokenizer)
+            tokenizer = check_tokenizer(settings.tokenizer)
         except TypeError as exc:
             raise ConfigError(f"configure(tokenizer=...) (env RTRACE_TOKENIZER): {exc}; accepted values: "
                               "an object with batch_decode/decode, or a tokenizer name / local path") from None
     fanout = Fanout(sinks, settings.max_export_batch_size, settings.sink_queue_size, settings.sink_timeout_s)
-    if "collector" in settings.exporter:
-        # Collector mode: spans stream to the job's collector, which decodes and writes.
-        from .pipeline.stream import StreamPipeline
+    try:
+        if "collector" in settings.exporter:
+            # Collector mode: spans stream to the job's collector, which decodes and writes.
+            from .pipeline.stream import StreamPipeline
 
-        return StreamPipeline(settings, fanout), _tracer(settings)
-    post = [Token2Text(get_tokenizer, settings.token2text_skip_special_tokens, settings.token2text_keep_ids)] \
-        if settings.token2text else []
-    from .pipeline.worker import Pipeline
+            return (StreamPipeline(settings, fanout), _tracer(settings)), tokenizer
+        post = [Token2Text(get_tokenizer, settings.token2text_skip_special_tokens, settings.token2text_keep_ids)] \
+            if settings.token2text else []
+        from .pipeline.worker import Pipeline
 
-    return Pipeline(settings, fanout, post), _tracer(settings)
+        return (Pipeline(settings, fanout, post), _tracer(settings)), tokenizer
+    except BaseException:
+        fanout.stop(0.0)  # no sink thread of a configuration that never ran is left behind
+        raise
 
 
 def _tracer(settings: Settings) -> Any:
@@ -123,7 +134,14 @@ def _tracer(settings: Settings) -> Any:
             _own_provider = TracerProvider(resource=Resource.create({"service.name": settings.service_name}),
                                            id_generator=UrandomIdGenerator())
         provider = _own_provider
-    return provider.get_tracer("rtrace")
+    tracer = provider.get_tracer("rtrace")
+    # On an application's provider, rtrace's own tracer still draws its ids from
+    # os.urandom: the SDK's default generator draws from the seeded global `random`
+    # (the program's state would move, seeded workers would repeat trace ids). Each
+    # get_tracer() returns a new SDK Tracer; the application's tracers keep its generator.
+    if not isinstance(getattr(tracer, "id_generator", None), UrandomIdGenerator) and hasattr(tracer, "id_generator"):
+        tracer.id_generator = UrandomIdGenerator()
+    return tracer
 
 
 def _install(built: tuple[Any, Any] | None, settings: Settings) -> None:
@@ -161,8 +179,28 @@ def _install(built: tuple[Any, Any] | None, settings: Settings) -> None:
     if not _atexit_registered:
         atexit.register(shutdown)
         _atexit_registered = True
+    _register_multiprocessing_exit()
     if settings.flush_on_sigterm:
         _install_sigterm()
+
+
+def _register_multiprocessing_exit() -> None:
+    """A multiprocessing child started by fork (Pool and DataLoader workers too) leaves
+    through ``os._exit``: ``atexit`` never runs there, multiprocessing's own exit
+    finalizers do. Register shutdown() with them once per process, so such a child
+    writes what it traced (bounded by sink_timeout_s). A no-op unless the program
+    imported multiprocessing; a second shutdown() in the parent is a no-op."""
+    global _mp_finalizer_pid
+    util = sys.modules.get("multiprocessing.util")
+    if util is None or _mp_finalizer_pid == os.getpid():
+        return
+    try:
+        util.Finalize(None, shutdown, exitpriority=0)
+    except Exception:
+        _stats.warn_once("mp-finalizer", "rtrace could not register its exit hook with multiprocessing",
+                         exc_info=True)
+        return
+    _mp_finalizer_pid = os.getpid()
 
 
 def _provider_of(tracer: Any) -> Any:

@@ -17,7 +17,8 @@ import os
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Callable, Mapping
 
-__all__ = ["ConfigError", "Settings", "PARAMS", "EXPORTERS", "load_settings"]
+__all__ = ["ConfigError", "Settings", "PARAMS", "EXPORTERS", "load_settings", "env_exporters",
+           "writable_path"]
 
 #: Sink names accepted by ``RTRACE_EXPORTER`` (besides ``none``).
 EXPORTERS = ("console", "jsonl", "trackio", "mlflow", "otlp", "collector")
@@ -149,18 +150,21 @@ def _str_list(raw: Any) -> tuple[str, ...]:
     return () if names == ("none",) else names
 
 
-def _path(raw: Any) -> str:
-    """A file path whose directory exists (or can be created) and is writable."""
+def writable_path(raw: Any) -> str:
+    """A file path whose directory exists (or can be created) and is writable; raises
+    ValueError saying why not."""
     value = _str(raw)
     directory = os.path.dirname(os.path.abspath(value))
     probe = directory
-    while not os.path.isdir(probe):  # the first existing ancestor must be writable
+    while not os.path.exists(probe):  # the first existing ancestor must be a writable directory
         parent = os.path.dirname(probe)
         if parent == probe:
             break
         probe = parent
     if os.path.isdir(value):
         raise ValueError(f"{value!r} is a directory")
+    if not os.path.isdir(probe):
+        raise ValueError(f"{probe!r} is not a directory")
     if not os.access(probe, os.W_OK):
         raise ValueError(f"{directory!r} is not writable")
     if os.path.exists(value) and not os.access(value, os.W_OK):
@@ -169,13 +173,25 @@ def _path(raw: Any) -> str:
 
 
 def _tracking_uri(raw: Any) -> str:
+    """An MLflow tracking URI: a path, or a scheme MLflow knows (its own, or one an
+    installed plugin registers, e.g. ``azureml``)."""
     value = _str(raw)
     scheme = value.split(":", 1)[0].lower() if ":" in value else ""
     known = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc",
              "uc")
-    if scheme and scheme.split("+", 1)[0] not in known and len(scheme) > 1:
+    if scheme and scheme.split("+", 1)[0] not in known and len(scheme) > 1 and scheme not in _plugin_schemes():
         raise ValueError(f"unknown scheme {scheme!r} in {value!r}")
     return value
+
+
+def _plugin_schemes() -> set[str]:
+    """Tracking-store URI schemes registered by installed MLflow plugins."""
+    from importlib.metadata import entry_points
+
+    try:
+        return {ep.name.lower() for ep in entry_points(group="mlflow.tracking_store")}
+    except Exception:  # a broken distribution's metadata: no plugin schemes
+        return set()
 
 
 def _url(raw: Any) -> str:
@@ -334,7 +350,7 @@ PARAMS: tuple[Param, ...] = (
     Param("annotation_timeout_s", "RTRACE_ANNOTATION_TIMEOUT_S", _float(0.0), 120.0, _SEC.format(0),
           "How long a trajectory waits for awaited annotations; then it is exported without them (counted).",
           type="float"),
-    Param("jsonl_path", "RTRACE_JSONL_PATH", _path, "rtrace_traces.jsonl", "a writable file path",
+    Param("jsonl_path", "RTRACE_JSONL_PATH", writable_path, "rtrace_traces.jsonl", "a writable file path",
           "Where the jsonl sink appends one trajectory per line.", type="str"),
     Param("service_name", "OTEL_SERVICE_NAME", _str, "rtrace", "a non-empty name",
           "OTel resource service.name of rtrace's own TracerProvider.", type="str"),
@@ -468,8 +484,15 @@ def load_settings(overrides: Mapping[str, Any] | None = None,
         if overrides.get(param.name) is not None:
             values[param.name] = _parse(param, overrides[param.name], "arg")
         elif param.env and environ.get(param.env) is not None:
-            value = _parse(param, environ[param.env], "env")
-            values[param.name] = value * param.env_scale if param.env_scale != 1.0 else value
+            raw = environ[param.env]
+            if param.env.startswith("OTEL_") and not raw.strip():
+                continue  # the OTel specification: an empty variable is the same as unset
+            if param.env_scale != 1.0:  # e.g. milliseconds in the environment, seconds in configure()
+                try:
+                    raw = float(raw) * param.env_scale
+                except ValueError:
+                    pass  # the parser names the variable and the accepted values
+            values[param.name] = _parse(param, raw, "env")
     if sinks is not None:
         values["sinks"] = tuple(sinks) if isinstance(sinks, (list, tuple)) else (sinks,)
     settings = Settings(**values)
@@ -477,6 +500,16 @@ def load_settings(overrides: Mapping[str, Any] | None = None,
         raise ConfigError("RTRACE_EXPORTER=collector needs RTRACE_COLLECTOR_ENDPOINT (host:port of "
                           "`rtrace collect` / rtrace.start_collector(); collector.env sets both)")
     return settings
+
+
+def env_exporters(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The sinks ``RTRACE_EXPORTER`` names in the environment (``()`` when unset or ``none``).
+
+    Raises:
+        ConfigError: a name that is not a sink.
+    """
+    environ = os.environ if environ is None else environ
+    return _parse(_PARAMS_BY_NAME["exporter"], environ.get("RTRACE_EXPORTER"), "env")
 
 
 def reference_markdown() -> str:

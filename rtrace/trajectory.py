@@ -12,13 +12,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-__all__ = ["SCHEMA", "SpanRecord", "Trajectory", "StepMetrics", "RL_FIELDS", "MESSAGE_INDEX", "response_text"]
+__all__ = ["SCHEMA", "SpanRecord", "Trajectory", "StepMetrics", "RL_FIELDS", "MESSAGE_INDEX", "CHAT_KEYS",
+           "response_text"]
 
 #: Version tag written in every JSONL line; bumped only on incompatible changes.
 SCHEMA = "rtrace.trajectory/1"
 
 #: RL coordinates carried by every trajectory (``rl.<name>`` on every span).
 RL_FIELDS = ("step", "sample_index", "rollout_n", "validate", "experiment", "group_id", "policy_version")
+
+#: Input arguments holding a conversation (a list of ``{"role": ...}`` dicts): ``messages``
+#: (OpenAI, AReaL), ``raw_prompt`` (veRL's dataset column, ``ToolAgentLoop.run``),
+#: ``prompt`` (SkyRL), ``conversation``.
+CHAT_KEYS = ("messages", "raw_prompt", "prompt", "conversation")
 
 #: On a generation span: the index in ``Trajectory.messages`` of the assistant turn it
 #: produced (set by the pipeline when it builds the conversation).

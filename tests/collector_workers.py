@@ -156,3 +156,23 @@ def generations(env: dict[str, str], prompt: list[int], response: list[int]) -> 
         generate(prompt)
     time.sleep(1.2)
     os._exit(0)
+
+
+def steady(env: dict[str, str], n: int, pause_s: float, out: Any) -> None:
+    """``n`` rollouts, one every ``pause_s``; reports its counters at the end."""
+    _apply(env)
+    import rtrace
+
+    @rtrace.traced_tool
+    def calc(x: int) -> int:
+        return x + 1
+
+    for i in range(n):
+        with rtrace.rollout_context(step=0, sample_index=i, rollout_n=0):
+            calc(i)
+        time.sleep(pause_s)
+    ok = rtrace.flush(30)
+    out.put((ok, rtrace.stats()))
+    out.close()
+    out.join_thread()
+    os._exit(0)

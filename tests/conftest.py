@@ -48,5 +48,5 @@ def read_back(path):
     """Flush and read every trajectory written to ``path``."""
     from rtrace.exporters.jsonl import read_jsonl
 
-    assert rtrace.flush(10)
+    assert rtrace.flush(60)  # bounded; a cold MLflow store on a busy machine takes a while
     return read_jsonl(path) if os.path.exists(path) else []

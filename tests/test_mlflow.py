@@ -243,12 +243,25 @@ def test_version_outside_the_tested_range_fails_at_configure(monkeypatch):
         rtrace.configure(exporter="mlflow")
 
 
-def test_configure_does_not_import_mlflow(tmp_path):
-    """import rtrace and configure(exporter='mlflow') leave mlflow unimported (it loads in the sink thread)."""
-    code = ("import sys, rtrace; rtrace.configure(exporter='mlflow'); "
-            "print('mlflow' in sys.modules); rtrace.configure(exporter='none')")
+def test_mlflow_is_imported_only_when_configured(tmp_path):
+    """import rtrace and configure() with other sinks leave mlflow unimported; configure(exporter='mlflow')
+    imports it on the calling thread (never in the sink thread, where it raced the application's own
+    `import mlflow`: tests/test_process_lifecycle.py)."""
+    code = ("import sys, rtrace; rtrace.configure(exporter='console'); before = 'mlflow' in sys.modules; "
+            "rtrace.configure(exporter='mlflow'); print(before, 'mlflow' in sys.modules); "
+            "rtrace.configure(exporter='none')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False True", out.stderr
+
+
+def test_missing_otlp_encoder_fails_at_configure(tmp_path):
+    """Without the OTel SDK's OTLP encoder, configure(exporter='mlflow') raises ConfigError naming rtrace[mlflow]."""
+    code = ("import sys; sys.modules['opentelemetry.exporter.otlp.proto.common'] = None  # as if not installed\n"
+            "import rtrace\ntry:\n    rtrace.configure(exporter='mlflow')\n"
+            "except rtrace.ConfigError as exc:\n    print('ConfigError:', exc)")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert out.stdout.strip() == "False", out.stderr
+    assert out.stdout.startswith("ConfigError:") and "opentelemetry-exporter-otlp-proto-common" in out.stdout, out.stderr
+    assert "pip install 'rtrace[mlflow]'" in out.stdout
 
 
 # ----------------------------------------------------------------------------- a real server

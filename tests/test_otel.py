@@ -127,10 +127,19 @@ class TestConversion:
         ("bad\udcff", "bad?"),                      # lone surrogate: '?' (as MLflow's encoder)
         (float("inf"), float("inf")),               # OTLP has doubles
         (object, str(object)),
+        ({}, {}), ([], []),                         # empty maps and lists stay maps and lists
+        ({"k": [None, True, 1.5]}, {"k": [None, True, 1.5]}),
     ])
     def test_any_value(self, value, expected):
-        """any_value gives a form the OTLP encoder writes without dropping the attribute."""
+        """any_value gives a form OTLP can hold without dropping the attribute; set_any_value writes that form."""
+        from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+        from tests.otlp_receiver import any_value as decode
+
         assert otel.any_value(value) == expected
+        pb = AnyValue()
+        otel.set_any_value(pb, value)
+        assert decode(pb) == expected
 
 
 # ----------------------------------------------------------------------------- both sinks
@@ -161,9 +170,10 @@ _STATUS = {"UNSET": UNSET, "OK": OK, "ERROR": ERROR}
 
 
 def as_mlflow_reads(attrs):
-    """Attribute values as MLflow's store gives them back: a string holding the JSON text
-    of a string, list or object is stored with one JSON layer stripped
-    (``mlflow.tracing.otel.translation.sanitize_attributes``), so it reads back parsed."""
+    """Attribute values as MLflow 3.17's store gives them back: a string holding the JSON
+    text of a string, list or object is stored with one JSON layer stripped
+    (``mlflow.tracing.otel.translation.sanitize_attributes``), so it reads back parsed.
+    MLflow 3.18 no longer does that: it gives back the string sent."""
     out = {}
     for key, value in attrs.items():
         if isinstance(value, str):
@@ -207,8 +217,8 @@ def test_mlflow_and_otlp_sinks_show_the_same_spans(tmp_path):
                 mine.name, mine.parent_span_id, mine.start_ns, mine.end_ns)
             assert (_STATUS[theirs.status.status_code], theirs.status.description or "") == (
                 mine.status_code, mine.status_message)
-            assert {k: v for k, v in theirs.attributes.items() if not k.startswith("mlflow.")} == as_mlflow_reads(
-                mine.attributes)
+            stored = {k: v for k, v in theirs.attributes.items() if not k.startswith("mlflow.")}
+            assert stored in (mine.attributes, as_mlflow_reads(mine.attributes))
             assert [(e.name, e.timestamp, e.attributes) for e in theirs.events] == [
                 (e["name"], e["time_ns"], e["attributes"]) for e in mine.events]
     statuses = sorted(s.status_code for s in received)
@@ -233,12 +243,15 @@ def test_odd_values_reach_mlflow(tmp_path):
     sink.export([_traj(root, reward=float("inf"), status="error", error="boom")])
     trace = MlflowClient(tracking_uri=uri).get_trace("tr-" + TRACE)
     [span] = trace.data.spans
-    assert span.inputs["big"] == 2**70 and span.inputs["s"] == "bad?byte" and span.inputs["t"] == [1, 2]
+    assert span.inputs["big"] == str(2**70)  # beyond OTLP's int64: its text
+    assert span.inputs["s"] == "bad?byte" and span.inputs["t"] == [1, 2]
     assert span.inputs["x"] != span.inputs["x"]  # NaN
     assert span.outputs == str(2**70)  # beyond OTLP int64: its text (MLflow reads JSON ints back as text)
     assert (span.status.status_code, span.status.description) == ("ERROR", "boom")
     assert trace.info.state.value == "ERROR" and trace.info.tags["reward"] == "Infinity"
-    assert span.attributes["rtrace.input"] == {"x": "NaN", "big": 2**70, "s": "bad?byte", "t": [1, 2]}
+    sent = span.attributes["rtrace.input"]  # JSON text; MLflow 3.17 reads it back parsed (as_mlflow_reads)
+    assert (json.loads(sent) if isinstance(sent, str) else sent) == {
+        "x": "NaN", "big": 2**70, "s": "bad?byte", "t": [1, 2]}
 
 
 # ----------------------------------------------------------------------------- processes

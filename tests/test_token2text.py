@@ -140,6 +140,8 @@ def test_field_mapping_from_decorator_arguments(tmp_path, tok):
     spans = _gen_spans(_read(path))
     assert [(s.attributes["rtrace.prompt_text"], s.attributes["rtrace.response_text"]) for s in spans] == [
         ("p1", "first"), ("p2", "second")]
+    # the ids are stored once (in response_ids), also when the output is an object
+    assert [s.output for s in spans] == [{}, {"log_probs": None}]
 
 
 def test_one_batch_decode_per_field_per_batch(tmp_path, tok):

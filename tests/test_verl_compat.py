@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 from typing import Any, Optional
 
@@ -168,6 +169,18 @@ async def verl_worker(loop, step, samples, n, validate=False, traced=None):
     return await asyncio.gather(*(one(i, r) for i in samples for r in range(n)))
 
 
+async def generate_sequences(loop, step, samples, n, rng, validate=False):
+    """One ``AgentLoopWorker.generate_sequences`` call as veRL 0.9.1 makes it: K =
+    ``max_samples_per_step_per_worker`` distinct samples picked at random in this call
+    (no memory of earlier calls), ``trace=False`` for the rollouts of the others.
+    Returns the samples picked."""
+    cap = RolloutTraceConfig.get_instance().max_samples_per_step_per_worker
+    unique = sorted(set(samples))
+    chosen = set(unique) if cap is None or cap >= len(unique) else set(rng.sample(unique, cap))
+    await verl_worker(loop, step, samples, n, validate=validate, traced=chosen)
+    return chosen
+
+
 async def native_worker(loop, step, samples, n, validate=False):
     async def one(i, r):
         with rtrace.rollout_context(step=step, sample_index=i, rollout_n=r, validate=validate, name="agent_loop"):
@@ -272,20 +285,31 @@ class TestTraceFalse:
 
 
 class TestSampleCap:
-    async def test_cap_keeps_first_k_samples_with_all_rollouts(self, tokenizer, tmp_path):
-        """max_samples_per_step_per_worker=2 keeps, per step and per validate, the first two
-        distinct samples with all their rollouts; the others run untraced."""
+    """``max_samples_per_step_per_worker`` is veRL's: ``AgentLoopWorker.generate_sequences``
+    reads it, picks the samples of each call and passes ``trace=False`` for the others.
+    The shim follows that choice and keeps no cap of its own."""
+
+    async def test_follows_the_worker_choice_in_each_call(self, tokenizer, tmp_path):
+        """Validation calls generate_sequences once per val batch, all at the same step:
+        K samples are traced per call (with all their rollouts), as in veRL."""
         RolloutTraceConfig.init("proj", EXPERIMENT, "jsonl", max_samples_per_step_per_worker=2)
         assert RolloutTraceConfig.get_instance().max_samples_per_step_per_worker == 2
-        loop = VerlLoop(tokenizer)
-        for step in (1, 2):
-            outs = await verl_worker(loop, step, samples=[5, 6, 7, 8], n=3)
-            assert len(outs) == 12 and all(o.num_turns == 2 for o in outs)
-        await verl_worker(loop, 2, samples=[1, 2, 3], n=1, validate=True)
-        got = sorted((t.validate, t.step, t.sample_index, t.rollout_n) for t in read(tmp_path))
-        assert got == sorted([(False, s, i, r) for s in (1, 2) for i in (5, 6) for r in range(3)]
-                             + [(True, 2, 1, 0), (True, 2, 2, 0)])
-        assert _stats.snapshot()["trajectories_sampled_out"] == 2 * 6 + 1
+        loop, rng = VerlLoop(tokenizer), random.Random(5)
+        chosen = [await generate_sequences(loop, 2, batch, n=3, rng=rng, validate=True)
+                  for batch in ([5, 6, 7, 8], [1, 2, 3, 4])]
+        got = sorted((t.step, t.validate, t.sample_index, t.rollout_n) for t in read(tmp_path))
+        assert got == sorted((2, True, i, r) for c in chosen for i in c for r in range(3))
+        assert len(got) == 2 * 2 * 3
+        # veRL's choice is not rtrace's sampling: nothing is counted as sampled out
+        assert _stats.snapshot().get("trajectories_sampled_out", 0) == 0
+
+    async def test_rollout_trace_attr_alone_does_not_cap(self, tokenizer, tmp_path):
+        """As veRL's rollout_trace_attr: a custom worker that does not pick samples traces
+        every rollout, whatever max_samples_per_step_per_worker says."""
+        RolloutTraceConfig.init("proj", EXPERIMENT, "jsonl", max_samples_per_step_per_worker=2)
+        outs = await verl_worker(VerlLoop(tokenizer), 1, samples=[5, 6, 7, 8], n=3)
+        assert len(outs) == 12 and all(o.num_turns == 2 for o in outs)
+        assert len(read(tmp_path)) == 12
 
     async def test_cap_agrees_with_verl_worker_selection(self, tokenizer, tmp_path):
         """When veRL's worker already chose the samples (trace=False for the others), exactly
@@ -295,10 +319,20 @@ class TestSampleCap:
         assert sorted((t.sample_index, t.rollout_n) for t in read(tmp_path)) == [(1, 0), (1, 1), (3, 0), (3, 1)]
 
     async def test_cap_zero_traces_nothing(self, tokenizer, tmp_path):
-        """A cap of 0 traces no sample."""
+        """A cap of 0: veRL's worker picks no sample, nothing is traced."""
         RolloutTraceConfig.init("proj", EXPERIMENT, "jsonl", max_samples_per_step_per_worker=0)
-        await verl_worker(VerlLoop(tokenizer), 1, samples=[0, 1], n=2)
+        assert await generate_sequences(VerlLoop(tokenizer), 1, [0, 1], n=2, rng=random.Random(0)) == set()
         assert read(tmp_path) == []
+
+    async def test_rtrace_cap_applies_on_top(self, tokenizer, tmp_path, monkeypatch):
+        """rtrace's own cap (RTRACE_MAX_TRACES_PER_STEP, whole groups with
+        RTRACE_SAMPLE_GROUPS) is applied by rtrace's sampler on top of veRL's choice."""
+        monkeypatch.setenv("RTRACE_MAX_TRACES_PER_STEP", "4")
+        monkeypatch.setenv("RTRACE_SAMPLE_GROUPS", "1")
+        RolloutTraceConfig.init("proj", EXPERIMENT, "jsonl")
+        await verl_worker(VerlLoop(tokenizer), 1, samples=[0, 1, 2, 3], n=2)
+        assert sorted((t.sample_index, t.rollout_n) for t in read(tmp_path)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert _stats.snapshot()["trajectories_sampled_out"] == 4
 
 
 class TestConfig:
@@ -312,8 +346,8 @@ class TestConfig:
         assert out.num_turns == 2 and not rtrace.is_enabled() and not (tmp_path / "verl.jsonl").exists()
 
     @pytest.mark.parametrize("backend, message", [
-        ("weave", "unknown trace backend 'weave' (rtrace has no weave sink"),  # veRL's other backend
         ("wandb", "unknown trace backend 'wandb'"),
+        ("trackio,wandb", "unknown trace backend 'wandb'"),
         ("", "empty backend"),
     ])
     def test_unknown_backend_is_a_clear_error(self, backend, message):
@@ -323,6 +357,50 @@ class TestConfig:
         assert message in str(err.value)
         assert "accepted values: jsonl, trackio, mlflow, otlp" in str(err.value)
         assert RolloutTraceConfig.get_backend() is None and not rtrace.is_enabled()
+
+    async def test_weave_alone_is_off_with_a_warning(self, tokenizer, tmp_path, caplog):
+        """veRL's weave backend (rtrace has no weave sink) must not stop a worker from
+        starting: tracing is off, said once in a warning, and the ops call through."""
+        with caplog.at_level("WARNING", logger="rtrace"):
+            RolloutTraceConfig.init("proj", EXPERIMENT, "weave")
+            RolloutTraceConfig.reset()
+            RolloutTraceConfig.init("proj", EXPERIMENT, "weave")
+        warnings = [r.getMessage() for r in caplog.records if "weave" in r.getMessage()]
+        assert len(warnings) == 1 and "no weave sink, tracing is off" in warnings[0]
+        assert RolloutTraceConfig.get_backend() == "weave" and not rtrace.is_enabled()
+        with rollout_trace_attr(step=1, sample_index=0, rollout_n=0):
+            out = await VerlLoop(tokenizer).run(SAMPLING, raw_prompt=prompt(2), index=2)
+        assert out.num_turns == 2 and not (tmp_path / "verl.jsonl").exists()
+
+    async def test_weave_in_a_list_traces_to_the_others(self, tokenizer, tmp_path, caplog):
+        """backend='weave,jsonl': the JSONL sink gets the traces; weave is left out, with a warning."""
+        with caplog.at_level("WARNING", logger="rtrace"):
+            RolloutTraceConfig.init("proj", EXPERIMENT, "weave,jsonl")
+        assert any("tracing to jsonl only" in r.getMessage() for r in caplog.records)
+        assert rtrace.current_settings().exporter == ("jsonl",)
+        await verl_worker(VerlLoop(tokenizer), 1, samples=[0], n=1)
+        assert len(read(tmp_path)) == 1
+
+    def test_collector_backend_needs_the_collector_env(self):
+        """backend='collector' without collector.env in the environment is a clear error."""
+        with pytest.raises(rtrace.ConfigError, match="RTRACE_COLLECTOR_ENDPOINT"):
+            RolloutTraceConfig.init("proj", EXPERIMENT, "collector")
+
+    async def test_collector_env_streams_any_backend_to_the_collector(self, tokenizer, tmp_path, monkeypatch):
+        """A worker started with collector.env (RTRACE_EXPORTER=collector ...) streams to the
+        job's collector whatever backend veRL's config names; the collector's sink writes."""
+        path = tmp_path / "collector.jsonl"
+        with rtrace.start_collector(exporter="jsonl", jsonl_path=str(path), settle_s=0.2) as collector:
+            for key, value in collector.env.items():
+                monkeypatch.setenv(key, value)
+            RolloutTraceConfig.init("proj", EXPERIMENT, "trackio")
+            assert rtrace.current_settings().exporter == ("collector",)
+            await verl_worker(VerlLoop(tokenizer), 1, samples=[0, 1], n=1)
+            assert rtrace.flush(10)
+            rtrace.shutdown()
+            assert collector.flush(10)
+            trajs = read_jsonl(path)
+        assert sorted((t.step, t.sample_index, t.experiment) for t in trajs) == [(1, 0, EXPERIMENT), (1, 1, EXPERIMENT)]
 
     def test_bad_cap_is_a_clear_error(self):
         """A negative cap is refused with the accepted values."""

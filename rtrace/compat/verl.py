@@ -1,21 +1,35 @@
 """Drop-in for veRL's ``verl/utils/rollout_trace.py``, backed by rtrace's pipeline and sinks.
 
-A veRL agent loop switches by changing one import::
+Switch veRL over without touching its code, once per process, before veRL's agent loop is
+imported::
 
-    # from verl.utils.rollout_trace import RolloutTraceConfig, rollout_trace_attr, rollout_trace_op
-    from rtrace.compat.verl import RolloutTraceConfig, rollout_trace_attr, rollout_trace_op
+    import rtrace.compat.verl
+    rtrace.compat.verl.install()          # verl.utils.rollout_trace is now this module
+
+or, for the Ray workers of a training job, as Ray's setup hook (every worker runs it at
+start)::
+
+    +ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=rtrace.compat.verl.install
+
+A module of your own can also import the names from here directly
+(``from rtrace.compat.verl import RolloutTraceConfig, rollout_trace_attr, rollout_trace_op``).
 
 The three names keep veRL's signatures and behaviour (see docs/frameworks/verl.md):
 
 * ``RolloutTraceConfig.init(project_name, experiment_name, backend, token2text=False,
   max_samples_per_step_per_worker=None)`` — a process-wide singleton, initialised once
   (later calls are ignored, as in veRL). ``backend`` is ``"trackio"``, ``"mlflow"``,
-  ``"otlp"`` or ``"jsonl"`` (or a comma list of them) and configures rtrace with
-  ``rtrace.configure(exporter=backend, project=project_name, experiment=experiment_name,
-  token2text=token2text)``; ``None`` and veRL's ``"dummy"`` mean tracing off; any other
-  name (veRL's ``"weave"`` included) raises :class:`rtrace.ConfigError`.
-  ``get_backend()``, ``get_client()`` (always None: there is no backend client to hand
-  out), ``enable_token2text()`` and ``reset()`` behave as veRL's.
+  ``"otlp"``, ``"jsonl"`` or ``"collector"`` (or a comma list of them) and configures
+  rtrace with ``rtrace.configure(exporter=backend, project=project_name,
+  experiment=experiment_name, token2text=token2text)``. ``None`` and veRL's ``"dummy"``
+  mean tracing off. ``"weave"`` (rtrace has no weave sink) is left out with a warning: the
+  other names of the list are traced to, or, alone, tracing is off — a worker never fails
+  to start over it. Any other name raises :class:`rtrace.ConfigError`. When the
+  environment says ``RTRACE_EXPORTER=collector`` (a worker started with
+  ``collector.env``), every backend that is not off streams to that collector, whose
+  sinks decide where the traces go. ``get_backend()``, ``get_client()`` (always None:
+  there is no backend client to hand out), ``enable_token2text()`` and ``reset()`` behave
+  as veRL's.
 * ``rollout_trace_attr(sample_index, step, rollout_n, name, validate, trace=True)`` — a
   context manager: one trajectory (``rtrace.rollout_context``) with those coordinates
   and ``rl.experiment`` = experiment_name. ``trace=False`` runs the block untraced, and
@@ -23,72 +37,79 @@ The three names keep veRL's signatures and behaviour (see docs/frameworks/verl.m
 * ``rollout_trace_op`` — decorates a method (sync or async). The span's name is the
   method's ``__qualname__`` (a tool's span: the tool's name, the qualified name kept in
   ``code.function``), its input the bound arguments without ``self`` (defaults
-  applied; ``**kwargs`` shown flat, as rtrace's decorators show them), its output the return value, which the caller gets untouched. The span kind
-  follows veRL's traced methods: ``generate`` is a generation (prompt ids, response
-  ids / ``token_ids``, finish / ``stop_reason``), ``execute`` a tool call (tool name =
-  ``self.name``), ``run`` the agent loop, anything else a chain; pass
-  ``rollout_trace_op(kind=...)`` to choose.
+  applied; ``**kwargs`` shown flat, as rtrace's decorators show them), its output the
+  return value, which the caller gets untouched. The span kind follows veRL's traced
+  methods: ``generate`` is a generation (prompt ids, response ids / ``token_ids``,
+  finish / ``stop_reason``), ``execute`` a tool call (tool name = ``self.name``), ``run``
+  the agent loop, anything else a chain; pass ``rollout_trace_op(kind=...)`` to choose.
 
 token2text: when an op's ``self`` carries a ``tokenizer``, rtrace adopts it
-(``rtrace.set_tokenizer``) if none is set, so every generation span gets
-``rtrace.prompt_text`` / ``rtrace.response_text`` — also the server client's
-``generate``, which has no tokenizer in veRL. As in veRL, an op whose result has
-``prompt_ids`` / ``response_ids`` (``AgentLoopOutput``) or ``token_ids`` shows
-``prompt_text`` / ``response_text`` in its output; decoding happens in rtrace's worker
-thread, not on the traced call.
+(``rtrace.set_tokenizer``) if none is set. rtrace's token2text (in its worker thread, or
+the collector's) then decodes every generation span and, as veRL shows it, adds
+``prompt_text`` / ``response_text`` to an op output that has ``prompt_ids`` /
+``response_ids`` (``AgentLoopOutput``).
 
-The per-step cap: ``max_samples_per_step_per_worker`` = K keeps, per process (one veRL
-agent-loop worker) and per (step, validate), the trajectories of the first K distinct
-``sample_index`` values with all their rollouts (a whole GRPO group), as veRL documents;
-the others run as ``trace=False``. veRL picks the K samples at random in
-``AgentLoopWorker.generate_sequences`` (which reads the same attribute and passes
-``trace=False``, so both agree); rtrace admits the first K to start. It is separate from
-rtrace's own ``max_traces_per_step`` (``RTRACE_MAX_TRACES_PER_STEP``), which caps
-trajectories (not samples) per process across all call sites and still applies on top.
+The per-step cap ``max_samples_per_step_per_worker`` is veRL's own:
+``AgentLoopWorker.generate_sequences`` reads it from the config, picks the samples of each
+call and passes ``trace=False`` for the others; the shim follows that choice and keeps
+no cap of its own. rtrace's ``max_traces_per_step`` (``RTRACE_MAX_TRACES_PER_STEP``) still
+applies on top, in rtrace's sampler.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
+import importlib.abc
+import importlib.util
 import inspect
+import sys
 import threading
-from collections import OrderedDict
 from contextvars import ContextVar
 from typing import Any, Callable, Iterator, Optional
 
 import rtrace
 
 from .. import _stats
-from ..config import EXPORTERS, ConfigError
+from ..config import EXPORTERS, ConfigError, env_exporters
 from ..instrumentation import _state
 
-__all__ = ["RolloutTraceConfig", "rollout_trace_attr", "rollout_trace_op"]
+__all__ = ["RolloutTraceConfig", "rollout_trace_attr", "rollout_trace_op", "install"]
 
+#: The veRL module this one replaces.
+VERL_MODULE = "verl.utils.rollout_trace"
 #: Backend names that mean "tracing off", as in veRL.
 OFF_BACKENDS = (None, "dummy")
-#: Steps whose sample sets are remembered (older ones are forgotten: bounded memory).
-_STEPS_KEPT = 64
+#: veRL backends rtrace has no sink for: left out with a warning.
+UNSUPPORTED_BACKENDS = ("weave",)
+_ACCEPTED = ("accepted values: " + ", ".join(n for n in EXPORTERS if n != "console")
+             + " (or a comma list of them), None or 'dummy' (tracing off); 'weave' is left out with a warning")
 
 
 def _sinks(backend: Any) -> tuple[str, ...]:
     """The rtrace exporters of a veRL backend name; () for off. Raises ConfigError."""
-    if backend is None or (isinstance(backend, str) and backend.strip().lower() == "dummy"):
+    if backend is None:
         return ()
-    accepted = ("accepted values: " + ", ".join(n for n in EXPORTERS if n != "console")
-                + " (or a comma list of them), None or 'dummy' (tracing off)")
     if not isinstance(backend, str):
-        raise ConfigError(f"RolloutTraceConfig.init(backend={backend!r}): not a backend name; {accepted}")
-    names = tuple(n.strip().lower() for n in backend.split(",") if n.strip())
-    for name in names:
-        if name not in EXPORTERS:
-            hint = " (rtrace has no weave sink; trackio or mlflow show the same traces)" if name == "weave" else ""
-            raise ConfigError(f"RolloutTraceConfig.init(backend={backend!r}): unknown trace backend "
-                              f"{name!r}{hint}; {accepted}")
+        raise ConfigError(f"RolloutTraceConfig.init(backend={backend!r}): not a backend name; {_ACCEPTED}")
+    names = [n.strip().lower() for n in backend.split(",") if n.strip()]
     if not names:
-        raise ConfigError(f"RolloutTraceConfig.init(backend={backend!r}): empty backend; {accepted}")
-    return names
+        raise ConfigError(f"RolloutTraceConfig.init(backend={backend!r}): empty backend; {_ACCEPTED}")
+    for name in names:
+        if name not in EXPORTERS and name not in UNSUPPORTED_BACKENDS and name != "dummy":
+            raise ConfigError(f"RolloutTraceConfig.init(backend={backend!r}): unknown trace backend {name!r}; "
+                              f"{_ACCEPTED}")
+    sinks = tuple(dict.fromkeys(n for n in names if n in EXPORTERS))
+    unsupported = [n for n in names if n in UNSUPPORTED_BACKENDS]
+    if (sinks or unsupported) and "collector" in env_exporters():
+        # A worker started with collector.env: the job's collector owns the sinks.
+        return ("collector",)
+    if unsupported:
+        instead = f"tracing to {', '.join(sinks)} only" if sinks else "tracing is off"
+        _stats.warn_once(f"verl-backend-{backend}", "rtrace.compat.verl: veRL trace backend %r: rtrace has no "
+                         "%s sink, %s (trackio or mlflow show the same traces: trace.backend=trackio)",
+                         backend, "/".join(unsupported), instead)
+    return sinks
 
 
 class RolloutTraceConfig:
@@ -97,11 +118,12 @@ class RolloutTraceConfig:
     Args (of :meth:`init`):
         project_name: trackio project / MLflow experiment.
         experiment_name: run name; stamped as ``rl.experiment`` on every span.
-        backend: ``"trackio"`` | ``"mlflow"`` | ``"otlp"`` | ``"jsonl"`` (or a comma list);
-            ``None`` / ``"dummy"``: off.
+        backend: ``"trackio"`` | ``"mlflow"`` | ``"otlp"`` | ``"jsonl"`` | ``"collector"``
+            (or a comma list); ``None`` / ``"dummy"``: off; ``"weave"``: left out (warning).
         token2text: decode token ids to text (with the tokenizer of the traced objects).
-        max_samples_per_step_per_worker: trace at most this many distinct samples (with
-            all their rollouts) per step in this process; None traces all.
+        max_samples_per_step_per_worker: read by veRL's ``AgentLoopWorker``, which traces
+            at most this many distinct samples (with all their rollouts) per
+            ``generate_sequences`` call; None traces all. The shim itself does not cap.
     """
 
     _instance: Optional["RolloutTraceConfig"] = None
@@ -118,8 +140,7 @@ class RolloutTraceConfig:
             cls._instance = super().__new__(cls)
             cls._instance._initialized = False
             cls._instance._sinks = ()
-            cls._instance._lock = threading.Lock()
-            cls._instance._samples = OrderedDict()
+            cls._instance._tokenizer = None
         return cls._instance
 
     @classmethod
@@ -139,11 +160,11 @@ class RolloutTraceConfig:
         config = cls.get_instance()
         if config._initialized:
             return
-        sinks = _sinks(backend)
         cap = max_samples_per_step_per_worker
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
             raise ConfigError(f"RolloutTraceConfig.init(max_samples_per_step_per_worker={cap!r}): "
                               "accepted values: an integer >= 0, or None (trace every sample)")
+        sinks = _sinks(backend)
         if sinks:
             rtrace.configure(exporter=",".join(sinks), project=project_name,
                              experiment=None if experiment_name is None else str(experiment_name),
@@ -163,7 +184,7 @@ class RolloutTraceConfig:
 
     @classmethod
     def get_client(cls) -> Optional[object]:
-        """Always None: rtrace's sinks run in its own threads, there is no client to share."""
+        """Always None: rtrace's sinks run in their own threads, there is no client to share."""
         return cls.get_instance().client
 
     @classmethod
@@ -172,28 +193,15 @@ class RolloutTraceConfig:
 
     @classmethod
     def reset(cls) -> None:
-        """Forget the configuration (as veRL's; rtrace's own configuration is left as is)."""
-        cls._instance = None
+        """Forget the configuration (as veRL's), and the tokenizer the shim handed to
+        rtrace if it is still the one in use; rtrace's own configuration is left as is."""
+        config = cls._instance
+        if config is not None and config._tokenizer is not None:
+            from .._setup import get_tokenizer
 
-    def _admit(self, step: Any, validate: bool, sample_index: Any) -> bool:
-        """The per-step sample cap: True while fewer than K distinct samples were admitted."""
-        cap = self.max_samples_per_step_per_worker
-        if cap is None:
-            return True
-        key = (bool(validate), step)
-        with self._lock:
-            seen = self._samples.get(key)
-            if seen is None:
-                seen = self._samples[key] = set()
-                if len(self._samples) > _STEPS_KEPT:
-                    self._samples.popitem(last=False)
-            if sample_index is not None and sample_index in seen:
-                return True
-            if len(seen) >= cap:
-                return False
-            # A trajectory without a sample index is a sample of its own.
-            seen.add(object() if sample_index is None else sample_index)
-            return True
+            if get_tokenizer() is config._tokenizer:
+                rtrace.set_tokenizer(None)
+        cls._instance = None
 
 
 def _plain(value: Any) -> Any:
@@ -213,17 +221,14 @@ def rollout_trace_attr(sample_index: Any = None, step: Any = None, rollout_n: An
         rollout_n: the rollout number (GRPO: several per sample).
         name: the name of the trajectory's root span.
         validate: whether this is a validation rollout.
-        trace: False runs the block untraced; the ops inside call straight through.
+        trace: False runs the block untraced (veRL's per-call sample choice); the ops
+            inside call straight through.
     """
     config = RolloutTraceConfig.get_instance()
-    if config.backend is None or not config._sinks:  # off (None or "dummy")
+    if config.backend is None or not config._sinks:  # off (None, "dummy", weave alone)
         yield
         return
-    sample_index, step, rollout_n = _plain(sample_index), _plain(step), _plain(rollout_n)
-    if trace and not config._admit(step, validate, sample_index):
-        _stats.incr("trajectories_sampled_out")
-        trace = False
-    with rtrace.rollout_context(step=step, sample_index=sample_index, rollout_n=rollout_n,
+    with rtrace.rollout_context(step=_plain(step), sample_index=_plain(sample_index), rollout_n=_plain(rollout_n),
                                 validate=bool(validate), name=name, trace=trace):
         yield
 
@@ -235,43 +240,6 @@ _CALL: ContextVar[tuple] = ContextVar("rtrace_verl_call")
 
 #: veRL's traced methods and the span kind each one is.
 KIND_BY_METHOD = {"generate": "generation", "execute": "tool", "run": "agent"}
-
-
-class _Shown:
-    """The output a trace shows for an op's result: the result as a dict plus
-    ``prompt_text`` / ``response_text``. rtrace's converter calls :meth:`model_dump` in
-    its worker thread, so the decoding happens there, never on the traced call."""
-
-    __slots__ = ("result", "tokenizer")
-
-    def __init__(self, result: Any, tokenizer: Any) -> None:
-        self.result = result
-        self.tokenizer = tokenizer
-
-    def model_dump(self) -> dict[str, Any]:
-        r = self.result
-        dump = getattr(r, "model_dump", None)
-        if callable(dump):
-            view = dump()
-        elif dataclasses.is_dataclass(r):
-            view = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)}
-        else:
-            view = dict(vars(r)) if hasattr(r, "__dict__") else {}
-        settings = rtrace.current_settings()
-        skip = settings.token2text_skip_special_tokens if settings is not None else True
-        for source, target in (("prompt_ids", "prompt_text"), ("response_ids", "response_text")):
-            if hasattr(r, source):
-                view[target] = self._decode(getattr(r, source), skip)
-        if hasattr(r, "token_ids") and not hasattr(r, "prompt_ids"):  # TokenOutput of generate
-            view["response_text"] = self._decode(r.token_ids, skip)
-        return view
-
-    def _decode(self, ids: Any, skip: bool) -> Any:
-        try:
-            return self.tokenizer.decode(ids, skip_special_tokens=skip)
-        except Exception:
-            _stats.incr("token2text_errors")
-            return None
 
 
 def _active() -> bool:
@@ -290,21 +258,7 @@ def _adopt_tokenizer(owner: Any) -> None:
         tok = getattr(owner, "tokenizer", None)
         if tok is not None and (hasattr(tok, "batch_decode") or hasattr(tok, "decode")):
             rtrace.set_tokenizer(tok)
-
-
-def _show(owner: Any, result: Any, kind: str) -> Any:
-    """What the span records as output: ``result``, or a :class:`_Shown` view (token2text)."""
-    if kind == "generation" or isinstance(result, dict):
-        return result  # generation spans are decoded by rtrace's token2text
-    config = RolloutTraceConfig._instance
-    if config is None or not config.token2text:
-        return result
-    tok = getattr(owner, "tokenizer", None)
-    if tok is None or not hasattr(tok, "decode"):
-        return result
-    if not any(hasattr(result, f) for f in ("prompt_ids", "response_ids", "token_ids")):
-        return result
-    return _Shown(result, tok)
+            RolloutTraceConfig.get_instance()._tokenizer = tok
 
 
 def rollout_trace_op(func: Optional[Callable] = None, /, *, kind: Optional[str] = None) -> Any:
@@ -340,12 +294,13 @@ def rollout_trace_op(func: Optional[Callable] = None, /, *, kind: Optional[str] 
         return inputs
 
     # The traced function takes the bound arguments as keywords, so rtrace records
-    # exactly them as the span's input, and returns what the span shows as output. The
-    # original call reaches it through _CALL (read before its first await), unchanged.
+    # exactly them as the span's input, and returns the result, which rtrace records as
+    # the output. The original call reaches it through _CALL (read before its first
+    # await), unchanged.
     if inspect.iscoroutinefunction(func):
         async def op(self: Any, /, **inputs: Any) -> Any:
             args, kwargs = _CALL.get()
-            return _show(self, await func(self, *args, **kwargs), kind)
+            return await func(self, *args, **kwargs)
 
         traced_op = _decorate(op, kind, name)
 
@@ -358,16 +313,16 @@ def rollout_trace_op(func: Optional[Callable] = None, /, *, kind: Optional[str] 
             inputs = bind(self, args, kwargs)
             token = _CALL.set((args, kwargs))
             try:
-                out = await traced_op(self, **inputs)
+                return await traced_op(self, **inputs)
             finally:
                 _CALL.reset(token)
-            return out.result if type(out) is _Shown else out
 
+        async_wrapper.__rtrace_verl_op__ = True  # type: ignore[attr-defined]
         return async_wrapper
 
     def sync_op(self: Any, /, **inputs: Any) -> Any:
         args, kwargs = _CALL.get()
-        return _show(self, func(self, *args, **kwargs), kind)
+        return func(self, *args, **kwargs)
 
     traced_sync = _decorate(sync_op, kind, name)
 
@@ -380,11 +335,11 @@ def rollout_trace_op(func: Optional[Callable] = None, /, *, kind: Optional[str] 
         inputs = bind(self, args, kwargs)
         token = _CALL.set((args, kwargs))
         try:
-            out = traced_sync(self, **inputs)
+            return traced_sync(self, **inputs)
         finally:
             _CALL.reset(token)
-        return out.result if type(out) is _Shown else out
 
+    wrapper.__rtrace_verl_op__ = True  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -400,3 +355,93 @@ def _decorate(op: Callable, kind: str, name: str) -> Callable:
     if kind == "agent":
         return rtrace.traced_rollout(op)
     return rtrace.traced(op, kind=kind)
+
+
+# ----------------------------------------------------------------------------- install
+
+_install_lock = threading.Lock()
+#: this module's own spec (importing it under veRL's name would replace it)
+_OWN_SPEC = __spec__
+
+
+class _VerlFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves ``import verl.utils.rollout_trace`` to this module. Going through the import
+    system (rather than only a ``sys.modules`` entry) also sets the ``rollout_trace``
+    attribute of ``verl.utils``, as importing the real module would."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != VERL_MODULE:
+            return None
+        return importlib.util.spec_from_loader(fullname, self, origin=__name__)
+
+    def create_module(self, spec: Any) -> Any:
+        return sys.modules[__name__]
+
+    def exec_module(self, module: Any) -> None:
+        module.__spec__ = _OWN_SPEC  # the import system set veRL's name on it
+
+
+def install() -> None:
+    """Make ``verl.utils.rollout_trace`` resolve to this module in this process.
+
+    No arguments, idempotent, cheap (veRL is not imported): usable as Ray's
+    ``worker_process_setup_hook`` (``rtrace.compat.verl.install``). Call it before
+    veRL's agent loop is imported: veRL's modules bind the names at import time. If
+    veRL's own module was imported already, the names are rebound in every module that
+    imported them, and the methods already decorated by veRL's ``rollout_trace_op`` in
+    those modules are decorated again with rtrace's (from the original function); a
+    warning says so once. Objects created before (an initialised veRL
+    ``RolloutTraceConfig``) are not carried over.
+    """
+    with _install_lock:
+        me = sys.modules[__name__]
+        if not any(isinstance(f, _VerlFinder) for f in sys.meta_path):
+            sys.meta_path.insert(0, _VerlFinder())
+        current = sys.modules.get(VERL_MODULE)
+        if current is me:
+            return
+        if current is not None:
+            _rebind(current, me)
+        utils = sys.modules.get("verl.utils")
+        if current is not None or utils is not None:
+            sys.modules[VERL_MODULE] = me
+            if utils is not None:
+                setattr(utils, "rollout_trace", me)
+
+
+def _rebind(verl_mod: Any, me: Any) -> None:
+    """Replace veRL's three names wherever they were imported, and re-decorate the
+    methods veRL's ``rollout_trace_op`` wrapped in those modules."""
+    names = ("RolloutTraceConfig", "rollout_trace_attr", "rollout_trace_op")
+    theirs = {n: getattr(verl_mod, n, None) for n in names}
+    ours = {n: getattr(me, n) for n in names}
+    codes = set()
+    if callable(theirs["rollout_trace_op"]):
+        # veRL's decorator returns one of two wrapper functions: recognise them by code object
+        async def _a(self: Any) -> None: ...
+        def _s(self: Any) -> None: ...
+        for probe in (_a, _s):
+            code = getattr(theirs["rollout_trace_op"](probe), "__code__", None)
+            if code is not None:
+                codes.add(code)
+    modules = methods = 0
+    for mod in list(sys.modules.values()):
+        namespace = getattr(mod, "__dict__", None)
+        if mod is verl_mod or mod is me or not isinstance(namespace, dict):
+            continue
+        hit = [n for n in names if theirs[n] is not None and namespace.get(n) is theirs[n]]
+        if not hit:
+            continue
+        modules += 1
+        for n in hit:
+            namespace[n] = ours[n]
+        for cls in [v for v in namespace.values() if isinstance(v, type) and v.__module__ == mod.__name__]:
+            for attr, fn in list(vars(cls).items()):
+                wrapped = getattr(fn, "__wrapped__", None)
+                if wrapped is not None and getattr(fn, "__code__", None) in codes:
+                    setattr(cls, attr, rollout_trace_op(wrapped))
+                    methods += 1
+    _stats.warn_once("verl-install-late", "rtrace.compat.verl.install(): veRL's own %s was imported first; its "
+                     "names were rebound in %d module(s) and %d traced method(s) re-decorated. Call install() "
+                     "before veRL's agent loop is imported (Ray: worker_process_setup_hook) to route it from "
+                     "the start", VERL_MODULE, modules, methods)

@@ -14,7 +14,7 @@ from ..config import ConfigError, Settings
 if TYPE_CHECKING:
     from .base import Sink
 
-__all__ = ["SINKS", "create_sink"]
+__all__ = ["SINKS", "APP_THREAD_IMPORTS", "create_sink"]
 
 #: exporter name -> (module, class, pip extra)
 SINKS = {
@@ -27,8 +27,25 @@ SINKS = {
 }
 
 
+#: exporter name -> the backend modules its sink imports, imported by create_sink() on
+#: the thread that configures rtrace (the application's) instead of in the sink thread.
+#: Two threads importing one package at once can deadlock on the import system's
+#: per-module locks; CPython then raises ``_DeadlockError`` in one of them, and that
+#: was the application's own ``import mlflow`` in 26 of 50 runs (the package was left
+#: half-initialised too). Importing here costs the configure() call the import time
+#: (~1.5 s for mlflow), never a traced call, and the application's later ``import
+#: mlflow`` is a dictionary lookup. The list names what the sink imports at its first
+#: export (rtrace/exporters/mlflow.py); a module missing here is imported in the sink
+#: thread as before.
+APP_THREAD_IMPORTS: dict[str, tuple[str, ...]] = {
+    "mlflow": ("mlflow", "mlflow.entities", "mlflow.exceptions", "mlflow.tracing.client", "mlflow.tracking",
+               "mlflow.utils.rest_utils"),
+}
+
+
 def create_sink(name: str, settings: Settings) -> "Sink":
-    """Instantiate the sink registered under ``name``.
+    """Instantiate the sink registered under ``name``, and import its backend's modules
+    (:data:`APP_THREAD_IMPORTS`) on the calling thread.
 
     Raises:
         ConfigError: the sink's optional dependency is not installed.
@@ -36,8 +53,11 @@ def create_sink(name: str, settings: Settings) -> "Sink":
     module_name, class_name, extra = SINKS[name]
     try:
         module = importlib.import_module(module_name)
+        sink = getattr(module, class_name)(settings)
+        for backend_module in APP_THREAD_IMPORTS.get(name, ()):
+            importlib.import_module(backend_module)
     except ImportError as exc:
         raise ConfigError(
             f"RTRACE_EXPORTER={name} needs an optional dependency that is not installed "
             f"({exc.name or exc}); install it with: pip install 'rtrace[{extra}]'") from None
-    return getattr(module, class_name)(settings)
+    return sink

@@ -1,8 +1,16 @@
 """JSONL sink: one trajectory per line, schema ``rtrace.trajectory/1`` (docs/jsonl-schema.md).
 
-Lines are strict JSON: NaN and infinities (a NaN reward, say) are written as the strings
-``"NaN"``, ``"Infinity"`` and ``"-Infinity"``. Each batch is appended with one write and
-flushed, so a reader sees whole lines only.
+Lines are strict JSON in UTF-8: NaN and infinities (a NaN reward, say) are written as the
+strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"``.
+
+Each trajectory is encoded on its own: one that does not encode as it is (a lone
+surrogate or a 5,000-digit int that reached it without the converter) is encoded again
+with only the bad values degraded (:func:`rtrace._serialize.json_safe`, counted in
+``sink.jsonl.degraded_trajectories``), and never fails the rest of its batch.
+
+Each batch is appended with one ``os.write`` of whole lines to a descriptor opened with
+``O_APPEND``: lines of concurrent writers (several sinks, several processes on one
+file) never interleave, and the file never ends in half a line because of rtrace.
 """
 
 from __future__ import annotations
@@ -10,14 +18,32 @@ from __future__ import annotations
 import json
 import os
 import threading
-from typing import Sequence
+from typing import Any, Sequence
 
-from .._serialize import json_default, strict_json
-from ..config import Settings
+from .. import _stats
+from .._serialize import json_default, json_safe, strict_json
+from ..config import ConfigError, Settings, writable_path
 from ..trajectory import Trajectory
 from .base import Sink
 
-__all__ = ["JsonlSink", "read_jsonl"]
+__all__ = ["JsonlSink", "read_jsonl", "encode_line"]
+
+
+def _dumps(data: Any) -> bytes:
+    return (json.dumps(data, ensure_ascii=False, allow_nan=False, default=json_default) + "\n").encode("utf-8")
+
+
+def encode_line(traj: Trajectory) -> tuple[bytes, bool]:
+    """One trajectory as a JSONL line (UTF-8 bytes), and whether it had to be degraded.
+
+    Raises:
+        Exception: only if even the degraded form cannot be encoded.
+    """
+    data = strict_json(traj.to_dict())
+    try:
+        return _dumps(data), False
+    except (ValueError, TypeError, UnicodeError, RecursionError):
+        return _dumps(json_safe(data)), True
 
 
 class JsonlSink(Sink):
@@ -28,25 +54,50 @@ class JsonlSink(Sink):
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
         self.path = os.path.abspath(settings.jsonl_path)
-        self._file = None
+        try:  # the default path was not checked by the settings: it is relative to the cwd
+            writable_path(self.path)
+        except ValueError as exc:
+            raise ConfigError(f"RTRACE_JSONL_PATH: {exc}; accepted values: a writable file path") from None
+        self._fd: int | None = None
         self._lock = threading.Lock()
 
     def export(self, trajectories: Sequence[Trajectory]) -> None:
-        text = "".join(
-            json.dumps(strict_json(t.to_dict()), ensure_ascii=False, allow_nan=False, default=json_default) + "\n"
-            for t in trajectories)
+        """Encode each trajectory, then append the batch with one write.
+
+        Raises:
+            OSError: the file could not be opened or written (the batch counts as failed).
+        """
+        lines: list[bytes] = []
+        degraded = unwritable = 0
+        for traj in trajectories:
+            try:
+                line, was_degraded = encode_line(traj)
+            except Exception:
+                unwritable += 1
+                _stats.warn_once("jsonl-encode", "rtrace jsonl sink could not encode a trajectory; it is "
+                                 "skipped", exc_info=True)
+                continue
+            degraded += was_degraded
+            lines.append(line)
+        if degraded:
+            _stats.incr("sink.jsonl.degraded_trajectories", degraded)
+        if unwritable:
+            _stats.incr("sink.jsonl.unwritable_trajectories", unwritable)
+        data = b"".join(lines)
         with self._lock:
-            if self._file is None:
+            if self._fd is None:
                 os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-                self._file = open(self.path, "a", encoding="utf-8")
-            self._file.write(text)
-            self._file.flush()
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            view = memoryview(data)
+            while view:  # a regular file takes it in one call; a short write is finished here
+                written = os.write(self._fd, view)
+                view = view[written:]
 
     def shutdown(self) -> None:
         with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
 
 def read_jsonl(path: str | os.PathLike) -> list[Trajectory]:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import json
 import math
 import os
 import re
@@ -42,17 +41,17 @@ import time
 from typing import Any, Sequence
 
 from .. import _stats
-from .._serialize import finite_or_str, json_default
+from .._serialize import finite_or_str
 from ..config import ConfigError, Settings
 from ..trajectory import SpanRecord, StepMetrics, Trajectory
 from . import _mlflow_private
 from .base import Sink
-from .otel import DEFAULT_MAX_VALUE_CHARS, otlp_spans, to_otlp_request, to_readable_spans
+from .otel import DEFAULT_MAX_VALUE_CHARS, otlp_spans, to_otlp_request
 
 __all__ = ["MlflowSink", "check_mlflow_version", "trace_tags", "tag_value", "MLFLOW_VERSION_RANGE"]
 
 #: The MLflow versions the sink is tested against (pyproject's ``mlflow`` extra).
-MLFLOW_VERSION_RANGE = ((3, 17), (3, 19))  # >= 3.17, < 3.19
+MLFLOW_VERSION_RANGE = ((3, 16), (3, 19))  # >= 3.16, < 3.19
 
 _SPAN_TYPES = {"rollout": "AGENT", "agent": "AGENT", "generation": "LLM", "tool": "TOOL"}
 _TAG_FIELDS = ("step", "sample_index", "rollout_n", "validate", "experiment", "group_id", "policy_version",
@@ -65,13 +64,15 @@ _MAX_SPANS_PER_CALL = 5000
 
 
 def check_mlflow_version() -> str:
-    """Check, without importing it, that MLflow is installed in the tested range.
+    """Check, without importing it, that MLflow is installed in the tested range (and the
+    OTel SDK's OTLP encoder, which turns the spans into the protobufs MLflow reads).
 
     Returns:
         The installed version.
 
     Raises:
-        ConfigError: MLflow is missing or outside :data:`MLFLOW_VERSION_RANGE`.
+        ConfigError: MLflow is missing or outside :data:`MLFLOW_VERSION_RANGE`, or the
+            OTel SDK's OTLP encoder is missing.
     """
     lo, hi = MLFLOW_VERSION_RANGE
     wanted = f"mlflow>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"
@@ -92,6 +93,14 @@ def check_mlflow_version() -> str:
             f"RTRACE_EXPORTER=mlflow needs {wanted}, found mlflow {version}: the sink writes through "
             "MLflow's span ingestion APIs (Span.from_otel_proto, TracingClient.log_spans), which change between "
             "minor versions; install a tested version with: pip install 'rtrace[mlflow]'")
+    try:
+        encoder = importlib.util.find_spec("opentelemetry.exporter.otlp.proto.common.trace_encoder")
+    except ImportError:  # a parent package is missing
+        encoder = None
+    if encoder is None:
+        raise ConfigError("RTRACE_EXPORTER=mlflow needs opentelemetry-exporter-otlp-proto-common (the OTel "
+                          "SDK's OTLP encoder), which is not installed; install it with: "
+                          "pip install 'rtrace[mlflow]'")
     return version
 
 
@@ -172,13 +181,19 @@ def mlflow_attributes(traj: Trajectory, span: SpanRecord, is_root: bool, tag_att
                       ) -> dict[str, Any]:
     """The MLflow attributes added on top of the shared OTel ones: span type, inputs,
     outputs and, on the root, the trace name and (with ``tag_attributes``) the trace
-    tags as ``mlflow.traceTag.<k>`` (the store turns them into tags)."""
+    tags as ``mlflow.traceTag.<k>`` (the store turns them into tags).
+
+    Inputs and outputs go as structured values (OTLP maps and lists), which MLflow
+    decodes and stores as JSON once. JSON text would be cheaper to encode, but MLflow
+    stores a string attribute JSON-encoded again: 3.17 strips that extra layer when it
+    stores a span, 3.18 no longer does, and the inputs would read back as text.
+    """
     attrs: dict[str, Any] = {"mlflow.spanType": "AGENT" if is_root else _SPAN_TYPES.get(span.kind, "CHAIN")}
     inputs, outputs = span_io(traj, span, is_root)
     if inputs is not None:
-        attrs["mlflow.spanInputs"] = _wire_value(inputs)
+        attrs["mlflow.spanInputs"] = inputs
     if outputs is not None:
-        attrs["mlflow.spanOutputs"] = _wire_value(outputs)
+        attrs["mlflow.spanOutputs"] = outputs
     if is_root:
         # MLflow reads trace tags from a span without parent only: on a segment root
         # (whose parent is remote) they are ignored, and the driver's root names the trace.
@@ -187,16 +202,6 @@ def mlflow_attributes(traj: Trajectory, span: SpanRecord, is_root: bool, tag_att
             for key, value in trace_tags(traj).items():
                 attrs[f"mlflow.traceTag.{key}"] = value
     return attrs
-
-
-def _wire_value(value: Any) -> Any:
-    """An MLflow attribute value as MLflow's own OTLP exporter sends it: objects and lists
-    as JSON text (MLflow's ingestion stores that text as the value; an OTLP map would be
-    decoded and re-encoded, node by node, at several times the cost), scalars as they are
-    (a number sent as JSON text would come back as a string)."""
-    if isinstance(value, (dict, list, tuple)):
-        return json.dumps(value, ensure_ascii=False, default=json_default)
-    return value
 
 
 class _Converter:
@@ -214,16 +219,31 @@ class _Converter:
         self.scope = InstrumentationScope("rtrace", __version__)
         self.max_value_chars = max_value_chars
 
-    def readable_spans(self, trajectories: Sequence[Trajectory], tag_attributes: bool = True) -> list[Any]:
-        """The SDK ``ReadableSpan`` objects of a batch, MLflow's attributes included."""
+    def request(self, trajectories: Sequence[Trajectory], tag_attributes: bool = True) -> Any:
+        """One OTLP request holding the spans of ``trajectories``, MLflow's attributes included."""
         def extra(traj: Trajectory, span: SpanRecord, is_root: bool) -> dict[str, Any]:
             return mlflow_attributes(traj, span, is_root, tag_attributes)
 
-        return to_readable_spans(trajectories, self.resource, self.scope, self.max_value_chars, extra)
+        return to_otlp_request(trajectories, self.resource, self.scope, self.max_value_chars, extra)
 
     def trajectory(self, traj: Trajectory, tag_attributes: bool = True) -> list[Any]:
-        """The OTLP protobuf spans of one trajectory, encoded by the OTel SDK."""
-        return otlp_spans(to_otlp_request(self.readable_spans([traj], tag_attributes)))
+        """The OTLP protobuf spans of one trajectory."""
+        return otlp_spans(self.request([traj], tag_attributes))
+
+
+def _chunks(trajectories: Sequence[Trajectory], max_spans: int) -> list[Sequence[Trajectory]]:
+    """Consecutive groups of whole trajectories of at most ``max_spans`` spans (a longer
+    trajectory is a group of its own)."""
+    groups: list[Sequence[Trajectory]] = []
+    start, spans = 0, 0
+    for i, traj in enumerate(trajectories):
+        if spans and spans + len(traj.spans) > max_spans:
+            groups.append(trajectories[start:i])
+            start, spans = i, 0
+        spans += len(traj.spans)
+    if start < len(trajectories):
+        groups.append(trajectories[start:])
+    return groups
 
 
 # ----------------------------------------------------------------------------- backends
@@ -264,12 +284,11 @@ class _StoreBackend:
     def run_experiment_id(self, run_id: str) -> str:
         return self.client.get_run(run_id).info.experiment_id
 
-    def log(self, experiment_id: str, spans: Sequence[Any]) -> None:
-        """Write SDK spans: encoded by the OTel SDK, converted by MLflow's OTLP reader."""
+    def log(self, experiment_id: str, request: Any) -> None:
+        """Write the spans of an OTLP request, converted by MLflow's own OTLP reader."""
         from mlflow.entities import Span
 
-        protos = otlp_spans(to_otlp_request(spans))
-        self.tracing.log_spans(experiment_id, [Span.from_otel_proto(p) for p in protos])
+        self.tracing.log_spans(experiment_id, [Span.from_otel_proto(p) for p in otlp_spans(request)])
 
     def set_tags(self, tags: dict[str, dict[str, str]]) -> None:
         """Upsert ``{trace_id: {key: value}}`` in one statement."""
@@ -341,9 +360,9 @@ class _HttpBackend:
         resp = self._request("/api/2.0/mlflow/runs/get", "GET", params={"run_id": run_id})
         return resp.json()["run"]["info"]["experiment_id"]
 
-    def log(self, experiment_id: str, spans: Sequence[Any]) -> None:
-        # What RestStore.log_spans sends: one OTLP request, here encoded by the OTel SDK.
-        self._request("/v1/traces", "POST", data=to_otlp_request(spans).SerializeToString(),
+    def log(self, experiment_id: str, request: Any) -> None:
+        # What RestStore.log_spans sends: one OTLP request.
+        self._request("/v1/traces", "POST", data=request.SerializeToString(),
                       extra_headers={"Content-Type": "application/x-protobuf",
                                      "x-mlflow-experiment-id": experiment_id})
 
@@ -519,13 +538,9 @@ class MlflowSink(Sink):
             run_id = self._run_id
             experiment_id = self._experiment_for(run_id)
             bulk_tags = backend.bulk_tags
-            spans = self._converter.readable_spans(trajectories, tag_attributes=not bulk_tags)
             trace_ids = ["tr-" + traj.trace_id for traj in trajectories]
-            # Calls split between spans of one trajectory are fine: spans are upserted into
-            # their trace, and the trace's tags and times are merged across calls.
-            step = backend.max_spans_per_call
-            for i in range(0, len(spans), step):
-                backend.log(experiment_id, spans[i:i + step])
+            for chunk in _chunks(trajectories, backend.max_spans_per_call):
+                backend.log(experiment_id, self._converter.request(chunk, tag_attributes=not bulk_tags))
                 _stats.incr("sink.mlflow.store_calls")
             if bulk_tags:
                 backend.set_tags({tid: trace_tags(t) for tid, t in zip(trace_ids, trajectories)})

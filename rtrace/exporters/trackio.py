@@ -41,7 +41,7 @@ from typing import Any, Sequence
 from .. import _stats
 from .._serialize import finite_or_str
 from ..config import ConfigError, Settings
-from ..trajectory import SpanRecord, StepMetrics, Trajectory, response_text
+from ..trajectory import CHAT_KEYS, SpanRecord, StepMetrics, Trajectory, response_text
 from . import _trackio_private
 from .base import Sink
 
@@ -131,25 +131,30 @@ def _usage(attrs: dict[str, Any]) -> dict[str, int] | None:
 
 
 # ----------------------------------------------------------------------------- conversion
-def _chat(value: Any) -> list[dict[str, Any]] | None:
-    msgs = value.get("messages") if isinstance(value, dict) else None
-    if isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "role" in m for m in msgs):
-        return msgs
+def _chat(value: Any) -> tuple[str, list[dict[str, Any]]] | None:
+    """``(argument name, messages)`` of a captured input holding a conversation."""
+    if isinstance(value, dict):
+        for key in CHAT_KEYS:
+            msgs = value.get(key)
+            if isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "role" in m for m in msgs):
+                return key, msgs
     return None
 
 
 def _generation_io(traj: Trajectory | None, span: SpanRecord, meta: dict[str, Any]) -> tuple[Any, Any]:
     """What trackio's INPUT / OUTPUT panes show for a generation: the prompt as chat
-    messages (a ``messages`` argument) or as decoded text; the response as text, or as the
+    messages (a ``messages`` / ``raw_prompt`` / ``prompt`` / ``conversation`` argument) or
+    as decoded text; the response as text, or as the
     assistant message with its tool calls. The rest of what the call captured (sampling
     arguments, finish reason...) goes to the span's metadata as ``rtrace.input`` /
     ``rtrace.output``."""
     inputs, outputs = span.input, span.output
     attrs = span.attributes
     chat = _chat(inputs)
-    prompt = chat if chat is not None else attrs.get("rtrace.prompt_text")
+    prompt = chat[1] if chat is not None else attrs.get("rtrace.prompt_text")
     if prompt is not None:
-        rest = {k: v for k, v in inputs.items() if k != "messages"} if isinstance(inputs, dict) else inputs
+        shown = chat[0] if chat is not None else None
+        rest = {k: v for k, v in inputs.items() if k != shown} if isinstance(inputs, dict) else inputs
         if rest:
             meta["rtrace.input"] = rest
         inputs = prompt
@@ -336,7 +341,7 @@ class TrackioSink(Sink):
             return False
         try:
             return not _trackio_private.run_is_finished(run)
-        except Exception:  # trackio moved the flag: take the run as open, as before 0.1
+        except Exception:  # trackio moved the flag: take the run as open (the canary test names it)
             _stats.warn_once("trackio-finished", "rtrace could not tell whether a trackio run is finished",
                              exc_info=True)
             return True

@@ -19,6 +19,7 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Tracer
 
+from .. import _stats
 from ..pipeline.annotations import Annotation
 from ..pipeline.records import TrajectoryState
 from ..pipeline.registry import Registry
@@ -127,6 +128,7 @@ def start_root(rt: Runtime, name: str, kind: str, coords: dict[str, Any]) -> tup
     span = rt.tracer.start_span(name, context=Context(), links=links, attributes=rt.root_attributes)
     ctx = span.get_span_context()
     if not span.is_recording():  # the application's sampler said no
+        _stats.incr("trajectories_dropped_provider_sampler")
         return None, Frame(coords, None)
     state = TrajectoryState(ctx.trace_id, ctx.span_id, name, kind, coords)
     if not rt.registry.register(state):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import traceback
 from typing import Any, Callable, TypeVar, overload
 
 from opentelemetry import context as otel_context
@@ -39,6 +40,7 @@ _ERROR = StatusCode.ERROR
 # The hot path keeps at most this much of an exception's text (the worker bounds it
 # again to max_value_chars): a 200,000-character message is not copied per span.
 _MAX_ERROR_CHARS = 65_536
+_NO_STR = "<str() of the exception failed>"
 
 # The runtime, mirrored here so the wrappers' off check is a single global lookup.
 _runtime: Any = _state.runtime
@@ -138,10 +140,17 @@ def fail_span(span: Any, exc: BaseException) -> None:
     try:
         text = str(exc)
     except Exception:
-        text = "<str() of the exception failed>"
+        text = _NO_STR
     try:
         span.set_status(Status(_ERROR, f"{type(exc).__name__}: {text[:_MAX_ERROR_CHARS]}"))
-        span.record_exception(exc, escaped=True)
+        if text is _NO_STR:
+            # The SDK's record_exception calls str(exc) itself: write the same event
+            # without it (traceback formatting copes with a failing __str__).
+            span.add_event("exception", {
+                "exception.type": type(exc).__name__, "exception.message": text, "exception.escaped": "True",
+                "exception.stacktrace": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))})
+        else:
+            span.record_exception(exc, escaped=True)
     except Exception:
         _stats.incr("internal_errors")
         _stats.warn_once("record-exception", "rtrace could not record an exception on a span", exc_info=True)

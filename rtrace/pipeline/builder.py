@@ -9,6 +9,8 @@ conversation (``messages``) is built last, from whatever text is available.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from typing import Any
 
@@ -18,6 +20,7 @@ from .. import _stats
 from .._serialize import Converter, array_to_python, attr_ok, is_array, truncate, unsnap
 from ..config import Settings
 from ..trajectory import RL_FIELDS, SpanRecord, Trajectory
+from .messages import tool_result
 from .records import CallRecord, TrajectoryState
 
 __all__ = ["SpanConverter", "finish", "coordinates", "tail_of", "as_id_list"]
@@ -47,6 +50,22 @@ def _field(value: Any, *names: str) -> Any:
                 return value[name]
         elif hasattr(value, name) and not callable(getattr(value, name)):
             return getattr(value, name)
+    return None
+
+
+def _fields(value: Any) -> dict[str, Any] | None:
+    """A dict, a dataclass or a pydantic model (veRL's ``TokenOutput``) as a dict of its
+    fields (shallow); None for anything else."""
+    if isinstance(value, dict):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    dump = getattr(type(value), "model_dump", None)
+    if callable(dump):
+        try:
+            return dict(dump(value))
+        except Exception:
+            return None
     return None
 
 
@@ -83,7 +102,6 @@ class SpanConverter:
         ctx = span.context
         parent = span.parent
         status = span.status
-        limit = self.settings.max_value_chars
         is_error = status.status_code is StatusCode.ERROR
         out = SpanRecord(
             span_id=_hex_span(ctx.span_id),
@@ -93,10 +111,11 @@ class SpanConverter:
             start_ns=span.start_time or 0,
             end_ns=span.end_time or span.start_time or 0,
             status="error" if is_error else "ok",
-            # exception text is the program's: bounded like every captured value
-            error=truncate(status.description or "", limit) if is_error else None,
-            attributes=_attributes(span.attributes, limit),
-            events=[{"name": e.name, "time_ns": e.timestamp, "attributes": _attributes(e.attributes, limit)}
+            # exception text and attributes the application set did not come through a
+            # capture: bounded, redacted and made encodable like every captured value
+            error=conv.text(status.description or "") if is_error else None,
+            attributes=_attributes(span.attributes, conv),
+            events=[{"name": e.name, "time_ns": e.timestamp, "attributes": _attributes(e.attributes, conv)}
                     for e in span.events],
         )
         if rec is not None and rec.args is not None:
@@ -128,6 +147,8 @@ class SpanConverter:
         out.input = conv.convert_named(inputs)
         if has_output:
             out.output = conv(output)
+            if spec.kind == "tool":
+                _tool_attributes(attrs, out.output)
         if spec.default_name:
             _display_name(out)
 
@@ -154,8 +175,9 @@ class SpanConverter:
         elif output is not None:
             id_keys = (opts.get("response_field", "response_ids"), "token_ids", "output_ids")
             ids = as_id_list(_field(output, *id_keys))
-            if ids is not None and isinstance(output, dict):
-                output = {k: v for k, v in output.items() if k not in id_keys}
+            view = _fields(output) if ids is not None else None
+            if view is not None:  # the ids are kept once, in response_ids
+                output = {k: v for k, v in view.items() if k not in id_keys}
         out.response_ids = ids
         if ids is not None:
             attrs["gen_ai.usage.output_tokens"] = len(ids)
@@ -176,6 +198,32 @@ def _display_name(out: SpanRecord) -> None:
     if isinstance(shown, str) and shown and shown != out.name:
         attrs["code.function"] = out.name
         out.name = shown
+
+
+#: Tool span attributes read out of what the tool returned (see :func:`messages.tool_result`).
+TOOL_REWARD = "rl.tool.reward"
+TOOL_DONE = "rl.tool.done"
+TOOL_METRICS = "rl.tool.metrics."
+
+
+def _tool_attributes(attrs: dict[str, Any], output: Any) -> None:
+    """The step reward, done flag and metrics a tool returned with its answer (veRL's
+    ``(ToolResponse, reward, metrics)``, gym-style tuples, ...) as ``rl.tool.reward``,
+    ``rl.tool.done`` and ``rl.tool.metrics.<key>`` (a value that is not an attribute
+    value is its JSON text, None is left out); an OpenAI tool message's ``tool_call_id`` as
+    ``gen_ai.tool.call.id`` unless the call had one."""
+    result = tool_result(output)
+    if result.reward is not None:
+        attrs[TOOL_REWARD] = result.reward
+    if result.done is not None:
+        attrs[TOOL_DONE] = result.done
+    for key, value in (result.metrics or {}).items():
+        if value is None:
+            continue
+        attrs[f"{TOOL_METRICS}{key}"] = value if attr_ok(value) else json.dumps(value, ensure_ascii=False,
+                                                                                 default=str)
+    if result.call_id is not None:
+        attrs.setdefault("gen_ai.tool.call.id", result.call_id)
 
 
 def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Trajectory:
@@ -295,16 +343,10 @@ def _reward(value: Any, outcome: dict[str, Any]) -> float | None:
     return reward
 
 
-def _attributes(attrs: Any, limit: int) -> dict[str, Any]:
-    """An SDK span's attributes as a dict: tuples as lists, long strings truncated."""
-    out: dict[str, Any] = {}
-    for key, value in (attrs or {}).items():
-        if isinstance(value, tuple):
-            value = list(value)
-        elif isinstance(value, str) and len(value) > limit:
-            value = truncate(value, limit)
-        out[key] = value
-    return out
+def _attributes(attrs: Any, conv: Converter) -> dict[str, Any]:
+    """An SDK span's attributes as a dict: tuples as lists, strings bounded and redacted,
+    secret-looking keys redacted, ints beyond 64 bits as strings (``Converter.attribute``)."""
+    return {key: conv.attribute(key, value) for key, value in (attrs or {}).items()}
 
 
 def _tree_order(records: list[SpanRecord], root_id: str) -> list[SpanRecord]:

@@ -53,6 +53,8 @@ _POPPED = ("rtrace.kind", "rtrace.input", "rtrace.output", "rtrace.prompt_ids", 
 class CollectorPipeline(Pipeline):
     """The assembly of :class:`Pipeline`, over spans that arrive as OTLP protos."""
 
+    refuse_new_at_shutdown = False
+
     def __init__(self, settings: Settings, fanout: Fanout, postprocessors: list, settle_s: float) -> None:
         self.settle_s = settle_s
         self.metrics_linger_s = max(3.0, 2 * settle_s)

@@ -4,8 +4,10 @@ A slow sink drops its own batches (counted) without slowing the others or the tr
 program. Sinks run with OTel instrumentation suppressed, so a backend's own HTTP calls
 are not traced into the trajectories. Shutdown is bounded per sink: each sink gets its
 own deadline, a sink that hangs is abandoned (its thread is a daemon) and everything
-still queued for it is counted as ``sink.<name>.abandoned_trajectories``; the next
-sink is shut down all the same.
+still queued for it, or inside its export call, is counted as
+``sink.<name>.abandoned_trajectories``; the next sink is shut down all the same. So
+for every sink, the trajectories handed to it are ``exported + failed_trajectories +
+dropped_trajectories + abandoned_trajectories``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ class SinkWorker:
         self.timeout_s = timeout_s
         #: set when a flush marker found a batch that failed since the previous marker
         self._failed_since_marker = False
+        #: the batch inside export() now (counted as abandoned if shutdown gives up on it)
+        self._in_flight: list[Trajectory] | None = None
+        self._abandoned = False
+        self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name=f"rtrace-sink-{self.name}", daemon=True)
         self.thread.start()
 
@@ -44,6 +50,8 @@ class SinkWorker:
         try:
             self.queue.put_nowait(batch)
         except queue.Full:
+            with self._lock:
+                self._failed_since_marker = True  # the next flush() cannot say "all written"
             self._count("dropped_batches", 1)
             self._count("dropped_trajectories", len(batch))
             _stats.warn_once(f"sink-full-{self.name}",
@@ -72,11 +80,21 @@ class SinkWorker:
                     continue
                 if isinstance(item, _Marker):
                     flushed = self._call("flush", self.sink.flush, self.timeout_s)
-                    item.ok = flushed and not self._failed_since_marker
-                    self._failed_since_marker = False
+                    with self._lock:
+                        item.ok = flushed and not self._failed_since_marker
+                        self._failed_since_marker = False
                     item.set()
                     continue
-                if self._call("export", self.sink.export, item):
+                with self._lock:
+                    if self._abandoned:  # counted as abandoned already: a late thread writes nothing
+                        continue
+                    self._in_flight = item
+                ok = self._call("export", self.sink.export, item)
+                with self._lock:
+                    self._in_flight = None
+                    if self._abandoned:  # shutdown gave up on this batch and counted it
+                        continue
+                if ok:
                     self._count("exported", len(item))
                 else:
                     self._failed_since_marker = True
@@ -116,7 +134,9 @@ class SinkWorker:
             _stats.warn_once(f"sink-hang-{self.name}", "rtrace sink %r did not shut down in time", self.name)
 
     def _abandon(self) -> None:
-        lost = 0
+        with self._lock:
+            self._abandoned = True
+            lost = len(self._in_flight) if self._in_flight is not None else 0
         while True:
             try:
                 item = self.queue.get_nowait()
@@ -130,7 +150,7 @@ class SinkWorker:
         if lost:
             self._count("abandoned_trajectories", lost)
         _stats.warn_once(f"sink-hang-{self.name}", "rtrace sink %r did not finish in time; %d queued "
-                         "trajectories abandoned", self.name, lost)
+                         "or in-flight trajectories abandoned", self.name, lost)
 
 
 class _Metrics(list):

@@ -2,14 +2,30 @@
 
 Sources, best first:
 
-1. chat messages: the last generation whose input has a ``messages`` argument (a list of
-   ``{"role": ..., "content": ...}`` dicts) gives the conversation so far; its response
-   and the tool calls after it are appended;
+1. chat messages: the last span (any kind but tool) whose input has a conversation (an
+   argument ``messages``, ``raw_prompt``, ``prompt`` or ``conversation`` that is a list of
+   ``{"role": ..., ...}`` dicts: :data:`CHAT_KEYS`) gives the conversation so far; the
+   generations and tool calls that start after it are appended. An op with chat messages
+   and no generation traced in or after it (an API call rtrace does not see) adds its
+   own output as the assistant turn when it reads as one (an assistant message, a string,
+   or a dict with ``response_text`` / ``answer`` / ``content`` / ``text``), as veRL's
+   trackio backend does;
 2. text: the first generation's prompt (``rtrace.prompt_text`` from token2text, else a
    string ``prompt``/``text`` argument) as the user turn, then, in start order, each
    generation's response as an assistant turn and each tool span as a ``tool_calls``
    entry on the preceding assistant turn plus a ``tool`` message with its result;
 3. nothing readable: an empty list.
+
+Trajectories of ``rtrace.log_rollout_batch`` (root attribute ``rtrace.source`` =
+``tensor_batch``) are rebuilt from their segments instead (:func:`segment_messages`).
+
+Tool calls. The one place that reads a tool span's captured values is here:
+:func:`tool_arguments` (the call's arguments) and :func:`tool_result` (its answer, step
+reward, metrics, done flag, call id) — the builder uses the same function for the tool
+span's ``rl.tool.*`` attributes. Tool messages carry ``tool_call_id`` (the captured
+``tool_call_id``/``call_id``, or the one of an OpenAI tool message returned, else
+``call_<span id>``) and ``name``; the assistant's ``tool_calls`` use the OpenAI shape
+``{"id", "type": "function", "function": {"name", "arguments"}}`` with arguments as JSON.
 
 A turn whose text is unknown is never an empty string when something is there: a
 prompt or a response with token ids but no decoded text reads
@@ -17,31 +33,186 @@ prompt or a response with token ids but no decoded text reads
 sink shows what the turn holds and how to see its text.
 
 Each generation span whose response is an assistant message of the conversation gets
-the attribute ``rtrace.message_index`` (:data:`MESSAGE_INDEX`): that message's position
-in ``Trajectory.messages``, so a sink can show a generation's output as the assistant
-turn it produced, tool calls included.
-
-Trajectories of ``rtrace.log_rollout_batch`` (root attribute ``rtrace.source`` =
-``tensor_batch``) are rebuilt from their segments instead (:func:`segment_messages`).
-
-Tool messages carry ``tool_call_id`` (the captured ``tool_call_id``/``call_id``, else
-``call_<span id>``) and ``name``; the assistant's ``tool_calls`` use the OpenAI shape
-``{"id", "type": "function", "function": {"name", "arguments"}}`` with arguments as JSON.
+the attribute ``rtrace.message_index`` (:data:`~rtrace.trajectory.MESSAGE_INDEX`): that
+message's position in ``Trajectory.messages``, so a sink can show a generation's output
+as the assistant turn it produced, tool calls included.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
-from ..trajectory import MESSAGE_INDEX, SpanRecord, Trajectory, response_text
+from ..trajectory import CHAT_KEYS, MESSAGE_INDEX, SpanRecord, Trajectory, response_text
 
-__all__ = ["build_messages", "segment_messages", "response_text", "tool_call_id", "placeholder", "MESSAGE_INDEX"]
+__all__ = ["build_messages", "segment_messages", "response_text", "tool_call_id", "tool_arguments",
+           "tool_result", "ToolResult", "CHAT_KEYS", "placeholder"]
 
 #: Root attribute ``rtrace.source`` of trajectories made by ``rtrace.log_rollout_batch``.
 BATCH_SOURCE = "tensor_batch"
 #: On a span of such a trajectory: the chat role of its segment ("user", "assistant", "tool").
 ROLE_ATTR = "rtrace.role"
+
+#: Input arguments holding a tool call's own arguments (veRL's ``BaseTool.execute(instance_id,
+#: parameters, **kwargs)``); without one, the arguments are the whole input but the call id.
+ARGUMENT_KEYS = ("arguments", "parameters", "tool_args", "tool_input")
+#: Inputs that name the call, not its arguments.
+CALL_ID_KEYS = ("tool_call_id", "call_id")
+#: Keys of a returned dict holding the tool's answer, first present wins.
+CONTENT_KEYS = ("content", "text", "output", "observation", "result", "response")
+#: Keys of a returned dict holding the tool's metrics.
+METRIC_KEYS = ("metrics", "info", "metadata")
+#: Media keys of a returned dict: each item shows as ``[image]`` / ``[video]`` / ``[audio]``.
+MEDIA_KEYS = (("image", "[image]"), ("images", "[image]"), ("video", "[video]"), ("videos", "[video]"),
+              ("audio", "[audio]"))
+
+
+#: The keys a returned dict may have besides its answer for the answer alone to be shown.
+_KNOWN_KEYS = frozenset(CONTENT_KEYS + METRIC_KEYS + tuple(k for k, _ in MEDIA_KEYS) + (
+    "reward", "done", "terminated", "truncated", "role", "tool_call_id", "name", "type", "error", "is_error",
+    "status"))
+
+
+@dataclass
+class ToolResult:
+    """What a tool call returned, read out of the span's (JSON-safe) output by :func:`tool_result`."""
+
+    #: the tool message's text
+    content: str
+    #: a step reward returned with the answer (veRL's triple, gym-style tuples, a ``reward`` key)
+    reward: float | None = None
+    #: metrics / info returned with the answer
+    metrics: dict[str, Any] | None = None
+    #: the episode ended (gym-style ``done`` / ``terminated`` / ``truncated``)
+    done: bool | None = None
+    #: the call id of an OpenAI-style tool message returned by the tool
+    call_id: str | None = None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def _text(value: Any) -> str:
+    """The text of a content value: a string, OpenAI content parts, or JSON."""
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return ""
+    if isinstance(value, list) and value and all(isinstance(p, dict) and "type" in p for p in value):
+        parts = []
+        for part in value:  # [{"type": "text", "text": ...}, {"type": "image_url", ...}]
+            kind = str(part.get("type"))
+            if isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            elif kind.startswith(("image", "video", "audio")):
+                parts.append(f"[{kind.split('_')[0]}]")
+        return " ".join(parts)
+    return _json(value)
+
+
+def _media(output: dict[str, Any]) -> list[str]:
+    markers: list[str] = []
+    for key, marker in MEDIA_KEYS:
+        value = output.get(key)
+        if value is None or value == []:
+            continue
+        markers.extend([marker] * (len(value) if isinstance(value, list) else 1))
+    return markers
+
+
+def _dict_result(output: dict[str, Any]) -> ToolResult:
+    observations = output.get("observations")
+    if isinstance(observations, list) and all(isinstance(m, dict) for m in observations):
+        # SkyRL-Gym's BaseTextEnvStepOutput: observations (chat messages), reward, done, metadata
+        content = "\n".join(_text(m.get("content")) for m in observations)
+    else:
+        key = next((k for k in CONTENT_KEYS if k in output), None)
+        if (key is None and not _media(output)) or not output.keys() <= _KNOWN_KEYS:
+            # not an answer with its companions (``{"result": 5, "unit": "C"}``): the whole dict
+            content = _json(output)
+        else:
+            text = _text(output.get(key)) if key is not None else ""
+            content = " ".join(t for t in (text, *_media(output)) if t)
+    reward = output.get("reward")
+    done = next((output[k] for k in ("done", "terminated") if isinstance(output.get(k), bool)), None)
+    metrics = next((output[k] for k in METRIC_KEYS if isinstance(output.get(k), dict)), None)
+    call_id = output.get("tool_call_id") if output.get("role") == "tool" else None
+    return ToolResult(content, float(reward) if _number(reward) else None, metrics, done,
+                      str(call_id) if isinstance(call_id, (str, int)) else None)
+
+
+def _tuple_result(output: list[Any]) -> ToolResult | None:
+    """``(answer, reward, ...)`` as veRL ``(ToolResponse, reward, metrics)`` and gym-style
+    ``(obs, reward, done, info)`` / ``(obs, reward, terminated, truncated, info)`` tuples
+    (lists once captured): an answer (str, dict or None), a number, then up to two
+    flags and an optional dict. Anything else is not such a tuple."""
+    if not 2 <= len(output) <= 5 or not isinstance(output[0], (str, dict, type(None))) or not _number(output[1]):
+        return None
+    rest = output[2:]
+    flags = []
+    while rest and isinstance(rest[0], bool):
+        flags.append(rest.pop(0))
+    if len(flags) > 2 or len(rest) > 1 or (rest and not isinstance(rest[0], (dict, type(None)))):
+        return None
+    answer = tool_result(output[0])
+    metrics = rest[0] if rest and rest[0] is not None else answer.metrics
+    return ToolResult(answer.content, float(output[1]), metrics, any(flags) if flags else answer.done,
+                      answer.call_id)
+
+
+def tool_result(output: Any) -> ToolResult:
+    """A tool call's answer from its captured (JSON-safe) return value.
+
+    Shapes read, besides a plain string (the answer itself):
+
+    * veRL ``(ToolResponse(text, image, video), reward, metrics)``: the text, plus one
+      ``[image]`` / ``[video]`` marker per item; the reward; the metrics;
+    * gym-style ``(obs, reward, done, info)`` and ``(obs, reward, terminated, truncated,
+      info)`` tuples (AReaL / SkyRL environments' ``step``);
+    * SkyRL-Gym's ``{"observations": [messages], "reward", "done", "metadata"}``;
+    * an OpenAI tool message ``{"role": "tool", "content", "tool_call_id"}``;
+    * a dict with the answer under ``content`` / ``text`` / ``output`` / ``observation`` /
+      ``result`` / ``response`` (and ``reward``, ``done``, ``metrics`` / ``info`` /
+      ``metadata`` next to it).
+
+    Anything else is shown as its JSON text.
+    """
+    if isinstance(output, str):
+        return ToolResult(output)
+    if isinstance(output, dict):
+        return _dict_result(output)
+    if isinstance(output, list):
+        shaped = _tuple_result(output)
+        if shaped is not None:
+            return shaped
+    return ToolResult(_json(output))
+
+
+def tool_arguments(inputs: Any) -> Any:
+    """A tool call's arguments from its captured input: the ``arguments`` / ``parameters``
+    / ``tool_args`` / ``tool_input`` argument when there is one (veRL's
+    ``execute(instance_id, parameters, **kwargs)``: the parameters, not the instance id
+    nor the agent state), else every argument but the call id."""
+    if not isinstance(inputs, dict):
+        return {} if inputs is None else inputs
+    for key in ARGUMENT_KEYS:
+        value = inputs.get(key)
+        if isinstance(value, dict):
+            return value
+        if isinstance(value, str):
+            try:
+                parsed = json.loads(value)
+            except ValueError:
+                continue
+            if isinstance(parsed, dict):
+                return parsed
+    return {k: v for k, v in inputs.items() if k not in CALL_ID_KEYS}
 
 
 def placeholder(n_tokens: int | None, token2text: bool) -> str:
@@ -87,26 +258,36 @@ def tool_call_id(span: SpanRecord) -> str:
 def _tool_messages(span: SpanRecord) -> tuple[dict[str, Any], dict[str, Any]]:
     name = span.attributes.get("gen_ai.tool.name") or span.name
     call_id = tool_call_id(span)
-    args = span.input if span.input is not None else {}
-    if isinstance(args, dict):  # the call id is the message's id, not a tool argument
-        args = {k: v for k, v in args.items() if k not in ("tool_call_id", "call_id")}
+    args = tool_arguments(span.input)
     call = {"id": call_id, "type": "function",
-            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False, default=str)}}
-    if span.status == "error":
-        content = f"error: {span.error}"
-    elif isinstance(span.output, str):
-        content = span.output
-    else:
-        content = json.dumps(span.output, ensure_ascii=False, default=str)
+            "function": {"name": name, "arguments": _json(args)}}
+    content = f"error: {span.error}" if span.status == "error" else tool_result(span.output).content
     return call, {"role": "tool", "tool_call_id": call_id, "name": name, "content": content}
 
 
 def _chat_messages(span: SpanRecord) -> list[dict[str, Any]] | None:
     if not isinstance(span.input, dict):
         return None
-    msgs = span.input.get("messages")
-    if isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "role" in m for m in msgs):
-        return [dict(m) for m in msgs]
+    for key in CHAT_KEYS:
+        msgs = span.input.get(key)
+        if isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "role" in m for m in msgs):
+            return [dict(m) for m in msgs]
+    return None
+
+
+def _assistant_output(output: Any) -> dict[str, Any] | None:
+    """An op's output as the assistant turn, when it reads as one."""
+    if isinstance(output, str):
+        return {"role": "assistant", "content": output}
+    if isinstance(output, dict):
+        if output.get("role") == "assistant":
+            reply = dict(output)
+            if isinstance(reply.get("tool_calls"), list):
+                reply["tool_calls"] = list(reply["tool_calls"])  # tool spans after it append here
+            return reply
+        for key in ("response_text", "answer", "content", "text"):  # veRL's trackio: response_text, answer
+            if isinstance(output.get(key), str) and output[key]:
+                return {"role": "assistant", "content": output[key]}
     return None
 
 
@@ -139,10 +320,10 @@ def segment_messages(traj: Trajectory, token2text: bool = False) -> list[dict[st
 
 
 def _index_chat(gens: list[SpanRecord], chat: list[dict[str, Any]]) -> None:
-    """Generations before the one whose chat messages open the conversation produced the
+    """Generations before the op whose chat messages open the conversation produced the
     assistant turns of that chat, in order: link them when the counts agree."""
     turns = [i for i, m in enumerate(chat) if m.get("role") == "assistant"]
-    if len(turns) == len(gens):
+    if gens and len(turns) == len(gens):
         for span, i in zip(gens, turns):
             span.attributes[MESSAGE_INDEX] = i
 
@@ -155,27 +336,39 @@ def build_messages(traj: Trajectory, token2text: bool = False) -> list[dict[str,
     """
     if traj.spans and traj.root.attributes.get("rtrace.source") == BATCH_SOURCE:
         return segment_messages(traj, token2text)
-    events = [s for s in traj.spans if s.kind in ("generation", "tool")]
-    events.sort(key=lambda s: s.start_ns)
-    gens = [s for s in events if s.kind == "generation"]
-    if not gens:
+    # start order; a parent before the children that start with it (tree order breaks ties)
+    order = sorted(range(len(traj.spans)), key=lambda i: (traj.spans[i].start_ns, i))
+    spans = [traj.spans[i] for i in order]
+    chats = {i: c for i, s in enumerate(spans) if s.kind != "tool" and (c := _chat_messages(s)) is not None}
+    events = [i for i, s in enumerate(spans) if s.kind in ("generation", "tool")]
+    if not chats and not any(spans[i].kind == "generation" for i in events):
         return []
     messages: list[dict[str, Any]] = []
-    start = 0
-    for i in range(len(events) - 1, -1, -1):
-        chat = _chat_messages(events[i]) if events[i].kind == "generation" else None
-        if chat is not None:
-            messages, start = chat, i
-            _index_chat([s for s in events[:i] if s.kind == "generation"], chat)
-            break
+    last_assistant: dict[str, Any] | None = None
+    first = 0
+    if chats:
+        first = max(chats)
+        source = spans[first]
+        messages = chats[first]
+        _index_chat([spans[i] for i in events if i < first and spans[i].kind == "generation"], messages)
+        if source.kind != "generation" and not any(spans[i].kind == "generation" for i in events if i > first):
+            # no generation traced in or after the op (an API call rtrace does not see): its
+            # own output is the assistant's reply
+            reply = _assistant_output(source.output) if source.status != "error" else None
+            if reply is not None:
+                messages.append(reply)
+                last_assistant = reply
     else:
-        prompt = _prompt_text(gens[0])
-        if prompt is None and gens[0].prompt_ids is not None:
-            prompt = placeholder(len(gens[0].prompt_ids), token2text)
+        gen = next(spans[i] for i in events if spans[i].kind == "generation")
+        prompt = _prompt_text(gen)
+        if prompt is None and gen.prompt_ids is not None:
+            prompt = placeholder(len(gen.prompt_ids), token2text)
         if prompt is not None:
             messages.append({"role": "user", "content": prompt})
-    last_assistant: dict[str, Any] | None = None
-    for span in events[start:]:
+    for i in events:
+        if i < first:
+            continue
+        span = spans[i]
         if span.kind == "generation":
             last_assistant = {"role": "assistant", "content": _response(span, token2text)}
             span.attributes[MESSAGE_INDEX] = len(messages)

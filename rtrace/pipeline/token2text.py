@@ -7,6 +7,12 @@ finished trajectories, :class:`Token2Text` gathers every span's prompt ids and m
 text to the span attributes ``rtrace.prompt_text`` / ``rtrace.response_text``. Unless
 ``token2text_keep_ids`` is set, the id lists are dropped afterwards.
 
+Outputs too: a span other than a generation whose output is a dict with ``prompt_ids``
+/ ``response_ids`` (or ``token_ids``) id lists (an agent loop returning veRL's
+``AgentLoopOutput``) gets ``prompt_text`` / ``response_text`` next to them in its output,
+as veRL's token2text shows them; the ids stay (they are the output). One more
+``batch_decode`` for all of those.
+
 The tokenizer is read at each batch through a callable handed in by ``rtrace._setup``,
 which keeps the one set by ``configure(tokenizer=...)`` / ``RTRACE_TOKENIZER`` or
 ``rtrace.set_tokenizer()`` (the latest call wins), so it can be handed in before or
@@ -74,6 +80,28 @@ def check_tokenizer(tokenizer: Any) -> Any:
     return tokenizer
 
 
+#: Id lists in a span's output (a dict) and the key their text is written to.
+OUTPUT_FIELDS = (("prompt_ids", "prompt_text"), ("response_ids", "response_text"))
+
+
+def _ids(value: Any) -> bool:
+    return type(value) is list and bool(value) and set(map(type, value)) == {int}
+
+
+def _output_ids(output: dict[str, Any]) -> list[tuple[dict[str, Any], str, list[int]]]:
+    """``(output, text key, ids)`` for the id lists of an output dict: ``prompt_ids`` ->
+    ``prompt_text``, ``response_ids`` (else ``token_ids``) -> ``response_text``, unless the
+    text key is there already."""
+    found = []
+    for source, target in OUTPUT_FIELDS:
+        ids = output.get(source)
+        if source == "response_ids" and ids is None:
+            ids = output.get("token_ids")
+        if target not in output and _ids(ids):
+            found.append((output, target, ids))
+    return found
+
+
 class Token2Text:
     """Postprocessor (worker thread): decodes a batch of trajectories' token ids.
 
@@ -94,13 +122,16 @@ class Token2Text:
         """Decode every span's ids in place: one ``batch_decode`` per field for the batch."""
         prompts: list[SpanRecord] = []
         responses: list[SpanRecord] = []
+        outputs: list[tuple[dict[str, Any], str, list[int]]] = []
         for traj in trajectories:
             for span in traj.spans:
                 if span.prompt_ids is not None:
                     prompts.append(span)
                 if span.response_ids is not None:
                     responses.append(span)
-        if prompts or responses:
+                if span.kind != "generation" and type(span.output) is dict:
+                    outputs.extend(_output_ids(span.output))
+        if prompts or responses or outputs:
             tok = self.tokenizer()
             if tok is None:
                 _stats.incr("token2text_no_tokenizer", len(trajectories))
@@ -110,28 +141,13 @@ class Token2Text:
             else:
                 self._field(tok, prompts, "prompt_ids", PROMPT_TEXT)
                 self._field(tok, responses, "response_ids", RESPONSE_TEXT)
+                self._outputs(tok, outputs)
 
     # ------------------------------------------------------------------ decoding
     def _field(self, tok: Any, spans: list[SpanRecord], field: str, attr: str) -> None:
         if not spans:
             return
-        ids = [getattr(span, field) for span in spans]
-        try:
-            texts = self._decode(tok, ids)
-            if len(texts) != len(ids):
-                raise ValueError(f"batch_decode returned {len(texts)} texts for {len(ids)} sequences")
-        except Exception:
-            # One bad sequence (an id out of the vocabulary, ...) must not cost the text of
-            # the whole batch: decode one by one, and count only what still fails.
-            _stats.warn_once("t2t-batch", "rtrace token2text: batch_decode failed; decoding one by one",
-                             exc_info=True)
-            texts = []
-            for one in ids:
-                try:
-                    texts.append(self._decode(tok, [one])[0])
-                except Exception:
-                    _stats.incr("token2text_errors")
-                    texts.append(None)
+        texts = self._decode_all(tok, [getattr(span, field) for span in spans])
         decoded = 0
         for span, text in zip(spans, texts):
             if not isinstance(text, str):
@@ -141,6 +157,38 @@ class Token2Text:
             if not self.keep_ids:
                 setattr(span, field, None)
         _stats.incr("token2text_decoded", decoded)
+
+    def _outputs(self, tok: Any, outputs: list[tuple[dict[str, Any], str, list[int]]]) -> None:
+        """The text of ids in outputs, next to them (one ``batch_decode`` for all of them)."""
+        if not outputs:
+            return
+        texts = self._decode_all(tok, [one for _, _, one in outputs])
+        decoded = 0
+        for (output, key, _), text in zip(outputs, texts):
+            if isinstance(text, str):
+                output[key] = text
+                decoded += 1
+        _stats.incr("token2text_decoded", decoded)
+
+    def _decode_all(self, tok: Any, ids: list[list[int]]) -> list[Any]:
+        """One ``batch_decode`` for ``ids``; if it fails, one call per sequence, so one bad
+        sequence (an id out of the vocabulary ...) costs only its own text (None, counted)."""
+        try:
+            texts = self._decode(tok, ids)
+            if len(texts) != len(ids):
+                raise ValueError(f"batch_decode returned {len(texts)} texts for {len(ids)} sequences")
+            return texts
+        except Exception:
+            _stats.warn_once("t2t-batch", "rtrace token2text: batch_decode failed; decoding one by one",
+                             exc_info=True)
+        texts = []
+        for one in ids:
+            try:
+                texts.append(self._decode(tok, [one])[0])
+            except Exception:
+                _stats.incr("token2text_errors")
+                texts.append(None)
+        return texts
 
     def _decode(self, tok: Any, ids: list[list[int]]) -> list[Any]:
         key = id(tok)

@@ -78,6 +78,10 @@ class Pipeline:
     _flushing = False
     #: a step's metrics wait this long after its last trajectory once a later step began
     metrics_linger_s = 1.0
+    #: refuse new trajectories once shutdown starts (one process: the hot path may still
+    #: start some; the collector has stopped receiving already, and what it accepted must
+    #: still be assembled in the last round)
+    refuse_new_at_shutdown = True
     #: seconds a trajectory waits after its root arrived (the collector: spans of other
     #: processes may still be on their way); 0 in one process, where children end first
     settle_s = 0.0
@@ -331,7 +335,8 @@ class Pipeline:
         if self._stopping:
             return
         timeout_s = self.settings.sink_timeout_s if timeout_s is None else timeout_s
-        self.registry.close()
+        if self.refuse_new_at_shutdown:
+            self.registry.close()
         with self._cond:
             self._stopping = True
             self._cond.notify()

@@ -3,9 +3,10 @@
 Needs ``verl`` installed (``make test-verl`` makes a venv with verl==0.9.1); every test
 module here starts with ``pytest.importorskip("verl")``, so the default ``make test``
 reports them as skipped. When veRL is importable, this conftest routes
-``verl.utils.rollout_trace`` to ``rtrace.compat.verl`` before any test module imports
-veRL's agent loop (see verl_shim.py), and puts this directory on ``sys.path`` so veRL's
-tool registry can import ``verl_app.CalculatorTool`` by its dotted name.
+``verl.utils.rollout_trace`` to ``rtrace.compat.verl`` (``rtrace.compat.verl.install()``)
+before any test module imports veRL's agent loop, and puts this directory on
+``sys.path`` so veRL's tool registry can import ``verl_app.CalculatorTool`` by its
+dotted name.
 """
 
 from __future__ import annotations
@@ -23,6 +24,6 @@ if importlib.util.find_spec("verl") is not None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import verl_shim
+    import rtrace.compat.verl
 
-    verl_shim.install()
+    rtrace.compat.verl.install()

@@ -1,4 +1,4 @@
-"""rtrace's veRL shim inside the real veRL 0.9.1 agent loop (issue #15, phase 1).
+"""rtrace's veRL shim inside the real veRL 0.9.1 agent loop (issue #15).
 
 ``AgentLoopWorker.generate_sequences`` -> ``ToolAgentLoop.run`` runs for real, on CPU:
 veRL's Hydra-composed ``ppo_trainer`` config, its ``LLMServerClient`` and
@@ -6,12 +6,9 @@ veRL's Hydra-composed ``ppo_trainer`` config, its ``LLMServerClient`` and
 through veRL's tool config, the Continuous Token builder of a qwen2 model; only the
 inference engine is a scripted stand-in returning token ids (see verl_app.py). Tracing
 is configured only through veRL's own ``actor_rollout_ref.rollout.trace.*`` config, with
-``verl.utils.rollout_trace`` routed to ``rtrace.compat.verl`` (conftest.py); the sinks
-are real (JSONL, trackio) and read back.
-
-The assertions are what SHOULD hold per issue #15. Those the shim fails today are
-``xfail(strict=True)`` with the reason: phase 2's to-do list. A strict xfail that starts
-passing fails the run, so fixing one means removing its mark.
+``verl.utils.rollout_trace`` routed to ``rtrace.compat.verl`` by
+``rtrace.compat.verl.install()`` (conftest.py); the sinks are real (JSONL, trackio) and
+read back.
 """
 
 from __future__ import annotations
@@ -39,8 +36,7 @@ pytestmark = pytest.mark.integration
 
 RL_ATTRS = ("rl.step", "rl.sample_index", "rl.rollout_n", "rl.validate")
 
-#: Where phase 2 is to put a veRL tool's step reward and metrics (attribute names are
-#: this test's proposal; change them here if phase 2 picks others).
+#: Where a veRL tool's step reward and metrics go (rtrace/pipeline/builder.py).
 TOOL_REWARD_ATTR = "rl.tool.reward"
 TOOL_METRIC_PREFIX = "rl.tool.metrics."
 
@@ -157,9 +153,9 @@ class TestTrajectories:
             assert tool.attributes["gen_ai.tool.name"] == "calculator"
             assert tool.input["parameters"] == {"expression": f"{a} + {b}"}
 
-    @pytest.mark.xfail(strict=True, reason="phase 2: the conversation's tool-call arguments are the span's whole "
-                       "input ({instance_id, parameters, agent_data: '<AgentData object at 0x..>'}), not the parameters")
     async def test_tool_call_arguments_are_the_parameters(self, traced_run):
+        """The conversation's tool call has the parameters as arguments (not instance_id
+        nor agent_data)."""
         _, trajs = await traced_run()
         for t in trajs:
             a, b = app.question(t.sample_index)
@@ -167,17 +163,15 @@ class TestTrajectories:
             assert call["function"]["name"] == "calculator"
             assert json.loads(call["function"]["arguments"]) == {"expression": f"{a} + {b}"}
 
-    @pytest.mark.xfail(strict=True, reason="phase 2: the tool span's input shows veRL's AgentData as "
-                       "'<...AgentData object at 0x...>' (a per-call address: traces differ run to run)")
     async def test_tool_span_input_has_no_object_addresses(self, traced_run):
+        """veRL's AgentData shows without its address: traces compare run to run."""
         _, trajs = await traced_run()
         for t in trajs:
             (tool,) = t.spans_of_kind("tool")
             assert " at 0x" not in json.dumps(tool.input)
 
-    @pytest.mark.xfail(strict=True, reason="phase 2: the tool message is the JSON of veRL's whole "
-                       "(ToolResponse, reward, metrics) triple, e.g. '[{\"text\": \"1\", ...}, 1.0, {...}]'")
     async def test_tool_message_is_the_response_text(self, traced_run):
+        """The tool message is the ToolResponse's text, not the JSON of veRL's triple."""
         _, trajs = await traced_run()
         for t in trajs:
             a, b = app.question(t.sample_index)
@@ -185,9 +179,9 @@ class TestTrajectories:
             assert tool_msg["content"] == str(a + b)
             assert tool_msg["name"] == "calculator"
 
-    @pytest.mark.xfail(strict=True, reason="phase 2: the tool's reward and metrics (2nd and 3rd items of "
-                       "veRL's tool triple) are not attributes of the tool span")
     async def test_tool_reward_and_metrics_on_tool_span(self, traced_run):
+        """The tool's reward and metrics (2nd and 3rd items of veRL's triple) are
+        attributes of the tool span."""
         _, trajs = await traced_run()
         for t in trajs:
             a, b = app.question(t.sample_index)
@@ -196,10 +190,9 @@ class TestTrajectories:
             assert tool.attributes[TOOL_METRIC_PREFIX + "ok"] is True
             assert tool.attributes[TOOL_METRIC_PREFIX + "chars"] == len(f"{a} + {b}")
 
-    @pytest.mark.xfail(strict=True, reason="phase 2 (proposal): the conversation starts with one user turn "
-                       "holding the whole decoded prompt ('system\\nYou are...\\nuser\\nWhat is...'), not with "
-                       "the chat messages veRL passes to ToolAgentLoop.run as raw_prompt")
     async def test_conversation_starts_with_the_chat_messages(self, traced_run):
+        """The conversation starts with the chat messages veRL passes to
+        ToolAgentLoop.run as raw_prompt, not with one user turn of decoded prompt."""
         _, trajs = await traced_run()
         for t in trajs:
             assert t.messages[:2] == app.prompt(t.sample_index)
@@ -234,9 +227,9 @@ class TestMessagesOp:
         last_chat = t.spans[5]
         assert last_chat.input["messages"][:2] == app.prompt(2)
 
-    @pytest.mark.xfail(strict=True, reason="phase 2: an op taking `messages` (veRL's trackio backend uses "
-                       "them) does not give the conversation: rtrace reads `messages` only on generation spans")
     async def test_messages_op_gives_the_conversation(self, chat_run):
+        """An op taking `messages` (any kind, as veRL's trackio backend reads them) gives
+        the conversation; the generation inside it, the reply."""
         _, (t,) = await chat_run()
         a, b = app.question(2)
         last_chat = [s for s in t.spans if s.name == "ChatAgentLoop.chat"][-1]
@@ -288,9 +281,6 @@ class TestSampleCap:
             await worker.generate_sequences(batch)
         assert {(t.step, t.sample_index, t.rollout_n) for t in read_traces(tmp_path)} == expected
 
-    @pytest.mark.xfail(strict=True, reason="phase 2: veRL picks K samples per generate_sequences call; the shim "
-                       "also admits at most K per (step, validate) per process, so a second call in the same step "
-                       "(validation over several val batches, all at the same global_steps) traces nothing")
     async def test_cap_matches_verl_choice_with_several_calls_per_step(self, model_dir, tool_config, tokenizer,
                                                                        tmp_path):
         """Validation: the trainer calls generate_sequences once per val batch, all with
@@ -311,12 +301,23 @@ class TestSampleCap:
 
 
 class TestBackends:
-    @pytest.mark.xfail(strict=True, reason="phase 2: backend=weave raises rtrace.ConfigError in "
-                       "RolloutTraceConfig.init, i.e. in AgentLoopWorker.__init__: the worker does not start")
-    async def test_weave_backend_does_not_crash_worker_start(self, model_dir, tool_config, tokenizer):
-        worker, _ = worker_for(model_dir, tool_config, tokenizer, trace_overrides(backend="weave"))
-        out = await worker.generate_sequences(app.make_batch([0], n=1, step=1))
+    async def test_weave_backend_does_not_crash_worker_start(self, model_dir, tool_config, tokenizer, tmp_path,
+                                                             caplog):
+        """backend=weave (no rtrace sink): AgentLoopWorker starts and runs, untraced, and
+        one warning says so."""
+        with caplog.at_level("WARNING", logger="rtrace"):
+            worker, _ = worker_for(model_dir, tool_config, tokenizer, trace_overrides(backend="weave"))
+            out = await worker.generate_sequences(app.make_batch([0], n=1, step=1))
         assert len(out) == 1
+        assert not rtrace.is_enabled() and not (tmp_path / "verl.jsonl").exists()
+        (warning,) = [r.getMessage() for r in caplog.records if "weave" in r.getMessage()]
+        assert "no weave sink, tracing is off" in warning
+
+    async def test_weave_with_other_backends_traces_to_them(self, model_dir, tool_config, tokenizer, tmp_path):
+        """backend='weave,jsonl' (quoted for Hydra): the JSONL sink gets every rollout."""
+        worker, _ = worker_for(model_dir, tool_config, tokenizer, trace_overrides(backend="weave,jsonl"))
+        await worker.generate_sequences(app.make_batch([0, 1], n=1, step=1))
+        assert sorted((t.step, t.sample_index) for t in read_traces(tmp_path)) == [(1, 0), (1, 1)]
 
     async def test_trackio_backend(self, model_dir, tool_config, tokenizer, tmp_path, monkeypatch):
         """backend=trackio,jsonl: trackio stores one trace per rollout, with the same
@@ -351,11 +352,15 @@ import rtrace.compat.verl as shim
 from importlib import import_module
 hook = getattr(import_module("rtrace.compat.verl"), "install")  # as Ray resolves worker_process_setup_hook
 hook()
+hook()  # idempotent
 import verl.utils.rollout_trace as mod
 from verl.experimental.agent_loop import agent_loop, single_turn_agent_loop, tool_agent_loop, tool_parser
 from verl.tools import base_tool
 from verl.workers.rollout import llm_server
-assert mod is shim and sys.modules["verl.utils.rollout_trace"] is shim
+import verl.utils
+assert mod is shim and sys.modules["verl.utils.rollout_trace"] is shim and verl.utils.rollout_trace is shim
+assert shim.__spec__.name == "rtrace.compat.verl"
+assert sum(type(f).__name__ == "_VerlFinder" for f in sys.meta_path) == 1
 assert agent_loop.RolloutTraceConfig is shim.RolloutTraceConfig
 assert agent_loop.rollout_trace_attr is shim.rollout_trace_attr
 for m in (single_turn_agent_loop, tool_agent_loop, tool_parser, base_tool, llm_server):
@@ -365,8 +370,6 @@ print("INSTALLED")
 
 
 class TestInstall:
-    @pytest.mark.xfail(strict=True, reason="phase 2: rtrace.compat.verl has no install() (issue #15: "
-                       "+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=rtrace.compat.verl.install)")
     def test_install_routes_verl_to_rtrace(self):
         """In a fresh interpreter, rtrace.compat.verl.install() (resolved the way Ray
         resolves a worker_process_setup_hook string) makes the six veRL modules that
@@ -375,6 +378,40 @@ class TestInstall:
         proc = subprocess.run([sys.executable, "-c", INSTALL_CHECK], capture_output=True, text=True, env=env,
                               timeout=300)
         assert proc.returncode == 0 and "INSTALLED" in proc.stdout, proc.stderr[-3000:]
+        assert "rtrace" not in proc.stderr  # no warning
+
+    def test_late_install_rebinds_and_warns_once(self):
+        """install() after veRL's own module was imported: the names are rebound in the
+        modules that imported them, the methods veRL's decorator wrapped are traced by
+        rtrace's, and one warning says to install earlier."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
+        proc = subprocess.run([sys.executable, "-c", LATE_INSTALL_CHECK], capture_output=True, text=True, env=env,
+                              timeout=300)
+        assert proc.returncode == 0 and "REBOUND" in proc.stdout, proc.stderr[-3000:]
+        warnings = [line for line in proc.stderr.splitlines() if "was imported first" in line]
+        assert len(warnings) == 1 and "re-decorated" in warnings[0], proc.stderr[-3000:]
+
+
+LATE_INSTALL_CHECK = """
+import logging, sys
+logging.basicConfig(level=logging.WARNING)
+from verl.experimental.agent_loop import agent_loop, tool_agent_loop, tool_parser
+from verl.tools import base_tool
+import verl.utils.rollout_trace as theirs
+import rtrace.compat.verl as shim
+assert theirs is not shim
+shim.install()
+assert sys.modules["verl.utils.rollout_trace"] is shim
+assert agent_loop.RolloutTraceConfig is shim.RolloutTraceConfig
+assert agent_loop.rollout_trace_attr is shim.rollout_trace_attr
+for m in (tool_agent_loop, tool_parser, base_tool):
+    assert m.rollout_trace_op is shim.rollout_trace_op, m.__name__
+for method in (tool_agent_loop.ToolAgentLoop.run, base_tool.BaseTool.execute,
+               tool_parser.HermesToolParser.extract_tool_calls):
+    assert getattr(method, "__rtrace_verl_op__", False), method.__qualname__
+shim.install()
+print("REBOUND")
+"""
 
 
 class NoKwargTokenizer:
@@ -401,10 +438,9 @@ class NoKwargTokenizer:
 
 
 class TestToken2Text:
-    @pytest.mark.xfail(strict=True, reason="phase 2: the shim's own _Shown._decode calls "
-                       "tokenizer.decode(ids, skip_special_tokens=...) and records None for a tokenizer without "
-                       "that keyword (counted in token2text_errors) instead of decoding through rtrace's token2text")
     async def test_tokenizer_without_skip_special_tokens(self, model_dir, tool_config, tokenizer, tmp_path):
+        """A tokenizer whose decode takes no skip_special_tokens: decoded by rtrace's
+        token2text (one decoder for spans and op outputs), no errors."""
         worker, _ = worker_for(model_dir, tool_config, tokenizer, trace_overrides())
         plain = NoKwargTokenizer(worker.tokenizer)
         worker.tokenizer = plain

@@ -1,0 +1,165 @@
+"""Configuration never breaks the traced program and fails early, by name (issue #13, items 18-23)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import rtrace
+import rtrace._setup
+from rtrace import exporters
+from rtrace.config import ConfigError
+from rtrace.testing import MemorySink
+
+
+@rtrace.traced_tool
+def tool(x):
+    return x
+
+
+class TestTimeouts:
+    @pytest.mark.parametrize("name, env", [
+        ("sink_timeout_s", "RTRACE_SINK_TIMEOUT_S"),
+        ("orphan_timeout_s", "RTRACE_ORPHAN_TIMEOUT_S"),
+        ("export_interval_s", "RTRACE_EXPORT_INTERVAL_S"),
+        ("annotation_timeout_s", "RTRACE_ANNOTATION_TIMEOUT_S"),
+    ])
+    @pytest.mark.parametrize("value", ["1e10", "inf", "nan"])
+    def test_huge_timeouts_are_rejected_at_configure(self, monkeypatch, name, env, value):
+        """Seconds beyond a week (1e10 overflows thread waits: OverflowError at the first wait in
+        0.1.0), inf and nan fail at configure, naming the keyword or the variable."""
+        with pytest.raises(ConfigError, match=rf"configure\({name}=\.\.\.\) \(env {env}\)"):
+            rtrace.configure(sinks=[MemorySink()], **{name: float(value)})
+        monkeypatch.setenv(env, value)
+        with pytest.raises(ConfigError, match=rf"^{env}: .*accepted values: seconds"):
+            rtrace.configure(sinks=[MemorySink()])
+
+    @pytest.mark.parametrize("timeout", [1e10, float("inf"), float("nan"), -5, "soon", None])
+    def test_flush_accepts_any_timeout(self, timeout):
+        """flush(timeout_s=...) never raises, whatever it is given (0.1.0: OverflowError for 1e10)."""
+        sink = MemorySink()
+        rtrace.configure(sinks=[sink], export_interval_s=0.02)
+        with rtrace.rollout_context(step=1):
+            tool(1)
+        result = rtrace.flush(timeout)
+        assert result in (True, False)
+        if timeout not in (-5,):
+            assert result is True and len(sink.trajectories) == 1
+
+
+class TestEmptyValues:
+    @pytest.mark.parametrize("env", ["RTRACE_PROJECT", "RTRACE_TRACKIO_TRACE_KEY", "RTRACE_JSONL_PATH",
+                                     "RTRACE_REDACT_KEYS", "RTRACE_CAPTURE", "RTRACE_EXPERIMENT"])
+    @pytest.mark.parametrize("value", ["", "   "])
+    def test_empty_rtrace_variable_is_an_error(self, monkeypatch, env, value):
+        """An empty RTRACE_* value is a ConfigError naming the variable, never a silent default
+        (0.1.0: RTRACE_REDACT_KEYS="" turned redaction off, RTRACE_PROJECT="" logged to project '')."""
+        monkeypatch.setenv(env, value)
+        with pytest.raises(ConfigError, match=rf"^{env}: "):
+            rtrace.configure(sinks=[MemorySink()])
+
+    def test_empty_otel_variable_is_unset(self, monkeypatch):
+        """OTEL_* variables follow the OTel specification: empty means unset (the application's own
+        OTel setup reads them the same way)."""
+        monkeypatch.setenv("OTEL_SERVICE_NAME", "")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "")
+        settings = rtrace.configure(sinks=[MemorySink()])
+        assert settings.service_name == "rtrace" and settings.otlp_headers == {}
+
+
+class TestFailedReconfigure:
+    def sink_that_cannot_import(self, monkeypatch):
+        """'console' as if its optional dependency were missing."""
+        monkeypatch.setitem(exporters.SINKS, "console", ("rtrace_no_such_module", "X", "console-extra"))
+
+    @pytest.mark.parametrize("bad", [
+        # a missing optional dependency
+        {"exporter": "console"},
+        # a bad value
+        {"max_value_chars": 3},
+        # a tokenizer that is not one
+        {"tokenizer": object()},
+    ], ids=["missing_extra", "bad_value", "bad_tokenizer"])
+    def test_previous_pipeline_keeps_running(self, monkeypatch, bad):
+        """A configure() that fails leaves the running configuration in force: its sinks still get
+        trajectories, current_settings() is still its settings, the tokenizer unchanged."""
+        self.sink_that_cannot_import(monkeypatch)
+        sink = MemorySink()
+
+        class Tok:
+            def batch_decode(self, ids, **kw):
+                return ["t"] * len(ids)
+
+        tok = Tok()
+        good = rtrace.configure(sinks=[sink], export_interval_s=0.02, tokenizer=tok)
+        with pytest.raises(ConfigError):
+            rtrace.configure(sinks=[MemorySink()], **bad)
+        assert rtrace.current_settings() is good and rtrace.is_enabled()
+        assert rtrace._setup.get_tokenizer() is tok
+        with rtrace.rollout_context(step=1):
+            tool(1)
+        assert rtrace.flush(10) and len(sink.trajectories) == 1
+
+
+class TestEnvironmentOnly:
+    def test_config_error_raises_once_then_tracing_is_off(self, monkeypatch):
+        """With a bad environment and no configure(), the first traced call raises the ConfigError;
+        later calls run untraced without raising, and is_enabled() is False."""
+        monkeypatch.setenv("RTRACE_EXPORTER", "jsonl")
+        monkeypatch.setenv("RTRACE_MAX_VALUE_CHARS", "3")
+        with pytest.raises(ConfigError, match="RTRACE_MAX_VALUE_CHARS"):
+            tool(1)
+        assert [tool(i) for i in range(3)] == [0, 1, 2]
+        with rtrace.rollout_context(step=1) as ctx:
+            tool(5)
+        assert not ctx.traced and rtrace.is_enabled() is False
+
+    def test_misspelt_variable_warns_once_with_the_right_name(self, monkeypatch, caplog):
+        """RTRACE_MAX_TRACE_PER_STEP (missing S) logs one warning naming RTRACE_MAX_TRACES_PER_STEP."""
+        monkeypatch.setenv("RTRACE_MAX_TRACE_PER_STEP", "4")
+        with caplog.at_level(logging.WARNING, logger="rtrace"):
+            rtrace.configure(sinks=[MemorySink()])
+            rtrace.configure(sinks=[MemorySink()])
+        warnings = [r.getMessage() for r in caplog.records if "RTRACE_MAX_TRACE_PER_STEP" in r.getMessage()]
+        assert len(warnings) == 1
+        assert "did you mean RTRACE_MAX_TRACES_PER_STEP?" in warnings[0]
+        assert rtrace.current_settings().max_traces_per_step is None
+
+
+class TestEarlyChecks:
+    @pytest.mark.parametrize("env, value, match", [
+        # a directory where the file should be
+        ("RTRACE_JSONL_PATH", "{tmp}", "is a directory"),
+        # a directory that cannot be created: a file is in the way
+        ("RTRACE_JSONL_PATH", "{tmp}/a-file/traces/x.jsonl", "a-file' is not a directory"),
+        # a misspelt scheme
+        ("MLFLOW_TRACKING_URI", "htp://localhost:5000", "unknown scheme 'htp'"),
+        # gRPC endpoint without a port
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "localhost", "has no port"),
+        # not a URL at all
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://", "is not"),
+        # a port that is not a number
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://host:port", "bad port"),
+    ])
+    def test_bad_destination_fails_at_configure(self, monkeypatch, tmp_path, env, value, match):
+        """Destinations are checked at configure(), not at the first export in the sink thread."""
+        (tmp_path / "a-file").write_text("")
+        monkeypatch.setenv(env, value.format(tmp=tmp_path))
+        with pytest.raises(ConfigError, match=rf"^{env}: .*{match}"):
+            rtrace.configure(sinks=[MemorySink()])
+
+    def test_default_jsonl_path_is_checked_too(self, tmp_path, monkeypatch):
+        """The default path (relative to the working directory) is checked when the sink is built."""
+        (tmp_path / "rtrace_traces.jsonl").mkdir()
+        monkeypatch.chdir(tmp_path)
+        with pytest.raises(ConfigError, match="^RTRACE_JSONL_PATH: .*is a directory"):
+            rtrace.configure(exporter="jsonl")
+
+    def test_plugin_tracking_uri_schemes_are_accepted(self, monkeypatch):
+        """A tracking-store scheme registered by an installed MLflow plugin (azureml, ...) is valid."""
+        from rtrace import config
+
+        monkeypatch.setattr(config, "_plugin_schemes", lambda: {"azureml"})
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", "azureml://region.api.azureml.ms/mlflow/v1.0/x")
+        assert rtrace.configure(sinks=[MemorySink()]).mlflow_tracking_uri.startswith("azureml://")

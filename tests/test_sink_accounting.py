@@ -1,0 +1,349 @@
+"""Every trajectory is written or counted; sinks never hold up the program or each other
+(issue #13, items 6, 9, 10, 11, 14)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+from opentelemetry import trace as otel_trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+import rtrace
+from rtrace.exporters.jsonl import JsonlSink
+from rtrace.testing import MemorySink
+
+
+@rtrace.traced_tool
+def tool(x):
+    return x
+
+
+def rollouts(n, step=1):
+    for i in range(n):
+        with rtrace.rollout_context(step=step, sample_index=i):
+            tool(i)
+
+
+def wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.01)
+
+
+# ----------------------------------------------------------------------------- item 6
+class TestApplicationProvider:
+    def test_provider_keeps_flushing_and_later_processors_run(self):
+        """After rtrace shuts down or is reconfigured, the application's provider.force_flush() is True
+        and a processor the application added after rtrace's still sees every span (0.1.0: rtrace's
+        stopped processor made force_flush False)."""
+        provider = TracerProvider()
+        old = otel_trace._TRACER_PROVIDER
+        otel_trace._TRACER_PROVIDER = provider  # set_tracer_provider only works once per process
+        try:
+            first = MemorySink()
+            rtrace.configure(sinks=[first])
+            later = InMemorySpanExporter()
+            provider.add_span_processor(SimpleSpanProcessor(later))  # added after rtrace's
+            rollouts(1)
+            assert rtrace.flush(10) and len(first.trajectories) == 1
+            second = MemorySink()
+            rtrace.configure(sinks=[second])  # reconfigure: the same bridge, a new pipeline
+            rollouts(1)
+            assert rtrace.flush(10) and len(second.trajectories) == 1 and len(first.trajectories) == 1
+            rtrace.shutdown()
+            assert provider.force_flush(5_000) is True
+            tracer = provider.get_tracer("app")
+            with tracer.start_as_current_span("after-shutdown"):
+                pass
+            names = [s.name for s in later.get_finished_spans()]
+            assert names.count("rollout") == 2 and names[-1] == "after-shutdown"
+            # one rtrace processor for the life of the provider, whatever the number of configures
+            bridges = [p for p in provider._active_span_processor._span_processors
+                       if type(p).__name__ == "ProcessorBridge"]
+            assert len(bridges) == 1
+        finally:
+            rtrace.shutdown()
+            otel_trace._TRACER_PROVIDER = old
+
+
+    def test_roots_the_applications_sampler_drops_are_counted(self):
+        """A trajectory whose root the application's sampler does not record is counted
+        (trajectories_dropped_provider_sampler), so started = completed + dropped still holds."""
+        from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+        provider = TracerProvider(sampler=ALWAYS_OFF)
+        old = otel_trace._TRACER_PROVIDER
+        otel_trace._TRACER_PROVIDER = provider
+        try:
+            rtrace.configure(sinks=[MemorySink()])
+            rollouts(3)
+            assert rtrace.flush(10)
+            stats = rtrace.stats()
+            assert stats["trajectories_started"] == 3 == stats["trajectories_dropped_provider_sampler"]
+        finally:
+            rtrace.shutdown()
+            otel_trace._TRACER_PROVIDER = old
+
+
+# ----------------------------------------------------------------------------- item 9
+class TestDroppedRootFreesItsSlot:
+    def test_open_trajectory_cap_full(self):
+        """With the open-trajectory cap full, a trajectory whose root was dropped from the full span
+        queue gives its slot back in the worker's next round (not after the orphan timeout), so the
+        next trajectory is traced again."""
+        sink = MemorySink()
+        entered, release = threading.Event(), threading.Event()
+
+        class BlockingTokenizer:  # holds the worker thread inside token2text
+            def batch_decode(self, ids, **kwargs):
+                entered.set()
+                release.wait(10)
+                return ["x"] * len(ids)
+
+        rtrace.configure(sinks=[sink], max_queue_size=2, max_open_trajectories=1, export_interval_s=0.02,
+                         orphan_timeout_s=600, token2text=True, tokenizer=BlockingTokenizer())
+
+        @rtrace.traced_generation
+        def gen(prompt_ids):
+            return [1]
+
+        with rtrace.rollout_context(step=0):
+            gen([1, 2])
+        assert entered.wait(10)  # the worker is busy; the queue fills up
+        with rtrace.rollout_context(step=1) as lost:
+            tool(1)
+            tool(2)  # queue full from here: the root that follows is dropped
+        assert lost.traced and rtrace.stats()["spans_dropped_queue"] >= 1
+        with rtrace.rollout_context(step=2) as refused:  # the one slot is held by the lost trajectory
+            pass
+        assert not refused.traced
+        release.set()
+        wait_for(lambda: rtrace.stats()["open_trajectories"] == 0)
+        with rtrace.rollout_context(step=3) as again:
+            tool(3)
+        assert again.traced
+        assert rtrace.flush(10)
+        by_step = {t.step: t for t in sink.trajectories}
+        assert sorted(by_step) == [0, 1, 3] and by_step[1].partial and not by_step[3].partial
+
+
+# ----------------------------------------------------------------------------- item 10
+class Gate(rtrace.Sink):
+    """A sink whose export waits for ``release`` (a backend that stalls)."""
+
+    name = "gate"
+
+    def __init__(self):
+        super().__init__(None)
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.exported = 0
+
+    def export(self, trajectories):
+        self.entered.set()
+        self.release.wait()
+        self.exported += len(trajectories)
+
+
+class HangsAtShutdown(rtrace.Sink):
+    name = "hangs"
+
+    def __init__(self):
+        super().__init__(None)
+        self.hang = threading.Event()
+
+    def export(self, trajectories):
+        pass
+
+    def shutdown(self):
+        self.hang.wait()  # until the test ends
+
+
+class Recorder(rtrace.Sink):
+    name = "recorder"
+
+    def __init__(self):
+        super().__init__(None)
+        self.trajectories = []
+        self.shut = False
+
+    def export(self, trajectories):
+        self.trajectories.extend(trajectories)
+
+    def shutdown(self):
+        self.shut = True
+
+
+def shutdown_in_thread(limit_s=30.0):
+    """rtrace.shutdown() in a thread; fails the test if it does not return within ``limit_s``."""
+    t = threading.Thread(target=rtrace.shutdown, daemon=True)
+    t.start()
+    t.join(limit_s)
+    assert not t.is_alive(), "rtrace.shutdown() did not return"
+
+
+class TestBoundedShutdown:
+    def test_queued_batches_are_counted_as_abandoned(self):
+        """A stalled sink at shutdown: the batches still queued for it and the one inside its export
+        call are counted in sink.<name>.abandoned_trajectories, so for every sink the trajectories
+        handed to it = exported + failed + dropped + abandoned; the other sink gets everything."""
+        gate, other = Gate(), Recorder()
+        rtrace.configure(sinks=[gate, other], export_interval_s=0.02, sink_timeout_s=0.5,
+                         max_export_batch_size=2, sink_queue_size=4)
+        rollouts(1)
+        assert not rtrace.flush(0.3)  # the gate now holds the first batch inside export()
+        rollouts(8)  # four batches of two: the gate's queue fills up
+        shutdown_in_thread()
+        gate.release.set()  # the stalled export returns after shutdown gave up on it
+        time.sleep(0.2)
+        stats = rtrace.stats()
+        # queue slots also go to the flush marker and step metrics: some batches were dropped
+        dropped = stats.get("sink.gate.dropped_trajectories", 0)
+        assert "sink.gate.exported" not in stats
+        assert stats["sink.gate.abandoned_trajectories"] == 9 - dropped >= 1  # queued + the 1 inside export
+        assert stats["sink.gate.shutdown_timeouts"] == 1
+        assert len(other.trajectories) == 9 and stats["sink.recorder.exported"] == 9
+        assert stats["trajectories_completed"] == 9
+
+    def test_a_hanging_sink_does_not_stop_the_next_ones_shutdown(self):
+        """Sinks shut down in parallel, each within sink_timeout_s: the one after a hung sink is
+        still flushed and shut down, and shutdown() returns."""
+        hangs, rec = HangsAtShutdown(), Recorder()
+        rtrace.configure(sinks=[hangs, rec], export_interval_s=0.02, sink_timeout_s=0.5)
+        rollouts(3)
+        try:
+            shutdown_in_thread()
+        finally:
+            hangs.hang.set()
+        assert rec.shut and len(rec.trajectories) == 3
+        assert rtrace.stats()["sink.hangs.shutdown_timeouts"] == 1
+
+
+# ----------------------------------------------------------------------------- item 11
+class FailsToStore(rtrace.Sink):
+    name = "fails"
+
+    def __init__(self, mode):
+        super().__init__(None)
+        self.mode = mode
+        self.healthy = False
+
+    def export(self, trajectories):
+        if self.mode == "export" and not self.healthy:
+            raise OSError("read-only file system")
+
+    def flush(self, timeout_s):
+        return self.healthy or self.mode != "flush"
+
+
+class TestFailedStorage:
+    def test_export_that_raises_is_not_counted_as_exported(self):
+        """A failing export counts as failed_batches/failed_trajectories, never as exported, and
+        flush() says False; once the backend works again flush() is True again."""
+        sink, ok = FailsToStore("export"), MemorySink()
+        rtrace.configure(sinks=[sink, ok], export_interval_s=0.02)
+        rollouts(3)
+        assert rtrace.flush(10) is False
+        stats = rtrace.stats()
+        assert "sink.fails.exported" not in stats and stats["sink.fails.failed_trajectories"] == 3
+        assert stats["sink.memory.exported"] == 3
+        sink.healthy = True
+        rollouts(1)
+        assert rtrace.flush(10) is True
+        assert rtrace.stats()["sink.fails.exported"] == 1
+
+    def test_flush_that_returns_false(self):
+        """A sink whose flush() returns False (it could not make the data durable): rtrace.flush() is
+        False."""
+        sink = FailsToStore("flush")
+        rtrace.configure(sinks=[sink], export_interval_s=0.02)
+        rollouts(2)
+        assert rtrace.flush(10) is False
+        sink.healthy = True
+        assert rtrace.flush(10) is True
+
+
+    def test_dropped_batches_make_flush_false(self):
+        """A sink that could not keep up (its queue was full, batches dropped and counted): flush()
+        is False, since not everything was written (found by the soak test: it returned True)."""
+        gate = Gate()
+        rtrace.configure(sinks=[gate], export_interval_s=0.02, max_export_batch_size=1, sink_queue_size=1)
+        rollouts(1)
+        assert gate.entered.wait(10)  # the first batch is inside export()
+        rollouts(4)  # one waits in the queue, the rest are dropped
+        wait_for(lambda: rtrace.stats().get("sink.gate.dropped_trajectories", 0) == 3)
+        gate.release.set()
+        assert rtrace.flush(10) is False
+        assert rtrace.stats()["sink.gate.exported"] == 2
+        rollouts(1)
+        assert rtrace.flush(10) is True  # nothing dropped since the previous flush
+
+
+# ----------------------------------------------------------------------------- item 14
+class TestJsonlWholeLines:
+    def test_tailing_reader_sees_only_whole_lines(self, tmp_path):
+        """Four JSONL sinks on one file (as four ranks would), many large batches, and a reader that
+        tails the file: every newline-terminated line parses, none is lost or interleaved."""
+        from rtrace.config import load_settings
+        from rtrace.trajectory import SpanRecord, Trajectory
+
+        path = tmp_path / "shared.jsonl"
+        settings = load_settings({"jsonl_path": str(path)}, environ={})
+        sinks = [JsonlSink(settings) for _ in range(4)]
+        stop = threading.Event()
+        seen: list[dict] = []
+        bad: list[str] = []
+
+        def tail():
+            pos, rest = 0, b""
+            while True:
+                done = stop.is_set()
+                if os.path.exists(path):
+                    with open(path, "rb") as f:
+                        f.seek(pos)
+                        chunk = f.read()
+                    pos += len(chunk)
+                    lines = (rest + chunk).split(b"\n")
+                    rest = lines.pop()  # an unterminated tail is not a line yet
+                    for line in lines:
+                        try:
+                            seen.append(json.loads(line))
+                        except ValueError:
+                            bad.append(line[:80].decode("utf-8", "replace"))
+                if done:
+                    assert rest == b"", "the file ends in half a line"
+                    return
+                time.sleep(0.001)
+
+        def trajectory(writer, i):
+            span = SpanRecord(span_id="1" * 16, parent_id=None, name="rollout", kind="rollout",
+                              start_ns=0, end_ns=1, output="é" * 3000)  # multi-byte, ~9 KB a line
+            return Trajectory(trace_id=f"{writer:08x}{i:024x}", name="rollout", spans=[span], step=writer,
+                              sample_index=i)
+
+        def write(writer):
+            for b in range(25):
+                sinks[writer].export([trajectory(writer, b * 8 + k) for k in range(8)])
+
+        reader = threading.Thread(target=tail)
+        reader.start()
+        writers = [threading.Thread(target=write, args=(w,)) for w in range(4)]
+        for t in writers:
+            t.start()
+        for t in writers:
+            t.join()
+        stop.set()
+        reader.join(30)
+        for sink in sinks:
+            sink.shutdown()
+        assert bad == []
+        assert len(seen) == 4 * 25 * 8
+        assert sorted((d["step"], d["sample_index"]) for d in seen) == \
+            sorted((w, i) for w in range(4) for i in range(200))
