@@ -144,7 +144,7 @@ def test_http_export_keeps_ids_tree_times_status_and_attributes(receiver, tmp_pa
                               "gen_ai.request.model": "tiny-chat", "gen_ai.usage.input_tokens": 3,
                               "gen_ai.usage.output_tokens": 3, "gen_ai.response.finish_reasons": ["stop"],
                               "rtrace.input": "{}", "rtrace.output": '{"finish_reason": "stop"}',
-                              "code.function": "generate", "rtrace.prompt_ids": [1, 2, 3],
+                              "code.function": "generate", "rtrace.message_index": 1, "rtrace.prompt_ids": [1, 2, 3],
                               "rtrace.response_ids": [7, 8, 9]}
     [chain] = by_name["parse"]
     assert chain.attributes["rtrace.kind"] == "chain" and chain.parent_span_id == loop.span_id
