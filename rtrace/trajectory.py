@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 __all__ = ["SCHEMA", "SpanRecord", "Trajectory", "StepMetrics", "RL_FIELDS", "MESSAGE_INDEX", "CHAT_KEYS",
-           "response_text"]
+           "chat_argument", "response_text"]
 
 #: Version tag written in every JSONL line; bumped only on incompatible changes.
 SCHEMA = "rtrace.trajectory/1"
@@ -295,6 +295,17 @@ def _text(value: Any) -> str | None:
         for key in ("content", "text", "response_text", "output"):
             if isinstance(value.get(key), str):
                 return value[key]
+    return None
+
+
+def chat_argument(value: Any) -> tuple[str, list[dict[str, Any]]] | None:
+    """``(argument name, messages)`` when a captured input holds a conversation: an argument
+    of :data:`CHAT_KEYS` that is a non-empty list of ``{"role": ...}`` dicts."""
+    if isinstance(value, dict):
+        for key in CHAT_KEYS:
+            msgs = value.get(key)
+            if isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "role" in m for m in msgs):
+                return key, msgs
     return None
 
 

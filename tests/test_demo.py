@@ -140,6 +140,22 @@ print(json.dumps([{"tags": t.info.tags,
 """
 
 
+MLFLOW_RUN_READER = """
+import json, sys
+from mlflow import MlflowClient
+client = MlflowClient(tracking_uri=sys.argv[1])
+exp = client.get_experiment_by_name(sys.argv[2])
+out = []
+for run in client.search_runs([exp.experiment_id]):
+    linked = client.search_traces(locations=[exp.experiment_id], run_id=run.info.run_id, max_results=1000)
+    out.append({"run_id": run.info.run_id, "experiment_id": exp.experiment_id, "status": run.info.status,
+                "linked": len(linked),
+                "metrics": {k: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)]
+                            for k in ("rollout/trajectories", "eval/trajectories")}})
+print(json.dumps(out))
+"""
+
+
 def mlflow_traces(uri: str, experiment: str) -> list[dict]:
     """Every trace of an MLflow experiment, read with MlflowClient.search_traces."""
     proc = subprocess.run([sys.executable, "-c", MLFLOW_READER, uri, experiment], capture_output=True, text=True,
@@ -172,6 +188,7 @@ class TestDemoJsonlMlflow:
         assert f"jsonl:    {out / 'traces.jsonl'}" in proc.stdout
         uri = re.escape(f"sqlite:///{out / 'mlflow.db'}")
         assert re.search(rf"mlflow:   (\S*/)?mlflow ui --backend-store-uri {uri} ", proc.stdout)
+        assert "Filters -> Tag: step = 1" in proc.stdout and "tags.step = '1'" in proc.stdout
         assert "step 1/1" in proc.stderr and "validation" in proc.stderr  # the progress bars
 
     def test_traces_have_tools_text_and_rewards(self, jsonl_demo):
@@ -192,7 +209,7 @@ class TestDemoJsonlMlflow:
             tags = trace["tags"]
             root = trace["spans"][0]["attributes"]
             traj = next(t for t in by_id.values() if (t.step, t.sample_index, t.rollout_n, t.validate) == (
-                int(tags["step"]), int(tags["sample_index"]), int(tags["rollout_n"]), tags["validate"] == "true"))
+                int(tags["step"]), int(tags["sample_index"]), int(tags["rollout_n"]), tags["validate"] == "True"))
             assert float(tags["reward"]) == traj.reward and tags["group_id"] == traj.group_id
             assert root["rl.reward"] == traj.reward
             names = [(s["name"], s["type"]) for s in trace["spans"]]
@@ -210,3 +227,17 @@ def test_bad_exporter_is_a_clear_error(tmp_path):
     assert proc.returncode == 2
     assert "unknown exporter 'wandb'" in proc.stderr and "accepted values" in proc.stderr
     assert "rollouts" not in proc.stdout
+
+    def test_mlflow_run_has_the_traces_and_step_metrics(self, jsonl_demo):
+        """The demo opens an MLflow run, as a training job has: every trace is linked to it, it
+        holds the per-step metrics, and the printed hint links to it."""
+        out, proc = jsonl_demo
+        assert proc.returncode == 0, proc.stderr
+        reader = subprocess.run([sys.executable, "-c", MLFLOW_RUN_READER, f"sqlite:///{out / 'mlflow.db'}",
+                                 "rtrace-demo"], capture_output=True, text=True, timeout=120)
+        assert reader.returncode == 0, reader.stderr
+        (run,) = json.loads(reader.stdout)
+        assert run["status"] == "FINISHED" and run["linked"] == STEPS * PROMPTS * ROLLOUTS + VAL
+        assert run["metrics"] == {"rollout/trajectories": [[s, PROMPTS * ROLLOUTS] for s in range(1, STEPS + 1)],
+                                  "eval/trajectories": [[STEPS, VAL]]}
+        assert f"http://127.0.0.1:5000/#/experiments/{run['experiment_id']}/runs/{run['run_id']}" in proc.stdout

@@ -41,7 +41,7 @@ from typing import Any, Sequence
 from .. import _stats
 from .._serialize import finite_or_str
 from ..config import ConfigError, Settings
-from ..trajectory import CHAT_KEYS, SpanRecord, StepMetrics, Trajectory, response_text
+from ..trajectory import SpanRecord, StepMetrics, Trajectory, chat_argument, response_text
 from . import _trackio_private
 from .base import Sink
 
@@ -131,16 +131,6 @@ def _usage(attrs: dict[str, Any]) -> dict[str, int] | None:
 
 
 # ----------------------------------------------------------------------------- conversion
-def _chat(value: Any) -> tuple[str, list[dict[str, Any]]] | None:
-    """``(argument name, messages)`` of a captured input holding a conversation."""
-    if isinstance(value, dict):
-        for key in CHAT_KEYS:
-            msgs = value.get(key)
-            if isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "role" in m for m in msgs):
-                return key, msgs
-    return None
-
-
 def _generation_io(traj: Trajectory | None, span: SpanRecord, meta: dict[str, Any]) -> tuple[Any, Any]:
     """What trackio's INPUT / OUTPUT panes show for a generation: the prompt as chat
     messages (a ``messages`` / ``raw_prompt`` / ``prompt`` / ``conversation`` argument) or
@@ -150,7 +140,7 @@ def _generation_io(traj: Trajectory | None, span: SpanRecord, meta: dict[str, An
     ``rtrace.output``."""
     inputs, outputs = span.input, span.output
     attrs = span.attributes
-    chat = _chat(inputs)
+    chat = chat_argument(inputs)
     prompt = chat[1] if chat is not None else attrs.get("rtrace.prompt_text")
     if prompt is not None:
         shown = chat[0] if chat is not None else None
