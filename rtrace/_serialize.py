@@ -125,17 +125,20 @@ def _redact_text(text: str, assignment: re.Pattern[str] | None = None,
 
 
 def attr_ok(value: Any) -> bool:
-    """The one check of an OTel attribute value: a primitive, or a homogeneous list of
-    primitives (str, bool, int within 64 bits, float)."""
+    """The one check of an OTel attribute value: a str, bool, float or 64-bit int, or a
+    homogeneous list / tuple of one of those (an empty one included)."""
     cls = type(value)
     if cls is str or cls is bool or cls is float:
         return True
     if cls is int:
         return -(2**63) <= value < 2**63
-    if cls is list:
-        kinds = set(map(type, value))
-        return len(kinds) <= 1 and kinds <= {str, bool, int, float} and (
-            kinds != {int} or all(-(2**63) <= v < 2**63 for v in value))
+    if cls is list or cls is tuple:
+        if not value:
+            return True
+        first = type(value[0])
+        if first not in (str, bool, int, float) or not all(type(v) is first for v in value):
+            return False
+        return first is not int or all(-(2**63) <= v < 2**63 for v in value)
     return False
 
 

@@ -17,7 +17,7 @@ def _apply(env: dict[str, str]) -> None:
 
 
 def rollouts(env: dict[str, str], worker: int, workers: int, steps: int, prompts: int, n: int,
-             validate_prompts: int = 0, linger_s: float = 1.2) -> None:
+             validate_prompts: int = 0, linger_s: float = 2.0) -> None:
     """Prompts ``worker, worker + workers, ...`` of every step, ``n`` rollouts each; then
     ends without flush or shutdown (what Ray does to an actor)."""
     _apply(env)
@@ -64,7 +64,7 @@ def hop_worker(env: dict[str, str], carrier: dict[str, str], server_port: int, o
         out.put(plan(21))
     out.close()
     out.join_thread()
-    time.sleep(1.2)
+    time.sleep(2.0)
     os._exit(0)
 
 
@@ -99,7 +99,7 @@ def tool_server(env: dict[str, str], port_out: Any, stop: Any) -> None:
     port_out.put(server.server_address[1])
     while not stop.is_set():
         server.handle_request()
-    time.sleep(1.2)
+    time.sleep(2.0)
     os._exit(0)
 
 
@@ -118,7 +118,7 @@ def finish_then_hang(env: dict[str, str], finished: int, ready: Any) -> None:
             calc(i)
     with rtrace.rollout_context(step=0, sample_index=finished, rollout_n=0):
         calc(-1)
-        time.sleep(1.5)  # the tool span and the finished rollouts have left the process
+        time.sleep(2.5)  # the tool span and the finished rollouts have left the process
         ready.set()
         time.sleep(600)
 
@@ -154,7 +154,7 @@ def generations(env: dict[str, str], prompt: list[int], response: list[int]) -> 
 
     with rtrace.rollout_context(step=0, sample_index=0, rollout_n=0):
         generate(prompt)
-    time.sleep(1.2)
+    time.sleep(2.0)
     os._exit(0)
 
 

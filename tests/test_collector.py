@@ -243,3 +243,35 @@ class TestRestart:
         assert not missing or lost_batches > 0
         assert len(partial) <= 5  # only what was open at the stop
         assert len(complete) >= 110
+
+
+class TestCollectCli:
+    def test_rtrace_collect_prints_the_worker_env_and_writes_on_sigterm(self, tmp_path):
+        """`rtrace collect` runs the collector as a process: its printed environment is all a worker
+        needs, and SIGTERM writes what it holds."""
+        import subprocess
+        import sys
+
+        path = tmp_path / "cli.jsonl"
+        env = dict(os.environ, RTRACE_JSONL_PATH=str(path), HF_HUB_OFFLINE="1")
+        proc = subprocess.Popen([sys.executable, "-m", "rtrace", "collect", "--exporter", "jsonl", "--port", "0",
+                                 "--project", "cli-proj", "--max-traces-per-step", "3"],
+                                env=env, stdout=subprocess.PIPE, text=True)
+        try:
+            worker_env = {}
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                line = proc.stdout.readline()
+                if line.startswith("export "):
+                    key, _, value = line[len("export "):].strip().partition("=")
+                    worker_env[key] = value
+                if "RTRACE_CAPTURE" in worker_env:
+                    break
+            assert worker_env["RTRACE_EXPORTER"] == "collector" and worker_env["RTRACE_PROJECT"] == "cli-proj"
+            _join([_run(workers.rollouts, worker_env, 0, 1, 2, 4, 2)])
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+        assert proc.returncode == 0
+        trajs = read_jsonl(path)
+        assert Counter(t.step for t in trajs) == {0: 3, 1: 3}  # the job-wide cap of the CLI

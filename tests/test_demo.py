@@ -2,16 +2,20 @@
 
 The demo runs as a subprocess with the venv's python (``python -m rtrace demo``), once
 per backend set (session fixtures: each run costs the torch/transformers import), and
-its traces are read back through the backend's own storage API.
+its traces are read back through the backend's own storage API. One run uses the
+default options (what ``make demo`` runs) to check the trained policy's behaviour.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import re
+import string
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -24,13 +28,15 @@ SMALL = ["--steps", str(STEPS), "--prompts", str(PROMPTS), "--rollouts", str(ROL
          "--max-turns", "2", "--max-new-tokens", "8", "--seed", "3"]
 
 
-def run_demo(out_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    """``python -m rtrace demo`` in a clean environment (no RTRACE_*, no tracking URIs)."""
+def run_demo(out_dir: Path, *args: str, small: bool = True) -> subprocess.CompletedProcess:
+    """``python -m rtrace demo`` in a clean environment (no RTRACE_*, no tracking URIs);
+    with the small test options unless ``small`` is false (then the defaults)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RTRACE_", "OTEL_", "TRACKIO_", "MLFLOW_"))}
     env["HF_HUB_OFFLINE"] = "1"
-    return subprocess.run([sys.executable, "-m", "rtrace", "demo", *SMALL, "--out-dir", str(out_dir), *args],
-                          capture_output=True, text=True, env=env, cwd=str(out_dir), timeout=300)
+    return subprocess.run([sys.executable, "-m", "rtrace", "demo", *(SMALL if small else []), "--out-dir",
+                           str(out_dir), *args], capture_output=True, text=True, env=env, cwd=str(out_dir),
+                          timeout=300)
 
 
 def check_trajectory_set(trajs: list) -> None:
@@ -173,7 +179,7 @@ def jsonl_demo(tmp_path_factory):
 
 class TestDemoJsonlMlflow:
     def test_exits_zero_and_prints_table_and_path(self, jsonl_demo):
-        """The demo exits 0, prints the per-step table, the random-weights note and the JSONL path."""
+        """The demo exits 0, prints the per-step table, the note on the trained policy and the JSONL path."""
         out, proc = jsonl_demo
         assert proc.returncode == 0, proc.stderr
         lines = proc.stdout.splitlines()
@@ -182,7 +188,9 @@ class TestDemoJsonlMlflow:
                                          "tool", "calls", "mean", "latency"]
         assert lines[header + 2].split()[:4] == ["1", "train", str(PROMPTS * ROLLOUTS), str(PROMPTS * ROLLOUTS)]
         assert lines[header + 3].split()[:4] == [str(STEPS), "val", str(VAL), str(VAL)]
-        assert "random weights" in proc.stdout
+        assert "random weights" not in proc.stdout
+        assert "trained by `python -m rtrace.demo.train`" in proc.stdout
+        assert re.search(r"Answers: train \d+ correct, \d+ wrong; val \d+ correct, \d+ wrong\.", proc.stdout)
         for sink in ("jsonl", "mlflow"):
             assert f"rtrace: {STEPS * PROMPTS * ROLLOUTS + VAL} trajectories written to {sink}" in proc.stdout
         assert f"jsonl:    {out / 'traces.jsonl'}" in proc.stdout
@@ -220,14 +228,6 @@ class TestDemoJsonlMlflow:
             llm = [s["attributes"]["rtrace.response_text"] for s in trace["spans"] if s["type"] == "LLM"]
             assert sorted(llm) == sorted(g.attributes["rtrace.response_text"] for g in traj.spans_of_kind("generation"))
 
-
-def test_bad_exporter_is_a_clear_error(tmp_path):
-    """An unknown exporter name exits 2 with the accepted values, before any rollout."""
-    proc = run_demo(tmp_path, "--exporter", "wandb")
-    assert proc.returncode == 2
-    assert "unknown exporter 'wandb'" in proc.stderr and "accepted values" in proc.stderr
-    assert "rollouts" not in proc.stdout
-
     def test_mlflow_run_has_the_traces_and_step_metrics(self, jsonl_demo):
         """The demo opens an MLflow run, as a training job has: every trace is linked to it, it
         holds the per-step metrics, and the printed hint links to it."""
@@ -241,3 +241,136 @@ def test_bad_exporter_is_a_clear_error(tmp_path):
         assert run["metrics"] == {"rollout/trajectories": [[s, PROMPTS * ROLLOUTS] for s in range(1, STEPS + 1)],
                                   "eval/trajectories": [[STEPS, VAL]]}
         assert f"http://127.0.0.1:5000/#/experiments/{run['experiment_id']}/runs/{run['run_id']}" in proc.stdout
+
+
+def test_bad_exporter_is_a_clear_error(tmp_path):
+    """An unknown exporter name exits 2 with the accepted values, before any rollout."""
+    proc = run_demo(tmp_path, "--exporter", "wandb")
+    assert proc.returncode == 2
+    assert "unknown exporter 'wandb'" in proc.stderr and "accepted values" in proc.stderr
+    assert "rollouts" not in proc.stdout
+
+
+# ----------------------------------------------------------------------------- the policy's behaviour
+
+@pytest.fixture(scope="session")
+def default_demo(tmp_path_factory):
+    """The demo with its default options (steps, prompts, rollouts, tokens: what `make demo`
+    runs), written to JSONL."""
+    out = tmp_path_factory.mktemp("demo-default")
+    proc = run_demo(out, "--exporter", "jsonl", small=False)
+    assert proc.returncode == 0, proc.stderr
+    return out, proc, read_jsonl(out / "traces.jsonl")
+
+
+def _printable_share(texts: list[str]) -> float:
+    text = "".join(texts)
+    return sum(c in string.printable for c in text) / max(len(text), 1)
+
+
+class TestDefaultDemoPolicy:
+    """The shipped policy (trained by rtrace.demo.train) behaves like a small, imperfect agent."""
+
+    def test_assistant_text_is_readable(self, default_demo):
+        """At least 95% of the characters the policy wrote are printable ASCII, in the
+        assistant messages and in every generation's decoded response (a random-weight
+        model writes byte soup: replacement characters, stray UTF-8)."""
+        _, _, trajs = default_demo
+        contents = [m["content"] for t in trajs for m in t.messages if m["role"] == "assistant" and m["content"]]
+        responses = [g.attributes["rtrace.response_text"] for t in trajs for g in t.spans_of_kind("generation")]
+        assert contents and responses
+        assert _printable_share(contents) >= 0.95
+        assert _printable_share(responses) >= 0.95
+
+    def test_policy_writes_tool_calls_with_the_prompts_numbers(self, default_demo):
+        """The tool calls come from the policy (not the agent's fallback rule) for most
+        rollouts, and in at least one rollout the calculator got exactly the prompt's
+        expression and the final answer is the tool's result."""
+        _, _, trajs = default_demo
+        written = [t for t in trajs if t.outcome["policy_tool_calls"] >= 1 and t.outcome["forced_tool_calls"] == 0]
+        assert len(written) >= 0.8 * len(trajs)
+        copied = 0
+        for t in written:
+            tools = t.spans_of_kind("tool")
+            if t.extra["task_kind"] != "arithmetic" or not tools:
+                continue
+            question = next(m["content"] for m in t.messages if m["role"] == "user")
+            copied += (tools[0].input["expression"] in question and t.reward == 1.0
+                       and t.messages[-1]["content"] == f"The answer is {tools[0].output}.")
+        assert copied >= 1
+
+    def test_some_answers_right_some_wrong(self, default_demo):
+        """One run has at least one incorrect final answer and at least one correct one
+        reached through a tool call the policy wrote itself."""
+        _, _, trajs = default_demo
+        assert all(t.outcome["correct"] == (t.reward == 1.0) for t in trajs)
+        assert any(t.reward == 0.0 for t in trajs)
+        assert any(t.reward == 1.0 and t.outcome["forced_tool_calls"] == 0 and t.outcome["policy_tool_calls"] >= 1
+                   for t in trajs)
+
+    def test_rewards_vary_within_groups_and_across_steps(self, default_demo):
+        """At least one GRPO group (the rollouts of one prompt) has rewards with non-zero
+        variance, and the mean training reward is not the same at every step."""
+        _, proc, trajs = default_demo
+        groups = defaultdict(list)
+        steps = defaultdict(list)
+        for t in trajs:
+            if not t.validate:
+                groups[t.group_id].append(t.reward)
+                steps[t.step].append(t.reward)
+        assert len(groups) > 1 and all(len(g) > 1 for g in groups.values())
+        variances = [sum((r - sum(g) / len(g)) ** 2 for r in g) / len(g) for g in groups.values()]
+        assert max(variances) > 0
+        assert len(steps) > 1 and len({sum(r) / len(r) for r in steps.values()}) > 1
+        assert "policy-gradient step on" in proc.stderr  # the update between steps ran
+
+
+@pytest.fixture(scope="session")
+def jsonl_demo_again(tmp_path_factory):
+    """The small demo again, with the same seed as ``jsonl_demo``."""
+    out = tmp_path_factory.mktemp("demo-jsonl-again")
+    return out, run_demo(out, "--exporter", "jsonl")
+
+
+def test_same_seed_same_rollouts_new_trace_ids(jsonl_demo, jsonl_demo_again):
+    """Two runs with the same --seed sample the same rollouts (the seed drives private
+    generators) but get different trace ids (the global ``random`` that OpenTelemetry
+    draws ids from is neither seeded nor replayed)."""
+    (out1, proc1), (out2, proc2) = jsonl_demo, jsonl_demo_again
+    assert proc1.returncode == 0, proc1.stderr
+    assert proc2.returncode == 0, proc2.stderr
+    first, second = read_jsonl(out1 / "traces.jsonl"), read_jsonl(out2 / "traces.jsonl")
+    assert len(first) == len(second) == STEPS * PROMPTS * ROLLOUTS + VAL
+    assert not {t.trace_id for t in first} & {t.trace_id for t in second}
+    assert not {s.span_id for t in first for s in t.spans} & {s.span_id for t in second for s in t.spans}
+
+    def rollouts(trajs):
+        return sorted((t.step, t.sample_index, t.rollout_n, t.validate, t.reward,
+                       tuple(g.attributes["rtrace.response_text"] for g in t.spans_of_kind("generation")))
+                      for t in trajs)
+
+    assert rollouts(first) == rollouts(second)
+
+
+def test_policy_leaves_global_generators_alone():
+    """Loading the policy and sampling from it neither seeds nor draws from Python's global
+    ``random`` or torch's global generator."""
+    import asyncio
+
+    import torch
+
+    from rtrace.demo.agent import SYSTEM_PROMPT, render_prompt
+    from rtrace.demo.model import build_policy
+
+    py_state, torch_state = random.getstate(), torch.random.get_rng_state()
+    policy = build_policy(max_new_tokens=8)
+    try:
+        prompt = render_prompt(policy.tokenizer, [{"role": "system", "content": SYSTEM_PROMPT},
+                                                  {"role": "user", "content": "What is 12 + 30 * 2?"}])
+        first = asyncio.run(policy.generate(prompt, seed=5, temperature=1.0))
+        again = asyncio.run(policy.generate(prompt, seed=5, temperature=1.0))
+    finally:
+        policy.close()
+    assert first == again and first["response_ids"]
+    assert random.getstate() == py_state
+    assert torch.equal(torch.random.get_rng_state(), torch_state)

@@ -11,13 +11,21 @@ on the LLM call (it takes ``prompt_ids`` and returns ``response_ids`` and
 ``finish_reason``, which rtrace reads), ``@rtrace.traced_tool`` on each tool (called
 with a ``tool_call_id``), and ``@rtrace.traced`` on the reward.
 
-**The forced first tool call.** The policy has random weights, so it never writes a
-well-formed ``<tool_call>``. So that every trajectory still shows the tool path, one
-documented rule stands in for a trained policy: *on the first turn, when the response
-holds no valid tool call, the agent adds the call the task needs* — ``calculator`` with
-the expression parsed from an arithmetic prompt, ``lookup`` with the key parsed from a
-lookup prompt. The added call is marked ``forced`` in the episode's outcome. Tool calls
-the model does write (a trained one would) are parsed and run the same way.
+**The policy writes the tool calls.** The demo's policy (:mod:`rtrace.demo.model`) was
+trained by :mod:`rtrace.demo.train` on dialogues rendered by the helpers below
+(:func:`format_tool_call`, :func:`assistant_message`, :func:`tool_message`,
+:func:`render_prompt`, :data:`ANSWER_TEMPLATE`), so it writes ``<tool_call>`` blocks
+this loop parses, with the numbers or key copied from the prompt, then answers with
+the tool's result. It samples and is small, so it is sometimes wrong: an operand
+miscopied into the call, a wrong operator, the tool's result miscopied into the answer.
+
+**The fallback first tool call.** When the first response holds no valid tool call
+(typically because ``--max-new-tokens`` cut the call short, or the sample is
+malformed), the agent adds the call the task needs — ``calculator`` with the expression
+parsed from an arithmetic prompt, ``lookup`` with the key parsed from a lookup prompt —
+so that every trajectory still shows the tool path. Such calls are counted in the
+episode's ``forced_tool_calls``; calls the policy wrote are counted in
+``policy_tool_calls``.
 """
 
 from __future__ import annotations
@@ -35,10 +43,13 @@ import rtrace
 from .model import MODEL_NAME, Policy
 
 __all__ = ["Task", "ToolAgentLoop", "CalculatorTool", "LookupTool", "compute_reward", "make_tasks",
-           "SYSTEM_PROMPT"]
+           "SYSTEM_PROMPT", "ANSWER_TEMPLATE", "FACTS", "format_tool_call", "assistant_message", "tool_message",
+           "render_prompt", "calculate"]
 
-SYSTEM_PROMPT = ("You are a helpful assistant. Use the calculator tool for arithmetic and the lookup "
-                 "tool for facts, then give the final answer.")
+#: Short on purpose: every prompt starts with it, and the policy is trained and sampled on CPU.
+SYSTEM_PROMPT = "Use the calculator or lookup tool, then give the answer."
+#: The final answer the policy was trained to write after a tool result.
+ANSWER_TEMPLATE = "The answer is {}."
 
 # ----------------------------------------------------------------------------- tasks
 
@@ -109,6 +120,11 @@ def _format_number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
 
 
+def calculate(expression: str) -> str:
+    """What the calculator tool returns for ``expression`` (raises on a bad expression)."""
+    return _format_number(_safe_eval(expression))
+
+
 class CalculatorTool:
     """Evaluates an arithmetic expression."""
 
@@ -121,7 +137,7 @@ class CalculatorTool:
     @rtrace.traced_tool
     async def execute(self, tool_call_id: str, expression: str) -> str:
         """The value of ``expression``; a bad expression raises (the span records it)."""
-        return _format_number(_safe_eval(expression))
+        return calculate(expression)
 
 
 class LookupTool:
@@ -153,14 +169,51 @@ def compute_reward(task: Task, answer: str) -> float:
     """1.0 when the final answer is right, else 0.0.
 
     Arithmetic: the last number in the answer equals the expected value. Lookup: the
-    last word of the answer is the expected fact. A random-weight policy almost always
-    gets 0.
+    last word of the answer is the expected fact.
     """
     if task.kind == "arithmetic":
         numbers = _NUMBER.findall(answer)
         return 1.0 if numbers and numbers[-1] == task.answer else 0.0
     words = _WORD.findall(answer)
     return 1.0 if words and words[-1].lower() == task.answer.lower() else 0.0
+
+
+# ----------------------------------------------------------------------------- chat format
+# The loop below and the training script (rtrace.demo.train) build conversations with
+# these helpers, so the policy is trained on exactly what the loop renders and parses.
+
+
+def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
+    """The text of one tool call, as the policy writes it (Qwen-2.5 style)::
+
+        <tool_call>
+        {"name": "calculator", "arguments": {"expression": "3 + 4"}}
+        </tool_call>
+    """
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def assistant_message(text: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """The assistant turn appended to the chat: the response text (without the tool-call
+    blocks that parsed) and, when it called tools, the calls (each ``{"id", "name",
+    "arguments"}``) in OpenAI format."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = [{"id": c["id"], "type": "function",
+                                  "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+                                 for c in calls]
+    return message
+
+
+def tool_message(call: dict[str, Any], result: str) -> dict[str, Any]:
+    """The tool turn holding ``call``'s result."""
+    return {"role": "tool", "tool_call_id": call["id"], "name": call["name"], "content": result}
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """The prompt ids of the next assistant turn: the chat template, then the tokenizer."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -187,7 +240,7 @@ class ToolAgentLoop:
         """
         messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT},
                                           {"role": "user", "content": question}]
-        tool_calls = forced = 0
+        tool_calls = forced = written = 0
         text, finish = "", "stop"
         turn = 0
         while turn < self.max_turns:
@@ -196,27 +249,21 @@ class ToolAgentLoop:
             out = await self.generate(messages, prompt_ids, seed=seed * 1000 + turn, temperature=temperature)
             finish = out["finish_reason"]
             text = self.tokenizer.decode(out["response_ids"], skip_special_tokens=True)
-            calls = self._parse_tool_calls(text)
+            content, calls = self._split_tool_calls(text)
+            written += len(calls)
             if not calls and turn == 1:
                 calls = self._forced_call(question, kind)
                 forced += len(calls)
             for k, call in enumerate(calls):
                 call["id"] = f"call_{turn}_{k}"
-            assistant: dict[str, Any] = {"role": "assistant", "content": text}
-            if calls:
-                assistant["tool_calls"] = [{"id": c["id"], "type": "function",
-                                            "function": {"name": c["name"],
-                                                         "arguments": json.dumps(c["arguments"])}}
-                                           for c in calls]
-            messages.append(assistant)
+            messages.append(assistant_message(content, calls))
             if not calls or turn == self.max_turns:
                 break
             results = await asyncio.gather(*(self._call_tool(c) for c in calls))
             tool_calls += len(calls)
-            messages.extend({"role": "tool", "tool_call_id": c["id"], "name": c["name"], "content": r}
-                            for c, r in zip(calls, results))
+            messages.extend(tool_message(c, r) for c, r in zip(calls, results))
         return {"answer": text, "turns": turn, "tool_calls": tool_calls, "forced_tool_calls": forced,
-                "finish_reason": finish}
+                "policy_tool_calls": written, "finish_reason": finish}
 
     @rtrace.traced_generation(model=MODEL_NAME)
     async def generate(self, messages: list[dict[str, Any]], prompt_ids: list[int], seed: int,
@@ -238,25 +285,33 @@ class ToolAgentLoop:
             return f"error: {type(exc).__name__}: {exc}"
 
     def _render(self, messages: list[dict[str, Any]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return render_prompt(self.tokenizer, messages)
 
     def _parse_tool_calls(self, text: str) -> list[dict[str, Any]]:
         """Well-formed ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks
         naming a known tool; anything else is plain text."""
-        calls = []
-        for block in _TOOL_CALL.findall(text):
+        return self._split_tool_calls(text)[1]
+
+    def _split_tool_calls(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """``(content, calls)``: the well-formed tool calls of ``text`` and the text without
+        them, like an inference server's tool-call parser (vLLM's ``hermes``). The chat
+        template renders the calls back, so the next prompt holds each call once."""
+        calls, kept, end = [], [], 0
+        for match in _TOOL_CALL.finditer(text):
             try:
-                data = json.loads(block)
+                data = json.loads(match.group(1))
             except ValueError:
                 continue
             if isinstance(data, dict) and data.get("name") in self.tools and isinstance(data.get("arguments"), dict):
                 calls.append({"name": data["name"], "arguments": data["arguments"]})
-        return calls
+                kept.append(text[end:match.start()])
+                end = match.end()
+        kept.append(text[end:])
+        return ("".join(kept).strip() if calls else text), calls
 
     @staticmethod
     def _forced_call(question: str, kind: str) -> list[dict[str, Any]]:
-        """The documented rule (see the module docstring): the call the task needs."""
+        """The documented fallback (see the module docstring): the call the task needs."""
         if kind == "arithmetic":
             match = _EXPRESSION.search(question)
             if match:

@@ -7,8 +7,29 @@ the trajectory. A greedy validation pass (``validate=True``) follows the last st
 Then the traces are flushed to the chosen sinks, a per-step table is printed and the
 exact command to open the traces.
 
-The policy has random weights (see :mod:`rtrace.demo.model`): rewards are mostly 0. It
-stands in for a trained policy; what the demo shows is the tracing, not the learning.
+The policy is a tiny Qwen2 trained by this repository (``python -m rtrace.demo.train``,
+see :mod:`rtrace.demo.model`) to write ``<tool_call>`` blocks with the numbers or key
+copied from the prompt and to answer with the tool's result. Training rollouts sample
+at temperature 1, so the policy is sometimes wrong (a miscopied operand or result, a
+wrong operator; lookups are easy, arithmetic is not) and the rollouts of one prompt can
+get different rewards.
+
+What makes the reward move from step to step: mostly which prompts were drawn
+(arithmetic or lookup, easy or hard numbers) and what was sampled. After each training
+step the policy does take one real policy-gradient step on that step's rollouts
+(REINFORCE with GRPO's group-normalised advantage, Adam, ``--lr``; see
+:meth:`rtrace.demo.model.Policy.update`), and the progress lines show it raising the
+log-probability of the rewarded responses and lowering the others'. But a few
+informative rollouts per step are far too little signal to improve the policy: at the
+default rate the rewards of the default run are the same as with ``--lr 0``; at 1e-3
+and above the held-out reward drops (measured; see docs/getting-started.md). The update
+is there to show a real training loop's shape in the traces (``policy_version``), not
+learning.
+
+Nothing here seeds or draws from Python's global ``random`` or torch's global generator:
+prompts come from ``random.Random(seed)`` and sampling from per-call
+``torch.Generator``s, so the same ``--seed`` gives the same rollouts while trace ids
+(drawn by OpenTelemetry from the global ``random``) differ between runs.
 """
 
 from __future__ import annotations
@@ -33,23 +54,26 @@ __all__ = ["DemoOptions", "RolloutResult", "run_demo", "DEFAULT_EXPORTER"]
 DEFAULT_EXPORTER = "trackio"
 DEFAULT_OUT_DIR = "rtrace-demo"
 DEFAULT_PROJECT = "rtrace-demo"
+#: Adam learning rate of the policy-gradient step after each training step (0: none).
+DEFAULT_LEARNING_RATE = 3e-4
 
 
 @dataclass
 class DemoOptions:
     """The demo's knobs (the CLI flags of ``rtrace demo``)."""
 
-    steps: int = 2
+    steps: int = 3
     prompts: int = 4
-    rollouts: int = 2
+    rollouts: int = 4
     max_turns: int = 3
-    max_new_tokens: int = 16
+    max_new_tokens: int = 48
     exporter: str | None = None
     project: str | None = None
     out_dir: str = DEFAULT_OUT_DIR
     max_traces_per_step: int | None = None
     seed: int = 0
     validation: bool = True
+    learning_rate: float = DEFAULT_LEARNING_RATE
 
 
 @dataclass
@@ -63,6 +87,11 @@ class RolloutResult:
     turns: int
     tool_calls: int
     latency_ms: float
+    sample_index: int = 0
+    policy_tool_calls: int = 0
+    forced_tool_calls: int = 0
+    #: ``(prompt_ids, response_ids)`` of each generation: the policy-gradient data.
+    samples: list = field(default_factory=list, repr=False)
 
 
 @dataclass
@@ -175,17 +204,21 @@ def _seed(*parts: int) -> int:
 async def _rollout(agent: Any, task: Any, step: int, sample_index: int, rollout_n: int, validate: bool,
                    seed: int, temperature: float) -> RolloutResult:
     from .agent import compute_reward
+    from .model import recording
 
     start = time.perf_counter()
     with rtrace.rollout_context(step=step, sample_index=sample_index, rollout_n=rollout_n, validate=validate,
                                 group_id=f"step{step}-sample{sample_index}", policy_version=step,
                                 task_kind=task.kind) as ctx:
-        out = await agent.run(task.question, task.kind, seed=seed, temperature=temperature)
+        with recording() as samples:
+            out = await agent.run(task.question, task.kind, seed=seed, temperature=temperature)
         reward = compute_reward(task, out["answer"])
         rtrace.record_reward(reward, correct=reward == 1.0, expected=task.answer,
-                             forced_tool_calls=out["forced_tool_calls"])
+                             forced_tool_calls=out["forced_tool_calls"],
+                             policy_tool_calls=out["policy_tool_calls"])
     return RolloutResult(step, validate, ctx.traced, reward, out["turns"], out["tool_calls"],
-                         (time.perf_counter() - start) * 1000)
+                         (time.perf_counter() - start) * 1000, sample_index, out["policy_tool_calls"],
+                         out["forced_tool_calls"], samples)
 
 
 class _Progress:
@@ -235,6 +268,35 @@ async def _run_batch(agent: Any, tasks: Sequence[Any], step: int, first_index: i
     return list(results)
 
 
+def group_advantages(results: Sequence[RolloutResult]) -> list[float]:
+    """GRPO's advantage: each reward minus its group's mean, over the group's standard
+    deviation (0 for a group whose rollouts all got the same reward)."""
+    groups: dict[int, list[float]] = {}
+    for r in results:
+        groups.setdefault(r.sample_index, []).append(r.reward)
+    advantages = []
+    for r in results:
+        rewards = groups[r.sample_index]
+        mean = sum(rewards) / len(rewards)
+        std = (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5
+        advantages.append((r.reward - mean) / std if std > 0 else 0.0)
+    return advantages
+
+
+async def _update(agent: Any, results: Sequence[RolloutResult], step: int, stream: TextIO) -> None:
+    """One policy-gradient step on a training step's rollouts (see Policy.update)."""
+    advantages = group_advantages(results)
+    stats = await agent.policy.update([(r.samples, a) for r, a in zip(results, advantages)])
+    groups = len({r.sample_index for r in results})
+    line = (f"{'update ' + str(step):<14} policy-gradient step on {stats['episodes']} of {len(results)} rollouts "
+            f"(non-zero advantage, {groups} groups)")
+    if "logp_pos" in stats:
+        line += (f": log p/token of rewarded responses {stats['logp_pos']:.3f} -> {stats['logp_pos_after']:.3f}, "
+                 f"of the others {stats['logp_neg']:.3f} -> {stats['logp_neg_after']:.3f}")
+    stream.write(line + "\n")
+    stream.flush()
+
+
 async def _run_all(opts: DemoOptions, agent: Any, stream: TextIO) -> list[_Row]:
     from .agent import make_tasks
 
@@ -245,6 +307,8 @@ async def _run_all(opts: DemoOptions, agent: Any, stream: TextIO) -> list[_Row]:
         results = await _run_batch(agent, tasks, step, (step - 1) * opts.prompts, opts.rollouts, False,
                                    opts.seed, f"step {step}/{opts.steps}", stream)
         rows.append(_Row(step, "train", results))
+        if opts.learning_rate > 0:
+            await _update(agent, results, step, stream)
     if opts.validation:
         tasks = make_tasks(opts.prompts, random.Random(opts.seed + 10_000), validation=True)
         results = await _run_batch(agent, tasks, opts.steps, 0, 1, True, opts.seed, "validation", stream)
@@ -274,13 +338,36 @@ def format_table(rows: Sequence[_Row]) -> str:
     return "\n".join(out)
 
 
+def summary(rows: Sequence[_Row], policy: Any, opts: DemoOptions) -> str:
+    """What the numbers in the table come from: the policy, the answers, the tool calls."""
+    def count(split: str) -> str:
+        rs = [r for row in rows if row.split == split for r in row.results]
+        right = sum(r.reward == 1.0 for r in rs)
+        return f"{right} correct, {len(rs) - right} wrong"
+
+    results = [r for row in rows for r in row.results]
+    info = policy.info
+    trained = (f"trained by `python -m rtrace.demo.train` ({info['steps']} steps of {info['batch']} synthetic "
+               "tool-use dialogues)" if "steps" in info else "loaded from its weights file")
+    update = (f"one GRPO-style policy-gradient step after each training step (Adam, lr {opts.learning_rate:g})"
+              if opts.learning_rate > 0 else "no policy updates (--lr 0)")
+    lines = [
+        f"Policy: a tiny Qwen2 ({policy.num_parameters / 1e6:.2f}M parameters) {trained};",
+        f"train rollouts sample at temperature 1, validation is greedy; {update}.",
+        f"Answers: train {count('train')}; val {count('val')}.",
+        f"Tool calls: {sum(r.policy_tool_calls for r in results)} written by the policy, "
+        f"{sum(r.forced_tool_calls for r in results)} added by the agent's fallback rule "
+        "(first turn without a valid call, see rtrace/demo/agent.py).",
+    ]
+    return "\n".join(lines)
+
+
 def run_demo(opts: DemoOptions, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Run the demo; returns the process exit code (0: every sink wrote every trace)."""
     out = out or sys.stdout
     err = err or sys.stderr
     os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded, ever
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    random.seed(opts.seed)
     out_dir = Path(opts.out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     exporter = _resolve_exporter(opts)
@@ -290,12 +377,12 @@ def run_demo(opts: DemoOptions, out: TextIO | None = None, err: TextIO | None = 
         err.write(f"rtrace demo: {exc}\n")
         return 2
 
-    err.write("rtrace demo: building a tiny random-weight Qwen2 policy (offline, CPU)...\n")
+    err.write("rtrace demo: loading the tiny trained Qwen2 policy (offline, CPU)...\n")
     err.flush()
     from .agent import ToolAgentLoop
     from .model import build_policy
 
-    policy = build_policy(seed=opts.seed, max_new_tokens=opts.max_new_tokens)
+    policy = build_policy(max_new_tokens=opts.max_new_tokens, learning_rate=opts.learning_rate)
     try:
         where = _configure(opts, exporter, out_dir, policy.tokenizer)
     except rtrace.ConfigError as exc:
@@ -317,8 +404,7 @@ def run_demo(opts: DemoOptions, out: TextIO | None = None, err: TextIO | None = 
 
     stats = rtrace.stats()
     out.write("\n" + format_table(rows) + "\n\n")
-    out.write("Rewards are mostly 0: the policy has random weights (a stand-in for a trained policy).\n"
-              "Each first turn calls a tool by the demo's forced-call rule (see rtrace/demo/agent.py).\n\n")
+    out.write(summary(rows, policy, opts) + "\n\n")
     failed = False
     for name in where["names"]:
         exported = stats.get(f"sink.{name}.exported", 0)

@@ -40,6 +40,8 @@ SINKS = {
 APP_THREAD_IMPORTS: dict[str, tuple[str, ...]] = {
     "mlflow": ("mlflow", "mlflow.entities", "mlflow.exceptions", "mlflow.tracing.client", "mlflow.tracking",
                "mlflow.utils.rest_utils"),
+    # the same race, not reproduced but of the same kind; trackio reads TRACKIO_DIR here
+    "trackio": ("trackio",),
 }
 
 

@@ -39,7 +39,11 @@ def encode_line(traj: Trajectory) -> tuple[bytes, bool]:
     Raises:
         Exception: only if even the degraded form cannot be encoded.
     """
-    data = strict_json(traj.to_dict())
+    data = traj.to_dict()
+    try:
+        return _dumps(data), False  # C speed: most trajectories have no NaN to rewrite
+    except ValueError:
+        data = strict_json(data)  # NaN / infinities as their strings, the rest as is
     try:
         return _dumps(data), False
     except (ValueError, TypeError, UnicodeError, RecursionError):

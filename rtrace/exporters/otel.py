@@ -47,7 +47,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Iterable, Mapping
 
-from .._serialize import json_default, strict_json
+from .._serialize import attr_ok, json_default, strict_json, truncate
 from ..trajectory import SpanRecord, Trajectory
 
 __all__ = ["encode_compact", "RECORD_ATTR", "to_readable_spans", "to_otlp_request", "to_otlp_protos", "otlp_spans",
@@ -58,7 +58,6 @@ __all__ = ["encode_compact", "RECORD_ATTR", "to_readable_spans", "to_otlp_reques
 DEFAULT_MAX_VALUE_CHARS = 20_000
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_PRIMITIVE_TYPES = (str, bool, int, float)
 
 #: ``extra(trajectory, span, is_root) -> {key: value}``: attributes a sink adds on top.
 ExtraAttributes = Callable[[Trajectory, SpanRecord, bool], Mapping[str, Any]]
@@ -78,12 +77,9 @@ def utf8(text: str) -> str:
         return text.encode("utf-8", "replace").decode("utf-8")
 
 
-def bounded(text: str, limit: int) -> str:
-    """``text`` cut to ``limit`` characters with rtrace's one truncation marker:
-    ``<first limit characters>…[truncated, N chars]`` (N = the full length)."""
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}…[truncated, {len(text)} chars]"
+#: The one truncation marker (``<first limit characters>…[truncated, N chars]``), the
+#: converter's own: :func:`rtrace._serialize.truncate`.
+bounded = truncate
 
 
 def json_text(value: Any, limit: int | None = None) -> str:
@@ -96,25 +92,9 @@ def json_text(value: Any, limit: int | None = None) -> str:
     return utf8(text if limit is None else bounded(text, limit))
 
 
-def _int64(value: int) -> bool:
-    return _INT64_MIN <= value <= _INT64_MAX
-
-
-def is_valid_attribute(value: Any) -> bool:
-    """Is ``value`` an OTel attribute value: a str, bool, float or 64-bit int, or a
-    homogeneous list / tuple of one of those (an empty one included)."""
-    if isinstance(value, (str, bool, float)):
-        return True
-    if isinstance(value, int):
-        return _int64(value)
-    if isinstance(value, (list, tuple)):
-        if not value:
-            return True
-        first = type(value[0])
-        if first not in _PRIMITIVE_TYPES or not all(type(v) is first for v in value):
-            return False
-        return first is not int or all(_int64(v) for v in value)
-    return False
+#: The one OTel attribute check (a primitive, or a homogeneous list / tuple of them):
+#: :func:`rtrace._serialize.attr_ok`.
+is_valid_attribute = attr_ok
 
 
 def attribute_value(value: Any) -> Any:
@@ -145,7 +125,7 @@ def any_value(value: Any) -> Any:
     if value is None or cls is bool or cls is float:
         return value
     if cls is int:
-        return value if _int64(value) else str(value)
+        return value if _INT64_MIN <= value <= _INT64_MAX else str(value)
     if cls is dict:
         return {str(k): any_value(v) for k, v in value.items()}
     if cls is list or cls is tuple:
@@ -176,7 +156,7 @@ def set_any_value(pb: Any, value: Any) -> None:
     elif cls is bool:
         pb.bool_value = value
     elif cls is int:
-        if _int64(value):
+        if _INT64_MIN <= value <= _INT64_MAX:
             pb.int_value = value
         else:
             pb.string_value = str(value)

@@ -320,7 +320,7 @@ class TrackioSink(Sink):
     # ------------------------------------------------------------------ runs
     def _import(self) -> Any:
         if self._trackio is None:
-            import trackio  # heavy (~0.8 s): only ever in the sink thread
+            import trackio  # imported at configure() on the application thread (exporters.APP_THREAD_IMPORTS)
 
             self._trackio = trackio
         return self._trackio
