@@ -127,7 +127,9 @@ class TestDemoTrackio:
             # what the traces page shows: each generation's chat in and its response out (the first
             # with the tool call that followed it); the root: the task in, the answer and reward out
             assert [g["input"] for g in gens] == [t["messages"][:2], t["messages"][:4]]
-            assert gens[0]["output"] == t["messages"][2] and gens[1]["output"] == t["messages"][4]["content"]
+            # the decoded response (the agent's message holds it without the tool-call markup)
+            assert gens[0]["output"] == {**t["messages"][2], "content": gens[0]["metadata"]["rtrace.response_text"]}
+            assert gens[1]["output"] == t["messages"][4]["content"]
             assert spans[0]["input"] == t["messages"][:2]
             assert spans[0]["output"]["answer"] == t["messages"][4]["content"]
             assert spans[0]["output"]["reward"] == meta["reward"]

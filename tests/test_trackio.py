@@ -236,6 +236,35 @@ class TestWhatAPersonSees:
         assert root["output"] == {"answer": "It is 4.", "reward": 0.0}
         assert got["metadata"]["finish_reason"] == "length"
 
+    def test_generation_shows_the_model_text_with_the_parsed_tool_calls(self, project, tok):
+        """When the agent records the turn without its tool-call markup, a generation's output is
+        the decoded text the model wrote, with the tool calls the agent parsed from it."""
+        rtrace.configure(exporter="trackio", project=project, experiment="calls", token2text=True, tokenizer=tok,
+                         export_interval_s=0.05)
+        raw = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>'
+        calls = [{"id": "c1", "type": "function",
+                  "function": {"name": "calculator", "arguments": '{"expression": "2+2"}'}}]
+
+        @rtrace.traced_generation
+        def generate(messages, prompt_ids):
+            return tok(raw if len(messages) == 1 else "It is 4.")["input_ids"]
+
+        @rtrace.traced_tool(tool_name="calculator")
+        def calculator(expression, tool_call_id):
+            return "4"
+
+        with rtrace.rollout_context(step=1, sample_index=0):
+            chat = [{"role": "user", "content": "2+2?"}]
+            generate(list(chat), [1])
+            chat += [{"role": "assistant", "content": "", "tool_calls": calls},  # markup stripped by the agent
+                     {"role": "tool", "tool_call_id": "c1", "content": calculator("2+2", tool_call_id="c1")}]
+            generate(list(chat), [2])
+        assert rtrace.flush(30)
+        (got,) = traces_of(project, "calls")
+        first, second = [s for s in got["spans"] if s["kind"] == "generation"]
+        assert first["output"] == {"role": "assistant", "content": raw, "tool_calls": calls}
+        assert second["output"] == "It is 4." and got["messages"][1]["content"] == ""
+
     def test_generation_without_text_says_what_it_holds(self, project):
         """Without token2text a generation's output (and its turn) says how many tokens it holds."""
         rtrace.configure(exporter="trackio", project=project, experiment="ids", export_interval_s=0.05)

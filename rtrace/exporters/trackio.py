@@ -148,11 +148,14 @@ def _generation_io(traj: Trajectory | None, span: SpanRecord, meta: dict[str, An
         if rest:
             meta["rtrace.input"] = rest
         inputs = prompt
+    # the text the model produced (decoded), else the turn's content; with the tool calls
+    # that followed it, the assistant message (the agent's own may hold the text without
+    # its tool-call markup)
+    text = response_text(span)
     turn = traj.turn_of(span) if traj is not None else None
-    if turn is not None:
-        response = turn if turn.get("tool_calls") else turn.get("content")
-    else:
-        response = response_text(span)
+    response: Any = text if text is not None else turn.get("content") if turn is not None else None
+    if turn is not None and turn.get("tool_calls"):
+        response = {**turn, "content": response}
     if response is not None:
         if outputs is not None:
             meta["rtrace.output"] = outputs

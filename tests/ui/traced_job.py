@@ -86,7 +86,8 @@ async def main(project: str) -> dict[str, str]:
             answer = await episode(policy, question)
             a, op, b = expression.split()
             expected = str(int(a) * int(b) if op == "*" else int(a) + int(b))
-            rtrace.record_reward(1.0 if answer == answer_text(expected) else 0.0, correct=answer == answer_text(expected))
+            correct = answer == answer_text(expected)
+            rtrace.record_reward(1.0 if correct else 0.0, correct=correct)
         ids[question] = ctx.trace_id
     assert rtrace.flush(60)
     rtrace.shutdown()
