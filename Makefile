@@ -1,6 +1,7 @@
 # The two commands of the README: `make demo` runs the main job, `make test` runs the test suite.
 # Both create .venv and install the package with its extras on first use; nothing else is needed.
 # `make test-verl` runs tests/verl against the real verl in its own venv (.venv-verl).
+# `make test-ui` runs tests/ui: trackio's traces page in a real browser (Debian's chromium, Playwright).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -14,7 +15,7 @@ VERL_BIN := $(VERL_VENV)/bin
 VERL_STAMP := $(VERL_VENV)/.rtrace-verl-installed
 PIP_QUIET := -q --disable-pip-version-check
 
-.PHONY: install install-verl demo test test-verl soak bench clean
+.PHONY: install install-verl demo test test-ui test-verl soak bench clean
 
 install: $(STAMP)
 
@@ -39,6 +40,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=10
+
+# What a person sees (issue #14): tests/ui drives Debian's chromium with Playwright through
+# trackio's traces page. Installs what it needs: chromium (apt, as root) when it is not on PATH,
+# playwright into the venv (its own browser download is not used: the test launches chromium).
+test-ui: $(STAMP)
+	command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium; }
+	$(BIN)/python -m pip install $(PIP_QUIET) "playwright>=1.45"
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests/ui
 
 # rtrace's veRL shim against the real verl (tests/verl); `make test` skips those tests without verl.
 test-verl: $(VERL_STAMP)

@@ -12,13 +12,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-__all__ = ["SCHEMA", "SpanRecord", "Trajectory", "StepMetrics", "RL_FIELDS", "response_text"]
+__all__ = ["SCHEMA", "SpanRecord", "Trajectory", "StepMetrics", "RL_FIELDS", "MESSAGE_INDEX", "CHAT_KEYS",
+           "chat_argument", "response_text"]
 
 #: Version tag written in every JSONL line; bumped only on incompatible changes.
 SCHEMA = "rtrace.trajectory/1"
 
 #: RL coordinates carried by every trajectory (``rl.<name>`` on every span).
 RL_FIELDS = ("step", "sample_index", "rollout_n", "validate", "experiment", "group_id", "policy_version")
+
+#: Input arguments holding a conversation (a list of ``{"role": ...}`` dicts): ``messages``
+#: (OpenAI, AReaL), ``raw_prompt`` (veRL's dataset column, ``ToolAgentLoop.run``),
+#: ``prompt`` (SkyRL), ``conversation``.
+CHAT_KEYS = ("messages", "raw_prompt", "prompt", "conversation")
+
+#: On a generation span: the index in ``Trajectory.messages`` of the assistant turn it
+#: produced (set by the pipeline when it builds the conversation).
+MESSAGE_INDEX = "rtrace.message_index"
 
 @dataclass
 class StepMetrics:
@@ -181,6 +191,31 @@ class Trajectory:
     def num_tool_calls(self) -> int:
         return sum(1 for s in self.spans if s.kind == "tool")
 
+    def task_messages(self) -> list[dict[str, Any]]:
+        """The task: the conversation's messages up to and including the first user
+        message (the system prompt and the question); empty without a conversation."""
+        for i, msg in enumerate(self.messages):
+            if isinstance(msg, dict) and msg.get("role") == "user":
+                return self.messages[: i + 1]
+        return self.messages[:1]
+
+    def final_answer(self) -> dict[str, Any] | None:
+        """The last assistant message of the conversation, if any."""
+        for msg in reversed(self.messages):
+            if isinstance(msg, dict) and msg.get("role") == "assistant":
+                return msg
+        return None
+
+    def turn_of(self, span: SpanRecord) -> dict[str, Any] | None:
+        """The assistant message a generation span produced (its text and the tool calls
+        that followed it), when the pipeline linked them (:data:`MESSAGE_INDEX`)."""
+        index = span.attributes.get(MESSAGE_INDEX)
+        if isinstance(index, int) and not isinstance(index, bool) and 0 <= index < len(self.messages):
+            msg = self.messages[index]
+            if isinstance(msg, dict) and msg.get("role") == "assistant":
+                return msg
+        return None
+
     def walk(self) -> Iterator[tuple[int, SpanRecord]]:
         """(depth, span) pairs in tree order."""
         depth: dict[str | None, int] = {}
@@ -260,6 +295,17 @@ def _text(value: Any) -> str | None:
         for key in ("content", "text", "response_text", "output"):
             if isinstance(value.get(key), str):
                 return value[key]
+    return None
+
+
+def chat_argument(value: Any) -> tuple[str, list[dict[str, Any]]] | None:
+    """``(argument name, messages)`` when a captured input holds a conversation: an argument
+    of :data:`CHAT_KEYS` that is a non-empty list of ``{"role": ...}`` dicts."""
+    if isinstance(value, dict):
+        for key in CHAT_KEYS:
+            msgs = value.get(key)
+            if isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "role" in m for m in msgs):
+                return key, msgs
     return None
 
 

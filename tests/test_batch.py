@@ -173,7 +173,8 @@ def test_group_sampling_keeps_whole_groups(tmp_path, tok):
 
 
 def test_without_token2text_ids_stay_and_messages_have_roles(tmp_path, tok):
-    """Without token2text the spans keep the id slices and messages list the roles with empty content."""
+    """Without token2text the spans keep the id slices and messages list the roles, each turn saying
+    how many tokens it holds and how to see their text."""
     path = tmp_path / "t.jsonl"
     _configure(path)
     tensors, samples = _verl_batch(tok)
@@ -183,7 +184,8 @@ def test_without_token2text_ids_stay_and_messages_have_roles(tmp_path, tok):
         assert traj.spans[1].prompt_ids == prompt
         assert [s.response_ids for s in traj.spans[1:]] == [ids for _, ids in turns]
         assert [m["role"] for m in traj.messages] == ["user"] + ["assistant" if a else "tool" for a, _ in turns]
-        assert {m["content"] for m in traj.messages} == {""}
+        assert [m["content"] for m in traj.messages] == [
+            f"[{len(ids)} tokens, not decoded: set RTRACE_TOKEN2TEXT]" for ids in [prompt] + [t for _, t in turns]]
 
 
 def test_truncated_sample_is_a_documented_partial_result(tmp_path, tok):

@@ -133,6 +133,38 @@ class TestShapes:
         assert t.attributes["gen_ai.tool.call.id"] == "call-7"
         assert t.input == {"tool_call_id": "call-7", "parameters": {"q": "x"}}
 
+    def test_tool_and_model_names_replace_qualnames(self, jsonl_path):
+        """A tool span is named after its tool, a generation after its model, the qualified
+        name kept in code.function; a name= given to the decorator is kept as it is."""
+        @rtrace.traced_generation(model="qwen-7b")
+        def generate(prompt_ids):
+            return [1]
+
+        @rtrace.traced_generation(name="policy", model="qwen-7b")
+        def named_generate(prompt_ids):
+            return [1]
+
+        @rtrace.traced_generation
+        def unknown_model(prompt_ids):
+            return [1]
+
+        @rtrace.traced_tool(name="my-span", tool_name="search")
+        def named_tool(q):
+            return q
+
+        with rtrace.rollout_context(step=1):
+            generate([1])
+            named_generate([1])
+            unknown_model([1])
+            Agent().execute("call-1", {})
+            named_tool("x")
+        _, gen, named, unknown, tool, named_t = only(read_back(jsonl_path)).spans
+        assert (gen.name, gen.attributes["code.function"]) == ("qwen-7b", "generate")
+        assert (tool.name, tool.attributes["code.function"]) == ("agent-1", "Agent.execute")
+        assert [s.name for s in (named, unknown, named_t)] == ["policy", "unknown_model", "my-span"]
+        assert not any("code.function" in s.attributes for s in (named, unknown, named_t))
+        assert named_t.attributes["gen_ai.tool.name"] == "search"
+
     def test_generator_span_covers_iteration_without_leaking(self, jsonl_path):
         """A generator's span lasts until exhaustion; between items the caller is not inside it."""
         with rtrace.rollout_context(step=2):

@@ -115,7 +115,8 @@ class TestDemoTrackio:
             spans = t["spans"]
             tools = [s for s in spans if s["kind"] == "tool"]
             assert [s["metadata"]["gen_ai.tool.name"] for s in tools] == [
-                "calculator" if meta["extra"]["task_kind"] == "arithmetic" else "lookup"]
+                "calculator" if meta["extra.task_kind"] == "arithmetic" else "lookup"]
+            assert [s["name"] for s in tools] == [s["metadata"]["gen_ai.tool.name"] for s in tools]
             assert tools[0]["output"] == t["messages"][3]["content"] and tools[0]["output"] != "not found"
             gens = [s for s in spans if s["kind"] == "generation"]
             assert len(gens) == 2
@@ -123,6 +124,16 @@ class TestDemoTrackio:
             assert "user\n" in gens[0]["metadata"]["rtrace.prompt_text"]
             assert [m["role"] for m in t["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
             assert t["messages"][2]["content"] == gens[0]["metadata"]["rtrace.response_text"]
+            # what the traces page shows: each generation's chat in and its response out (the first
+            # with the tool call that followed it); the root: the task in, the answer and reward out
+            assert [g["input"] for g in gens] == [t["messages"][:2], t["messages"][:4]]
+            # the decoded response (the agent's message holds it without the tool-call markup)
+            assert gens[0]["output"] == {**t["messages"][2], "content": gens[0]["metadata"]["rtrace.response_text"]}
+            assert gens[1]["output"] == t["messages"][4]["content"]
+            assert spans[0]["input"] == t["messages"][:2]
+            assert spans[0]["output"]["answer"] == t["messages"][4]["content"]
+            assert spans[0]["output"]["reward"] == meta["reward"]
+            assert meta["status"] == ("[val] success" if meta["validate"] else "success")
 
 
 MLFLOW_READER = """
@@ -134,6 +145,22 @@ traces = client.search_traces(locations=[exp.experiment_id], max_results=1000)
 print(json.dumps([{"tags": t.info.tags,
                    "spans": [{"name": s.name, "type": s.span_type, "attributes": s.attributes} for s in t.data.spans]}
                   for t in traces], default=str))
+"""
+
+
+MLFLOW_RUN_READER = """
+import json, sys
+from mlflow import MlflowClient
+client = MlflowClient(tracking_uri=sys.argv[1])
+exp = client.get_experiment_by_name(sys.argv[2])
+out = []
+for run in client.search_runs([exp.experiment_id]):
+    linked = client.search_traces(locations=[exp.experiment_id], run_id=run.info.run_id, max_results=1000)
+    out.append({"run_id": run.info.run_id, "experiment_id": exp.experiment_id, "status": run.info.status,
+                "linked": len(linked),
+                "metrics": {k: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)]
+                            for k in ("rollout/trajectories", "eval/trajectories")}})
+print(json.dumps(out))
 """
 
 
@@ -171,6 +198,7 @@ class TestDemoJsonlMlflow:
         assert f"jsonl:    {out / 'traces.jsonl'}" in proc.stdout
         uri = re.escape(f"sqlite:///{out / 'mlflow.db'}")
         assert re.search(rf"mlflow:   (\S*/)?mlflow ui --backend-store-uri {uri} ", proc.stdout)
+        assert "Filters -> Tag: step = 1" in proc.stdout and "tags.step = '1'" in proc.stdout
         assert "step 1/1" in proc.stderr and "validation" in proc.stderr  # the progress bars
 
     def test_traces_have_tools_text_and_rewards(self, jsonl_demo):
@@ -191,7 +219,7 @@ class TestDemoJsonlMlflow:
             tags = trace["tags"]
             root = trace["spans"][0]["attributes"]
             traj = next(t for t in by_id.values() if (t.step, t.sample_index, t.rollout_n, t.validate) == (
-                int(tags["step"]), int(tags["sample_index"]), int(tags["rollout_n"]), tags["validate"] == "true"))
+                int(tags["step"]), int(tags["sample_index"]), int(tags["rollout_n"]), tags["validate"] == "True"))
             assert float(tags["reward"]) == traj.reward and tags["group_id"] == traj.group_id
             assert root["rl.reward"] == traj.reward
             names = [(s["name"], s["type"]) for s in trace["spans"]]
@@ -201,6 +229,20 @@ class TestDemoJsonlMlflow:
             assert tool["attributes"]["gen_ai.tool.name"] == traj.spans_of_kind("tool")[0].attributes["gen_ai.tool.name"]
             llm = [s["attributes"]["rtrace.response_text"] for s in trace["spans"] if s["type"] == "LLM"]
             assert sorted(llm) == sorted(g.attributes["rtrace.response_text"] for g in traj.spans_of_kind("generation"))
+
+    def test_mlflow_run_has_the_traces_and_step_metrics(self, jsonl_demo):
+        """The demo opens an MLflow run, as a training job has: every trace is linked to it, it
+        holds the per-step metrics, and the printed hint links to it."""
+        out, proc = jsonl_demo
+        assert proc.returncode == 0, proc.stderr
+        reader = subprocess.run([sys.executable, "-c", MLFLOW_RUN_READER, f"sqlite:///{out / 'mlflow.db'}",
+                                 "rtrace-demo"], capture_output=True, text=True, timeout=120)
+        assert reader.returncode == 0, reader.stderr
+        (run,) = json.loads(reader.stdout)
+        assert run["status"] == "FINISHED" and run["linked"] == STEPS * PROMPTS * ROLLOUTS + VAL
+        assert run["metrics"] == {"rollout/trajectories": [[s, PROMPTS * ROLLOUTS] for s in range(1, STEPS + 1)],
+                                  "eval/trajectories": [[STEPS, VAL]]}
+        assert f"http://127.0.0.1:5000/#/experiments/{run['experiment_id']}/runs/{run['run_id']}" in proc.stdout
 
 
 def test_bad_exporter_is_a_clear_error(tmp_path):

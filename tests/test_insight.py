@@ -238,7 +238,7 @@ class TestInTheBackends:
         traces = SQLiteStorage.get_traces(project, run="kept")
         meta = {t["metadata"]["sample_index"]: t["metadata"] for t in traces}
         assert "best" in meta[3]["kept"] and "worst" in meta[0]["kept"]
-        assert meta[3]["annotations"] == {"advantage": 1.5}
+        assert meta[3]["advantage"] == 1.5  # annotations are top-level keys of the trace header
         client = MlflowClient(tracking_uri=uri)
         exp = client.get_experiment_by_name(project)
         best = client.search_traces(locations=[exp.experiment_id], filter_string="tags.kept LIKE '%best%'")

@@ -145,15 +145,17 @@ def test_search_by_step_validate_and_run(tmp_path, sqlite_uri):
     exp = run.info.experiment_id  # traces go to the run's experiment
 
     assert search(sqlite_uri, exp, filter_string="tags.step = '1'") == want(step1 + val1)
-    assert search(sqlite_uri, exp, filter_string="tags.validate = 'false'") == want(step1 + step2)
-    assert search(sqlite_uri, exp, filter_string="tags.step = '1' AND tags.validate = 'true'") == want(val1)
+    # validate is 'True' / 'False', as veRL's MLflow backend writes it
+    assert search(sqlite_uri, exp, filter_string="tags.validate = 'False'") == want(step1 + step2)
+    assert search(sqlite_uri, exp, filter_string="tags.step = '1' AND tags.validate = 'True'") == want(val1)
     assert search(sqlite_uri, exp, run_id=run.info.run_id) == want(step1 + val1 + step2)
     other = client.create_run(exp)
     assert search(sqlite_uri, exp, run_id=other.info.run_id) == []
 
 
 def test_tags_are_normalised_strings(tmp_path, sqlite_uri):
-    """Trace tags are strings: 'true'/'false', integers without '.0', NaN as 'NaN', extras under extra.<k>."""
+    """Trace tags are strings: integers without '.0', NaN as 'NaN', extras under extra.<k>; validate and
+    experiment_name as veRL's MLflow backend writes them ('True' / 'False', the experiment's name)."""
     configure(tmp_path, sqlite_uri, project="tags", experiment="run-7")
     a = rollout(3, 5, validate=True, reward=2.0, task="gsm8k")
     b = rollout(3, 6, reward=float("nan"))
@@ -162,10 +164,10 @@ def test_tags_are_normalised_strings(tmp_path, sqlite_uri):
     client = MlflowClient(tracking_uri=sqlite_uri)
     tags = {t: {k: v for k, v in client.get_trace("tr-" + t).info.tags.items() if not k.startswith("mlflow.")}
             for t in (a, b, c)}
-    assert tags[a] == {"step": "3", "sample_index": "5", "rollout_n": "0", "validate": "true",
-                       "experiment": "run-7", "group_id": "p5", "policy_version": "3", "reward": "2",
+    assert tags[a] == {"step": "3", "sample_index": "5", "rollout_n": "0", "validate": "True",
+                       "experiment_name": "run-7", "group_id": "p5", "policy_version": "3", "reward": "2",
                        "extra.task": "gsm8k"}
-    assert tags[b]["reward"] == "NaN" and tags[b]["validate"] == "false"
+    assert tags[b]["reward"] == "NaN" and tags[b]["validate"] == "False"
     assert tags[c]["reward"] == "0.25"
     exp = experiment_id(sqlite_uri, "tags")
     assert search(sqlite_uri, exp, filter_string="tags.reward = 'NaN'") == ["tr-" + b]
@@ -232,8 +234,62 @@ def test_token2text_shows_decoded_text_on_generations(tmp_path, sqlite_uri):
     assert rtrace.flush(60)
     spans = MlflowClient(tracking_uri=sqlite_uri).get_trace("tr-" + ctx.trace_id).data.spans
     [g] = [s for s in spans if s.span_type == "LLM"]
-    assert (g.inputs, g.outputs) == ("what is two plus two", "four")
+    # the prompt as chat messages (MLflow renders them as a chat), the response as text
+    assert g.inputs == {"messages": [{"role": "user", "content": "what is two plus two"}]}
+    assert g.outputs == "four"
     assert g.attributes["rtrace.prompt_text"] == "what is two plus two"
+
+
+def test_llm_spans_take_chat_messages(tmp_path, sqlite_uri):
+    """A generation's inputs are chat messages, {"messages": [...]} (what MLflow renders as a chat),
+    also with token2text on: the conversation the call was given, with its other arguments; a
+    generation given token ids only gets the conversation up to the turn it produced."""
+    from rtrace.demo import build_tokenizer
+
+    tok = build_tokenizer()
+    configure(tmp_path, sqlite_uri, project="chat", token2text=True, tokenizer=tok)
+
+    @rtrace.traced_generation
+    def chat(messages, prompt_ids, temperature):
+        return {"response_ids": tok.encode("calling calc"), "finish_reason": "stop"}
+
+    @rtrace.traced_generation
+    def complete(prompt_ids):
+        return tok.encode("The answer is 42.")
+
+    task = [SYSTEM, {"role": "user", "content": "What is 6 * 7?"}]
+    with rtrace.rollout_context(step=1, sample_index=0) as ctx:
+        chat(list(task), tok.encode("rendered"), temperature=0.7)
+        calc(6, 7)
+        complete(tok.encode("rendered again"))
+        rtrace.record_reward(1.0)
+    assert rtrace.flush(60)
+    [traj] = read_back(tmp_path / "t.jsonl")
+    assert search(sqlite_uri, experiment_id(sqlite_uri, "chat")) == ["tr-" + ctx.trace_id]
+    first, second = [s for s in MlflowClient(tracking_uri=sqlite_uri).get_trace("tr-" + ctx.trace_id).data.spans
+                     if s.span_type == "LLM"]
+    assert first.inputs == {"temperature": 0.7, "messages": task} and first.outputs == "calling calc"
+    assert second.inputs == {"messages": traj.messages[:4]} and second.outputs == "The answer is 42."
+    assert [m["role"] for m in second.inputs["messages"]] == ["system", "user", "assistant", "tool"]
+
+
+def test_step_metrics_on_the_linked_run(tmp_path, sqlite_uri):
+    """The run the traces link to holds the per-step metrics, read back with get_metric_history."""
+    mlflow.set_tracking_uri(sqlite_uri)
+    with mlflow.start_run() as run:
+        configure(tmp_path, sqlite_uri)
+        for step in (1, 2):
+            for i in range(3):
+                rollout(step, i, reward=float(i + step))
+            assert rtrace.flush(60)  # a step's metrics are final at a flush
+        rollout(2, 0, validate=True, reward=0.5)
+        assert rtrace.flush(60)
+    client = MlflowClient(tracking_uri=sqlite_uri)
+    history = {key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+               for key in ("rollout/trajectories", "rollout/reward_mean", "rollout/turns_mean", "eval/reward_mean")}
+    assert history == {"rollout/trajectories": [(1, 3), (2, 3)], "rollout/reward_mean": [(1, 2.0), (2, 3.0)],
+                       "rollout/turns_mean": [(1, 2.0), (2, 2.0)], "eval/reward_mean": [(2, 0.5)]}
+    assert search(sqlite_uri, run.info.experiment_id, run_id=run.info.run_id) != []
 
 
 def test_version_outside_the_tested_range_fails_at_configure(monkeypatch):
@@ -275,7 +331,7 @@ def test_real_server_over_http(tmp_path, mlflow_server):  # noqa: F811
     exp = run.info.experiment_id
     assert search(mlflow_server, exp, run_id=run.info.run_id) == sorted("tr-" + t for t in ids)
     assert search(mlflow_server, exp, filter_string="tags.step = '1'") == sorted("tr-" + t for t in ids[:4])
-    assert search(mlflow_server, exp, filter_string="tags.validate = 'true'") == ["tr-" + ids[-1]]
+    assert search(mlflow_server, exp, filter_string="tags.validate = 'True'") == ["tr-" + ids[-1]]
     trace = client.get_trace("tr-" + ids[0])
     assert [s.span_type for s in trace.data.spans] == ["AGENT", "AGENT", "LLM", "TOOL", "LLM"]
     assert trace.info.tags["step"] == "1" and trace.info.request_preview == "What is 6 * 7?"

@@ -138,20 +138,22 @@ def test_http_export_keeps_ids_tree_times_status_and_attributes(receiver, tmp_pa
     assert loop.parent_span_id == root.span_id
     assert loop.attributes == {**rl, "rtrace.kind": "agent", "rtrace.input": '{"question_ids": [1, 2, 3]}',
                                "rtrace.output": '"4"'}
-    [gen] = by_name["generate"]
+    [gen] = by_name["tiny-chat"]  # a generation is named after its model, a tool after its tool
     assert gen.parent_span_id == loop.span_id
     assert gen.attributes == {**rl, "rtrace.kind": "generation", "gen_ai.operation.name": "chat",
                               "gen_ai.request.model": "tiny-chat", "gen_ai.usage.input_tokens": 3,
                               "gen_ai.usage.output_tokens": 3, "gen_ai.response.finish_reasons": ["stop"],
                               "rtrace.input": "{}", "rtrace.output": '{"finish_reason": "stop"}',
-                              "rtrace.prompt_ids": [1, 2, 3], "rtrace.response_ids": [7, 8, 9]}
+                              "code.function": "generate", "rtrace.message_index": 1, "rtrace.prompt_ids": [1, 2, 3],
+                              "rtrace.response_ids": [7, 8, 9]}
     [chain] = by_name["parse"]
     assert chain.attributes["rtrace.kind"] == "chain" and chain.parent_span_id == loop.span_id
     assert json.loads(chain.attributes["rtrace.output"]) == [
         {"name": "calculator", "arguments": {"expression": "2+2"}}]
-    ok, failed = sorted(by_name["calculate"], key=lambda s: s.start_ns)
+    ok, failed = sorted(by_name["calculator"], key=lambda s: s.start_ns)
     assert ok.attributes == {**rl, "rtrace.kind": "tool", "gen_ai.operation.name": "execute_tool",
                              "gen_ai.tool.name": "calculator", "gen_ai.tool.call.id": "call-1",
+                             "code.function": "calculate",
                              "rtrace.input": '{"expression": "2+2", "tool_call_id": "call-1"}',
                              "rtrace.output": '{"value": 4}'}
     assert (ok.status_code, failed.status_code) == (UNSET, ERROR)
@@ -191,7 +193,7 @@ def test_retryable_status_is_retried_then_delivered(receiver):
     _run_one()
     assert rtrace.flush(30)
     spans = receiver.wait_for_spans(6, 10)
-    assert sorted(s.name for s in spans) == ["agent", "calculate", "calculate", "generate", "parse", "rollout"]
+    assert sorted(s.name for s in spans) == ["agent", "calculator", "calculator", "parse", "rollout", "tiny-chat"]
     stats = rtrace.stats()
     assert stats["sink.otlp.exported"] == 1 and "sink.otlp.failed_batches" not in stats
 
@@ -220,7 +222,7 @@ def test_grpc_protocol_sends_the_same_spans():
         _run_one(step=5, sample_index=1)
         assert rtrace.flush(20)
         spans = rx.wait_for_spans(6, 10)
-    assert sorted(s.name for s in spans) == ["agent", "calculate", "calculate", "generate", "parse", "rollout"]
+    assert sorted(s.name for s in spans) == ["agent", "calculator", "calculator", "parse", "rollout", "tiny-chat"]
     assert {s.attributes["rl.step"] for s in spans} == {5}
     assert {s.headers.get("x-tenant") for s in spans} == {"rl"}
     [root] = [s for s in spans if s.name == "rollout"]

@@ -287,3 +287,54 @@ def test_tokenizer_failure_exports_without_text(tmp_path, tok):
     assert [s.attributes["rtrace.prompt_text"] for s in spans] == ["q0", "q1", "q2"]
     assert rtrace.stats()["token2text_errors"] == 1
     assert token2text.get_tokenizer() is not None
+
+
+# ---------------------------------------------------------------------- turns without text
+@pytest.mark.parametrize("token2text, why", [
+    (False, "set RTRACE_TOKEN2TEXT"),
+    (True, "token2text has no tokenizer or could not decode, see rtrace.stats()")])
+def test_undecoded_turns_say_what_they_hold(tmp_path, token2text, why):
+    """Without decoded text, the prompt and each assistant turn read "[N tokens, not decoded: ...]"
+    (never an empty string), with the way to see the text."""
+    path = tmp_path / "t.jsonl"
+    rtrace.configure(exporter="jsonl", jsonl_path=str(path), token2text=token2text, export_interval_s=60)
+
+    @rtrace.traced_generation
+    def generate(prompt_ids):
+        return {"response_ids": [5] * 16, "finish_reason": "length"}
+
+    with rtrace.rollout_context(step=0):
+        generate(list(range(40)))
+        generate(list(range(60)))
+    (traj,) = _read(path)
+    assert traj.messages == [{"role": "user", "content": f"[40 tokens, not decoded: {why}]"},
+                             {"role": "assistant", "content": f"[16 tokens, not decoded: {why}]"},
+                             {"role": "assistant", "content": f"[16 tokens, not decoded: {why}]"}]
+
+
+def test_generations_point_at_their_assistant_turns(tmp_path, tok):
+    """Each generation span carries rtrace.message_index: the assistant message it produced, the
+    one with the tool calls that followed it, also for turns read from captured chat messages."""
+    path = tmp_path / "t.jsonl"
+    _configure(path, tokenizer=tok)
+    calls = [{"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"e": "1+1"}'}}]
+
+    @rtrace.traced_generation
+    def generate(messages, prompt_ids):
+        return {"response_ids": tok(" 2" if len(messages) > 2 else "calc")["input_ids"]}
+
+    @rtrace.traced_tool(tool_name="calculator")
+    def calculator(e, tool_call_id):
+        return "2"
+
+    with rtrace.rollout_context(step=0):
+        chat = [{"role": "user", "content": "1+1?"}]
+        generate(list(chat), [1, 2])
+        chat += [{"role": "assistant", "content": "calc", "tool_calls": calls},
+                 {"role": "tool", "tool_call_id": "c1", "content": calculator("1+1", tool_call_id="c1")}]
+        generate(list(chat), [1, 2, 3])
+    (traj,) = _read(path)
+    first, second = _gen_spans([traj])
+    assert traj.messages[first.attributes["rtrace.message_index"]] == chat[1]
+    assert traj.messages[second.attributes["rtrace.message_index"]] == {"role": "assistant", "content": " 2"}
+    assert second.attributes["rtrace.message_index"] == len(traj.messages) - 1 == 3

@@ -109,37 +109,51 @@ class TestRoundTrip:
         spans = got["spans"]
         assert [(s["name"], s["kind"], s["metadata"]["rtrace.kind"]) for s in spans] == [
             ("rollout", "span", "rollout"), ("agent_loop", "span", "agent"),
-            ("generate", "generation", "generation"), ("Calculator.__call__", "tool", "tool"),
-            ("generate", "generation", "generation"), ("Calculator.__call__", "tool", "tool"),
-            ("generate", "generation", "generation")]
+            ("toy-lm", "generation", "generation"), ("calculator", "tool", "tool"),
+            ("toy-lm", "generation", "generation"), ("calculator", "tool", "tool"),
+            ("toy-lm", "generation", "generation")]
         ids = [s["id"] for s in spans]
         assert [s["parent_id"] for s in spans] == [None, ids[0]] + [ids[1]] * 5
+        root, gens = ref.spans[0], [r for r in ref.spans if r.kind == "generation"]
         for s, r in zip(spans, ref.spans):
             assert (s["id"], s["parent_id"]) == (r.span_id, r.parent_id)
             assert s["duration_ms"] == r.duration_ms and s["duration_ms"] > 0
             assert (s["start_time"], s["end_time"]) == (iso_time(r.start_ns), iso_time(r.end_ns))
             assert (s["status"], s["error"]) == ("success", None)
-            assert (s["input"], s["output"]) == (r.input, r.output)
             ids_kept = {f"rtrace.{k}": getattr(r, k) for k in ("prompt_ids", "response_ids") if getattr(r, k)}
-            assert s["metadata"] == {"rtrace.kind": r.kind, **r.attributes, **ids_kept}
+            if r.kind == "generation":  # the rest of the captured output stays in the metadata
+                assert s["metadata"] == {"rtrace.kind": r.kind, **r.attributes, **ids_kept,
+                                         "rtrace.output": r.output}
+            else:
+                assert s["metadata"] == {"rtrace.kind": r.kind, **r.attributes, **ids_kept}
+            if r is not root and r.kind != "generation":  # other spans show what their call captured
+                assert (s["input"], s["output"]) == (r.input, r.output)
+        # the root, which a trace opens on: the task in; the final answer, reward and outcome out
+        assert spans[0]["input"] == [SYSTEM, {"role": "user", "content": "What is 17*3+1?"}]
+        assert spans[0]["output"] == {"answer": "The answer is 52.", "reward": 1.0, "outcome": {"correct": True}}
+        # a generation: its chat messages in; its response out, with the tool calls that followed it
+        assert [s["input"] for s in spans if s["kind"] == "generation"] == [r.input["messages"] for r in gens]
+        assert [s["output"] for s in spans if s["kind"] == "generation"] == [msgs[2], msgs[4], "The answer is 52."]
+        assert msgs[2]["content"] == "Let me compute 17*3." and msgs[2]["tool_calls"][0]["id"] == "call_0"
         gen0, tool0 = spans[2], spans[3]
         assert gen0["model"] == "toy-lm"
         assert gen0["usage"] == {"input_tokens": 20, "output_tokens": 3, "total_tokens": 23}
         assert gen0["metadata"]["rtrace.response_ids"] == [7, 7, 7]  # ids without token2text are kept
+        assert gen0["metadata"]["code.function"] == "generate"
         assert tool0["output"] == "51" and tool0["metadata"]["gen_ai.tool.call.id"] == "call_0"
         assert tool0["usage"] is None and tool0["model"] is None
 
-        assert got["metadata"] == {
-            "trace_id": ref.trace_id, "name": "rollout", "step": 4, "sample_index": 17, "rollout_n": 0,
-            "validate": False, "experiment": "run-1", "group_id": "g17", "policy_version": 4,
-            "reward": 1.0, "outcome": {"correct": True}, "extra": {}, "status": "success", "error": None,
-            "partial": False, "dropped_spans": 0, "duration_ms": ref.duration_ms, "num_turns": 3,
-            "num_tool_calls": 2, "finish_reason": "stop", "prompt_tokens": 20 + 30 + 40,
-            "response_tokens": 3 + 4 + 2}
-
+        # the header: what a researcher looks for first, defaults (partial, error, dropped spans) left out
         total = ref.duration_ms
         gen = sum(s.duration_ms for s in ref.spans if s.kind == "generation")
         tool = sum(s.duration_ms for s in ref.spans if s.kind == "tool")
+        assert list(got["metadata"].items()) == [
+            ("step", 4), ("sample_index", 17), ("rollout_n", 0), ("validate", False), ("reward", 1.0),
+            ("group_id", "g17"), ("policy_version", 4), ("outcome.correct", True), ("trace_id", ref.trace_id),
+            ("duration_ms", total), ("generation_ms", gen), ("tool_ms", tool), ("num_turns", 3),
+            ("num_tool_calls", 2), ("finish_reason", "stop"), ("prompt_tokens", 20 + 30 + 40),
+            ("response_tokens", 3 + 4 + 2), ("experiment", "run-1"), ("status", "success")]
+
         assert logs_with(project, "run-1", "rollout/") == [{
             "step": 4, "rollout/trajectories": 1, "rollout/reward_mean": 1.0, "rollout/reward_min": 1.0,
             "rollout/reward_max": 1.0, "rollout/reward_std": 0.0, "rollout/turns_mean": 3.0,
@@ -172,6 +186,12 @@ class TestRoundTrip:
                 [(step, step, i) for i in range(3)]
         (val,) = [t for t in traces_of(project, "steps") if t["key"] == "eval/traces"]
         assert (val["step"], val["metadata"]["validate"], val["metadata"]["reward"]) == (2, True, 0.5)
+        # told apart in trackio's trace list, whose Status column shows metadata["status"] ...
+        assert val["metadata"]["status"] == "[val] success"
+        assert {t["metadata"]["status"] for t in traces_of(project, "steps") if t["id"] != val["id"]} == {"success"}
+        # ... and found by the list's search box (trackio searches metadata values)
+        assert [t["id"] for t in traces_of(project, "steps", search="[val]")] == [val["id"]]
+        assert [t["id"] for t in traces_of(project, "steps", search=val["metadata"]["trace_id"])] == [val["id"]]
         rows = logs_with(project, "steps", "rollout/")
         assert [(r["step"], r["rollout/trajectories"], r["rollout/reward_mean"], r["rollout/reward_max"])
                 for r in rows] == [(1, 3, 1.0, 2.0), (2, 3, 1.0, 2.0)]
@@ -186,6 +206,107 @@ class TestRoundTrip:
         assert rtrace.flush(30)
         assert len(traces_of(project, "quiet")) == 1
         assert logs_with(project, "quiet", "rollout/") == []
+
+
+class TestWhatAPersonSees:
+    """What trackio's traces page shows: INPUT / OUTPUT panes of each span, the header."""
+
+    def test_generation_shows_decoded_prompt_and_response(self, project, tok):
+        """A generation without chat messages shows the decoded prompt in and the decoded response
+        out, not its captured {"finish_reason": ...}, which stays in the span's metadata."""
+        rtrace.configure(exporter="trackio", project=project, experiment="t2t", token2text=True, tokenizer=tok,
+                         export_interval_s=0.05)
+        prompt, answer = tok("What is 2 + 2?")["input_ids"], tok("It is 4.")["input_ids"]
+
+        @rtrace.traced_generation
+        def generate(prompt_ids, temperature):
+            return {"response_ids": answer, "finish_reason": "length"}
+
+        with rtrace.rollout_context(step=1, sample_index=0):
+            generate(prompt, temperature=0.7)
+            rtrace.record_reward(0.0)
+        assert rtrace.flush(30)
+        (got,) = traces_of(project, "t2t")
+        root, gen = got["spans"]
+        assert (gen["input"], gen["output"]) == ("What is 2 + 2?", "It is 4.")
+        assert gen["metadata"]["gen_ai.response.finish_reasons"] == ["length"]
+        assert gen["metadata"]["rtrace.output"] == {"finish_reason": "length"}
+        assert gen["metadata"]["rtrace.input"] == {"temperature": 0.7}
+        assert root["input"] == [{"role": "user", "content": "What is 2 + 2?"}]
+        assert root["output"] == {"answer": "It is 4.", "reward": 0.0}
+        assert got["metadata"]["finish_reason"] == "length"
+
+    def test_generation_shows_the_model_text_with_the_parsed_tool_calls(self, project, tok):
+        """When the agent records the turn without its tool-call markup, a generation's output is
+        the decoded text the model wrote, with the tool calls the agent parsed from it."""
+        rtrace.configure(exporter="trackio", project=project, experiment="calls", token2text=True, tokenizer=tok,
+                         export_interval_s=0.05)
+        raw = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>'
+        calls = [{"id": "c1", "type": "function",
+                  "function": {"name": "calculator", "arguments": '{"expression": "2+2"}'}}]
+
+        @rtrace.traced_generation
+        def generate(messages, prompt_ids):
+            return tok(raw if len(messages) == 1 else "It is 4.")["input_ids"]
+
+        @rtrace.traced_tool(tool_name="calculator")
+        def calculator(expression, tool_call_id):
+            return "4"
+
+        with rtrace.rollout_context(step=1, sample_index=0):
+            chat = [{"role": "user", "content": "2+2?"}]
+            generate(list(chat), [1])
+            chat += [{"role": "assistant", "content": "", "tool_calls": calls},  # markup stripped by the agent
+                     {"role": "tool", "tool_call_id": "c1", "content": calculator("2+2", tool_call_id="c1")}]
+            generate(list(chat), [2])
+        assert rtrace.flush(30)
+        (got,) = traces_of(project, "calls")
+        first, second = [s for s in got["spans"] if s["kind"] == "generation"]
+        assert first["output"] == {"role": "assistant", "content": raw, "tool_calls": calls}
+        assert second["output"] == "It is 4." and got["messages"][1]["content"] == ""
+
+    def test_generation_without_text_says_what_it_holds(self, project):
+        """Without token2text a generation's output (and its turn) says how many tokens it holds."""
+        rtrace.configure(exporter="trackio", project=project, experiment="ids", export_interval_s=0.05)
+
+        @rtrace.traced_generation
+        def generate(prompt_ids):
+            return [5] * 16
+
+        with rtrace.rollout_context(step=1, sample_index=0):
+            generate([1, 2, 3])
+        assert rtrace.flush(30)
+        (got,) = traces_of(project, "ids")
+        text = "[16 tokens, not decoded: set RTRACE_TOKEN2TEXT]"
+        assert got["spans"][1]["output"] == text and got["spans"][1]["metadata"]["rtrace.response_ids"] == [5] * 16
+        assert got["messages"][-1] == {"role": "assistant", "content": text}
+        assert got["spans"][0]["output"] == {"answer": text}
+
+    def test_header_order_flattening_and_defaults(self, project):
+        """outcome, annotations and kept become readable keys after the coordinates; partial, error and
+        dropped_spans appear only when they are not at their default; None values are left out."""
+        settings = rtrace.configure(exporter="none", project=project, experiment="hdr")
+        span = SpanRecord("a" * 16, None, "rollout", "rollout", 10**18, 10**18 + 10**9)
+        odd = Trajectory("e" * 32, "rollout", [span], step=3, sample_index=1, rollout_n=2, validate=True, reward=0.5,
+                         group_id="g1", outcome={"correct": False}, annotations={"advantage": 0.4, "step": 9},
+                         kept=["best", "error"], extra={"dataset": "gsm8k"}, partial=True, dropped_spans=2,
+                         status="error", error="Timeout: too slow")
+        plain = Trajectory("f" * 32, "agent_loop", [SpanRecord("b" * 16, None, "agent_loop", "agent", 1, 2)], step=3)
+        sink = TrackioSink(settings)
+        sink.export([odd, plain])
+        sink.shutdown()
+        by_id = {t["metadata"]["trace_id"]: t["metadata"] for t in traces_of(project, "hdr")}
+        assert list(by_id["e" * 32]) == [
+            "step", "sample_index", "rollout_n", "validate", "reward", "group_id", "policy_version",
+            "outcome.correct", "advantage", "annotations.step", "kept", "trace_id", "duration_ms", "generation_ms",
+            "tool_ms", "num_turns", "num_tool_calls", "extra.dataset", "status", "partial", "error", "dropped_spans"]
+        assert {k: by_id["e" * 32][k] for k in ("advantage", "annotations.step", "kept", "status", "error")} == {
+            "advantage": 0.4, "annotations.step": 9, "kept": "best,error", "status": "[val] error",
+            "error": "Timeout: too slow"}
+        assert by_id["e" * 32]["policy_version"] is None  # the first keys are always there
+        assert list(by_id["f" * 32]) == [
+            "step", "sample_index", "rollout_n", "validate", "reward", "group_id", "policy_version", "trace_id",
+            "duration_ms", "generation_ms", "tool_ms", "num_turns", "num_tool_calls", "status", "name"]
 
 
 class TestApplicationRun:
@@ -242,8 +363,9 @@ class TestBadValues:
         (got,) = traces_of(project, "odd")
         meta = got["metadata"]
         assert math.isnan(meta["reward"])  # written "NaN"; trackio's reader returns top-level NaN as a float
-        assert meta["outcome"] == {"tags": ["a", "b"], "scores": {"7": "Infinity"}, "label": "NaN-free"}
-        assert meta["extra"] == {"pair": [1, 2], "table": {"1": "a"}}
+        assert (meta["outcome.tags"], meta["outcome.scores"], meta["outcome.label"]) == (
+            ["a", "b"], {"7": "Infinity"}, "NaN-free")
+        assert (meta["extra.pair"], meta["extra.table"]) == ([1, 2], {"1": "a"})
         truncated = "x" * 20_000 + "…[truncated, 1000000 chars]"
         assert got["spans"][1]["output"] == truncated
         assert got["messages"] == []  # no generation: nothing readable as a conversation
@@ -280,8 +402,8 @@ class TestBadValues:
         assert (span["status"], span["error"], span["metadata"]["k"]) == ("error", "boom", [1, 2])
         assert (span["start_time"], span["end_time"]) == ("2001-09-09T01:46:40.123456Z", "2001-09-09T01:46:41.123456Z")
         assert span["duration_ms"] == 1000.0
-        assert got["metadata"]["reward"] == math.inf and got["metadata"]["outcome"] == {"t": [None, 1.5]}
-        assert got["metadata"]["status"] == "error"
+        assert got["metadata"]["reward"] == math.inf and got["metadata"]["outcome.t"] == [None, 1.5]
+        assert (got["metadata"]["status"], got["metadata"]["error"]) == ("error", "boom")
         assert got["messages"] == [{"role": "user", "content": ["tu", "ple"]}]
         assert logs_with(project, "hand", "rollout/error_rate") == [{"step": 1, "rollout/error_rate": 1.0}]
 

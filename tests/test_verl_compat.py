@@ -222,7 +222,7 @@ class TestSameTrajectories:
         t = min(verl, key=lambda t: (t.sample_index, t.rollout_n))
         assert [(d, s.name, s.kind) for d, s in t.walk()] == [
             (0, "agent_loop", "rollout"), (1, "ToolAgentLoop.run", "agent"),
-            (2, "LLMServerClient.generate", "generation"), (2, "CalculatorTool.execute", "tool"),
+            (2, "LLMServerClient.generate", "generation"), (2, "calculator", "tool"),
             (2, "LLMServerClient.generate", "generation")]
         assert (t.step, t.sample_index, t.rollout_n, t.validate, t.experiment) == (3, 0, 0, False, EXPERIMENT)
         run, gen, tool = t.spans[1], t.spans[2], t.spans[3]
@@ -234,6 +234,7 @@ class TestSameTrajectories:
         assert gen.attributes["gen_ai.response.finish_reasons"] == ["stop"]
         assert tool.input == {"instance_id": "inst-0-0", "parameters": {"expression": "0 + 1"}}
         assert tool.attributes["gen_ai.tool.name"] == "calculator"
+        assert tool.attributes["code.function"] == "CalculatorTool.execute"  # the tool's name shows, not the method's
         assert tool.output == [{"text": "1"}, 0.0, {}]
 
     async def test_defaults_are_bound(self, tokenizer, tmp_path):

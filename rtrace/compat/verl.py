@@ -35,7 +35,8 @@ The three names keep veRL's signatures and behaviour (see docs/frameworks/verl.m
   and ``rl.experiment`` = experiment_name. ``trace=False`` runs the block untraced, and
   every ``rollout_trace_op`` inside it calls straight through.
 * ``rollout_trace_op`` — decorates a method (sync or async). The span's name is the
-  method's ``__qualname__``, its input the bound arguments without ``self`` (defaults
+  method's ``__qualname__`` (a tool's span: the tool's name, the qualified name kept in
+  ``code.function``), its input the bound arguments without ``self`` (defaults
   applied; ``**kwargs`` shown flat, as rtrace's decorators show them), its output the
   return value, which the caller gets untouched. The span kind follows veRL's traced
   methods: ``generate`` is a generation (prompt ids, response ids / ``token_ids``,
@@ -263,7 +264,8 @@ def _adopt_tokenizer(owner: Any) -> None:
 def rollout_trace_op(func: Optional[Callable] = None, /, *, kind: Optional[str] = None) -> Any:
     """Trace a method (sync or async) as a span of the current trajectory (veRL's decorator).
 
-    The span is named ``func.__qualname__``; its input is the bound arguments without
+    The span is named ``func.__qualname__`` (a tool span: the tool's ``self.name``, the
+    qualified name kept in ``code.function``); its input is the bound arguments without
     ``self`` (defaults applied, ``**kwargs`` shown flat); the caller gets the return value
     untouched.
 
@@ -342,13 +344,17 @@ def rollout_trace_op(func: Optional[Callable] = None, /, *, kind: Optional[str] 
 
 
 def _decorate(op: Callable, kind: str, name: str) -> Callable:
+    # The op takes the method's qualified name as its own, and no name= is given: the
+    # span is named as rtrace names any decorated method (a tool after its tool name,
+    # a generation after its model, when known; the qualified name otherwise).
+    op.__qualname__ = name
     if kind == "generation":
-        return rtrace.traced_generation(op, name=name)
+        return rtrace.traced_generation(op)
     if kind == "tool":
-        return rtrace.traced_tool(op, name=name)
+        return rtrace.traced_tool(op)
     if kind == "agent":
-        return rtrace.traced_rollout(op, name=name)
-    return rtrace.traced(op, kind=kind, name=name)
+        return rtrace.traced_rollout(op)
+    return rtrace.traced(op, kind=kind)
 
 
 # ----------------------------------------------------------------------------- install

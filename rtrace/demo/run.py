@@ -133,7 +133,27 @@ def _configure(opts: DemoOptions, exporter: str, out_dir: Path, tokenizer: Any) 
         kwargs["mlflow_tracking_uri"] = where["mlflow_uri"]
     settings = rtrace.configure(**kwargs)
     where["otlp_endpoint"] = settings.otlp_traces_endpoint or settings.otlp_endpoint
+    if "mlflow" in names:
+        _start_mlflow_run(where, kwargs["experiment"])
     return where
+
+
+def _start_mlflow_run(where: dict[str, Any], run_name: str) -> None:
+    """Open an MLflow run, as a training job has one: rtrace links the traces to it and
+    logs the step metrics on it. :func:`_end_mlflow_run` ends it."""
+    import mlflow
+
+    mlflow.set_tracking_uri(where["mlflow_uri"])
+    mlflow.set_experiment(where["project"])
+    run = mlflow.start_run(run_name=run_name)
+    where["mlflow_run"] = (run.info.experiment_id, run.info.run_id)
+
+
+def _end_mlflow_run(where: dict[str, Any]) -> None:
+    if "mlflow_run" in where:
+        import mlflow
+
+        mlflow.end_run()
 
 
 def _command(name: str) -> str:
@@ -154,8 +174,13 @@ def open_commands(where: dict[str, Any]) -> list[str]:
             lines.append(f"trackio:  TRACKIO_DIR={q(where['trackio_dir'])} {_command('trackio')} show "
                          f"--project {q(where['project'])}")
         elif name == "mlflow":
+            page = f"http://127.0.0.1:5000 -> experiment {where['project']}"
+            if "mlflow_run" in where:  # the run the traces are linked to
+                page = "http://127.0.0.1:5000/#/experiments/{}/runs/{}".format(*where["mlflow_run"])
             lines.append(f"mlflow:   {_command('mlflow')} ui --backend-store-uri {q(where['mlflow_uri'])}   "
-                         f"(then http://127.0.0.1:5000 -> experiment {where['project']} -> Traces)")
+                         f"(then {page} -> Traces; Model metrics: the step metrics)")
+            lines.append("          one step: Traces -> Filters -> Tag: step = 1 (the search box is free text); "
+                         "in Python: mlflow.search_traces(filter_string=\"tags.step = '1'\")")
         elif name == "jsonl":
             lines.append(f"jsonl:    {where['jsonl_path']}   (one trajectory per line, schema rtrace.trajectory/1)")
         elif name == "otlp":
@@ -373,6 +398,7 @@ def run_demo(opts: DemoOptions, out: TextIO | None = None, err: TextIO | None = 
     finally:
         flushed = rtrace.flush(60)
         rtrace.shutdown()
+        _end_mlflow_run(where)
         policy.close()
     elapsed = time.perf_counter() - start
 

@@ -17,11 +17,13 @@ the tested version range. The few private MLflow names the sink needs live in
 What MLflow shows (see docs/mlflow.md):
 
 * span types: the root and ``agent`` spans AGENT, ``generation`` LLM, ``tool`` TOOL, the
-  rest CHAIN; inputs / outputs as captured, the decoded text (``rtrace.prompt_text`` /
-  ``rtrace.response_text``) for generations when token2text is on;
+  rest CHAIN; inputs / outputs as captured, except generations: their prompt as chat
+  messages (``{"messages": [...]}``, which MLflow renders as a chat) and the decoded
+  response (``rtrace.response_text``) when token2text is on;
 * trace tags on the root (``mlflow.traceTag.<k>``): step, sample_index, rollout_n,
-  validate, experiment, group_id, policy_version, reward (plus ``extra.<k>``), as
-  normalised strings, so ``search_traces(filter_string="tags.step = '1'")`` works;
+  validate, experiment_name, group_id, policy_version, reward (plus ``extra.<k>``), as
+  normalised strings (veRL's names and values where they overlap), so
+  ``search_traces(filter_string="tags.step = '1'")`` works;
 * the trace's request / response previews: the first user message and the final
   assistant message of the trajectory.
 
@@ -43,7 +45,7 @@ from typing import Any, Sequence
 from .. import _stats
 from .._serialize import finite_or_str
 from ..config import ConfigError, Settings
-from ..trajectory import SpanRecord, StepMetrics, Trajectory
+from ..trajectory import MESSAGE_INDEX, SpanRecord, StepMetrics, Trajectory, chat_argument
 from . import _mlflow_private
 from .base import Sink
 from .otel import DEFAULT_MAX_VALUE_CHARS, otlp_spans, to_otlp_request
@@ -54,8 +56,12 @@ __all__ = ["MlflowSink", "check_mlflow_version", "trace_tags", "tag_value", "MLF
 MLFLOW_VERSION_RANGE = ((3, 16), (3, 19))  # >= 3.16, < 3.19
 
 _SPAN_TYPES = {"rollout": "AGENT", "agent": "AGENT", "generation": "LLM", "tool": "TOOL"}
-_TAG_FIELDS = ("step", "sample_index", "rollout_n", "validate", "experiment", "group_id", "policy_version",
-               "reward")
+#: Trace tags from the trajectory's fields: (tag, field). The names and values veRL's MLflow
+#: backend writes where they overlap (step, sample_index, rollout_n, validate as 'True' /
+#: 'False', experiment_name), so the same searches work on both.
+_TAG_FIELDS = (("step", "step"), ("sample_index", "sample_index"), ("rollout_n", "rollout_n"),
+               ("validate", "validate"), ("experiment_name", "experiment"), ("group_id", "group_id"),
+               ("policy_version", "policy_version"), ("reward", "reward"))
 #: MLflow accepts at most 100 trace ids per link_traces_to_run call.
 _LINK_CHUNK = 100
 #: Spans per store call: large batches amortise the ~26 ms a call costs, and stay a
@@ -119,8 +125,10 @@ def tag_value(value: Any) -> str:
 
 
 def trace_tags(traj: Trajectory) -> dict[str, str]:
-    """The searchable trace tags of a trajectory (None values left out)."""
-    tags = {name: tag_value(getattr(traj, name)) for name in _TAG_FIELDS if getattr(traj, name) is not None}
+    """The searchable trace tags of a trajectory (None values left out). ``validate`` is
+    ``'True'`` / ``'False'``, as veRL writes it (``str(validate)``)."""
+    tags = {tag: tag_value(getattr(traj, field)) for tag, field in _TAG_FIELDS if getattr(traj, field) is not None}
+    tags["validate"] = str(bool(traj.validate))
     for key, value in traj.extra.items():
         if isinstance(value, (str, int, float, bool)):
             tags[f"extra.{key}"] = tag_value(value)
@@ -137,43 +145,49 @@ def trace_tags(traj: Trajectory) -> dict[str, str]:
 # ----------------------------------------------------------------------------- conversion
 
 
-def _first_user_prefix(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The messages up to and including the first user message (system prompt + task)."""
-    for i, msg in enumerate(messages):
-        if msg.get("role") == "user":
-            return messages[: i + 1]
-    return messages[:1]
-
-
-def _last_assistant(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    for msg in reversed(messages):
-        if msg.get("role") == "assistant":
-            return [msg]
-    return []
+def _llm_inputs(traj: Trajectory, span: SpanRecord) -> Any:
+    """A generation's inputs as chat messages, ``{"messages": [...], <other arguments>}``
+    (the OpenAI request shape, which MLflow renders as a chat): the conversation the call
+    was given; else the conversation up to the turn it produced; else its decoded prompt
+    as one user message; else what it captured."""
+    inputs = span.input
+    chat = chat_argument(inputs)
+    if chat is not None:
+        key, msgs = chat
+        return {**{k: v for k, v in inputs.items() if k != key}, "messages": msgs}
+    rest = inputs if isinstance(inputs, dict) else {}
+    index = span.attributes.get(MESSAGE_INDEX)
+    if traj.turn_of(span) is not None and index > 0:
+        return {**rest, "messages": traj.messages[:index]}
+    prompt = span.attributes.get("rtrace.prompt_text")
+    if isinstance(prompt, str):
+        return {**rest, "messages": [{"role": "user", "content": prompt}]}
+    return inputs
 
 
 def span_io(traj: Trajectory, span: SpanRecord, is_root: bool) -> tuple[Any, Any]:
     """The (inputs, outputs) MLflow shows for ``span``.
 
-    Generations show their decoded text when token2text produced it. The root shows what
-    its call captured; when it captured nothing (a ``rollout_context`` root) it shows the
-    conversation's opening and final messages in chat format, which MLflow also turns into
-    the trace's request / response previews. A dict input gets a ``messages`` entry so
-    the preview is the user's task rather than the raw arguments.
+    Generations show their prompt as chat messages (:func:`_llm_inputs`) and their
+    decoded response when token2text produced it. The root shows what its call captured;
+    when it captured nothing (a ``rollout_context`` root) it shows the conversation's
+    opening and final messages in chat format, which MLflow also turns into the trace's
+    request / response previews. A dict input gets a ``messages`` entry so the preview is
+    the user's task rather than the raw arguments.
     """
     inputs, outputs = span.input, span.output
     attrs = span.attributes
     if span.kind == "generation":
-        inputs = attrs.get("rtrace.prompt_text", inputs)
+        inputs = _llm_inputs(traj, span)
         outputs = attrs.get("rtrace.response_text", outputs)
     if is_root and traj.messages:
-        opening, final = _first_user_prefix(traj.messages), _last_assistant(traj.messages)
+        opening, final = traj.task_messages(), traj.final_answer()
         if inputs is None:
             inputs = {"messages": opening}
         elif isinstance(inputs, dict) and "messages" not in inputs:
             inputs = {**inputs, "messages": opening}
-        if outputs is None and final:
-            outputs = {"messages": final}
+        if outputs is None and final is not None:
+            outputs = {"messages": [final]}
     return inputs, outputs
 
 

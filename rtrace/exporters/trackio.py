@@ -41,11 +41,12 @@ from typing import Any, Sequence
 from .. import _stats
 from .._serialize import finite_or_str
 from ..config import ConfigError, Settings
-from ..trajectory import SpanRecord, StepMetrics, Trajectory
+from ..trajectory import SpanRecord, StepMetrics, Trajectory, chat_argument, response_text
 from . import _trackio_private
 from .base import Sink
 
-__all__ = ["TrackioSink", "trace_payload", "span_dict", "normalize", "SUMMARY_METRICS"]
+__all__ = ["TrackioSink", "trace_payload", "trace_metadata", "span_dict", "normalize", "SUMMARY_METRICS",
+           "VAL_MARK"]
 
 #: Some of the step metric names (after ``rollout/`` or ``eval/``); all are in docs/metrics.md.
 SUMMARY_METRICS = ("trajectories", "reward_mean", "reward_min", "reward_max", "reward_non_finite",
@@ -130,8 +131,66 @@ def _usage(attrs: dict[str, Any]) -> dict[str, int] | None:
 
 
 # ----------------------------------------------------------------------------- conversion
-def span_dict(span: SpanRecord) -> dict[str, Any]:
-    """One rtrace span as a trackio span dict (normalised, see :func:`normalize`)."""
+def _generation_io(traj: Trajectory | None, span: SpanRecord, meta: dict[str, Any]) -> tuple[Any, Any]:
+    """What trackio's INPUT / OUTPUT panes show for a generation: the prompt as chat
+    messages (a ``messages`` / ``raw_prompt`` / ``prompt`` / ``conversation`` argument) or
+    as decoded text; the response as text, or as the
+    assistant message with its tool calls. The rest of what the call captured (sampling
+    arguments, finish reason...) goes to the span's metadata as ``rtrace.input`` /
+    ``rtrace.output``."""
+    inputs, outputs = span.input, span.output
+    attrs = span.attributes
+    chat = chat_argument(inputs)
+    prompt = chat[1] if chat is not None else attrs.get("rtrace.prompt_text")
+    if prompt is not None:
+        shown = chat[0] if chat is not None else None
+        rest = {k: v for k, v in inputs.items() if k != shown} if isinstance(inputs, dict) else inputs
+        if rest:
+            meta["rtrace.input"] = rest
+        inputs = prompt
+    # the text the model produced (decoded), else the turn's content; with the tool calls
+    # that followed it, the assistant message (the agent's own may hold the text without
+    # its tool-call markup)
+    text = response_text(span)
+    turn = traj.turn_of(span) if traj is not None else None
+    response: Any = text if text is not None else turn.get("content") if turn is not None else None
+    if turn is not None and turn.get("tool_calls"):
+        response = {**turn, "content": response}
+    if response is not None:
+        if outputs is not None:
+            meta["rtrace.output"] = outputs
+        outputs = response
+    return inputs, outputs
+
+
+def _root_io(traj: Trajectory, span: SpanRecord) -> tuple[Any, Any]:
+    """The root (the span a trace opens on): the task (system prompt and question) in, the
+    final answer, the reward and the outcome out — unless its call captured its own."""
+    inputs, outputs = span.input, span.output
+    if inputs is None and traj.messages:
+        inputs = traj.task_messages()
+    if outputs is None:
+        result: dict[str, Any] = {}
+        final = traj.final_answer()
+        if final is not None:
+            result["answer"] = final.get("content")
+        if traj.reward is not None or traj.outcome:
+            result["reward"] = traj.reward
+        if traj.outcome:
+            result["outcome"] = traj.outcome
+        if traj.annotations:
+            result["annotations"] = traj.annotations
+        outputs = result or None
+    return inputs, outputs
+
+
+def span_dict(span: SpanRecord, traj: Trajectory | None = None) -> dict[str, Any]:
+    """One rtrace span as a trackio span dict (normalised, see :func:`normalize`).
+
+    With its trajectory, the root shows the task and the result, and a generation its
+    prompt and response (:func:`_root_io`, :func:`_generation_io`); other spans show what
+    their call captured.
+    """
     attrs = span.attributes
     meta: dict[str, Any] = {"rtrace.kind": span.kind}
     meta.update(attrs)
@@ -141,6 +200,12 @@ def span_dict(span: SpanRecord) -> dict[str, Any]:
         meta["rtrace.prompt_ids"] = span.prompt_ids
     if span.response_ids is not None:
         meta["rtrace.response_ids"] = span.response_ids
+    if traj is not None and span is traj.spans[0]:
+        inputs, outputs = _root_io(traj, span)
+    elif span.kind == "generation":
+        inputs, outputs = _generation_io(traj, span, meta)
+    else:
+        inputs, outputs = span.input, span.output
     return {
         "id": span.span_id,
         "parent_id": span.parent_id,
@@ -151,8 +216,8 @@ def span_dict(span: SpanRecord) -> dict[str, Any]:
         "duration_ms": span.duration_ms,
         "status": _STATUS.get(span.status, span.status),
         "error": normalize(span.error),
-        "input": normalize(span.input),
-        "output": normalize(span.output),
+        "input": normalize(inputs),
+        "output": normalize(outputs),
         "model": normalize(attrs.get("gen_ai.request.model", attrs.get("gen_ai.response.model"))),
         "usage": normalize(_usage(attrs)),
         "metadata": normalize(meta),
@@ -165,8 +230,23 @@ def _token_sum(gens: list[SpanRecord], key: str) -> int | None:
     return sum(values) if values else None
 
 
+#: Always in the header, first, in this order (``None`` shown as such).
+_HEADER_FIRST = ("step", "sample_index", "rollout_n", "validate", "reward", "group_id", "policy_version")
+#: Keys written after the annotations (an annotation of such a name goes under ``annotations.<key>``).
+_LATER = frozenset({"kept", "trace_id", "duration_ms", "generation_ms", "tool_ms", "num_turns", "num_tool_calls",
+                    "finish_reason", "prompt_tokens", "response_tokens", "experiment", "status", "name", "partial",
+                    "error", "dropped_spans"})
+#: Starts the ``status`` of a validation trajectory: trackio's trace list shows each trace's status.
+VAL_MARK = "[val]"
+
+
 def trace_metadata(traj: Trajectory) -> dict[str, Any]:
-    """The trace-level metadata of a trajectory (normalised)."""
+    """The trace-level metadata of a trajectory (normalised), in the order trackio's trace
+    header shows it: the RL coordinates and the reward; the outcome (``outcome.<k>``), the
+    annotations (``advantage`` ...) and why it was kept; the trace id; durations, turns and
+    tokens; the rest. Keys at their default (``partial: false``, no error, no dropped
+    span, ``None``) are left out; the ``status`` of a validation trajectory starts with
+    :data:`VAL_MARK`."""
     gens = traj.spans_of_kind("generation")
     finish = None
     for span in reversed(gens):  # the reason the last turn stopped
@@ -174,37 +254,41 @@ def trace_metadata(traj: Trajectory) -> dict[str, Any]:
         if reasons:
             finish = reasons[0] if isinstance(reasons, (list, tuple)) else reasons
             break
-    return normalize({
+    meta: dict[str, Any] = {name: getattr(traj, name) for name in _HEADER_FIRST}
+    rest: dict[str, Any] = {f"outcome.{key}": value for key, value in traj.outcome.items()}
+    for key, value in traj.annotations.items():  # advantage, returns ...: under their own name
+        rest[f"annotations.{key}" if key in meta or key in _LATER else key] = value
+    if traj.kept:
+        rest["kept"] = ",".join(map(str, traj.kept))
+    rest.update({
         "trace_id": traj.trace_id,
-        "name": traj.name,
-        "step": traj.step,
-        "sample_index": traj.sample_index,
-        "rollout_n": traj.rollout_n,
-        "validate": traj.validate,
-        "experiment": traj.experiment,
-        "group_id": traj.group_id,
-        "policy_version": traj.policy_version,
-        "reward": traj.reward,
-        "outcome": traj.outcome,
-        **({"annotations": traj.annotations} if traj.annotations else {}),
-        **({"kept": traj.kept} if traj.kept else {}),
-        "extra": traj.extra,
-        "status": _STATUS.get(traj.status, traj.status),
-        "error": traj.error,
-        "partial": traj.partial,
-        "dropped_spans": traj.dropped_spans,
         "duration_ms": traj.duration_ms,
+        "generation_ms": sum(s.duration_ms for s in gens),
+        "tool_ms": sum(s.duration_ms for s in traj.spans_of_kind("tool")),
         "num_turns": traj.num_turns,
         "num_tool_calls": traj.num_tool_calls,
         "finish_reason": finish,
         "prompt_tokens": _token_sum(gens, "gen_ai.usage.input_tokens"),
         "response_tokens": _token_sum(gens, "gen_ai.usage.output_tokens"),
+        "experiment": traj.experiment,
     })
+    rest.update((f"extra.{key}", value) for key, value in traj.extra.items())
+    status = _STATUS.get(traj.status, traj.status)
+    rest["status"] = f"{VAL_MARK} {status}" if traj.validate else status
+    if traj.name != "rollout":
+        rest["name"] = traj.name
+    if traj.partial:
+        rest["partial"] = True
+    rest["error"] = traj.error
+    if traj.dropped_spans:
+        rest["dropped_spans"] = traj.dropped_spans
+    meta.update((k, v) for k, v in rest.items() if v is not None)
+    return normalize(meta)
 
 
 def trace_payload(traj: Trajectory) -> tuple[list[dict], dict[str, Any], list[dict]]:
     """``(messages, metadata, spans)`` of the trackio Trace for one trajectory."""
-    return normalize(traj.messages), trace_metadata(traj), [span_dict(s) for s in traj.spans]
+    return normalize(traj.messages), trace_metadata(traj), [span_dict(s, traj) for s in traj.spans]
 
 
 # ----------------------------------------------------------------------------- summaries

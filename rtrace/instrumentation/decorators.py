@@ -345,7 +345,8 @@ def _decorate(func: Any, kind: str, name: str | None, capture: bool, options: di
     qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
     spec = CallSpec(kind=kind, name=name or qualname.rsplit("<locals>.", 1)[-1],
                     capture=capture, param_names=names,
-                    skip_first=bool(names) and names[0] in ("self", "cls"), options=options)
+                    skip_first=bool(names) and names[0] in ("self", "cls"), options=options,
+                    default_name=not name)
     if inspect.isasyncgenfunction(func):
         wrapper = _wrap_async_generator(func, spec)
     elif inspect.iscoroutinefunction(func):
@@ -377,7 +378,9 @@ def traced(func: Any = None, /, *, kind: str = "chain", name: str | None = None,
 
     Args:
         kind: the span kind shown by the sinks (``chain``, ``agent``, ``retriever`` ...).
-        name: the span name; default the function's ``__qualname__``.
+        name: the span name; default the function's ``__qualname__`` (a tool span: the
+            tool's name, a generation span: the model's name, when known; the qualified
+            name is then kept in the ``code.function`` attribute).
         capture: record arguments (without ``self``/``cls``) and the return value.
             ``False`` records names and timings only.
     """
@@ -406,7 +409,8 @@ def traced_generation(func: Any = None, /, *, name: str | None = None, capture: 
     docs/token2text.md for the full mapping.
 
     Args:
-        model: recorded as ``gen_ai.request.model`` (else a ``model`` argument, if any).
+        model: recorded as ``gen_ai.request.model`` (else a ``model`` argument, if any);
+            without ``name=``, the span is named after it.
     """
     return _decorator("generation", func, name, capture, model=model, prompt_field=prompt_field,
                       response_field=response_field, messages_field=messages_field)
@@ -417,7 +421,8 @@ def traced_tool(func: Any = None, /, *, name: str | None = None, capture: bool =
     """Trace a tool call (kind ``tool``).
 
     The tool's name (``gen_ai.tool.name``) is ``tool_name``, else the ``name`` attribute
-    of the method's instance (``self.name``), else the span name. A ``tool_call_id`` /
-    ``call_id`` argument becomes ``gen_ai.tool.call.id``.
+    of the method's instance (``self.name``), else the span name. Without ``name=`` the
+    span is named after the tool (``calculator``, not ``CalculatorTool.execute``). A
+    ``tool_call_id`` / ``call_id`` argument becomes ``gen_ai.tool.call.id``.
     """
     return _decorator("tool", func, name, capture, tool_name=tool_name)

@@ -149,6 +149,8 @@ class SpanConverter:
             out.output = conv(output)
             if spec.kind == "tool":
                 _tool_attributes(attrs, out.output)
+        if spec.default_name:
+            _display_name(out)
 
     @staticmethod
     def _generation(out: SpanRecord, inputs: dict[str, Any], has_output: bool, output: Any,
@@ -183,6 +185,19 @@ class SpanConverter:
         if isinstance(finish, str):
             attrs["gen_ai.response.finish_reasons"] = [finish]
         return has_output, output
+
+
+def _display_name(out: SpanRecord) -> None:
+    """Name a tool span after its tool (``gen_ai.tool.name``) and a generation span after
+    its model (``gen_ai.request.model``), so that every sink shows ``calculator`` rather
+    than ``CalculatorTool.execute``; the function's qualified name stays in the
+    ``code.function`` attribute. Only for spans named by default (no ``name=``)."""
+    attrs = out.attributes
+    key = "gen_ai.tool.name" if out.kind == "tool" else "gen_ai.request.model" if out.kind == "generation" else None
+    shown = attrs.get(key) if key else None
+    if isinstance(shown, str) and shown and shown != out.name:
+        attrs["code.function"] = out.name
+        out.name = shown
 
 
 #: Tool span attributes read out of what the tool returned (see :func:`messages.tool_result`).

@@ -26,6 +26,16 @@ span's ``rl.tool.*`` attributes. Tool messages carry ``tool_call_id`` (the captu
 ``tool_call_id``/``call_id``, or the one of an OpenAI tool message returned, else
 ``call_<span id>``) and ``name``; the assistant's ``tool_calls`` use the OpenAI shape
 ``{"id", "type": "function", "function": {"name", "arguments"}}`` with arguments as JSON.
+
+A turn whose text is unknown is never an empty string when something is there: a
+prompt or a response with token ids but no decoded text reads
+``[16 tokens, not decoded: set RTRACE_TOKEN2TEXT]`` (:func:`placeholder`), so every
+sink shows what the turn holds and how to see its text.
+
+Each generation span whose response is an assistant message of the conversation gets
+the attribute ``rtrace.message_index`` (:data:`~rtrace.trajectory.MESSAGE_INDEX`): that
+message's position in ``Trajectory.messages``, so a sink can show a generation's output
+as the assistant turn it produced, tool calls included.
 """
 
 from __future__ import annotations
@@ -34,20 +44,16 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..trajectory import SpanRecord, Trajectory, response_text
+from ..trajectory import CHAT_KEYS, MESSAGE_INDEX, SpanRecord, Trajectory, response_text
 
 __all__ = ["build_messages", "segment_messages", "response_text", "tool_call_id", "tool_arguments",
-           "tool_result", "ToolResult", "CHAT_KEYS"]
+           "tool_result", "ToolResult", "CHAT_KEYS", "placeholder"]
 
 #: Root attribute ``rtrace.source`` of trajectories made by ``rtrace.log_rollout_batch``.
 BATCH_SOURCE = "tensor_batch"
 #: On a span of such a trajectory: the chat role of its segment ("user", "assistant", "tool").
 ROLE_ATTR = "rtrace.role"
 
-#: Input arguments holding a conversation (a list of ``{"role": ...}`` dicts): ``messages``
-#: (OpenAI, AReaL), ``raw_prompt`` (veRL's dataset column, ``ToolAgentLoop.run``),
-#: ``prompt`` (SkyRL), ``conversation``.
-CHAT_KEYS = ("messages", "raw_prompt", "prompt", "conversation")
 #: Input arguments holding a tool call's own arguments (veRL's ``BaseTool.execute(instance_id,
 #: parameters, **kwargs)``); without one, the arguments are the whole input but the call id.
 ARGUMENT_KEYS = ("arguments", "parameters", "tool_args", "tool_input")
@@ -209,6 +215,29 @@ def tool_arguments(inputs: Any) -> Any:
     return {k: v for k, v in inputs.items() if k not in CALL_ID_KEYS}
 
 
+def placeholder(n_tokens: int | None, token2text: bool) -> str:
+    """The content of a turn without text: what is there, and how to see its text."""
+    if n_tokens is None:
+        return "[no text captured]"
+    why = ("token2text has no tokenizer or could not decode, see rtrace.stats()" if token2text
+           else "set RTRACE_TOKEN2TEXT")
+    return f"[{n_tokens} tokens, not decoded: {why}]"
+
+
+def _n_tokens(span: SpanRecord, ids: list[int] | None, usage_key: str) -> int | None:
+    if ids is not None:
+        return len(ids)
+    n = span.attributes.get(usage_key)
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def _response(span: SpanRecord, token2text: bool) -> str:
+    text = response_text(span)
+    if text is not None:
+        return text
+    return placeholder(_n_tokens(span, span.response_ids, "gen_ai.usage.output_tokens"), token2text)
+
+
 def _prompt_text(span: SpanRecord) -> str | None:
     text = span.attributes.get("rtrace.prompt_text")
     if isinstance(text, str):
@@ -262,29 +291,51 @@ def _assistant_output(output: Any) -> dict[str, Any] | None:
     return None
 
 
-def segment_messages(traj: Trajectory) -> list[dict[str, Any]]:
+def _segment_text(text: Any, ids: list[int] | None, token2text: bool) -> str:
+    if isinstance(text, str):
+        return text
+    return placeholder(len(ids), token2text) if ids else ""
+
+
+def segment_messages(traj: Trajectory, token2text: bool = False) -> list[dict[str, Any]]:
     """The conversation of a tensor-batch trajectory, from its segments.
 
     Each non-root span is one segment of the sample's token sequence, in order; its
     role is the ``rtrace.role`` attribute. The first generation's prompt is the user
-    turn. A segment with no decoded text (token2text off, or no tokenizer) has empty
-    content, so the roles are there in order either way.
+    turn. A segment with no decoded text (token2text off, or no tokenizer) reads as a
+    :func:`placeholder` (empty when it holds no token ids), so the roles are there in
+    order either way.
     """
     messages: list[dict[str, Any]] = []
     for span in traj.spans[1:]:
         if span.kind == "generation" and not messages:
-            prompt = span.attributes.get("rtrace.prompt_text")
-            messages.append({"role": "user", "content": prompt if isinstance(prompt, str) else ""})
+            text = _segment_text(span.attributes.get("rtrace.prompt_text"), span.prompt_ids, token2text)
+            messages.append({"role": "user", "content": text})
         role = span.attributes.get(ROLE_ATTR) or ("assistant" if span.kind == "generation" else "tool")
-        text = span.attributes.get("rtrace.response_text")
-        messages.append({"role": role, "content": text if isinstance(text, str) else ""})
+        if span.kind == "generation" and role == "assistant":
+            span.attributes[MESSAGE_INDEX] = len(messages)
+        text = _segment_text(span.attributes.get("rtrace.response_text"), span.response_ids, token2text)
+        messages.append({"role": role, "content": text})
     return messages
 
 
-def build_messages(traj: Trajectory) -> list[dict[str, Any]]:
-    """The trajectory's conversation (see the module docstring for the sources)."""
+def _index_chat(gens: list[SpanRecord], chat: list[dict[str, Any]]) -> None:
+    """Generations before the op whose chat messages open the conversation produced the
+    assistant turns of that chat, in order: link them when the counts agree."""
+    turns = [i for i, m in enumerate(chat) if m.get("role") == "assistant"]
+    if gens and len(turns) == len(gens):
+        for span, i in zip(gens, turns):
+            span.attributes[MESSAGE_INDEX] = i
+
+
+def build_messages(traj: Trajectory, token2text: bool = False) -> list[dict[str, Any]]:
+    """The trajectory's conversation (see the module docstring for the sources).
+
+    Args:
+        token2text: whether token2text was on, for the placeholder of undecoded turns.
+    """
     if traj.spans and traj.root.attributes.get("rtrace.source") == BATCH_SOURCE:
-        return segment_messages(traj)
+        return segment_messages(traj, token2text)
     # start order; a parent before the children that start with it (tree order breaks ties)
     order = sorted(range(len(traj.spans)), key=lambda i: (traj.spans[i].start_ns, i))
     spans = [traj.spans[i] for i in order]
@@ -299,6 +350,7 @@ def build_messages(traj: Trajectory) -> list[dict[str, Any]]:
         first = max(chats)
         source = spans[first]
         messages = chats[first]
+        _index_chat([spans[i] for i in events if i < first and spans[i].kind == "generation"], messages)
         if source.kind != "generation" and not any(spans[i].kind == "generation" for i in events if i > first):
             # no generation traced in or after the op (an API call rtrace does not see): its
             # own output is the assistant's reply
@@ -307,7 +359,10 @@ def build_messages(traj: Trajectory) -> list[dict[str, Any]]:
                 messages.append(reply)
                 last_assistant = reply
     else:
-        prompt = _prompt_text(next(spans[i] for i in events if spans[i].kind == "generation"))
+        gen = next(spans[i] for i in events if spans[i].kind == "generation")
+        prompt = _prompt_text(gen)
+        if prompt is None and gen.prompt_ids is not None:
+            prompt = placeholder(len(gen.prompt_ids), token2text)
         if prompt is not None:
             messages.append({"role": "user", "content": prompt})
     for i in events:
@@ -315,7 +370,8 @@ def build_messages(traj: Trajectory) -> list[dict[str, Any]]:
             continue
         span = spans[i]
         if span.kind == "generation":
-            last_assistant = {"role": "assistant", "content": response_text(span) or ""}
+            last_assistant = {"role": "assistant", "content": _response(span, token2text)}
+            span.attributes[MESSAGE_INDEX] = len(messages)
             messages.append(last_assistant)
         else:
             call, result = _tool_messages(span)

@@ -19,12 +19,15 @@ __all__ = ["CallSpec", "CallRecord", "TrajectoryState"]
 class CallSpec:
     """What a decorator knows about its function, decided once at decoration time."""
 
-    __slots__ = ("kind", "name", "capture", "param_names", "skip_first", "options")
+    __slots__ = ("kind", "name", "capture", "param_names", "skip_first", "options", "default_name")
 
     def __init__(self, kind: str, name: str, capture: bool, param_names: tuple[str, ...],
-                 skip_first: bool, options: dict[str, Any]) -> None:
+                 skip_first: bool, options: dict[str, Any], default_name: bool = False) -> None:
         self.kind = kind
         self.name = name
+        #: ``name`` is the function's qualified name (no ``name=`` given): the worker may
+        #: show a tool's or a model's own name instead (pipeline/builder.py)
+        self.default_name = default_name
         self.capture = capture
         self.param_names = param_names
         #: the first positional argument is ``self`` / ``cls`` and is not captured

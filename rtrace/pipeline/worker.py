@@ -294,7 +294,7 @@ class Pipeline:
             if traj.messages:
                 continue
             try:
-                traj.messages = build_messages(traj)
+                traj.messages = build_messages(traj, self.settings.token2text)
             except Exception:
                 _stats.incr("messages_errors")
                 _stats.warn_once("messages", "rtrace could not build messages", exc_info=True)
