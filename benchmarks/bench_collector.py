@@ -4,8 +4,8 @@
     attributes rtrace's workers send) to one collector in this process, which assembles
     them and writes JSONL; spans/s from the first request sent to the last trajectory
     written, and spans lost (target >= 10,000 spans/s, 0 lost). The workers encode their
-    OTLP requests before the clock starts (with the SDK's encoder), so what is measured
-    is the collector, not the senders; (b) measures the senders.
+    OTLP requests before the clock starts (the compact form rtrace's workers send), so
+    what is measured is the collector, not the senders; (b) measures the senders.
 (b) Rollout-worker CPU per trajectory (process CPU of the worker, loop + flush) in
     three set-ups, each in a fresh process, same agent loop:
       one-process mode (rtrace assembling and writing JSONL itself),
@@ -114,13 +114,11 @@ def sender(endpoint, worker, n, per_request, ready, go, out):
     import grpc
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
-    from opentelemetry.sdk.resources import Resource
-
     from rtrace import _ids
-    from rtrace.exporters.otel import to_otlp_request, to_readable_spans
+    from rtrace.exporters.otel import encode_compact
     from rtrace.trajectory import SpanRecord, Trajectory
 
-    resource = Resource.create({"service.name": f"worker-{worker}"})
+    resource = {"service.name": f"worker-{worker}"}
 
     def trajectory(i):
         coords = {"rl.step": i // 256, "rl.sample_index": i % 256 + worker * 256, "rl.rollout_n": 0,
@@ -133,9 +131,9 @@ def sender(endpoint, worker, n, per_request, ready, go, out):
         for k in range(2):
             spans.append(SpanRecord(f"{_ids.span_id():016x}", agent, "generate", "generation", 3 + k, 4 + k,
                                     attributes={"gen_ai.operation.name": "chat", "gen_ai.usage.input_tokens": 8,
-                                                "gen_ai.usage.output_tokens": 4, "rtrace.prompt_ids_json": "[1,2,3,4,5,6,7,8]",
-                                                "rtrace.response_ids_json": "[1,2,3,4]"},
-                                    output={"finish_reason": "stop"}))
+                                                "gen_ai.usage.output_tokens": 4},
+                                    output={"finish_reason": "stop"}, prompt_ids=[1, 2, 3, 4, 5, 6, 7, 8],
+                                    response_ids=[1, 2, 3, 4]))
             spans.append(SpanRecord(f"{_ids.span_id():016x}", agent, "calculator", "tool", 5 + k, 6 + k,
                                     attributes={"gen_ai.operation.name": "execute_tool",
                                                 "gen_ai.tool.name": "calculator", "gen_ai.tool.call.id": f"c{k}"},
@@ -145,7 +143,7 @@ def sender(endpoint, worker, n, per_request, ready, go, out):
     requests = []
     for start in range(0, n, per_request):
         shells = [trajectory(i) for i in range(start, min(n, start + per_request))]
-        requests.append(to_otlp_request(to_readable_spans(shells, resource)).SerializeToString())
+        requests.append(encode_compact(shells, resource).SerializeToString())  # what workers send
     stub = TraceServiceStub(grpc.insecure_channel(endpoint))
     ready.set()
     go.wait()
