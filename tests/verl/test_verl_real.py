@@ -222,7 +222,7 @@ class TestMessagesOp:
         assert [(d, s.name, s.kind) for d, s in t.walk()] == [
             (0, "agent_loop", "rollout"), (1, "ChatAgentLoop.run", "agent"),
             (2, "ChatAgentLoop.chat", "chain"), (3, "LLMServerClient.generate", "generation"),
-            (2, "CalculatorTool.execute", "tool"),
+            (2, "calculator", "tool"),
             (2, "ChatAgentLoop.chat", "chain"), (3, "LLMServerClient.generate", "generation")]
         last_chat = t.spans[5]
         assert last_chat.input["messages"][:2] == app.prompt(2)

@@ -234,7 +234,7 @@ TOOL_LOOP_TREE = [
     (1, "ToolAgentLoop.run", "agent"),
     (2, "LLMServerClient.generate", "generation"),
     (2, "HermesToolParser.extract_tool_calls", "chain"),
-    (2, "CalculatorTool.execute", "tool"),
+    (2, "calculator", "tool"),
     (2, "LLMServerClient.generate", "generation"),
     (2, "HermesToolParser.extract_tool_calls", "chain"),
 ]
