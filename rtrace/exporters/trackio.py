@@ -45,12 +45,8 @@ from ..trajectory import SpanRecord, StepMetrics, Trajectory, chat_argument, res
 from . import _trackio_private
 from .base import Sink
 
-__all__ = ["TrackioSink", "trace_payload", "trace_metadata", "span_dict", "normalize", "SUMMARY_METRICS",
+__all__ = ["TrackioSink", "trace_payload", "trace_metadata", "span_dict", "normalize",
            "VAL_MARK"]
-
-#: Some of the step metric names (after ``rollout/`` or ``eval/``); all are in docs/metrics.md.
-SUMMARY_METRICS = ("trajectories", "reward_mean", "reward_min", "reward_max", "reward_non_finite",
-                   "turns_mean", "tool_calls_mean", "latency_ms_mean", "error_rate")
 
 _SPAN_KINDS = {"generation": "generation", "tool": "tool"}  # everything else is "span"
 _STATUS = {"ok": "success", "error": "error"}  # trackio's dashboard vocabulary
