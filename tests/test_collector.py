@@ -275,3 +275,44 @@ class TestCollectCli:
         assert proc.returncode == 0
         trajs = read_jsonl(path)
         assert Counter(t.step for t in trajs) == {0: 3, 1: 3}  # the job-wide cap of the CLI
+
+
+def test_compact_form_round_trips_every_field():
+    """encode_compact (worker) -> protobuf bytes -> unpack + _record (collector): the
+    same SpanRecords, with error status, events, a remote parent, non-ASCII text, a lone
+    surrogate, a non-finite float and token ids."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from rtrace.exporters.otel import encode_compact
+    from rtrace.pipeline.collector import _record, unpack
+    from rtrace.pipeline.otlp_receiver import spans_of
+    from rtrace.trajectory import SpanRecord, Trajectory
+
+    root = SpanRecord("00000000000000a1", None, "rollout", "segment", 10, 20,
+                      attributes={"rl.step": 3, "rl.sample_index": 7, "rl.validate": False, "rtrace.root": True,
+                                  "rtrace.remote_parent": "00000000000000f0", "rl.reward": 0.5})
+    child = SpanRecord("00000000000000a2", "00000000000000a1", "gen\u00e9ration", "generation", 11, 19,
+                       status="error", error="boom \u00fc", attributes={"gen_ai.usage.output_tokens": 4},
+                       input={"messages": [{"role": "user", "content": "\u4f60\u597d"}]}, output={"x": [1, 2.5]},
+                       events=[{"name": "exception", "time_ns": 12, "attributes": {"exception.type": "ValueError"}}],
+                       prompt_ids=[1, 2, 3], response_ids=[4, 5])
+    odd = SpanRecord("00000000000000a3", "00000000000000a1", "bad\ud800name", "tool", 12, 12,
+                     attributes={"score": float("nan")}, output="ok")
+    request = encode_compact([Trajectory("0" * 31 + "9", "rollout", [root, child, odd])], {"service.name": "w"})
+    request = ExportTraceServiceRequest.FromString(request.SerializeToString())
+    resource, _, _ = next(iter(spans_of(request)))
+    decoded = [_record(span, *unpack(span)) for _, _, span in spans_of(request)]
+    assert [int.from_bytes(s.trace_id, "big") for _, _, s in spans_of(request)] == [9, 9, 9]
+
+    assert decoded[0] == SpanRecord("00000000000000a1", "00000000000000f0", "rollout", "segment", 10, 20,
+                                    attributes={"rl.step": 3, "rl.sample_index": 7, "rl.validate": False,
+                                                "rtrace.remote_parent": "00000000000000f0", "rl.reward": 0.5})
+    assert decoded[1] == child
+    assert decoded[2] == SpanRecord("00000000000000a3", "00000000000000a1", "bad?name", "tool", 12, 12,
+                                    attributes={"score": "NaN"}, output="ok")
+    # the coordinates are real OTLP attributes on the root only (routable by an OTel Collector)
+    spans = [s for _, _, s in spans_of(request)]
+    assert {kv.key for kv in spans[0].attributes} == {"rl.step", "rl.sample_index", "rl.validate", "rl.reward",
+                                                       "rtrace.record"}
+    assert [kv.key for kv in spans[1].attributes] == ["rtrace.record"]
+    assert spans[0].flags == 0x300 and spans[1].flags == 0x100

@@ -298,6 +298,9 @@ def otlp_spans(request: Any) -> list[Any]:
 #: The attribute that carries a span's rtrace record on the worker -> collector hop.
 RECORD_ATTR = "rtrace.record"
 
+#: The worker's records are converted (JSON-safe) already: one strict encoder, made once.
+_COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
 
 def encode_compact(trajectories: Iterable[Trajectory], resource_attributes: Mapping[str, Any],
                    max_value_chars: int = DEFAULT_MAX_VALUE_CHARS) -> Any:
@@ -313,31 +316,37 @@ def encode_compact(trajectories: Iterable[Trajectory], resource_attributes: Mapp
     output (:func:`to_readable_spans`) is unaffected.
     """
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
-    from opentelemetry.proto.resource.v1.resource_pb2 import Resource
-    from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
+    # Messages are built in place (``add``): constructing them from keyword messages
+    # copies each one, three times the cost (benchmarks/bench_collector.py).
     internal = Span.SpanKind.SPAN_KIND_INTERNAL
     error = Status.StatusCode.STATUS_CODE_ERROR
+    fromhex = bytes.fromhex
+    encode = _COMPACT_JSON.encode
 
-    def kv(key: str, value: Any) -> Any:
+    def put(kvs: Any, key: str, value: Any) -> None:
+        any_ = kvs.add(key=key).value
         cls = type(value)
         if cls is bool:
-            return KeyValue(key=key, value=AnyValue(bool_value=value))
-        if cls is int:
-            return KeyValue(key=key, value=AnyValue(int_value=value))
-        if cls is float:
-            return KeyValue(key=key, value=AnyValue(double_value=value))
-        return KeyValue(key=key, value=AnyValue(string_value=value if cls is str else json_text(value)))
+            any_.bool_value = value
+        elif cls is int:
+            any_.int_value = value
+        elif cls is float:
+            any_.double_value = value
+        else:
+            any_.string_value = value if cls is str else json_text(value)
 
-    spans = []
+    request = ExportTraceServiceRequest()
+    resource_spans = request.resource_spans.add()
+    for key, value in attributes(resource_attributes).items():
+        put(resource_spans.resource.attributes, key, value)
+    add = resource_spans.scope_spans.add().spans.add
     for traj in trajectories:
-        trace_id = bytes.fromhex(traj.trace_id)
+        trace_id = fromhex(traj.trace_id)
         for i, rec in enumerate(traj.spans):
-            # the coordinates stay real attributes on the root (route by them if you like)
-            coords = [kv(k, v) for k, v in rec.attributes.items() if k.startswith("rl.") and type(v) is not list
-                      and is_valid_attribute(v)] if rec.parent_id is None else []
-            record: dict[str, Any] = {"kind": rec.kind, "attributes": rec.attributes}
+            attrs = rec.attributes
+            record: dict[str, Any] = {"kind": rec.kind, "attributes": attrs}
             if rec.input is not None:
                 record["input"] = rec.input
             if rec.output is not None:
@@ -346,22 +355,32 @@ def encode_compact(trajectories: Iterable[Trajectory], resource_attributes: Mapp
                 record["prompt_ids"] = rec.prompt_ids[:max_value_chars]
             if rec.response_ids is not None:
                 record["response_ids"] = rec.response_ids[:max_value_chars]
+            try:
+                text = encode(record)
+            except (TypeError, ValueError):  # not converted (a NaN, an object): the careful path
+                text = json_text(record)
             parent = rec.parent_id
             remote = False
             if i == 0 and not parent:
-                parent = rec.attributes.get("rtrace.remote_parent")
+                parent = attrs.get("rtrace.remote_parent")
                 remote = parent is not None
-            spans.append(Span(
-                trace_id=trace_id, span_id=bytes.fromhex(rec.span_id),
-                parent_span_id=bytes.fromhex(parent) if parent else b"",
-                flags=0x300 if remote else 0x100, name=utf8(rec.name), kind=internal,
-                start_time_unix_nano=rec.start_ns, end_time_unix_nano=max(rec.end_ns, rec.start_ns),
-                attributes=[*coords, KeyValue(key=RECORD_ATTR, value=AnyValue(string_value=json_text(record)))],
-                events=[Span.Event(name=utf8(str(e.get("name") or "event")),
-                                   time_unix_nano=int(e.get("time_ns") or rec.start_ns),
-                                   attributes=[kv(k, v) for k, v in attributes(e.get("attributes") or {}).items()])
-                        for e in rec.events],
-                status=Status(code=error, message=utf8(rec.error or "")) if rec.status == "error" else Status()))
-    resource = Resource(attributes=[kv(k, v) for k, v in attributes(resource_attributes).items()])
-    return ExportTraceServiceRequest(resource_spans=[ResourceSpans(resource=resource,
-                                                                   scope_spans=[ScopeSpans(spans=spans)])])
+            span = add(trace_id=trace_id, span_id=fromhex(rec.span_id),
+                       parent_span_id=fromhex(parent) if parent else b"", flags=0x300 if remote else 0x100,
+                       name=utf8(rec.name), kind=internal, start_time_unix_nano=rec.start_ns,
+                       end_time_unix_nano=max(rec.end_ns, rec.start_ns))
+            kvs = span.attributes
+            if rec.parent_id is None:
+                # the coordinates stay real attributes on the root (route by them if you like)
+                for key, value in attrs.items():
+                    if key.startswith("rl.") and type(value) is not list and is_valid_attribute(value):
+                        put(kvs, key, value)
+            kvs.add(key=RECORD_ATTR).value.string_value = utf8(text)
+            for event in rec.events:
+                ev = span.events.add(name=utf8(str(event.get("name") or "event")),
+                                     time_unix_nano=int(event.get("time_ns") or rec.start_ns))
+                for key, value in attributes(event.get("attributes") or {}).items():
+                    put(ev.attributes, key, value)
+            if rec.status == "error":
+                span.status.code = error
+                span.status.message = utf8(rec.error or "")
+    return request

@@ -46,7 +46,7 @@ from .stream import ANNOTATION_SPAN
 from .token2text import Token2Text, check_tokenizer
 from .worker import Pipeline
 
-__all__ = ["Collector", "start_collector"]
+__all__ = ["Collector", "start_collector", "unpack"]
 _POPPED = ("rtrace.kind", "rtrace.input", "rtrace.output", "rtrace.prompt_ids", "rtrace.response_ids", "rtrace.root")
 
 
@@ -97,13 +97,7 @@ class CollectorPipeline(Pipeline):
             for _resource, _scope, span in spans_of(request):
                 _stats.incr("collector_spans_received")
                 trace_id = int.from_bytes(span.trace_id, "big")
-                attrs = attributes(span.attributes)
-                packed = attrs.pop(RECORD_ATTR, None)
-                record_data = _json(packed) if packed is not None else None
-                if isinstance(record_data, dict):  # rtrace's compact form (exporters.otel.encode_compact)
-                    attrs.update(record_data.get("attributes") or {})
-                else:
-                    record_data = None
+                attrs, record_data = unpack(span)
                 if span.name == ANNOTATION_SPAN and "rtrace.annotation.values" in attrs:
                     self.annotations.add(_annotation(attrs))
                     continue
@@ -131,6 +125,19 @@ class CollectorPipeline(Pipeline):
                 state.records.append(record)
         return arrived
 
+
+
+def unpack(span: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """An OTLP span's attributes, with rtrace's compact record (``RECORD_ATTR``, see
+    :func:`rtrace.exporters.otel.encode_compact`) unpacked: its attributes merged in,
+    the record returned (None for a span in the full attribute form)."""
+    attrs = attributes(span.attributes)
+    packed = attrs.pop(RECORD_ATTR, None)
+    record_data = _json(packed) if packed is not None else None
+    if not isinstance(record_data, dict):
+        return attrs, None
+    attrs.update(record_data.get("attributes") or {})
+    return attrs, record_data
 
 
 def _coords(attrs: dict[str, Any]) -> dict[str, Any]:
