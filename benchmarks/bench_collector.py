@@ -11,7 +11,9 @@
       one-process mode (rtrace assembling and writing JSONL itself),
       collector mode (rtrace streaming to the collector),
       the OTel SDK with its own OTLP/gRPC exporter (BatchSpanProcessor), same spans.
-    Target: collector mode below one-process mode.
+    Target: collector mode below one-process mode. The three run in turn ``--repeat``
+    times (default 3) and the median of each is printed: a noisy machine slows the
+    set-ups alike instead of one of them.
 
 Run: ``.venv/bin/python benchmarks/bench_collector.py [--n 3000]``.
 """
@@ -22,6 +24,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -29,6 +32,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 SPANS_PER_TRAJECTORY = 6
+#: trajectories each set-up of (b) runs (and flushes) before it is measured
+WARM_UP = 200
 
 
 def agent_loop(rtrace):
@@ -61,6 +66,9 @@ def rtrace_worker(env, n, worker, out):
     import rtrace
 
     traj = agent_loop(rtrace)
+    for i in range(WARM_UP):  # steady state: imports, the sink's set-up and connection are done
+        traj(i, worker)
+    rtrace.flush(120)
     c0 = time.process_time()
     for i in range(n):
         traj(i, worker)
@@ -87,8 +95,7 @@ def sdk_worker(endpoint, n, out):
     def span(name, i, **attrs):
         return tracer.start_as_current_span(name, attributes={**coords(i), **attrs})
 
-    c0 = time.process_time()
-    for i in range(n):
+    def one(i):
         with span("rollout", i, **{"rtrace.root": True}) as root:
             with span("agent", i, input=json.dumps({"prompt_ids": [1, 2, 3, 4, 5, 6, 7, 8]})):
                 for call in ("c1", "c2"):
@@ -101,6 +108,13 @@ def sdk_worker(endpoint, n, out):
                                                   "output": json.dumps("42")}):
                         pass
             root.set_attribute("rl.reward", 1.0)
+
+    for i in range(WARM_UP):  # steady state, as for rtrace
+        one(i)
+    provider.force_flush(120_000)
+    c0 = time.process_time()
+    for i in range(n):
+        one(i)
     ok = provider.force_flush(120_000)
     out.put((time.process_time() - c0, ok, {}))
     out.close()
@@ -174,6 +188,7 @@ def run(target, *args):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=3000, help="trajectories per worker")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of (b); the median is printed")
     args = parser.parse_args()
     import rtrace
     from rtrace.exporters.jsonl import read_jsonl
@@ -212,25 +227,26 @@ def main() -> None:
               f"{spans / cpu:,.0f} spans per CPU-second), lost {sent - spans} of {sent} spans "
               f"(backpressure retries {retries})")
 
-        # (b) worker CPU per trajectory, one process at a time
+        # (b) worker CPU per trajectory, one process at a time, the set-ups in turn
         n = args.n
-        results = {}
-        p, q = run(rtrace_worker, {"RTRACE_EXPORTER": "jsonl", "RTRACE_JSONL_PATH": os.path.join(tmp, "b.jsonl")},
-                   n, 0)
-        results["one-process (rtrace -> JSONL)"] = q.get(timeout=600)[0]
-        p.join(60)
+        results: dict[str, list[float]] = {}
         collector = rtrace.start_collector(exporter="jsonl", jsonl_path=os.path.join(tmp, "c.jsonl"), settle_s=0.5,
                                            max_queue_size=1_000_000)
-        p, q = run(rtrace_worker, collector.env, n, 0)
-        results["collector mode (rtrace -> collector)"] = q.get(timeout=600)[0]
-        p.join(60)
-        p, q = run(sdk_worker, collector.endpoint, n)
-        results["OTel SDK + OTLP gRPC exporter"] = q.get(timeout=600)[0]
-        p.join(60)
-        collector.flush(120)
+        setups = [("one-process (rtrace -> JSONL)", rtrace_worker,
+                   ({"RTRACE_EXPORTER": "jsonl", "RTRACE_JSONL_PATH": os.path.join(tmp, "b.jsonl")}, n, 0)),
+                  ("collector mode (rtrace -> collector)", rtrace_worker, (collector.env, n, 0)),
+                  ("OTel SDK + OTLP gRPC exporter", sdk_worker, (collector.endpoint, n))]
+        for _ in range(args.repeat):
+            for name, target, target_args in setups:
+                p, q = run(target, *target_args)
+                results.setdefault(name, []).append(q.get(timeout=600)[0])
+                p.join(60)
+                collector.flush(120)
         collector.stop()
+        results = {name: statistics.median(cpus) for name, cpus in results.items()}
         base = results["one-process (rtrace -> JSONL)"]
-        print(f"(b) rollout-worker CPU per trajectory (loop + flush), {n} trajectories:")
+        print(f"(b) rollout-worker CPU per trajectory (loop + flush), {n} trajectories, median of "
+              f"{args.repeat}:")
         for name, cpu in results.items():
             print(f"    {name:40} {cpu / n * 1e6:7.0f} us  ({cpu / base:.2f}x one-process)")
 

@@ -49,6 +49,13 @@ _PRIMITIVES = (str, int, float, bool, type(None))
 ARRAY_INLINE = 4096
 _PREVIEW = 16
 _INT_BITS = 64
+#: An upper bound of the JSON characters one unit of a conversion's budget can produce
+#: (a node costs one unit and a string character one; the longest are a 21-digit int
+#: key with its value, ``"-18446744073709551615": null, ``, and a control character
+#: escaped as ``\u001f``). A value that spent less than max_chars / this is not
+#: encoded to check its length. Text the walk makes without spending (summaries of
+#: arrays, bytes, errors) sets ``_measure`` and is checked.
+_CHARS_PER_UNIT = 32
 #: A string cut to max_chars is redacted over this many more characters first, so a
 #: token that straddles the cut is still recognised (and replaced) whole.
 _REDACT_WINDOW = 256
@@ -122,6 +129,26 @@ def _redact_text(text: str, assignment: re.Pattern[str] | None = None,
             text, m = assignment.subn(_redact_assignment, text)
             n += m
     return text, n
+
+
+#: Strings this long or shorter have their redaction result remembered (per set of
+#: redact keys): RL captures repeat the same texts (a system prompt, tool names, finish
+#: reasons) in every rollout, and a dict lookup costs less than the scans. Bounded:
+#: cleared when it holds _MEMO_ENTRIES (at most ~4 MiB of keys).
+_MEMO_CHARS = 512
+_MEMO_ENTRIES = 8192
+
+
+@functools.lru_cache(maxsize=8)
+def _memos(fragments: tuple[str, ...]) -> tuple[dict[str, bool], dict[str, tuple[str, int]]]:
+    """The shared memos of one set of redact keys: key -> is secret, text -> redacted."""
+    return {}, {}
+
+
+def _remember(memo: dict, key: str, value: Any) -> None:
+    if len(memo) >= _MEMO_ENTRIES:
+        memo.clear()
+    memo[key] = value
 
 
 def attr_ok(value: Any) -> bool:
@@ -203,18 +230,40 @@ class Converter:
         self.max_chars = max_chars
         self.redact_keys = tuple(_norm_key(k) for k in redact_keys)
         self._assignment = _assignment_pattern(self.redact_keys)
+        self._secret_keys, self._texts = _memos(self.redact_keys)
         self.truncated = 0
         self.redacted = 0
         self.errors = 0
         self._left = 0
 
     def is_secret(self, key: str) -> bool:
-        low = _norm_key(key)
-        return any(fragment in low for fragment in self.redact_keys)
+        hit = self._secret_keys.get(key)
+        if hit is None:
+            low = _norm_key(key)
+            hit = any(fragment in low for fragment in self.redact_keys)
+            if len(key) <= _MEMO_CHARS:
+                _remember(self._secret_keys, key, hit)
+        return hit
+
+    def _redact(self, text: str) -> str:
+        """``text`` redacted (:func:`_redact_text`), counted; short texts remembered."""
+        if len(text) < 12:
+            return text
+        if len(text) > _MEMO_CHARS:
+            text, n = _redact_text(text, self._assignment, self.redact_keys)
+        else:
+            hit = self._texts.get(text)
+            if hit is None:
+                hit = _redact_text(text, self._assignment, self.redact_keys)
+                _remember(self._texts, text, hit)
+            text, n = hit
+        self.redacted += n
+        return text
 
     def __call__(self, value: Any) -> Any:
         """JSON-safe, redacted and bounded form of ``value``."""
         self._left = self.max_chars + 2
+        self._measure = False
         try:
             data = self._convert(unsnap(value), 0)
         except _Budget:
@@ -225,6 +274,8 @@ class Converter:
         except Exception as exc:  # a __repr__ that raises, a broken __len__ ...
             self.errors += 1
             return _unserialisable(value, exc)
+        if not self._measure and (self.max_chars + 2 - self._left) * _CHARS_PER_UNIT <= self.max_chars:
+            return data  # its JSON text cannot exceed max_chars: not encoded to check
         return self.bound(data)
 
     def bound(self, data: Any) -> Any:
@@ -260,8 +311,7 @@ class Converter:
         total = len(text)
         if total > limit:
             text = text[:limit + _REDACT_WINDOW]
-        text, n = _redact_text(clean_text(text), self._assignment, self.redact_keys)
-        self.redacted += n
+        text = self._redact(clean_text(text))
         if total > limit:
             self.truncated += 1
             return truncate(text, limit, total)
@@ -310,6 +360,7 @@ class Converter:
             return bool(value)
         self._spend(1)
         if depth >= _MAX_DEPTH:
+            self._measure = True
             return f"<{cls.__name__} nested deeper than {_MAX_DEPTH}>"
         value = unsnap(value)
         if isinstance(value, dict):
@@ -319,6 +370,7 @@ class Converter:
         if isinstance(value, (set, frozenset)):
             return self._sequence(sorted(value, key=repr) if len(value) <= self._left else list(value), depth)
         if isinstance(value, (bytes, bytearray, memoryview)):
+            self._measure = True
             return f"<bytes: {len(value)}>"
         if is_array(value):  # numpy arrays, torch tensors
             return self._array(value, depth)
@@ -344,9 +396,7 @@ class Converter:
             self._left = -1
             raise _Budget
         self._spend(len(text) + 1)
-        text, n = _redact_text(text, self._assignment, self.redact_keys)
-        self.redacted += n
-        return text
+        return self._redact(text)
 
     def _mapping(self, items: Iterable[tuple[Any, Any]], depth: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -383,6 +433,7 @@ class Converter:
             raise
         except Exception as exc:
             self.errors += 1
+            self._measure = True
             return _unserialisable(value, exc)
 
     def _key(self, key: Any) -> str:
@@ -392,6 +443,7 @@ class Converter:
             raise
         except Exception:
             self.errors += 1
+            self._measure = True
             return f"<{type(key).__name__}>"
 
     def _array(self, value: Any, depth: int) -> Any:
@@ -399,6 +451,7 @@ class Converter:
         if n <= ARRAY_INLINE:
             return self._convert(array_to_python(value), depth + 1)
         flat = value.reshape(-1)[:_PREVIEW]  # a view: the tensor is not copied
+        self._measure = True
         return {"shape": list(getattr(value, "shape", ())), "dtype": str(getattr(value, "dtype", "")),
                 "numel": n, "preview": self._convert(array_to_python(flat), depth + 1)}
 

@@ -368,3 +368,31 @@ def test_async_generator_protocol(mode, spec, operations):
     run_checked(mode,
                 lambda: async_generator_transcript(rtrace.traced(make_async_generator(spec, log)), operations, log),
                 lambda: async_generator_transcript(make_async_generator(spec, plain_log), operations, plain_log))
+
+
+_leaf = (st.none() | st.booleans() | st.integers(min_value=-(2**64) + 1, max_value=2**64 - 1)
+         | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=40)
+         | st.text(alphabet=st.characters(max_codepoint=0x1f), max_size=20)
+         | st.binary(max_size=8))
+_values = st.recursive(_leaf, lambda inner: st.lists(inner, max_size=12)
+                       | st.dictionaries(st.text(max_size=12) | st.integers(min_value=-(2**64) + 1,
+                                                                           max_value=2**64 - 1), inner, max_size=8),
+                       max_leaves=60)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(value=_values, max_chars=st.integers(min_value=20, max_value=600))
+def test_converter_output_fits_max_chars(value, max_chars):
+    """The converter skips encoding values whose budget shows they fit: whatever was
+    not truncated must really encode within max_chars (control characters escaped,
+    21-digit int keys, floats)."""
+    import json
+
+    from rtrace._serialize import Converter
+
+    conv = Converter(max_chars, ("api_key", "token"))
+    data = conv(value)
+    if conv.truncated == 0 and isinstance(data, (list, dict)):  # (a scalar number is never cut)
+        assert len(json.dumps(data, ensure_ascii=False, default=str)) <= max_chars
+    elif isinstance(data, str) and conv.truncated == 0:
+        assert len(data) <= max_chars

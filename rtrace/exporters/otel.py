@@ -364,17 +364,18 @@ def encode_compact(trajectories: Iterable[Trajectory], resource_attributes: Mapp
             if i == 0 and not parent:
                 parent = attrs.get("rtrace.remote_parent")
                 remote = parent is not None
+            name, start, end = rec.name, rec.start_ns, rec.end_ns
             span = add(trace_id=trace_id, span_id=fromhex(rec.span_id),
                        parent_span_id=fromhex(parent) if parent else b"", flags=0x300 if remote else 0x100,
-                       name=utf8(rec.name), kind=internal, start_time_unix_nano=rec.start_ns,
-                       end_time_unix_nano=max(rec.end_ns, rec.start_ns))
+                       name=name if name.isascii() else utf8(name), kind=internal, start_time_unix_nano=start,
+                       end_time_unix_nano=end if end >= start else start)
             kvs = span.attributes
             if rec.parent_id is None:
                 # the coordinates stay real attributes on the root (route by them if you like)
                 for key, value in attrs.items():
                     if key.startswith("rl.") and type(value) is not list and is_valid_attribute(value):
                         put(kvs, key, value)
-            kvs.add(key=RECORD_ATTR).value.string_value = utf8(text)
+            kvs.add(key=RECORD_ATTR).value.string_value = text if text.isascii() else utf8(text)
             for event in rec.events:
                 ev = span.events.add(name=utf8(str(event.get("name") or "event")),
                                      time_unix_nano=int(event.get("time_ns") or rec.start_ns))
