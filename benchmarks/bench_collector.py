@@ -11,6 +11,9 @@
       one-process mode (rtrace assembling and writing JSONL itself),
       collector mode (rtrace streaming to the collector),
       the OTel SDK with its own OTLP/gRPC exporter (BatchSpanProcessor), same spans.
+    The streaming set-ups send to an OTLP receiver that counts the spans (all must
+    arrive) and does nothing else: the collector's work is (a), and on a 2-core machine
+    it would compete with the measured worker for the cores.
     Target: collector mode below one-process mode. The three run in turn ``--repeat``
     times (default 3) and the median of each is printed: a noisy machine slows the
     set-ups alike instead of one of them.
@@ -192,6 +195,7 @@ def main() -> None:
     args = parser.parse_args()
     import rtrace
     from rtrace.exporters.jsonl import read_jsonl
+    from rtrace.pipeline.otlp_receiver import OtlpReceiver, count_spans
 
     with tempfile.TemporaryDirectory() as tmp:
         # (a) throughput: 4 senders -> one collector -> JSONL
@@ -227,22 +231,30 @@ def main() -> None:
               f"{spans / cpu:,.0f} spans per CPU-second), lost {sent - spans} of {sent} spans "
               f"(backpressure retries {retries})")
 
-        # (b) worker CPU per trajectory, one process at a time, the set-ups in turn
+        # (b) worker CPU per trajectory, one process at a time, the set-ups in turn. The
+        # senders' spans go to a receiver that counts them: the collector's own work (a)
+        # would otherwise take this 2-core machine's other core from the measured worker.
         n = args.n
         results: dict[str, list[float]] = {}
-        collector = rtrace.start_collector(exporter="jsonl", jsonl_path=os.path.join(tmp, "c.jsonl"), settle_s=0.5,
-                                           max_queue_size=1_000_000)
+        received = [0]
+        receiver = OtlpReceiver(lambda request: received.__setitem__(0, received[0] + count_spans(request)))
+        receiver.start()
+        endpoint = f"127.0.0.1:{receiver.port}"
         setups = [("one-process (rtrace -> JSONL)", rtrace_worker,
-                   ({"RTRACE_EXPORTER": "jsonl", "RTRACE_JSONL_PATH": os.path.join(tmp, "b.jsonl")}, n, 0)),
-                  ("collector mode (rtrace -> collector)", rtrace_worker, (collector.env, n, 0)),
-                  ("OTel SDK + OTLP gRPC exporter", sdk_worker, (collector.endpoint, n))]
+                   ({"RTRACE_EXPORTER": "jsonl", "RTRACE_JSONL_PATH": os.path.join(tmp, "b.jsonl")}, n, 0), 0),
+                  ("collector mode (rtrace -> collector)", rtrace_worker,
+                   ({"RTRACE_EXPORTER": "collector", "RTRACE_COLLECTOR_ENDPOINT": endpoint}, n, 0),
+                   SPANS_PER_TRAJECTORY),
+                  ("OTel SDK + OTLP gRPC exporter", sdk_worker, (endpoint, n), SPANS_PER_TRAJECTORY)]
         for _ in range(args.repeat):
-            for name, target, target_args in setups:
+            for name, target, target_args, spans_each in setups:
+                received[0] = 0
                 p, q = run(target, *target_args)
                 results.setdefault(name, []).append(q.get(timeout=600)[0])
                 p.join(60)
-                collector.flush(120)
-        collector.stop()
+                want = (WARM_UP + n) * spans_each
+                assert received[0] == want, f"{name}: {received[0]} spans received, {want} sent"
+        receiver.stop()
         results = {name: statistics.median(cpus) for name, cpus in results.items()}
         base = results["one-process (rtrace -> JSONL)"]
         print(f"(b) rollout-worker CPU per trajectory (loop + flush), {n} trajectories, median of "

@@ -109,20 +109,23 @@ class AnnotationTable:
             self._pending.popitem(last=False)
             _stats.incr("annotations_unmatched")
 
-    def arrived(self, state: TrajectoryState, key: Hashable | None) -> None:
+    def arrived(self, state: TrajectoryState) -> None:
         """A trajectory's root arrived: give it its pending annotations."""
-        for k in (("trace", state.trace_id), key):
+        if not self._pending:
+            return
+        for k in (("trace", state.trace_id), coord_key(state.coords)):
             if k is None:
                 continue
             ann = self._pending.pop(k, None)
             if ann is not None:
                 state.annotations.update(ann.values)
 
-    def ready(self, state: TrajectoryState, key: Hashable | None, now: float) -> bool:
+    def ready(self, state: TrajectoryState, now: float) -> bool:
         """True when ``state`` has every awaited key, or waited long enough (counted)."""
         if not self.await_keys:
             return True
-        self.arrived(state, key)  # annotations that came while it was settling
+        self.arrived(state)  # annotations that came while it was settling
+        key = coord_key(state.coords)
         if all(k in state.annotations for k in self.await_keys):
             self._forget(state, key)
             return True

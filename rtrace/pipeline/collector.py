@@ -47,7 +47,8 @@ from .token2text import Token2Text, check_tokenizer
 from .worker import Pipeline
 
 __all__ = ["Collector", "start_collector", "unpack"]
-_POPPED = ("rtrace.kind", "rtrace.input", "rtrace.output", "rtrace.prompt_ids", "rtrace.response_ids", "rtrace.root")
+_POPPED = frozenset(("rtrace.kind", "rtrace.input", "rtrace.output", "rtrace.prompt_ids", "rtrace.response_ids",
+                     "rtrace.root"))
 
 
 class CollectorPipeline(Pipeline):
@@ -94,8 +95,8 @@ class CollectorPipeline(Pipeline):
             request, n = self._requests.popleft()
             with self._qlock:
                 self._queued -= n
+            _stats.incr("collector_spans_received", n)
             for _resource, _scope, span in spans_of(request):
-                _stats.incr("collector_spans_received")
                 trace_id = int.from_bytes(span.trace_id, "big")
                 attrs, record_data = unpack(span)
                 if span.name == ANNOTATION_SPAN and "rtrace.annotation.values" in attrs:
@@ -168,18 +169,20 @@ def _record(span: Any, attrs: dict[str, Any], packed: dict[str, Any] | None) -> 
         kind = attrs.get("rtrace.kind", "span")
         inp, out = _json(attrs.get("rtrace.input")), _json(attrs.get("rtrace.output"))
         prompt_ids, response_ids = _json(attrs.get("rtrace.prompt_ids")), _json(attrs.get("rtrace.response_ids"))
-    is_error = span.status.code == 2
-    record = SpanRecord(
+    status = span.status
+    is_error = status.code == 2
+    if not _POPPED.isdisjoint(attrs):
+        attrs = {k: v for k, v in attrs.items() if k not in _POPPED}
+    events = span.events
+    return SpanRecord(
         span_id=span.span_id.hex(), parent_id=span.parent_span_id.hex() or None, name=span.name, kind=kind,
         start_ns=span.start_time_unix_nano, end_ns=span.end_time_unix_nano,
-        status="error" if is_error else "ok", error=(span.status.message or None) if is_error else None,
-        attributes={k: v for k, v in attrs.items() if k not in _POPPED},
-        input=inp, output=out,
+        status="error" if is_error else "ok", error=(status.message or None) if is_error else None,
+        attributes=attrs, input=inp, output=out,
         events=[{"name": e.name, "time_ns": e.time_unix_nano, "attributes": attributes(e.attributes)}
-                for e in span.events],
+                for e in events] if events else [],
         prompt_ids=list(prompt_ids) if isinstance(prompt_ids, (list, tuple)) else None,
         response_ids=list(response_ids) if isinstance(response_ids, (list, tuple)) else None)
-    return record
 
 
 def _annotation(attrs: dict[str, Any]) -> Annotation:

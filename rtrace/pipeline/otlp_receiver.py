@@ -137,9 +137,17 @@ def any_value(value: Any) -> Any:
     return getattr(value, which)
 
 
+_SCALARS = frozenset(("string_value", "bool_value", "int_value", "double_value", "bytes_value"))
+
+
 def attributes(key_values: Iterable[Any]) -> dict[str, Any]:
     """A repeated OTLP ``KeyValue`` (span, resource, event, link attributes) as a dict."""
-    return {kv.key: any_value(kv.value) for kv in key_values}
+    out: dict[str, Any] = {}
+    for kv in key_values:
+        value = kv.value
+        which = value.WhichOneof("value")
+        out[kv.key] = getattr(value, which) if which in _SCALARS else any_value(value)
+    return out
 
 
 def spans_of(request: ExportTraceServiceRequest) -> Iterator[tuple[dict[str, Any], str, Any]]:

@@ -199,14 +199,14 @@ class Pipeline:
         conv = SpanConverter(self.settings)
         arrived = self._assemble(spans, conv) + prebuilt
         for state in arrived:
-            self.annotations.arrived(state, coord_key(state.coords))
+            self.annotations.arrived(state)
         now = time.monotonic()  # roots arrived during the assembly, after the round's start
         candidates, self._waiting = self._waiting + arrived, []
         ready: list[TrajectoryState] = []
         for state in candidates:
             settled = (force or self._flushing or self.settle_s <= 0 or state.root_at is None
                        or now - state.root_at >= self.settle_s)
-            if settled and (force or self.annotations.ready(state, coord_key(state.coords), now)):
+            if settled and (force or self.annotations.ready(state, now)):
                 ready.append(state)
             else:
                 self._waiting.append(state)
@@ -276,7 +276,7 @@ class Pipeline:
         out: list[Trajectory] = []
         for state in states:
             # annotations that came while it was held (collector: the job-wide sample)
-            self.annotations.arrived(state, coord_key(state.coords))
+            self.annotations.arrived(state)
             try:
                 out.append(finish(state, self.settings, conv.conv))
             except Exception:
