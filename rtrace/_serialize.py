@@ -262,6 +262,9 @@ class Converter:
 
     def __call__(self, value: Any) -> Any:
         """JSON-safe, redacted and bounded form of ``value``."""
+        cls = type(value)
+        if cls is bool or cls is float or value is None or (cls is int and -(2**_INT_BITS) < value < 2**_INT_BITS):
+            return value  # what the walk would return, without it (coordinates, rewards)
         self._left = self.max_chars + 2
         self._measure = False
         try:
