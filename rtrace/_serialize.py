@@ -355,7 +355,10 @@ class Converter:
             return value
         if isinstance(value, int) and not isinstance(value, bool):
             self._spend(1)
-            return _int(int(value))
+            out = _int(int(value))
+            if type(out) is str:  # beyond 64 bits: its digits were not spent
+                self._measure = True
+            return out
         if isinstance(value, float):
             self._spend(1)
             return float(value)
@@ -441,7 +444,12 @@ class Converter:
 
     def _key(self, key: Any) -> str:
         try:
-            return self._str(str(key)) if not isinstance(key, int) else str(_int(key))
+            if not isinstance(key, int):
+                return self._str(str(key))
+            text = str(_int(key))
+            if len(text) > 21:  # beyond 64 bits: its digits were not spent
+                self._measure = True
+            return text
         except _Budget:
             raise
         except Exception:

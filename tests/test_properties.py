@@ -370,13 +370,13 @@ def test_async_generator_protocol(mode, spec, operations):
                 lambda: async_generator_transcript(make_async_generator(spec, plain_log), operations, plain_log))
 
 
-_leaf = (st.none() | st.booleans() | st.integers(min_value=-(2**64) + 1, max_value=2**64 - 1)
+_big = st.integers(min_value=-(10**200), max_value=10**200)  # beyond 64 bits: written as digits
+_leaf = (st.none() | st.booleans() | st.integers(min_value=-(2**64) + 1, max_value=2**64 - 1) | _big
          | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=40)
          | st.text(alphabet=st.characters(max_codepoint=0x1f), max_size=20)
          | st.binary(max_size=8))
 _values = st.recursive(_leaf, lambda inner: st.lists(inner, max_size=12)
-                       | st.dictionaries(st.text(max_size=12) | st.integers(min_value=-(2**64) + 1,
-                                                                           max_value=2**64 - 1), inner, max_size=8),
+                       | st.dictionaries(st.text(max_size=12) | _big, inner, max_size=8),
                        max_leaves=60)
 
 
