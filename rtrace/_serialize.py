@@ -265,6 +265,12 @@ class Converter:
         cls = type(value)
         if cls is bool or cls is float or value is None or (cls is int and -(2**_INT_BITS) < value < 2**_INT_BITS):
             return value  # what the walk would return, without it (coordinates, rewards)
+        if cls is str and len(value) <= self.max_chars:  # the walk's result for a short string
+            text = self._redact(clean_text(value))
+            if len(text) <= self.max_chars:
+                return text
+            self.truncated += 1  # escaped surrogates or [REDACTED] made it longer: as bound() does
+            return truncate(text, self.max_chars)
         self._left = self.max_chars + 2
         self._measure = False
         try:
