@@ -181,6 +181,13 @@ def sender(endpoint, worker, n, per_request, ready, go, out):
     os._exit(0)
 
 
+def machine_reference() -> float:
+    """Microseconds of a fixed pure-Python loop, best of 5: how fast this machine runs now."""
+    import timeit
+
+    return min(timeit.repeat("sum(range(1000))", number=2000, repeat=5)) / 2000 * 1e6
+
+
 def run(target, *args):
     q = mp.get_context("spawn").Queue()
     p = mp.get_context("spawn").Process(target=target, args=(*args, q))
@@ -226,6 +233,8 @@ def main() -> None:
         written = len(read_jsonl(path))
         spans = written * SPANS_PER_TRAJECTORY
         sent = 4 * args.n * SPANS_PER_TRAJECTORY
+        print(f"machine reference: sum(range(1000)) takes {machine_reference():.1f} us in this process "
+              "(absolute rates move with it: this VM's speed changes with its host's load)")
         print(f"(a) collector: 4 senders x {args.n} trajectories x {SPANS_PER_TRAJECTORY} spans -> JSONL: "
               f"{spans / elapsed:,.0f} spans/s ({written:,} trajectories in {elapsed:.1f} s; collector CPU "
               f"{spans / cpu:,.0f} spans per CPU-second), lost {sent - spans} of {sent} spans "
