@@ -36,7 +36,8 @@ SINKS = {
 #: (~1.5 s for mlflow), never a traced call, and the application's later ``import
 #: mlflow`` is a dictionary lookup. The list names what the sink imports at its first
 #: export (rtrace/exporters/mlflow.py); a module missing here is imported in the sink
-#: thread as before.
+#: thread as before. MlflowSink adds the modules of its URI's tracking store
+#: (``exporters.mlflow._import_store_modules``).
 APP_THREAD_IMPORTS: dict[str, tuple[str, ...]] = {
     "mlflow": ("mlflow", "mlflow.entities", "mlflow.exceptions", "mlflow.tracing.client", "mlflow.tracking",
                "mlflow.utils.rest_utils"),

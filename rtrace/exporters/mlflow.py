@@ -32,6 +32,7 @@ Everything here runs in the sink thread; ``import mlflow`` happens on the first 
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import importlib.util
 import math
@@ -245,6 +246,32 @@ class _Converter:
         return otlp_spans(self.request([traj], tag_attributes))
 
 
+#: What the first export imports beyond exporters.APP_THREAD_IMPORTS: the tracking
+#: store of the URI's kind (SQLAlchemy, alembic... for a database) and the span
+#: translation. Imported on the configuring thread (see APP_THREAD_IMPORTS for why); the
+#: store itself, with its database I/O, is still made in the sink thread.
+_FIRST_EXPORT_IMPORTS = ("mlflow.tracing.otel.translation", "mlflow.protos.internal_pb2",
+                         "opentelemetry.exporter.otlp.proto.common.trace_encoder")
+_DB_STORE_IMPORTS = ("mlflow.store.tracking.sqlalchemy_store", "mlflow.store.db.utils",
+                     "mlflow.store.tracking.sqlalchemy_workspace_store", "mlflow.store.tracking._sql_backend_utils",
+                     "mlflow.store.tracking.file_store", "mlflow.store.workspace.utils", "alembic.command",
+                     "alembic.config", "netrc")
+
+
+def _import_store_modules(uri: str | None) -> None:
+    scheme = (uri or "").split(":", 1)[0].lower() if uri and "://" in uri else ""
+    names = _FIRST_EXPORT_IMPORTS
+    if scheme not in ("http", "https", "databricks", "file", ""):  # a database URI
+        dialect = scheme.split("+", 1)[0]
+        dialect = {"postgres": "postgresql"}.get(dialect, dialect)
+        names += _DB_STORE_IMPORTS + (f"sqlalchemy.dialects.{dialect}",)
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:  # imported (or failing, counted) at the first export instead
+            pass
+
+
 def _chunks(trajectories: Sequence[Trajectory], max_spans: int) -> list[Sequence[Trajectory]]:
     """Consecutive groups of whole trajectories of at most ``max_spans`` spans (a longer
     trajectory is a group of its own)."""
@@ -426,6 +453,7 @@ class MlflowSink(Sink):
             self._run_id = self._active_run_id()
         if self._uri is None:
             self._uri = self._app_tracking_uri()
+        _import_store_modules(self._uri)
 
     # ------------------------------------------------------------------ app state
     def _active_run_id(self) -> str | None:
