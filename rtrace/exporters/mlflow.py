@@ -253,7 +253,7 @@ class _Converter:
 _FIRST_EXPORT_IMPORTS = ("mlflow.tracing.otel.translation", "mlflow.protos.internal_pb2",
                          "opentelemetry.exporter.otlp.proto.common.trace_encoder")
 _DB_STORE_IMPORTS = ("mlflow.store.tracking.sqlalchemy_store", "mlflow.store.db.utils",
-                     "mlflow.store.tracking.sqlalchemy_workspace_store", "mlflow.store.tracking._sql_backend_utils",
+                     "mlflow.store.tracking.sqlalchemy_workspace_store",
                      "mlflow.store.tracking.file_store", "mlflow.store.workspace.utils", "alembic.command",
                      "alembic.config", "netrc")
 
