@@ -33,48 +33,25 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-SPANS_PER_TRAJECTORY = 6
+from _agent import SPANS_PER_TRAJECTORY, make_agent  # noqa: E402
+
 #: trajectories each set-up of (b) runs (and flushes) before it is measured
 WARM_UP = 200
-
-
-def agent_loop(rtrace):
-    @rtrace.traced_generation
-    def generate(prompt_ids):
-        return {"response_ids": [1, 2, 3, 4], "finish_reason": "stop"}
-
-    @rtrace.traced_tool
-    def calculator(tool_call_id, expression):
-        return "42"
-
-    @rtrace.traced_rollout
-    def agent(prompt_ids):
-        out = generate(prompt_ids)
-        calculator("c1", "6*7")
-        out = generate(prompt_ids + out["response_ids"])
-        calculator("c2", "6*7")
-        return out
-
-    def trajectory(i, worker=0):
-        with rtrace.rollout_context(step=i // 64, sample_index=i % 64 + worker * 64, rollout_n=0):
-            agent([1, 2, 3, 4, 5, 6, 7, 8])
-            rtrace.record_reward(1.0)
-
-    return trajectory
 
 
 def rtrace_worker(env, n, worker, out):
     os.environ.update(env)
     import rtrace
 
-    traj = agent_loop(rtrace)
+    traj = make_agent(rtrace, lambda i: {"step": i // 64, "sample_index": i % 64 + worker * 64, "rollout_n": 0})
     for i in range(WARM_UP):  # steady state: imports, the sink's set-up and connection are done
-        traj(i, worker)
+        traj(i)
     rtrace.flush(120)
     c0 = time.process_time()
     for i in range(n):
-        traj(i, worker)
+        traj(i)
     ok = rtrace.flush(120)
     out.put((time.process_time() - c0, ok, rtrace.stats()))
     out.close()

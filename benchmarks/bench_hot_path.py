@@ -30,6 +30,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import rtrace  # noqa: E402
 from rtrace.exporters.base import Sink  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _agent import make_agent  # noqa: E402
+
 
 class NullSink(Sink):
     """Receives trajectories and JSON-encodes them (like the JSONL sink, without the disk)."""
@@ -67,29 +70,8 @@ def bench_off(n: int) -> tuple[float, float]:
 
 # ----------------------------------------------------------------------------- (b)
 def make_rtrace_agent():
-    @rtrace.traced_generation
-    def generate(prompt_ids):
-        return {"response_ids": [1, 2, 3, 4], "finish_reason": "stop"}
-
-    @rtrace.traced_tool
-    def calculator(tool_call_id, expression):
-        return "42"
-
-    @rtrace.traced_rollout
-    def agent(prompt_ids):
-        out = generate(prompt_ids)
-        calculator("c1", "6*7")
-        out = generate(prompt_ids + out["response_ids"])
-        calculator("c2", "6*7")
-        return out
-
-    def trajectory(i: int) -> None:
-        with rtrace.rollout_context(step=i // 64, sample_index=i % 64, rollout_n=0, validate=False,
-                                    group_id=f"g{i % 64}", policy_version=1):
-            agent([1, 2, 3, 4, 5, 6, 7, 8])
-            rtrace.record_reward(1.0)
-
-    return trajectory
+    return make_agent(rtrace, lambda i: {"step": i // 64, "sample_index": i % 64, "rollout_n": 0, "validate": False,
+                                         "group_id": f"g{i % 64}", "policy_version": 1})
 
 
 def make_by_hand_agent():

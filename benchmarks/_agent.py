@@ -1,0 +1,35 @@
+"""The agent loop the benchmarks trace: one rollout of 6 spans (rollout_context root,
+the agent, 2 generations, 2 tool calls), shared so every benchmark measures the same."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+SPANS_PER_TRAJECTORY = 6
+
+
+def make_agent(rtrace: Any, coordinates: Callable[[int], dict[str, Any]]) -> Callable[[int], None]:
+    """``trajectory(i)``: one rollout under ``rollout_context(**coordinates(i))`` with a reward."""
+
+    @rtrace.traced_generation
+    def generate(prompt_ids):
+        return {"response_ids": [1, 2, 3, 4], "finish_reason": "stop"}
+
+    @rtrace.traced_tool
+    def calculator(tool_call_id, expression):
+        return "42"
+
+    @rtrace.traced_rollout
+    def agent(prompt_ids):
+        out = generate(prompt_ids)
+        calculator("c1", "6*7")
+        out = generate(prompt_ids + out["response_ids"])
+        calculator("c2", "6*7")
+        return out
+
+    def trajectory(i: int) -> None:
+        with rtrace.rollout_context(**coordinates(i)):
+            agent([1, 2, 3, 4, 5, 6, 7, 8])
+            rtrace.record_reward(1.0)
+
+    return trajectory
