@@ -276,6 +276,42 @@ class TestCollectCli:
         trajs = read_jsonl(path)
         assert Counter(t.step for t in trajs) == {0: 3, 1: 3}  # the job-wide cap of the CLI
 
+    def test_torchrun_ranks_configured_by_the_printed_env(self, tmp_path):
+        """docs/multi-process.md's torchrun line on one node: `rtrace collect`, then torchrun with
+        RTRACE_EXPORTER=collector and the endpoint; every rank's trajectories reach the one collector."""
+        import subprocess
+        import sys
+
+        pytest.importorskip("torch")
+        path = tmp_path / "torchrun.jsonl"
+        env = dict(os.environ, RTRACE_JSONL_PATH=str(path), HF_HUB_OFFLINE="1")
+        proc = subprocess.Popen([sys.executable, "-m", "rtrace", "collect", "--exporter", "jsonl", "--port", "0"],
+                                env=env, stdout=subprocess.PIPE, text=True)
+        try:
+            endpoint = None
+            deadline = time.monotonic() + 60
+            while endpoint is None and time.monotonic() < deadline:
+                line = proc.stdout.readline()
+                if line.startswith("export RTRACE_COLLECTOR_ENDPOINT="):
+                    endpoint = line.strip().partition("=")[2]
+            assert endpoint, "rtrace collect printed no endpoint"
+            run_env = {k: v for k, v in os.environ.items() if not k.startswith("RTRACE_")}
+            run_env.update(RTRACE_EXPORTER="collector", RTRACE_COLLECTOR_ENDPOINT=endpoint, HF_HUB_OFFLINE="1",
+                           PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
+                                                       os.environ.get("PYTHONPATH", "")]))
+            done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+                                   "--nproc-per-node=2", os.path.join(os.path.dirname(__file__), "torchrun_train.py")],
+                                  env=run_env, capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, done.stderr[-3000:]
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+        assert proc.returncode == 0
+        trajs = read_jsonl(path)
+        assert sorted((t.step, t.sample_index, t.reward) for t in trajs) == sorted(
+            (step, rank * 4 + i, float(rank)) for rank in range(2) for step in range(2) for i in range(4))
+        assert all(not t.partial and len(t.spans) == 2 for t in trajs)
+
 
 def test_compact_form_round_trips_every_field():
     """encode_compact (worker) -> protobuf bytes -> unpack + _record (collector): the
