@@ -333,7 +333,8 @@ def test_compact_form_round_trips_every_field():
                        events=[{"name": "exception", "time_ns": 12, "attributes": {"exception.type": "ValueError"}}],
                        prompt_ids=[1, 2, 3], response_ids=[4, 5])
     odd = SpanRecord("00000000000000a3", "00000000000000a1", "bad\ud800name", "tool", 12, 12,
-                     attributes={"score": float("nan")}, output="ok")
+                     attributes={"score": float("nan"), "big": -(2**64) + 1, "near": 2**63 + 5},
+                     output={"u": 2**64 - 1, "x": 1e300, "esc": "\\ud800 \u0000"})
     request = encode_compact([Trajectory("0" * 31 + "9", "rollout", [root, child, odd])], {"service.name": "w"})
     request = ExportTraceServiceRequest.FromString(request.SerializeToString())
     resource, _, _ = next(iter(spans_of(request)))
@@ -345,7 +346,9 @@ def test_compact_form_round_trips_every_field():
                                                 "rtrace.remote_parent": "00000000000000f0", "rl.reward": 0.5})
     assert decoded[1] == child
     assert decoded[2] == SpanRecord("00000000000000a3", "00000000000000a1", "bad?name", "tool", 12, 12,
-                                    attributes={"score": "NaN"}, output="ok")
+                                    attributes={"score": "NaN", "big": -(2**64) + 1, "near": 2**63 + 5},
+                                    output={"u": 2**64 - 1, "x": 1e300, "esc": "\\ud800 \u0000"})
+    assert type(decoded[2].attributes["big"]) is int and type(decoded[2].output["u"]) is int
     # the coordinates are real OTLP attributes on the root only (routable by an OTel Collector)
     spans = [s for _, _, s in spans_of(request)]
     assert {kv.key for kv in spans[0].attributes} == {"rl.step", "rl.sample_index", "rl.validate", "rl.reward",
