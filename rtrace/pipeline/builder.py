@@ -257,9 +257,7 @@ def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Traje
     if "reward" in state.annotations:
         reward = _reward(state.annotations["reward"], annotations)
     for span in spans:
-        attrs = span.attributes
-        for key, value in stamp.items():
-            attrs.setdefault(key, value)  # a span's own value wins (a generation's version)
+        span.attributes = {**stamp, **span.attributes}  # a span's own value wins (a generation's version)
     if reward is not None:
         root.attributes["rl.reward"] = reward
     root.attributes.update({f"rl.outcome.{k}": v for k, v in outcome.items() if attr_ok(v)})
