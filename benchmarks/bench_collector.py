@@ -142,6 +142,7 @@ def sender(endpoint, worker, n, per_request, ready, go, out):
     ready.set()
     go.wait()
     retries = 0
+    c0 = time.process_time()
     for body in requests:
         while True:
             try:
@@ -152,7 +153,7 @@ def sender(endpoint, worker, n, per_request, ready, go, out):
                     raise
                 retries += 1
                 time.sleep(0.05)
-    out.put(retries)
+    out.put((retries, time.process_time() - c0))
     out.close()
     out.join_thread()
     os._exit(0)
@@ -199,7 +200,8 @@ def main() -> None:
         c0 = time.process_time()
         t0 = time.perf_counter()
         go.set()
-        retries = sum(q.get(timeout=600) for _, q, _ in senders)
+        sent_by = [q.get(timeout=600) for _, q, _ in senders]
+        retries, sender_cpu = sum(r for r, _ in sent_by), sum(c for _, c in sent_by)
         assert collector.flush(600)
         elapsed = time.perf_counter() - t0
         cpu = time.process_time() - c0
@@ -215,7 +217,7 @@ def main() -> None:
         print(f"(a) collector: 4 senders x {args.n} trajectories x {SPANS_PER_TRAJECTORY} spans -> JSONL: "
               f"{spans / elapsed:,.0f} spans/s ({written:,} trajectories in {elapsed:.1f} s; collector CPU "
               f"{spans / cpu:,.0f} spans per CPU-second), lost {sent - spans} of {sent} spans "
-              f"(backpressure retries {retries})")
+              f"(backpressure retries {retries}; the 4 senders used {sender_cpu:.1f} CPU-s)")
 
         # (b) worker CPU per trajectory, one process at a time, the set-ups in turn. The
         # senders' spans go to a receiver that counts them: the collector's own work (a)
