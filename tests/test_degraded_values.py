@@ -125,6 +125,22 @@ class TestJsonlBatchSurvivesOneBadValue:
         """An int of 5000 digits becomes "<int of N bits>" (0.1.0: ValueError lost the batch)."""
         assert self.run_batch(tmp_path, 10**5000) == f"<int of {(10**5000).bit_length()} bits>"
 
+    def test_self_referential_messages_given_as_they_are(self):
+        """Messages handed over as they are (log_rollout_batch) may hold a cycle: the line is
+        written degraded, the rest of the trajectory intact (JSONL encodes without its own
+        cycle check)."""
+        from rtrace.exporters.jsonl import encode_line
+        from rtrace.trajectory import SpanRecord, Trajectory
+
+        message = {"role": "user", "content": "hi"}
+        message["self"] = message
+        traj = Trajectory("0" * 31 + "1", "rollout", [SpanRecord("0" * 15 + "1", None, "rollout", "rollout", 1, 2)],
+                          reward=0.5, messages=[message])
+        line, degraded = encode_line(traj)
+        data = json.loads(line)
+        assert degraded and data["reward"] == 0.5 and data["spans"][0]["span_id"] == "0" * 15 + "1"
+        assert data["messages"][0]["content"] == "hi"
+
     def test_surrogate_in_an_exception_message(self, tmp_path):
         """Exception text goes to the span's error and event attributes unconverted: it degrades too."""
         path = tmp_path / "t.jsonl"

@@ -30,7 +30,11 @@ __all__ = ["JsonlSink", "read_jsonl", "encode_line"]
 
 
 def _dumps(data: Any) -> bytes:
-    return (json.dumps(data, ensure_ascii=False, allow_nan=False, default=json_default) + "\n").encode("utf-8")
+    # check_circular=False: a trajectory is converted data, acyclic; a cycle in something
+    # given as is (log_rollout_batch messages) raises RecursionError, and encode_line
+    # writes the degraded form (json_safe is depth-bounded)
+    return (json.dumps(data, ensure_ascii=False, allow_nan=False, default=json_default, check_circular=False)
+            + "\n").encode("utf-8")
 
 
 def encode_line(traj: Trajectory) -> tuple[bytes, bool]:
@@ -42,6 +46,8 @@ def encode_line(traj: Trajectory) -> tuple[bytes, bool]:
     data = traj.to_dict()
     try:
         return _dumps(data), False  # C speed: most trajectories have no NaN to rewrite
+    except RecursionError:  # a cycle (or absurd nesting) in something given as is
+        return _dumps(json_safe(data)), True
     except ValueError:
         data = strict_json(data)  # NaN / infinities as their strings, the rest as is
     try:
