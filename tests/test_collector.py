@@ -349,9 +349,30 @@ def test_compact_form_round_trips_every_field():
                                     attributes={"score": "NaN", "big": -(2**64) + 1, "near": 2**63 + 5},
                                     output={"u": 2**64 - 1, "x": 1e300, "esc": "\\ud800 \u0000"})
     assert type(decoded[2].attributes["big"]) is int and type(decoded[2].output["u"]) is int
+
     # the coordinates are real OTLP attributes on the root only (routable by an OTel Collector)
     spans = [s for _, _, s in spans_of(request)]
     assert {kv.key for kv in spans[0].attributes} == {"rl.step", "rl.sample_index", "rl.validate", "rl.reward",
                                                        "rtrace.record"}
     assert [kv.key for kv in spans[1].attributes] == ["rtrace.record"]
     assert spans[0].flags == 0x300 and spans[1].flags == 0x100
+
+
+@pytest.mark.parametrize("value", [-(2**64) + 1, -(2**63) - 1, -(2**63), 2**63, 2**64 - 1, 0.1, -0.0, 1e-320,
+                                   "-1 and -9", "\\ud800", ["a", 1, None, True]])
+def test_compact_record_values_read_back_exactly(value):
+    """The collector reads a record's values exactly as the json module does (it may use
+    orjson, which reads integers outside [-2**63, 2**64) as floats), token ids too."""
+    import json
+
+    from rtrace.pipeline.collector import _record_json
+
+    for record in ({"kind": "tool", "output": value}, {"kind": "generation", "prompt_ids": [1, 2**64 + 5, 3],
+                                                       "response_ids": [2**70]}):
+        text = json.dumps(record, ensure_ascii=False)
+        got = _record_json(text)
+        assert got == json.loads(text)
+        assert [type(v) for v in got.values()] == [type(v) for v in json.loads(text).values()]
+        assert all(type(i) is int for i in got.get("prompt_ids", []) + got.get("response_ids", []))
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and "output" in got:
+            assert type(got["output"]) is type(value)

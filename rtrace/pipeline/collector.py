@@ -134,7 +134,7 @@ def unpack(span: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
     the record returned (None for a span in the full attribute form)."""
     attrs = attributes(span.attributes)
     packed = attrs.pop(RECORD_ATTR, None)
-    record_data = _json(packed) if packed is not None else None
+    record_data = _record_json(packed) if packed is not None else None
     if not isinstance(record_data, dict):
         return attrs, None
     attrs.update(record_data.get("attributes") or {})
@@ -147,6 +147,37 @@ def _coords(attrs: dict[str, Any]) -> dict[str, Any]:
     if extra:
         coords["extra"] = extra
     return coords
+
+
+try:  # installed with trackio; reads the workers' records 3x faster than the json module
+    from orjson import loads as _fast_loads
+except ImportError:  # pragma: no cover - the json module reads them the same, slower
+    _fast_loads = None
+
+
+def _record_json(text: Any) -> Any:
+    """A worker's compact record (JSON text) as data, as the json module reads it.
+
+    orjson, when installed, reads the same values (floats bit for bit), except integers
+    outside [-2**63, 2**64): it returns those as floats. A record's converted values stay
+    within (-2**64, 2**64) (larger ones are strings), so only a negative number of 19 or
+    20 digits, which starts ``-9`` or ``-1``, or a token id (not converted) can be one:
+    such text goes to the json module, and so do ids that came back as anything but ints.
+    """
+    if _fast_loads is not None and isinstance(text, str) and "-1" not in text and "-9" not in text:
+        try:
+            data = _fast_loads(text)
+        except ValueError:  # lone surrogates, non-finite numbers ...: the json module decides
+            data = None
+        if type(data) is dict:
+            prompt_ids, response_ids = data.get("prompt_ids"), data.get("response_ids")
+            if ((not prompt_ids or set(map(type, prompt_ids)) == _INT)
+                    and (not response_ids or set(map(type, response_ids)) == _INT)):
+                return data
+    return _json(text)
+
+
+_INT = {int}
 
 
 def _json(text: Any) -> Any:
