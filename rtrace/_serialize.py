@@ -266,11 +266,7 @@ class Converter:
         if cls is bool or cls is float or value is None or (cls is int and -(2**_INT_BITS) < value < 2**_INT_BITS):
             return value  # what the walk would return, without it (coordinates, rewards)
         if cls is str and len(value) <= self.max_chars:  # the walk's result for a short string
-            text = self._redact(clean_text(value))
-            if len(text) <= self.max_chars:
-                return text
-            self.truncated += 1  # escaped surrogates or [REDACTED] made it longer: as bound() does
-            return truncate(text, self.max_chars)
+            return self.bound(self._redact(clean_text(value)))
         self._left = self.max_chars + 2
         self._measure = False
         try:
@@ -452,10 +448,10 @@ class Converter:
         try:
             if not isinstance(key, int):
                 return self._str(str(key))
-            text = str(_int(key))
-            if len(text) > 21:  # beyond 64 bits: its digits were not spent
+            out = _int(key)
+            if type(out) is str:  # beyond 64 bits: its digits were not spent
                 self._measure = True
-            return text
+            return str(out)
         except _Budget:
             raise
         except Exception:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Callable, Mapping
 
 __all__ = ["ConfigError", "Settings", "PARAMS", "EXPORTERS", "load_settings", "env_exporters",
-           "writable_path"]
+           "writable_path", "uri_scheme"]
 
 #: Sink names accepted by ``RTRACE_EXPORTER`` (besides ``none``).
 EXPORTERS = ("console", "jsonl", "trackio", "mlflow", "otlp", "collector")
@@ -172,14 +172,21 @@ def writable_path(raw: Any) -> str:
     return value
 
 
+def uri_scheme(uri: str | None) -> str:
+    """The lower-case scheme of a tracking URI (``postgresql+psycopg2`` for
+    ``postgresql+psycopg2://...``); "" for a path, a Windows drive letter included."""
+    scheme = uri.split(":", 1)[0].lower() if uri and ":" in uri else ""
+    return scheme if len(scheme) > 1 else ""
+
+
 def _tracking_uri(raw: Any) -> str:
     """An MLflow tracking URI: a path, or a scheme MLflow knows (its own, or one an
     installed plugin registers, e.g. ``azureml``)."""
     value = _str(raw)
-    scheme = value.split(":", 1)[0].lower() if ":" in value else ""
+    scheme = uri_scheme(value)
     known = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc",
              "uc")
-    if scheme and scheme.split("+", 1)[0] not in known and len(scheme) > 1 and scheme not in _plugin_schemes():
+    if scheme and scheme.split("+", 1)[0] not in known and scheme not in _plugin_schemes():
         raise ValueError(f"unknown scheme {scheme!r} in {value!r}")
     return value
 

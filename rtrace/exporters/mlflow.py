@@ -45,7 +45,7 @@ from typing import Any, Sequence
 
 from .. import _stats
 from .._serialize import finite_or_str
-from ..config import ConfigError, Settings
+from ..config import ConfigError, Settings, uri_scheme
 from ..trajectory import MESSAGE_INDEX, SpanRecord, StepMetrics, Trajectory, chat_argument
 from . import _mlflow_private
 from .base import Sink
@@ -259,7 +259,7 @@ _DB_STORE_IMPORTS = ("mlflow.store.tracking.sqlalchemy_store", "mlflow.store.db.
 
 
 def _import_store_modules(uri: str | None) -> None:
-    scheme = (uri or "").split(":", 1)[0].lower() if uri and "://" in uri else ""
+    scheme = uri_scheme(uri)
     names = _FIRST_EXPORT_IMPORTS
     if scheme not in ("http", "https", "databricks", "file", ""):  # a database URI
         dialect = scheme.split("+", 1)[0]

@@ -108,12 +108,8 @@ class StepStats:
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 self.keys.setdefault(key, _Moments()).add(float(value))
         truncated = False
-        spans = traj.spans
-        end_ns = spans[0].end_ns if spans else 0
-        for span in spans:
+        for span in traj.spans:
             attrs = span.attributes
-            if span.end_ns > end_ns:
-                end_ns = span.end_ns
             if span.kind == "generation":
                 self.turns += 1
                 self.time_generation += span.duration_ms
@@ -128,7 +124,7 @@ class StepStats:
         self.errors += traj.status == "error"
         self.truncated += truncated
         self.partial += traj.partial
-        duration = (end_ns - spans[0].start_ns) / 1e6 if spans else traj.duration_ms  # (Trajectory.duration_ms)
+        duration = traj.duration_ms
         if len(self.durations) < _MAX_DURATIONS:
             self.durations.append(duration)
         if duration > self.slowest[0]:
