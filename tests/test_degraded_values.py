@@ -35,6 +35,16 @@ def exported_input(got, **kwargs):
     return traj.spans[1].input
 
 
+def exported_input_and_peak(got, value):
+    """:func:`exported_input` of ``x=value``, and the peak memory traced while it ran."""
+    tracemalloc.start()
+    try:
+        data = exported_input(got, x=value)["x"]
+        return data, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 # ----------------------------------------------------------------------------- item 7
 class TestBoundedConversion:
     @pytest.mark.parametrize("make", [
@@ -54,12 +64,7 @@ class TestBoundedConversion:
         value = make()
         limit = 2000
         with rtrace.testing.capture(max_value_chars=limit) as got:
-            tracemalloc.start()
-            try:
-                data = exported_input(got, x=value)["x"]
-                peak = tracemalloc.get_traced_memory()[1]
-            finally:
-                tracemalloc.stop()
+            data, peak = exported_input_and_peak(got, value)
             assert got.stats()["values_truncated"] >= 1
         assert isinstance(data, str) and "…[truncated, " in data
         assert len(data) <= limit + len("…[truncated, 1000000000 chars]")
@@ -75,12 +80,7 @@ class TestBoundedConversion:
         else:
             value = np.arange(10_000_000, dtype=np.float64)
         with rtrace.testing.capture() as got:
-            tracemalloc.start()
-            try:
-                data = exported_input(got, x=value)["x"]
-                peak = tracemalloc.get_traced_memory()[1]
-            finally:
-                tracemalloc.stop()
+            data, peak = exported_input_and_peak(got, value)
         assert data["shape"] == [10_000_000] and data["numel"] == 10_000_000
         assert data["preview"] == [float(i) for i in range(16)]
         assert "float" in data["dtype"]

@@ -14,6 +14,7 @@ import rtrace
 from rtrace.exporters.console import ConsoleSink, format_trajectory
 from rtrace.exporters.jsonl import read_jsonl
 from tests.conftest import read_back
+from tests.doubles import BlockingTokenizer
 
 
 @rtrace.traced_tool
@@ -165,16 +166,9 @@ class TestBounds:
         """A full span queue drops spans instead of growing or blocking; every span is kept or counted,
         and a dropped root frees its trajectory at once (partial), not after the orphan timeout."""
         sink = Collect()
-        entered, release = threading.Event(), threading.Event()
-
-        class BlockingTokenizer:  # holds the worker thread inside token2text
-            def batch_decode(self, ids, **kwargs):
-                entered.set()
-                release.wait(10)
-                return ["x"] * len(ids)
-
+        tokenizer = BlockingTokenizer()  # holds the worker thread inside token2text
         rtrace.configure(sinks=[sink], max_queue_size=10, export_interval_s=0.05, orphan_timeout_s=600,
-                         token2text=True, tokenizer=BlockingTokenizer())
+                         token2text=True, tokenizer=tokenizer)
 
         @rtrace.traced_generation
         def gen(prompt_ids):
@@ -182,11 +176,11 @@ class TestBounds:
 
         with rtrace.rollout_context(step=0):
             gen([1, 2])
-        assert entered.wait(10)  # the worker is busy: nothing drains the queue now
+        assert tokenizer.entered.wait(10)  # the worker is busy: nothing drains the queue now
         with rtrace.rollout_context(step=1):
             for i in range(50):
                 tool(i)
-        release.set()
+        tokenizer.release.set()
         deadline = time.monotonic() + 10
         while len(sink.trajectories) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 import rtrace
 from rtrace.exporters.jsonl import JsonlSink
 from rtrace.testing import MemorySink
+from tests.doubles import BlockingTokenizer
 
 
 @rtrace.traced_tool
@@ -99,16 +100,9 @@ class TestDroppedRootFreesItsSlot:
         queue gives its slot back in the worker's next round (not after the orphan timeout), so the
         next trajectory is traced again."""
         sink = MemorySink()
-        entered, release = threading.Event(), threading.Event()
-
-        class BlockingTokenizer:  # holds the worker thread inside token2text
-            def batch_decode(self, ids, **kwargs):
-                entered.set()
-                release.wait(10)
-                return ["x"] * len(ids)
-
+        tokenizer = BlockingTokenizer()  # holds the worker thread inside token2text
         rtrace.configure(sinks=[sink], max_queue_size=2, max_open_trajectories=1, export_interval_s=0.02,
-                         orphan_timeout_s=600, token2text=True, tokenizer=BlockingTokenizer())
+                         orphan_timeout_s=600, token2text=True, tokenizer=tokenizer)
 
         @rtrace.traced_generation
         def gen(prompt_ids):
@@ -116,7 +110,7 @@ class TestDroppedRootFreesItsSlot:
 
         with rtrace.rollout_context(step=0):
             gen([1, 2])
-        assert entered.wait(10)  # the worker is busy; the queue fills up
+        assert tokenizer.entered.wait(10)  # the worker is busy; the queue fills up
         with rtrace.rollout_context(step=1) as lost:
             tool(1)
             tool(2)  # queue full from here: the root that follows is dropped
@@ -124,7 +118,7 @@ class TestDroppedRootFreesItsSlot:
         with rtrace.rollout_context(step=2) as refused:  # the one slot is held by the lost trajectory
             pass
         assert not refused.traced
-        release.set()
+        tokenizer.release.set()
         wait_for(lambda: rtrace.stats()["open_trajectories"] == 0)
         with rtrace.rollout_context(step=3) as again:
             tool(3)
