@@ -44,7 +44,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..trajectory import CHAT_KEYS, MESSAGE_INDEX, SpanRecord, Trajectory, response_text
+from ..trajectory import CHAT_KEYS, MESSAGE_INDEX, SpanRecord, Trajectory, chat_argument, response_text
 
 __all__ = ["build_messages", "segment_messages", "response_text", "tool_call_id", "tool_arguments",
            "tool_result", "ToolResult", "CHAT_KEYS", "placeholder"]
@@ -266,13 +266,8 @@ def _tool_messages(span: SpanRecord) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _chat_messages(span: SpanRecord) -> list[dict[str, Any]] | None:
-    if not isinstance(span.input, dict):
-        return None
-    for key in CHAT_KEYS:
-        msgs = span.input.get(key)
-        if isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "role" in m for m in msgs):
-            return [dict(m) for m in msgs]
-    return None
+    chat = chat_argument(span.input)
+    return [dict(m) for m in chat[1]] if chat is not None else None
 
 
 def _assistant_output(output: Any) -> dict[str, Any] | None:
