@@ -40,7 +40,7 @@ import re
 from typing import Any, Iterable
 
 __all__ = ["ListSnapshot", "unsnap", "is_array", "array_to_python", "Converter", "REDACTED", "truncate",
-           "attr_ok", "finite_or_str", "strict_json", "json_default", "json_safe", "clean_text", "ARRAY_INLINE"]
+           "attr_ok", "finite_or_str", "strict_json", "json_default", "is_plain_json", "json_safe", "clean_text", "ARRAY_INLINE"]
 
 REDACTED = "[REDACTED]"
 _MAX_DEPTH = 12
@@ -514,6 +514,38 @@ def json_safe(data: Any, depth: int = 0) -> Any:
         return clean_text(str(data))
     except Exception as exc:
         return _unserialisable(data, exc)
+
+
+_PLAIN = frozenset((str, int, bool, type(None)))
+
+
+def is_plain_json(data: Any) -> bool:
+    """True when ``data`` holds only dicts, lists, strings, ints, bools, None and finite
+    floats (exact types, no subclasses): data every JSON encoder writes as the same
+    values. Keys, int sizes and string contents are not checked (an encoder refuses
+    those). False, not an error, for data nested past Python's recursion limit."""
+    try:
+        return _plain(data)
+    except RecursionError:  # a cycle, or absurd nesting
+        return False
+
+
+def _plain(data: Any) -> bool:
+    kind = type(data)
+    if kind is dict:
+        data = data.values()
+    elif kind is not list:
+        return kind in _PLAIN or (kind is float and math.isfinite(data))
+    for value in data:
+        kind = type(value)
+        if kind in _PLAIN:
+            continue
+        if kind is float:
+            if not math.isfinite(value):
+                return False
+        elif not _plain(value):
+            return False
+    return True
 
 
 def json_default(value: Any) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -99,8 +100,8 @@ class TestCoordinates:
         with rtrace.rollout_context(step=1, sample_index=1):
             rtrace.record_reward("not a number")
         trajs = sorted(read_back(jsonl_path), key=lambda t: t.sample_index)
-        lines = jsonl_path.read_text().splitlines()
-        assert '"reward": "NaN"' in lines[0] or '"reward": "NaN"' in lines[1]
+        lines = [json.loads(line) for line in jsonl_path.read_text().splitlines()]
+        assert sorted((line["sample_index"], line["reward"]) for line in lines) == [(0, "NaN"), (1, None)]
         assert trajs[1].reward is None and trajs[1].outcome == {"reward_raw": "'not a number'"}
         stats = rtrace.stats()
         assert stats["rewards_non_finite"] == 1 and stats["reward_errors"] == 1

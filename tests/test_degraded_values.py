@@ -9,6 +9,8 @@ redacted by key and by shape wherever captured values go.
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import enum
 import json
 import tracemalloc
 
@@ -162,6 +164,55 @@ class TestJsonlBatchSurvivesOneBadValue:
 
 
 # ----------------------------------------------------------------------------- item 13
+class Color(enum.Enum):
+    RED = 1
+
+
+class Num(int):
+    pass
+
+
+@dataclasses.dataclass
+class Point:
+    x: int
+
+
+def nested(depth):
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+PLAIN = [1.5, 1e-7, 1e16, -0.0, 2**64 - 1, -(2**63), "naïve ☃ \u2028 \x00", None, True, [1, [2, {"a": 3}]],
+         nested(300)]  # orjson refuses nesting past 254: the json module writes it
+NOT_PLAIN = [float("nan"), float("inf"), -float("inf"), (1, 2), Num(5), Color.RED, Point(1), {1: "a"},
+             datetime.datetime(2026, 1, 2, 3, 4, 5), "a\ud800b", 2**64, -(2**63) - 1]
+
+
+@pytest.mark.parametrize("value", PLAIN + NOT_PLAIN, ids=repr)
+def test_fast_jsonl_encoding_writes_the_values_the_json_module_writes(value, monkeypatch):
+    """With orjson installed, JSONL lines of plain data are written by it; everything else
+    (NaN, subclasses, objects orjson would write its own way, ints and strings it refuses)
+    by the json module, so a line reads back the same either way. Fails without the
+    plain-data check (NaN would be null, Color.RED 1, the datetime ISO text)."""
+    orjson = pytest.importorskip("orjson")
+    from rtrace.exporters import jsonl
+    from rtrace.trajectory import SpanRecord, Trajectory
+
+    traj = Trajectory("0" * 31 + "1", "rollout", [SpanRecord("0" * 15 + "1", None, "rollout", "rollout", 1, 2)],
+                      reward=0.5, messages=[{"role": "user", "content": value}])
+    fast, fast_degraded = jsonl.encode_line(traj)
+    monkeypatch.setattr(jsonl, "_fast_dumps", None)
+    slow, slow_degraded = jsonl.encode_line(traj)
+    assert (json.loads(fast), fast_degraded) == (json.loads(slow), slow_degraded)
+    try:
+        by_orjson = orjson.dumps(traj.to_dict(), option=orjson.OPT_APPEND_NEWLINE)
+    except TypeError:
+        by_orjson = None
+    assert (fast == by_orjson) is (value in PLAIN[:-1])  # the fast path was taken for plain data
+
+
 class AttrDict(dict):
     """A dict whose attribute lookup raises KeyError (not AttributeError)."""
 

@@ -1,7 +1,14 @@
 """JSONL sink: one trajectory per line, schema ``rtrace.trajectory/1`` (docs/jsonl-schema.md).
 
-Lines are strict JSON in UTF-8: NaN and infinities (a NaN reward, say) are written as the
-strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"``.
+Lines are compact, strict JSON in UTF-8: NaN and infinities (a NaN reward, say) are
+written as the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"``.
+
+When ``orjson`` is installed (trackio and the ``otlp`` extra bring it), a trajectory of
+plain data (:func:`rtrace._serialize.is_plain_json`: no NaN, no objects given as they
+are) is encoded by it: the check and the encoding take a third of the json module's
+time (36 vs 117 µs for a 6-span trajectory). The values written are the same; only the
+spelling of a float's exponent can differ (``1e-7`` for ``1e-07``). Anything else goes
+through the json module as below.
 
 Each trajectory is encoded on its own: one that does not encode as it is (a lone
 surrogate or a 5,000-digit int that reached it without the converter) is encoded again
@@ -21,7 +28,7 @@ import threading
 from typing import Any, Sequence
 
 from .. import _stats
-from .._serialize import json_default, json_safe, strict_json
+from .._serialize import is_plain_json, json_default, json_safe, strict_json
 from ..config import ConfigError, Settings, writable_path
 from ..trajectory import Trajectory
 from .base import Sink
@@ -29,12 +36,19 @@ from .base import Sink
 __all__ = ["JsonlSink", "read_jsonl", "encode_line"]
 
 
+try:
+    from orjson import OPT_APPEND_NEWLINE as _NEWLINE
+    from orjson import dumps as _fast_dumps
+except ImportError:  # pragma: no cover - the json module writes the same values, slower
+    _fast_dumps = None
+
+
 def _dumps(data: Any) -> bytes:
     # check_circular=False: a trajectory is converted data, acyclic; a cycle in something
     # given as is (log_rollout_batch messages) raises RecursionError, and encode_line
     # writes the degraded form (json_safe is depth-bounded)
-    return (json.dumps(data, ensure_ascii=False, allow_nan=False, default=json_default, check_circular=False)
-            + "\n").encode("utf-8")
+    return (json.dumps(data, ensure_ascii=False, allow_nan=False, default=json_default, check_circular=False,
+                       separators=(",", ":")) + "\n").encode("utf-8")
 
 
 def encode_line(traj: Trajectory) -> tuple[bytes, bool]:
@@ -44,6 +58,11 @@ def encode_line(traj: Trajectory) -> tuple[bytes, bool]:
         Exception: only if even the degraded form cannot be encoded.
     """
     data = traj.to_dict()
+    if _fast_dumps is not None and is_plain_json(data):
+        try:
+            return _fast_dumps(data, option=_NEWLINE), False
+        except TypeError:  # a non-string key, an int beyond 64 bits, a lone surrogate, nesting past 254
+            pass
     try:
         return _dumps(data), False  # C speed: most trajectories have no NaN to rewrite
     except RecursionError:  # a cycle (or absurd nesting) in something given as is
