@@ -132,7 +132,18 @@ def unpack(span: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """An OTLP span's attributes, with rtrace's compact record (``RECORD_ATTR``, see
     :func:`rtrace.exporters.otel.encode_compact`) unpacked: its attributes merged in,
     the record returned (None for a span in the full attribute form)."""
-    attrs = attributes(span.attributes)
+    key_values = span.attributes
+    if len(key_values) == 1:  # a worker's non-root span: the record alone (2x faster than the loop)
+        kv = key_values[0]
+        if kv.key == RECORD_ATTR and kv.value.WhichOneof("value") == "string_value":
+            record_data = _record_json(kv.value.string_value)
+            if type(record_data) is dict:
+                attrs = record_data.get("attributes")
+                if attrs is None:
+                    return {}, record_data
+                if type(attrs) is dict:
+                    return attrs, record_data
+    attrs = attributes(key_values)
     packed = attrs.pop(RECORD_ATTR, None)
     record_data = _record_json(packed) if packed is not None else None
     if not isinstance(record_data, dict):
@@ -193,27 +204,34 @@ def _record(span: Any, attrs: dict[str, Any], packed: dict[str, Any] | None) -> 
     """A SpanRecord from an OTLP span: rtrace's compact form (``packed``), else the full
     attribute form of the one OTel conversion (``rtrace.kind``, ``rtrace.input`` ...)."""
     if packed is not None:
-        kind = packed.get("kind", "span")
-        inp, out = packed.get("input"), packed.get("output")
-        prompt_ids, response_ids = packed.get("prompt_ids"), packed.get("response_ids")
+        get = packed.get
+        kind, inp, out = get("kind", "span"), get("input"), get("output")
+        prompt_ids, response_ids = get("prompt_ids"), get("response_ids")
     else:
         kind = attrs.get("rtrace.kind", "span")
         inp, out = _json(attrs.get("rtrace.input")), _json(attrs.get("rtrace.output"))
         prompt_ids, response_ids = _json(attrs.get("rtrace.prompt_ids")), _json(attrs.get("rtrace.response_ids"))
     status = span.status
-    is_error = status.code == 2
+    if status.code == 2:  # STATUS_CODE_ERROR
+        outcome, error = "error", status.message or None
+    else:
+        outcome, error = "ok", None
     if not _POPPED.isdisjoint(attrs):
         attrs = {k: v for k, v in attrs.items() if k not in _POPPED}
     events = span.events
+    # positional: the dataclass's keyword call costs twice as much, once per span
     return SpanRecord(
-        span_id=span.span_id.hex(), parent_id=span.parent_span_id.hex() or None, name=span.name, kind=kind,
-        start_ns=span.start_time_unix_nano, end_ns=span.end_time_unix_nano,
-        status="error" if is_error else "ok", error=(status.message or None) if is_error else None,
-        attributes=attrs, input=inp, output=out,
-        events=[{"name": e.name, "time_ns": e.time_unix_nano, "attributes": attributes(e.attributes)}
-                for e in events] if events else [],
-        prompt_ids=list(prompt_ids) if isinstance(prompt_ids, (list, tuple)) else None,
-        response_ids=list(response_ids) if isinstance(response_ids, (list, tuple)) else None)
+        span.span_id.hex(), span.parent_span_id.hex() or None, span.name, kind,
+        span.start_time_unix_nano, span.end_time_unix_nano, outcome, error, attrs, inp, out,
+        [{"name": e.name, "time_ns": e.time_unix_nano, "attributes": attributes(e.attributes)}
+         for e in events] if events else [],
+        _ids(prompt_ids), _ids(response_ids))
+
+
+def _ids(value: Any) -> list | None:
+    if type(value) is list:  # decoded JSON: a list of its own
+        return value
+    return list(value) if isinstance(value, tuple) else None
 
 
 def _annotation(attrs: dict[str, Any]) -> Annotation:
