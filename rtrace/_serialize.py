@@ -40,7 +40,7 @@ import re
 from typing import Any, Iterable
 
 __all__ = ["ListSnapshot", "unsnap", "is_array", "array_to_python", "Converter", "REDACTED", "truncate",
-           "attr_ok", "finite_or_str", "strict_json", "json_default", "is_plain_json", "json_safe", "clean_text", "ARRAY_INLINE"]
+           "attr_ok", "finite_or_str", "strict_json", "json_default", "is_plain_json", "fast_json", "json_safe", "clean_text", "ARRAY_INLINE"]
 
 REDACTED = "[REDACTED]"
 _MAX_DEPTH = 12
@@ -546,6 +546,28 @@ def _plain(data: Any) -> bool:
         elif not _plain(value):
             return False
     return True
+
+
+try:  # installed with trackio and the otlp extra; the json module writes the same values
+    from orjson import OPT_APPEND_NEWLINE as _NEWLINE
+    from orjson import dumps as _orjson_dumps
+except ImportError:  # pragma: no cover
+    _orjson_dumps = None
+
+
+def fast_json(data: Any, newline: bool = False) -> bytes | None:
+    """``data`` as compact UTF-8 JSON written by orjson (a third to a fifth of the json
+    module's time), or None when orjson is not installed or ``data`` is not plain
+    (:func:`is_plain_json`: NaN, objects given as they are) or not what orjson takes (a
+    non-string key, an int beyond 64 bits, a lone surrogate, nesting past 254): then
+    encode it with the json module. Where orjson writes, the values are those the json
+    module writes; only a float's exponent may be spelt differently (``1e-7``)."""
+    if _orjson_dumps is None or not is_plain_json(data):
+        return None
+    try:
+        return _orjson_dumps(data, option=_NEWLINE) if newline else _orjson_dumps(data)
+    except TypeError:
+        return None
 
 
 def json_default(value: Any) -> Any:

@@ -313,10 +313,18 @@ class TestCollectCli:
         assert all(not t.partial and len(t.spans) == 2 for t in trajs)
 
 
-def test_compact_form_round_trips_every_field():
+@pytest.mark.parametrize("orjson", [True, False], ids=["orjson", "json-module"])
+def test_compact_form_round_trips_every_field(orjson, monkeypatch):
     """encode_compact (worker) -> protobuf bytes -> unpack + _record (collector): the
     same SpanRecords, with error status, events, a remote parent, non-ASCII text, a lone
-    surrogate, a non-finite float and token ids."""
+    surrogate, a non-finite float and token ids; records written by orjson (when
+    installed) or by the json module alike."""
+    from rtrace import _serialize
+
+    if orjson:
+        pytest.importorskip("orjson")
+    else:
+        monkeypatch.setattr(_serialize, "_orjson_dumps", None)
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
     from rtrace.exporters.otel import encode_compact

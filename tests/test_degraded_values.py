@@ -197,13 +197,14 @@ def test_fast_jsonl_encoding_writes_the_values_the_json_module_writes(value, mon
     by the json module, so a line reads back the same either way. Fails without the
     plain-data check (NaN would be null, Color.RED 1, the datetime ISO text)."""
     orjson = pytest.importorskip("orjson")
+    from rtrace import _serialize
     from rtrace.exporters import jsonl
     from rtrace.trajectory import SpanRecord, Trajectory
 
     traj = Trajectory("0" * 31 + "1", "rollout", [SpanRecord("0" * 15 + "1", None, "rollout", "rollout", 1, 2)],
                       reward=0.5, messages=[{"role": "user", "content": value}])
     fast, fast_degraded = jsonl.encode_line(traj)
-    monkeypatch.setattr(jsonl, "_fast_dumps", None)
+    monkeypatch.setattr(_serialize, "_orjson_dumps", None)
     slow, slow_degraded = jsonl.encode_line(traj)
     assert (json.loads(fast), fast_degraded) == (json.loads(slow), slow_degraded)
     try:

@@ -4,11 +4,11 @@ Lines are compact, strict JSON in UTF-8: NaN and infinities (a NaN reward, say) 
 written as the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"``.
 
 When ``orjson`` is installed (trackio and the ``otlp`` extra bring it), a trajectory of
-plain data (:func:`rtrace._serialize.is_plain_json`: no NaN, no objects given as they
-are) is encoded by it: the check and the encoding take a third of the json module's
-time (36 vs 117 µs for a 6-span trajectory). The values written are the same; only the
-spelling of a float's exponent can differ (``1e-7`` for ``1e-07``). Anything else goes
-through the json module as below.
+plain data (no NaN, no objects given as they are) is encoded by it
+(:func:`rtrace._serialize.fast_json`): the check and the encoding take a third of the
+json module's time (36 vs 117 µs for a 6-span trajectory). The values written are the
+same; only the spelling of a float's exponent can differ (``1e-7`` for ``1e-07``).
+Anything else goes through the json module as below.
 
 Each trajectory is encoded on its own: one that does not encode as it is (a lone
 surrogate or a 5,000-digit int that reached it without the converter) is encoded again
@@ -28,19 +28,12 @@ import threading
 from typing import Any, Sequence
 
 from .. import _stats
-from .._serialize import is_plain_json, json_default, json_safe, strict_json
+from .._serialize import fast_json, json_default, json_safe, strict_json
 from ..config import ConfigError, Settings, writable_path
 from ..trajectory import Trajectory
 from .base import Sink
 
 __all__ = ["JsonlSink", "read_jsonl", "encode_line"]
-
-
-try:
-    from orjson import OPT_APPEND_NEWLINE as _NEWLINE
-    from orjson import dumps as _fast_dumps
-except ImportError:  # pragma: no cover - the json module writes the same values, slower
-    _fast_dumps = None
 
 
 def _dumps(data: Any) -> bytes:
@@ -58,11 +51,9 @@ def encode_line(traj: Trajectory) -> tuple[bytes, bool]:
         Exception: only if even the degraded form cannot be encoded.
     """
     data = traj.to_dict()
-    if _fast_dumps is not None and is_plain_json(data):
-        try:
-            return _fast_dumps(data, option=_NEWLINE), False
-        except TypeError:  # a non-string key, an int beyond 64 bits, a lone surrogate, nesting past 254
-            pass
+    line = fast_json(data, newline=True)
+    if line is not None:
+        return line, False
     try:
         return _dumps(data), False  # C speed: most trajectories have no NaN to rewrite
     except RecursionError:  # a cycle (or absurd nesting) in something given as is

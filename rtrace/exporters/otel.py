@@ -47,7 +47,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Iterable, Mapping
 
-from .._serialize import attr_ok, json_default, strict_json, truncate
+from .._serialize import attr_ok, fast_json, json_default, strict_json, truncate
 from ..trajectory import SpanRecord, Trajectory
 
 __all__ = ["encode_compact", "RECORD_ATTR", "to_readable_spans", "to_otlp_request", "to_otlp_protos", "otlp_spans",
@@ -355,10 +355,14 @@ def encode_compact(trajectories: Iterable[Trajectory], resource_attributes: Mapp
                 record["prompt_ids"] = rec.prompt_ids[:max_value_chars]
             if rec.response_ids is not None:
                 record["response_ids"] = rec.response_ids[:max_value_chars]
-            try:
-                text = encode(record)
-            except (TypeError, ValueError):  # not converted (a NaN, an object): the careful path
-                text = json_text(record)
+            text = fast_json(record)  # UTF-8 bytes, valid: protobuf takes them for a string
+            if text is None:
+                try:
+                    text = encode(record)
+                except (TypeError, ValueError):  # not converted (a NaN, an object): the careful path
+                    text = json_text(record)
+                if not text.isascii():
+                    text = utf8(text)
             parent = rec.parent_id
             remote = False
             if i == 0 and not parent:
@@ -375,7 +379,7 @@ def encode_compact(trajectories: Iterable[Trajectory], resource_attributes: Mapp
                 for key, value in attrs.items():
                     if key.startswith("rl.") and type(value) is not list and is_valid_attribute(value):
                         put(kvs, key, value)
-            kvs.add(key=RECORD_ATTR).value.string_value = text if text.isascii() else utf8(text)
+            kvs.add(key=RECORD_ATTR).value.string_value = text
             for event in rec.events:
                 ev = span.events.add(name=utf8(str(event.get("name") or "event")),
                                      time_unix_nano=int(event.get("time_ns") or rec.start_ns))
