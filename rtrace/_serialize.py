@@ -40,7 +40,8 @@ import re
 from typing import Any, Iterable
 
 __all__ = ["ListSnapshot", "unsnap", "is_array", "array_to_python", "Converter", "REDACTED", "truncate",
-           "attr_ok", "finite_or_str", "strict_json", "json_default", "is_plain_json", "fast_json", "json_safe", "clean_text", "ARRAY_INLINE"]
+           "attr_ok", "finite_or_str", "strict_json", "json_default", "is_plain_json", "fast_json", "json_safe",
+           "clean_text", "ARRAY_INLINE"]
 
 REDACTED = "[REDACTED]"
 _MAX_DEPTH = 12

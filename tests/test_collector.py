@@ -343,11 +343,15 @@ def test_compact_form_round_trips_every_field(orjson, monkeypatch):
     odd = SpanRecord("00000000000000a3", "00000000000000a1", "bad\ud800name", "tool", 12, 12,
                      attributes={"score": float("nan"), "big": -(2**64) + 1, "near": 2**63 + 5},
                      output={"u": 2**64 - 1, "x": 1e300, "esc": "\\ud800 \u0000"})
-    request = encode_compact([Trajectory("0" * 31 + "9", "rollout", [root, child, odd])], {"service.name": "w"})
+    wide = SpanRecord("00000000000000a4", "00000000000000a1", "wide", "tool", 13, 14,
+                      output={"v": -(2**63) - 1})  # plain, but beyond what orjson writes: the json module
+    request = encode_compact([Trajectory("0" * 31 + "9", "rollout", [root, child, odd, wide])],
+                             {"service.name": "w"})
     request = ExportTraceServiceRequest.FromString(request.SerializeToString())
     resource, _, _ = next(iter(spans_of(request)))
     decoded = [_record(span, *unpack(span)) for _, _, span in spans_of(request)]
-    assert [int.from_bytes(s.trace_id, "big") for _, _, s in spans_of(request)] == [9, 9, 9]
+    assert [int.from_bytes(s.trace_id, "big") for _, _, s in spans_of(request)] == [9, 9, 9, 9]
+    assert decoded[3] == wide and type(decoded[3].output["v"]) is int
 
     assert decoded[0] == SpanRecord("00000000000000a1", "00000000000000f0", "rollout", "segment", 10, 20,
                                     attributes={"rl.step": 3, "rl.sample_index": 7, "rl.validate": False,
