@@ -557,7 +557,7 @@ except ImportError:  # pragma: no cover
 
 
 def fast_json(data: Any, newline: bool = False) -> bytes | None:
-    """``data`` as compact UTF-8 JSON written by orjson (a third to a fifth of the json
+    """``data`` as compact UTF-8 JSON written by orjson (about a third of the json
     module's time), or None when orjson is not installed or ``data`` is not plain
     (:func:`is_plain_json`: NaN, objects given as they are) or not what orjson takes (a
     non-string key, an int beyond 64 bits, a lone surrogate, nesting past 254): then
