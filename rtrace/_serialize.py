@@ -50,6 +50,7 @@ _PRIMITIVES = (str, int, float, bool, type(None))
 ARRAY_INLINE = 4096
 _PREVIEW = 16
 _INT_BITS = 64
+_INT_LIMIT = 2**_INT_BITS  # ints strictly inside (-_INT_LIMIT, _INT_LIMIT) stay ints
 #: An upper bound of the JSON characters one unit of a conversion's budget can produce
 #: (a node costs one unit and a string character one; the longest are a 21-digit int
 #: key with its value, ``"-18446744073709551615": null, ``, and a control character
@@ -264,7 +265,7 @@ class Converter:
     def __call__(self, value: Any) -> Any:
         """JSON-safe, redacted and bounded form of ``value``."""
         cls = type(value)
-        if cls is bool or cls is float or value is None or (cls is int and -(2**_INT_BITS) < value < 2**_INT_BITS):
+        if cls is bool or cls is float or value is None or (cls is int and -_INT_LIMIT < value < _INT_LIMIT):
             return value  # what the walk would return, without it (coordinates, rewards)
         if cls is str and len(value) <= self.max_chars:  # the walk's result for a short string
             return self.bound(self._redact(clean_text(value)))
@@ -358,10 +359,7 @@ class Converter:
             return value
         if isinstance(value, int) and not isinstance(value, bool):
             self._spend(1)
-            out = _int(int(value))
-            if type(out) is str:  # beyond 64 bits: its digits were not spent
-                self._measure = True
-            return out
+            return self._int(int(value))
         if isinstance(value, float):
             self._spend(1)
             return float(value)
@@ -445,14 +443,17 @@ class Converter:
             self._measure = True
             return _unserialisable(value, exc)
 
+    def _int(self, value: int) -> int | str:
+        out = _int(value)
+        if type(out) is str:  # beyond 64 bits: its digits were not spent
+            self._measure = True
+        return out
+
     def _key(self, key: Any) -> str:
         try:
             if not isinstance(key, int):
                 return self._str(str(key))
-            out = _int(key)
-            if type(out) is str:  # beyond 64 bits: its digits were not spent
-                self._measure = True
-            return str(out)
+            return str(self._int(key))
         except _Budget:
             raise
         except Exception:
@@ -479,7 +480,7 @@ def _norm_key(key: str) -> str:
 
 
 def _int(value: int) -> int | str:
-    if -(2**_INT_BITS) < value < 2**_INT_BITS:
+    if -_INT_LIMIT < value < _INT_LIMIT:
         return value
     try:
         return str(value)
