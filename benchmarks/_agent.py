@@ -8,18 +8,19 @@ from typing import Any, Callable
 SPANS_PER_TRAJECTORY = 6
 
 
-def make_agent(rtrace: Any, coordinates: Callable[[int], dict[str, Any]]) -> Callable[[int], None]:
-    """``trajectory(i)``: one rollout under ``rollout_context(**coordinates(i))`` with a reward."""
+def decorated_agent(generation: Callable, tool: Callable, rollout: Callable) -> Callable[[list[int]], Any]:
+    """``agent(prompt_ids)``: 2 generations and 2 tool calls, decorated with the given
+    tracer's decorators (rtrace's or another's: both benchmarks trace the same calls)."""
 
-    @rtrace.traced_generation
+    @generation
     def generate(prompt_ids):
         return {"response_ids": [1, 2, 3, 4], "finish_reason": "stop"}
 
-    @rtrace.traced_tool
+    @tool
     def calculator(tool_call_id, expression):
         return "42"
 
-    @rtrace.traced_rollout
+    @rollout
     def agent(prompt_ids):
         out = generate(prompt_ids)
         calculator("c1", "6*7")
@@ -27,9 +28,16 @@ def make_agent(rtrace: Any, coordinates: Callable[[int], dict[str, Any]]) -> Cal
         calculator("c2", "6*7")
         return out
 
+    return agent
+
+
+def make_agent(rtrace: Any, coordinates: Callable[[int], dict[str, Any]]) -> Callable[[int], None]:
+    """``trajectory(i)``: one rollout under ``rollout_context(**coordinates(i))`` with a reward."""
+    run = decorated_agent(rtrace.traced_generation, rtrace.traced_tool, rtrace.traced_rollout)
+
     def trajectory(i: int) -> None:
         with rtrace.rollout_context(**coordinates(i)):
-            agent([1, 2, 3, 4, 5, 6, 7, 8])
+            run([1, 2, 3, 4, 5, 6, 7, 8])
             rtrace.record_reward(1.0)
 
     return trajectory

@@ -31,7 +31,7 @@ import rtrace  # noqa: E402
 from rtrace.exporters.base import Sink  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _agent import make_agent  # noqa: E402
+from _agent import decorated_agent, make_agent  # noqa: E402
 
 
 class NullSink(Sink):
@@ -128,26 +128,13 @@ def make_mlflow_agent(tmp: str):
     mlflow.set_tracking_uri(f"sqlite:///{tmp}/mlflow.db")
     mlflow.set_experiment("bench")
 
-    @mlflow.trace(span_type="LLM")
-    def generate(prompt_ids):
-        return {"response_ids": [1, 2, 3, 4], "finish_reason": "stop"}
-
-    @mlflow.trace(span_type="TOOL")
-    def calculator(tool_call_id, expression):
-        return "42"
-
-    @mlflow.trace(span_type="AGENT")
-    def agent(prompt_ids):
-        out = generate(prompt_ids)
-        calculator("c1", "6*7")
-        out = generate(prompt_ids + out["response_ids"])
-        calculator("c2", "6*7")
-        return out
+    run = decorated_agent(mlflow.trace(span_type="LLM"), mlflow.trace(span_type="TOOL"),
+                          mlflow.trace(span_type="AGENT"))
 
     @mlflow.trace(name="rollout", span_type="CHAIN")
     def trajectory(i: int) -> None:
         mlflow.update_current_trace(tags={"step": str(i // 64), "sample_index": str(i % 64)})
-        agent([1, 2, 3, 4, 5, 6, 7, 8])
+        run([1, 2, 3, 4, 5, 6, 7, 8])
 
     return trajectory
 
