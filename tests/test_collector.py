@@ -245,28 +245,32 @@ class TestRestart:
         assert len(complete) >= 110
 
 
+def _rtrace_collect(jsonl_path, *args):
+    """`rtrace collect --exporter jsonl` as a process writing ``jsonl_path``, and the worker
+    environment it printed (its ``export KEY=VALUE`` lines, read for up to 60 s)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, RTRACE_JSONL_PATH=str(jsonl_path), HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen([sys.executable, "-m", "rtrace", "collect", "--exporter", "jsonl", "--port", "0", *args],
+                            env=env, stdout=subprocess.PIPE, text=True)
+    worker_env: dict[str, str] = {}
+    deadline = time.monotonic() + 60
+    while "RTRACE_CAPTURE" not in worker_env and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("export "):
+            key, _, value = line[len("export "):].strip().partition("=")
+            worker_env[key] = value
+    return proc, worker_env
+
+
 class TestCollectCli:
     def test_rtrace_collect_prints_the_worker_env_and_writes_on_sigterm(self, tmp_path):
         """`rtrace collect` runs the collector as a process: its printed environment is all a worker
         needs, and SIGTERM writes what it holds."""
-        import subprocess
-        import sys
-
         path = tmp_path / "cli.jsonl"
-        env = dict(os.environ, RTRACE_JSONL_PATH=str(path), HF_HUB_OFFLINE="1")
-        proc = subprocess.Popen([sys.executable, "-m", "rtrace", "collect", "--exporter", "jsonl", "--port", "0",
-                                 "--project", "cli-proj", "--max-traces-per-step", "3"],
-                                env=env, stdout=subprocess.PIPE, text=True)
+        proc, worker_env = _rtrace_collect(path, "--project", "cli-proj", "--max-traces-per-step", "3")
         try:
-            worker_env = {}
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                line = proc.stdout.readline()
-                if line.startswith("export "):
-                    key, _, value = line[len("export "):].strip().partition("=")
-                    worker_env[key] = value
-                if "RTRACE_CAPTURE" in worker_env:
-                    break
             assert worker_env["RTRACE_EXPORTER"] == "collector" and worker_env["RTRACE_PROJECT"] == "cli-proj"
             _join([_run(workers.rollouts, worker_env, 0, 1, 2, 4, 2)])
         finally:
@@ -284,16 +288,9 @@ class TestCollectCli:
 
         pytest.importorskip("torch")
         path = tmp_path / "torchrun.jsonl"
-        env = dict(os.environ, RTRACE_JSONL_PATH=str(path), HF_HUB_OFFLINE="1")
-        proc = subprocess.Popen([sys.executable, "-m", "rtrace", "collect", "--exporter", "jsonl", "--port", "0"],
-                                env=env, stdout=subprocess.PIPE, text=True)
+        proc, worker_env = _rtrace_collect(path)
         try:
-            endpoint = None
-            deadline = time.monotonic() + 60
-            while endpoint is None and time.monotonic() < deadline:
-                line = proc.stdout.readline()
-                if line.startswith("export RTRACE_COLLECTOR_ENDPOINT="):
-                    endpoint = line.strip().partition("=")[2]
+            endpoint = worker_env.get("RTRACE_COLLECTOR_ENDPOINT")
             assert endpoint, "rtrace collect printed no endpoint"
             run_env = {k: v for k, v in os.environ.items() if not k.startswith("RTRACE_")}
             run_env.update(RTRACE_EXPORTER="collector", RTRACE_COLLECTOR_ENDPOINT=endpoint, HF_HUB_OFFLINE="1",
