@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -143,6 +144,20 @@ class TestStepMetrics:
         assert got[(False, 1)][0]["rollout/trajectories"] == 48
         assert got[(False, 1)][0]["rollout/reward_mean"] == pytest.approx(1.5)
         assert got[(False, 1)][0]["rollout/zero_variance_groups_frac"] == 0.0
+
+    def test_every_step_reaches_the_sinks_without_a_flush(self):
+        """Steps released while trajectories are exported (a later step began and the linger
+        passed) reach the sinks: every step has its row, not only the ones released at flush."""
+        sink = MetricsSink()
+        rtrace.configure(exporter="none", sinks=[sink], step_linger_s=0.05, export_interval_s=0.02)
+        for step in range(4):
+            for i in range(3):
+                rollout(step, i, 0, float(step))
+            time.sleep(0.3)  # the worker exports this step; the next step then releases it
+        assert rtrace.flush(30)
+        got = {(m.validate, m.step): m.values["rollout/reward_mean"] for m in sink.rows}
+        assert got == {(False, 0): 0.0, (False, 1): 1.0, (False, 2): 2.0, (False, 3): 3.0}
+        assert [m.step for m in sink.rows] == [0, 1, 2, 3]  # in step order, each once
 
     def test_merge_is_exact(self):
         """StepStats of four parts, merged, equal the StepStats of the whole (count-weighted)."""

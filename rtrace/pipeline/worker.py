@@ -301,7 +301,11 @@ class Pipeline:
         _stats.incr("trajectories_completed", len(out))
         self.fanout.submit(out)
         if self.metrics is not None:
-            self.metrics.observe(out, time.monotonic())
+            # observe() releases the steps these trajectories show are done: they go to
+            # the sinks now, after the trajectories (a step's rows were lost here before)
+            rows = self.metrics.observe(out, time.monotonic())
+            if rows:
+                self.fanout.submit_metrics(rows)
 
     # ------------------------------------------------------------------ control
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
