@@ -17,9 +17,10 @@ def _apply(env: dict[str, str]) -> None:
 
 
 def rollouts(env: dict[str, str], worker: int, workers: int, steps: int, prompts: int, n: int,
-             validate_prompts: int = 0, linger_s: float = 2.0) -> None:
-    """Prompts ``worker, worker + workers, ...`` of every step, ``n`` rollouts each; then
-    ends without flush or shutdown (what Ray does to an actor)."""
+             validate_prompts: int = 0, linger_s: float = 2.0, step_pause_s: float = 0.0) -> None:
+    """Prompts ``worker, worker + workers, ...`` of every step, ``n`` rollouts each (with
+    ``step_pause_s`` between steps); then ends without flush or shutdown (what Ray does to
+    an actor)."""
     _apply(env)
     import rtrace
 
@@ -40,6 +41,7 @@ def rollouts(env: dict[str, str], worker: int, workers: int, steps: int, prompts
         for p in range(worker, validate_prompts, workers):
             with rtrace.rollout_context(step=step, sample_index=p, rollout_n=0, validate=True):
                 loop(p)
+        time.sleep(step_pause_s)
     time.sleep(linger_s)  # spans leave ~0.5 s after they end: no flush, no atexit needed
     os._exit(0)
 
