@@ -1,5 +1,8 @@
 # The two commands of the README: `make demo` runs the main job, `make test` runs the test suite.
 # Both create .venv and install the package with its extras on first use; nothing else is needed.
+# `make test` is the quick suite (unit, property, single-process sinks: trackio and MLflow on
+# SQLite, in-process OTLP receivers); `make test-integration` runs the tests marked
+# `integration` (a real mlflow server, Ray, collector worker processes, the demo, torchrun).
 # `make test-verl` runs tests/verl against the real verl in its own venv (.venv-verl).
 # `make test-ui` runs tests/ui: trackio's traces page in a real browser (Debian's chromium, Playwright).
 PYTHON ?= python3
@@ -15,7 +18,7 @@ VERL_BIN := $(VERL_VENV)/bin
 VERL_STAMP := $(VERL_VENV)/.rtrace-verl-installed
 PIP_QUIET := -q --disable-pip-version-check
 
-.PHONY: install install-verl demo test test-ui test-verl soak bench clean
+.PHONY: install install-verl demo test test-integration test-ui test-verl soak bench clean
 
 install: $(STAMP)
 
@@ -39,7 +42,10 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/rtrace demo
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=10
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=10 -m "not integration"
+
+test-integration: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=10 -m integration
 
 # What a person sees (issue #14): tests/ui drives Debian's chromium with Playwright through
 # trackio's traces page. Installs what it needs: chromium (apt, as root) when it is not on PATH,

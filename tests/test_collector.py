@@ -19,7 +19,6 @@ from rtrace.exporters.jsonl import read_jsonl
 from rtrace.pipeline.sampling import priority
 from tests import collector_workers as workers
 
-pytestmark = pytest.mark.integration
 SPAWN = mp.get_context("spawn")
 
 
@@ -52,6 +51,7 @@ def collector(tmp_path):
         c.stop()
 
 
+@pytest.mark.integration
 class TestJobWideSampling:
     def test_exact_cap_per_step_whole_groups_across_four_processes(self, collector, tmp_path):
         """4 worker processes, cap 8 per step with whole groups: exactly 8 per step job-wide (not 8 per
@@ -90,6 +90,7 @@ class TestJobWideSampling:
         assert [t.reward for t in sorted(trajs, key=lambda t: (t.sample_index, t.rollout_n))] == [0.0, 1.0] * 6
 
 
+@pytest.mark.integration
 class TestAnnotations:
     def test_driver_annotations_join_trajectories_from_two_processes(self, collector, tmp_path):
         """3 steps x 16 groups x 4 rollouts in 2 processes; the driver annotates advantages afterwards
@@ -121,6 +122,7 @@ class TestAnnotations:
             rtrace.annotate_batch(step=1, sample_index=[0, 1, 2, 3], rollout_n=[0, 0, 0, 0], advantage=[1, 2, 3])
 
 
+@pytest.mark.integration
 class TestAcrossProcesses:
     def test_driver_worker_tool_server_is_one_tree(self, collector, tmp_path):
         """A trajectory that runs in the driver, a worker and a tool server (3 processes) is one
@@ -158,6 +160,7 @@ class TestAcrossProcesses:
         assert {s.attributes["rl.sample_index"] for s in traj.spans} == {5}
 
 
+@pytest.mark.integration
 class TestFailures:
     def test_killed_worker_keeps_finished_and_writes_open_as_partial(self, collector, tmp_path):
         """SIGKILL a worker mid-rollout: what it finished before is there, its open rollout is
@@ -194,6 +197,7 @@ class TestFailures:
         assert lost >= 1 and stats.get("sink.collector.exported", 0) == 0
 
 
+@pytest.mark.integration
 class TestDecodingInTheCollector:
     def test_worker_sends_ids_collector_decodes(self, collector, tmp_path, tok):
         """token2text runs in the collector: the worker has no tokenizer, the texts are on the spans."""
@@ -210,6 +214,7 @@ class TestDecodingInTheCollector:
         assert gen.attributes["gen_ai.request.model"] == "toy"
 
 
+@pytest.mark.integration
 class TestRestart:
     def test_collector_restarted_mid_run_loses_at_most_what_was_in_flight(self, tmp_path):
         """Stop the collector mid-run and start a new one on the same port: the worker's retries
@@ -264,6 +269,7 @@ def _rtrace_collect(jsonl_path, *args):
     return proc, worker_env
 
 
+@pytest.mark.integration
 class TestCollectCli:
     def test_rtrace_collect_prints_the_worker_env_and_writes_on_sigterm(self, tmp_path):
         """`rtrace collect` runs the collector as a process: its printed environment is all a worker

@@ -22,6 +22,9 @@ import pytest
 
 from rtrace.exporters.jsonl import read_jsonl
 
+# runs `rtrace demo` as a process: make test-integration
+pytestmark = pytest.mark.integration
+
 STEPS, PROMPTS, ROLLOUTS = 1, 2, 2
 VAL = PROMPTS  # the validation pass: one greedy rollout per prompt
 SMALL = ["--steps", str(STEPS), "--prompts", str(PROMPTS), "--rollouts", str(ROLLOUTS),

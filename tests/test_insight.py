@@ -115,6 +115,7 @@ class MetricsSink(rtrace.Sink):
 
 
 class TestStepMetrics:
+    @pytest.mark.integration
     def test_job_of_four_workers_equals_one_process(self, tmp_path):
         """The step metrics the collector computed for a 4-worker job equal those computed in one
         process over the same trajectories, value for value."""

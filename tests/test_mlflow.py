@@ -21,7 +21,6 @@ from tests.servers import start_mlflow_server, stop_server
 mlflow = pytest.importorskip("mlflow")
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-pytestmark = pytest.mark.integration
 
 SYSTEM = {"role": "system", "content": "You are a calculator. Call calc(a, b)."}
 
@@ -321,6 +320,7 @@ def test_missing_otlp_encoder_fails_at_configure(tmp_path):
 
 
 # ----------------------------------------------------------------------------- a real server
+@pytest.mark.integration
 def test_real_server_over_http(tmp_path, mlflow_server):  # noqa: F811
     """Against a real mlflow server: traces with their spans and tags, searchable, linked to the run."""
     client = MlflowClient(tracking_uri=mlflow_server)
@@ -339,6 +339,7 @@ def test_real_server_over_http(tmp_path, mlflow_server):  # noqa: F811
     assert stats["sink.mlflow.exported"] == 5 and "sink.mlflow.failed_links" not in stats
 
 
+@pytest.mark.integration
 def test_server_stopped_mid_run(tmp_path):
     """The server dies mid-run: the program finishes, failed batches are counted, flush and shutdown return."""
     base_url, popen = start_mlflow_server(tmp_path / "server")

@@ -187,7 +187,6 @@ def as_mlflow_reads(attrs):
     return out
 
 
-@pytest.mark.integration
 def test_mlflow_and_otlp_sinks_show_the_same_spans(tmp_path):
     """One trajectory and one remote segment through both sinks: identical ids, parents, times, status, events and attributes."""
     pytest.importorskip("mlflow")
@@ -227,7 +226,6 @@ def test_mlflow_and_otlp_sinks_show_the_same_spans(tmp_path):
     assert segment.parent_span_id == REMOTE_SPAN
 
 
-@pytest.mark.integration
 def test_odd_values_reach_mlflow(tmp_path):
     """NaN, ints beyond 64 bits, tuples and lone surrogates in captured values reach MLflow in a defined form."""
     pytest.importorskip("mlflow")

@@ -171,7 +171,6 @@ def trackio_mod(tmp_path_factory):
         yield trackio
 
 
-@pytest.mark.integration
 class TestTrackioCanary:
     def test_every_listed_name_exists(self, trackio_mod):
         """Every name in _trackio_private.PRIVATE_NAMES resolves in the installed trackio (on a real Run)."""
@@ -228,7 +227,6 @@ def mlflow_app(tmp_path, monkeypatch):
         mlflow.end_run()
 
 
-@pytest.mark.integration
 class TestMlflowCanary:
     def test_every_listed_name_exists(self, mlflow_app):
         """Every name in _mlflow_private.PRIVATE_NAMES resolves in the installed MLflow (on a real SQL store)."""

@@ -114,7 +114,6 @@ class TestImportRace:
         got = self.race(tmp_path, "lazy")
         assert got["app_failures"] or got["failed"], got
 
-    @pytest.mark.integration
     def test_mlflow_is_imported_on_the_configuring_thread(self, tmp_path):
         """configure(exporter='mlflow') imports mlflow and the sink's own MLflow modules on the
         calling thread, so the application's `import mlflow` right after a rollout (the issue's

@@ -16,8 +16,6 @@ from rtrace.exporters.jsonl import read_jsonl
 from rtrace.pipeline.metrics import StepStats
 from tests import collector_workers as workers
 
-pytestmark = pytest.mark.integration
-
 mlflow = pytest.importorskip("mlflow")
 from mlflow.tracking import MlflowClient  # noqa: E402
 
@@ -99,6 +97,7 @@ def test_every_step_in_one_process(trackio_mod, tmp_path):
     same(mlflow_rows(uri, run.info.run_id, keys), expected)
 
 
+@pytest.mark.integration
 def test_every_step_through_the_collector(trackio_mod, tmp_path):
     """Two worker processes stream 3 steps to one collector, pausing between steps, so the
     collector releases each step while the job runs: trackio and MLflow hold every step's metrics, equal to the JSONL's."""

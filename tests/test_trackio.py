@@ -20,7 +20,6 @@ from rtrace.exporters.trackio import TrackioSink, iso_time, normalize, span_dict
 from rtrace.pipeline.metrics import StepMetricsTracker
 from rtrace.trajectory import SpanRecord, Trajectory
 
-pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
