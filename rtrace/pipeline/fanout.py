@@ -8,6 +8,11 @@ still queued for it, or inside its export call, is counted as
 ``sink.<name>.abandoned_trajectories``; the next sink is shut down all the same. So
 for every sink, the trajectories handed to it are ``exported + failed_trajectories +
 dropped_trajectories + abandoned_trajectories``.
+
+Stopping starts no thread: each sink's own thread exports what is queued, then runs the
+sink's ``shutdown()`` and ends; the stopping thread only waits, with one deadline for all
+sinks. ``shutdown()`` runs at interpreter exit (``atexit``), where Python 3.12+ refuses
+to start threads (``RuntimeError: can't create new thread at interpreter shutdown``).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ class SinkWorker:
         #: the batch inside export() now (counted as abandoned if shutdown gives up on it)
         self._in_flight: list[Trajectory] | None = None
         self._abandoned = False
+        #: set by request_stop(): the thread ends once its queue is drained
+        self._stop_requested = False
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name=f"rtrace-sink-{self.name}", daemon=True)
         self.thread.start()
@@ -73,35 +80,44 @@ class SinkWorker:
             while True:
                 item = self.queue.get()
                 if item is None:
-                    return
-                if isinstance(item, _Metrics):
-                    if not self._call("export_step_metrics", self.sink.export_step_metrics, list(item)):
-                        self._count("failed_step_metrics", len(item))
-                    continue
-                if isinstance(item, _Marker):
-                    flushed = self._call("flush", self.sink.flush, self.timeout_s)
-                    with self._lock:
-                        item.ok = flushed and not self._failed_since_marker
-                        self._failed_since_marker = False
-                    item.set()
-                    continue
-                with self._lock:
-                    if self._abandoned:  # counted as abandoned already: a late thread writes nothing
-                        continue
-                    self._in_flight = item
-                ok = self._call("export", self.sink.export, item)
-                with self._lock:
-                    self._in_flight = None
-                    if self._abandoned:  # shutdown gave up on this batch and counted it
-                        continue
-                if ok:
-                    self._count("exported", len(item))
-                else:
-                    self._failed_since_marker = True
-                    self._count("failed_batches", 1)
-                    self._count("failed_trajectories", len(item))
+                    break
+                self._handle(item)
+                if self._stop_requested and self.queue.empty():
+                    break  # stop was requested while the queue was full: it is drained now
+            # The end: everything queued before is exported. The sink shuts down here, on
+            # its own thread: stopping starts no thread (see the module docstring).
+            if not self._abandoned:
+                self._call("shutdown", self.sink.shutdown)
         finally:
             detach(token)
+
+    def _handle(self, item: Any) -> None:
+        if isinstance(item, _Metrics):
+            if not self._call("export_step_metrics", self.sink.export_step_metrics, list(item)):
+                self._count("failed_step_metrics", len(item))
+            return
+        if isinstance(item, _Marker):
+            flushed = self._call("flush", self.sink.flush, self.timeout_s)
+            with self._lock:
+                item.ok = flushed and not self._failed_since_marker
+                self._failed_since_marker = False
+            item.set()
+            return
+        with self._lock:
+            if self._abandoned:  # counted as abandoned already: a late thread writes nothing
+                return
+            self._in_flight = item
+        ok = self._call("export", self.sink.export, item)
+        with self._lock:
+            self._in_flight = None
+            if self._abandoned:  # shutdown gave up on this batch and counted it
+                return
+        if ok:
+            self._count("exported", len(item))
+        else:
+            self._failed_since_marker = True
+            self._count("failed_batches", 1)
+            self._count("failed_trajectories", len(item))
 
     def _call(self, what: str, fn: Any, *args: Any) -> bool:
         try:
@@ -113,25 +129,27 @@ class SinkWorker:
         # A sink's flush may say it could not make everything durable by returning False.
         return result is not False
 
-    def stop(self, timeout_s: float) -> None:
-        """Stop within ``timeout_s``: export what is queued, flush and shut the sink down
-        (in its own thread); whatever is left behind is counted as abandoned."""
-        deadline = time.monotonic() + timeout_s
+    def request_stop(self) -> None:
+        """Ask the sink's thread to export what is queued, shut the sink down and end.
+        Never blocks: with a full queue, the thread stops once it has drained it."""
+        self._stop_requested = True
         try:
-            self.queue.put(None, timeout=max(0.0, deadline - time.monotonic()))
+            self.queue.put_nowait(None)  # wakes the thread if it waits on an empty queue
         except queue.Full:
-            pass
+            pass  # a full queue: the thread ends when it has drained it (_run)
+
+    def join(self, deadline: float) -> None:
+        """Wait until the sink's thread ended, or ``deadline`` (``time.monotonic()``);
+        then whatever it still holds is counted as abandoned."""
         self.thread.join(max(0.0, deadline - time.monotonic()))
         if self.thread.is_alive():
             self._abandon()
-            return
-        done = threading.Thread(target=self._call, args=("shutdown", self.sink.shutdown),
-                                name=f"rtrace-sink-{self.name}-shutdown", daemon=True)
-        done.start()
-        done.join(max(0.0, deadline - time.monotonic()))
-        if done.is_alive():
-            self._count("shutdown_timeouts", 1)
-            _stats.warn_once(f"sink-hang-{self.name}", "rtrace sink %r did not shut down in time", self.name)
+
+    def stop(self, timeout_s: float) -> None:
+        """Stop within ``timeout_s``: export what is queued, flush and shut the sink down
+        (in its own thread); whatever is left behind is counted as abandoned."""
+        self.request_stop()
+        self.join(time.monotonic() + timeout_s)
 
     def _abandon(self) -> None:
         with self._lock:
@@ -190,13 +208,11 @@ class Fanout:
         return [w.marker(deadline) for w in self.workers]
 
     def stop(self, timeout_s: float) -> None:
-        """Stop every sink, in parallel, each within ``timeout_s``: a hung sink is
-        abandoned (counted) and never keeps the others from shutting down; the whole stop
-        takes at most about ``timeout_s``."""
-        stoppers = [threading.Thread(target=w.stop, args=(timeout_s,), name=f"rtrace-stop-{w.name}", daemon=True)
-                    for w in self.workers]
-        for t in stoppers:
-            t.start()
-        deadline = time.monotonic() + timeout_s + 1.0
-        for t in stoppers:
-            t.join(max(0.0, deadline - time.monotonic()))
+        """Stop every sink, in parallel (each in its own thread, which exists already),
+        within ``timeout_s`` in all: a hung sink is abandoned (counted) and never keeps the
+        others from shutting down. Starts no thread (safe at interpreter exit)."""
+        for w in self.workers:
+            w.request_stop()
+        deadline = time.monotonic() + timeout_s
+        for w in self.workers:
+            w.join(deadline)
