@@ -18,7 +18,7 @@ VERL_BIN := $(VERL_VENV)/bin
 VERL_STAMP := $(VERL_VENV)/.rtrace-verl-installed
 PIP_QUIET := -q --disable-pip-version-check
 
-.PHONY: install install-verl demo test test-integration test-ui test-verl soak bench clean
+.PHONY: install install-verl demo test test-integration test-py test-ui test-verl soak bench clean
 
 install: $(STAMP)
 
@@ -47,6 +47,30 @@ test: $(STAMP)
 test-integration: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=10 -m integration
 
+# The quick suite on the other Pythons rtrace supports (3.11 is .venv's, `make test`), each in
+# its own venv (.venv-py3.X): trackio, mlflow, otlp and transformers/tokenizers, no torch (the
+# CPU wheel on disk is for 3.11 only; a torch from the registry would be a multi-GB CUDA
+# build), so the tests that need torch skip with that reason. Interpreters come from pyenv
+# (`pyenv root`/versions/3.X.*) or python3.X on PATH.
+PY_VERSIONS ?= 3.10 3.12 3.13
+PY_EXTRAS := trackio,mlflow,otlp,test
+
+test-py:
+	@set -e; for v in $(PY_VERSIONS); do \
+	  py=$$(ls -d "$$(pyenv root 2>/dev/null)"/versions/$$v.*/bin/python 2>/dev/null | sort -V | tail -1); \
+	  [ -n "$$py" ] || py=$$(command -v python$$v || true); \
+	  [ -n "$$py" ] || { echo "make test-py: no Python $$v (pyenv or python$$v on PATH)" >&2; exit 1; }; \
+	  venv=.venv-py$$v; \
+	  if [ ! -f $$venv/.rtrace-installed ] || [ pyproject.toml -nt $$venv/.rtrace-installed ]; then \
+	    echo "== $$venv ($$py)"; rm -rf $$venv; $$py -m venv $$venv; \
+	    $$venv/bin/python -m pip install $(PIP_QUIET) --upgrade pip; \
+	    $$venv/bin/python -m pip install $(PIP_QUIET) -e ".[$(PY_EXTRAS)]" "transformers>=4.51" "tokenizers>=0.20"; \
+	    touch $$venv/.rtrace-installed; \
+	  fi; \
+	  echo "== Python $$v: $$($$venv/bin/python -V)"; \
+	  HF_HUB_OFFLINE=1 $$venv/bin/python -m pytest -q -p no:cacheprovider -m "not integration"; \
+	done
+
 # What a person sees (issue #14): tests/ui drives Debian's chromium with Playwright through
 # trackio's traces page. Installs what it needs: chromium (apt, as root) when it is not on PATH,
 # playwright into the venv (its own browser download is not used: the test launches chromium).
@@ -67,4 +91,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_hot_path.py
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) .pytest_cache
+	rm -rf $(VENV) $(VERL_VENV) .venv-py3.* .pytest_cache

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Callable, Mapping
 
@@ -165,8 +166,16 @@ def writable_path(raw: Any) -> str:
         raise ValueError(f"{value!r} is a directory")
     if not os.path.isdir(probe):
         raise ValueError(f"{probe!r} is not a directory")
-    if not os.access(probe, os.W_OK):
-        raise ValueError(f"{directory!r} is not writable")
+    # A real probe, not os.access: root passes every access() check, yet cannot create
+    # files on a read-only filesystem or in /proc. The sink creates missing directories
+    # (the first existing ancestor must take them); nothing is left behind here.
+    try:
+        fd, name = tempfile.mkstemp(prefix=".rtrace-probe-", dir=probe)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        what = directory if probe == directory else f"{directory!r} cannot be created: {probe!r}"
+        raise ValueError(f"{what} is not writable ({exc.strerror})") from None
     if os.path.exists(value) and not os.access(value, os.W_OK):
         raise ValueError(f"{value!r} is not writable")
     return value
@@ -180,10 +189,16 @@ def uri_scheme(uri: str | None) -> str:
 
 
 def _tracking_uri(raw: Any) -> str:
-    """An MLflow tracking URI: a path, or a scheme MLflow knows (its own, or one an
-    installed plugin registers, e.g. ``azureml``)."""
+    """An MLflow tracking URI with a scheme MLflow knows (its own, or one an installed
+    plugin registers, e.g. ``azureml``). A path or ``file:`` URI selects MLflow's file
+    store, which MLflow 3 refuses (maintenance mode) unless ``MLFLOW_ALLOW_FILE_STORE``
+    is true: refused here too, so a typo (``not a url``) fails now, not at the first export."""
     value = _str(raw)
     scheme = uri_scheme(value)
+    if scheme in ("", "file") and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() not in (
+            "1", "true", "yes"):
+        raise ValueError(f"{value!r} is a path (MLflow's file store, refused by MLflow 3 unless "
+                         "MLFLOW_ALLOW_FILE_STORE=true); use sqlite:///path/to/mlflow.db or http://host:port")
     known = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc",
              "uc")
     if scheme and scheme.split("+", 1)[0] not in known and scheme not in _plugin_schemes():
@@ -362,7 +377,9 @@ PARAMS: tuple[Param, ...] = (
           "How long a trajectory waits for awaited annotations; then it is exported without them (counted).",
           type="float"),
     Param("jsonl_path", "RTRACE_JSONL_PATH", writable_path, "rtrace_traces.jsonl", "a writable file path",
-          "Where the jsonl sink appends one trajectory per line.", type="str"),
+          "Where the jsonl sink appends one trajectory per line. Missing directories are created at the first "
+          "write; configure() checks that they can be (the first existing ancestor takes a probe file).",
+          type="str"),
     Param("service_name", "OTEL_SERVICE_NAME", _str, "rtrace", "a non-empty name",
           "OTel resource service.name of rtrace's own TracerProvider.", type="str"),
     # collector mode
@@ -382,7 +399,9 @@ PARAMS: tuple[Param, ...] = (
     Param("summary_metrics", "RTRACE_SUMMARY_METRICS", _bool, True, "true/false",
           "Log per-step summary metrics (reward, turns, latency...) next to the traces (trackio).", type="bool"),
     # MLflow sink
-    Param("mlflow_tracking_uri", "MLFLOW_TRACKING_URI", _tracking_uri, None, "an MLflow tracking URI",
+    Param("mlflow_tracking_uri", "MLFLOW_TRACKING_URI", _tracking_uri, None,
+          "an MLflow tracking URI: http(s)://, sqlite:///, postgresql://, mysql://, mssql://, databricks, or a "
+          "plugin's scheme",
           "Where the mlflow sink writes. Unset: sqlite:///<cwd>/.rtrace/mlflow.db.", type="str | None"),
     Param("mlflow_run_id", "RTRACE_MLFLOW_RUN_ID", _str, None, "an MLflow run id",
           "Run the traces are linked to. Unset: the active run of this process, if any.", type="str | None"),

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="log_rollout_batch's tests build torch tensors (no CPU torch "
+                                           "wheel for this Python here: make test-py)")
 
 import rtrace
 from rtrace.exporters.jsonl import read_jsonl

@@ -133,8 +133,13 @@ class TestEarlyChecks:
         ("RTRACE_JSONL_PATH", "{tmp}", "is a directory"),
         # a directory that cannot be created: a file is in the way
         ("RTRACE_JSONL_PATH", "{tmp}/a-file/traces/x.jsonl", "a-file' is not a directory"),
+        # a directory that cannot be created by anyone, root included (a real probe, not access())
+        ("RTRACE_JSONL_PATH", "/proc/rtrace-no-such-dir/x.jsonl", "cannot be created: '/proc' is not writable"),
         # a misspelt scheme
         ("MLFLOW_TRACKING_URI", "htp://localhost:5000", "unknown scheme 'htp'"),
+        # not a URL: a path, MLflow 3's refused file store
+        ("MLFLOW_TRACKING_URI", "not a url", "'not a url' is a path .*MLFLOW_ALLOW_FILE_STORE"),
+        ("MLFLOW_TRACKING_URI", "file:///tmp/mlruns", "is a path"),
         # gRPC endpoint without a port
         ("OTEL_EXPORTER_OTLP_ENDPOINT", "localhost", "has no port"),
         # not a URL at all
