@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import pathlib
 
 import pytest
 
@@ -11,6 +13,8 @@ import rtrace._setup
 from rtrace import exporters
 from rtrace.config import ConfigError
 from rtrace.testing import MemorySink
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @rtrace.traced_tool
@@ -168,3 +172,50 @@ class TestEarlyChecks:
         monkeypatch.setattr(config, "_plugin_schemes", lambda: {"azureml"})
         monkeypatch.setenv("MLFLOW_TRACKING_URI", "azureml://region.api.azureml.ms/mlflow/v1.0/x")
         assert rtrace.configure(sinks=[MemorySink()]).mlflow_tracking_uri.startswith("azureml://")
+
+
+class TestImportProblems:
+    def test_version_conflict_is_named_not_a_missing_extra(self, tmp_path):
+        """trackio installed beside a huggingface_hub 0.x that another package pins (transformers<5
+        does): configure() names the conflict and both requirements, and does not suggest
+        reinstalling rtrace[trackio], which cannot fix it."""
+        import subprocess
+        import sys
+        import textwrap
+
+        shadow = tmp_path / "shadow"
+        (shadow / "huggingface_hub").mkdir(parents=True)
+        (shadow / "huggingface_hub" / "__init__.py").write_text('__version__ = "0.36.0"\n')
+        for dist, meta in (("huggingface_hub-0.36.0", "Name: huggingface_hub\nVersion: 0.36.0\n"),
+                           ("pinning_lib-4.57.0", "Name: pinning-lib\nVersion: 4.57.0\n"
+                                                  "Requires-Dist: huggingface-hub<1.0,>=0.34.0\n")):
+            info = shadow / f"{dist}.dist-info"
+            info.mkdir()
+            (info / "METADATA").write_text(f"Metadata-Version: 2.1\n{meta}")
+            (info / "top_level.txt").write_text(dist.split("-")[0] + "\n")
+        code = textwrap.dedent("""
+            import rtrace
+            try:
+                rtrace.configure(exporter="trackio")
+            except rtrace.ConfigError as exc:
+                print(exc)
+            """)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow), str(ROOT)]), "HF_HUB_OFFLINE": "1"}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        message = out.stdout.strip()
+        assert message.startswith("RTRACE_EXPORTER=trackio: huggingface_hub is installed but cannot be imported"), \
+            out.stdout + out.stderr[-2000:]
+        assert "huggingface_hub 0.36.0 is installed" in message
+        assert "pinning-lib requires huggingface-hub<1.0,>=0.34.0" in message
+        assert "trackio requires huggingface-hub" in message
+        assert "pip install 'rtrace[trackio]'" not in message
+
+    def test_missing_module_says_which_extra(self, monkeypatch):
+        """A sink whose backend is not installed says which extra installs it."""
+        import sys
+
+        monkeypatch.setitem(sys.modules, "trackio", None)  # `import trackio` raises ImportError
+        monkeypatch.delitem(sys.modules, "rtrace.exporters.trackio", raising=False)
+        with pytest.raises(ConfigError, match=r"needs trackio, which is not installed; install it with: pip install "
+                                              r"'rtrace\[trackio\]'"):
+            rtrace.configure(exporter="trackio")
