@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 __all__ = ["PRIVATE_NAMES", "current_run", "run_is_finished", "runs_with_writer_threads", "run_created_at",
-           "flush_run"]
+           "flush_run", "is_local", "stored_trace_count"]
 
 PRIVATE_NAMES = (
     # The run trackio.init() made current in a thread: current_run(). The module is not
@@ -37,6 +37,9 @@ PRIVATE_NAMES = (
     "trackio.run:Run._flush_queues_inline",
     "trackio.run:Run._queued_logs",
     "trackio.run:Run._sending_batch",
+    # Count what a local run has stored: stored_trace_count(). trackio.sqlite_storage is not
+    # underscored but not in trackio.__all__; `trackio list traces` reads through it.
+    "trackio.sqlite_storage:SQLiteStorage.get_trace_steps",
 )
 
 
@@ -116,3 +119,21 @@ def flush_run(run: Any, deadline: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def is_local(run: Any) -> bool:
+    """Does the run write to this machine's SQLite (no Space, no remote server)?"""
+    return bool(run._is_local)
+
+
+def stored_trace_count(run: Any) -> int:
+    """How many traces the local SQLite store holds for ``run`` (all keys and steps).
+
+    Why private: trackio swallows its failed writes (a read-only ``TRACKIO_DIR``: it warns
+    ``trackio failed to flush metric logs`` and drops the batch), so "written" can only be
+    told by reading back; the count per step that `trackio list traces` and the dashboard
+    use is ``SQLiteStorage.get_trace_steps``. Raises when the store cannot be read.
+    """
+    from trackio.sqlite_storage import SQLiteStorage
+
+    return int(SQLiteStorage.get_trace_steps(run.project, run_id=run.id)["total"])

@@ -15,7 +15,18 @@ from typing import Sequence
 from ..config import Settings
 from ..trajectory import StepMetrics, Trajectory
 
-__all__ = ["Sink"]
+__all__ = ["Sink", "PartialExport"]
+
+
+class PartialExport(Exception):
+    """Raised by :meth:`Sink.export` when only part of a batch is durable: ``failed`` of its
+    trajectories were not written (the rest were). rtrace counts them as
+    ``sink.<name>.failed_trajectories`` and the others as exported, and the next
+    ``flush()`` returns False."""
+
+    def __init__(self, failed: int, message: str = "") -> None:
+        super().__init__(message or f"{failed} trajectories were not written")
+        self.failed = failed
 
 
 class Sink:
@@ -38,8 +49,11 @@ class Sink:
         Args:
             trajectories: one or more trajectories, in the order they finished.
 
+        Returns when the batch is durable: rtrace counts it as exported then.
+
         Raises:
-            Exception: anything; rtrace counts the batch as failed and goes on.
+            PartialExport: some of the batch was written, ``failed`` trajectories were not.
+            Exception: anything else; rtrace counts the batch as failed and goes on.
         """
         raise NotImplementedError
 

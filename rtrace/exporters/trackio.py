@@ -43,7 +43,7 @@ from .._serialize import finite_or_str
 from ..config import ConfigError, Settings
 from ..trajectory import SpanRecord, StepMetrics, Trajectory, chat_argument, response_text
 from . import _trackio_private
-from .base import Sink
+from .base import PartialExport, Sink
 
 __all__ = ["TrackioSink", "trace_payload", "trace_metadata", "span_dict", "normalize",
            "VAL_MARK"]
@@ -315,6 +315,8 @@ class TrackioSink(Sink):
         self._own_run: Any = None
         self._lock = threading.Lock()
         self._touched: list[Any] = []  # runs logged to since the last flush
+        #: run id -> traces its local store held after the last verified export
+        self._stored: dict[str, int] = {}
 
     # ------------------------------------------------------------------ runs
     def _import(self) -> Any:
@@ -365,6 +367,18 @@ class TrackioSink(Sink):
 
     # ------------------------------------------------------------------ export
     def export(self, trajectories: Sequence[Trajectory]) -> None:
+        """Log the batch and, for a local run, make it durable and count what was stored.
+
+        trackio never raises on a failed write: it warns and drops the batch (a read-only
+        ``TRACKIO_DIR``, a full disk). So the batch is written now (the writer thread's
+        own inline flush) and the run's stored traces are counted before and after;
+        what is missing is raised as :class:`PartialExport` (counted as failed), so
+        ``exported`` means stored. A Space or remote server is written by trackio's
+        sender thread and is not read back here.
+
+        Raises:
+            PartialExport: some traces of the batch are not in the store.
+        """
         with self._lock:
             run = self._run()
             Trace = self._trackio.Trace
@@ -374,10 +388,46 @@ class TrackioSink(Sink):
                 key = s.trackio_eval_trace_key if traj.validate else s.trackio_trace_key
                 messages, metadata, spans = trace_payload(traj)
                 groups.setdefault((key, _int_step(traj.step)), []).append(Trace(messages, metadata, spans))
+            local = _trackio_private.is_local(run)
+            before = self._stored_before(run) if local else None
             for (key, step), traces in groups.items():
                 run.log({key: traces}, step=step)
             if run not in self._touched:
                 self._touched.append(run)
+            if local:
+                self._verify(run, before, len(trajectories))
+
+    def _stored_before(self, run: Any) -> int | None:
+        """Traces the run's store held before this batch: known from the last verified
+        batch, else read now (None: the store cannot be read)."""
+        known = self._stored.get(run.id)
+        if known is None:
+            _trackio_private.flush_run(run, time.monotonic() + self.settings.sink_timeout_s)
+            try:
+                known = self._stored[run.id] = _trackio_private.stored_trace_count(run)
+            except Exception:
+                return None
+        return known
+
+    def _verify(self, run: Any, before: int | None, n: int) -> None:
+        """Write the run's queue now and check that ``n`` more traces are stored. A store
+        that cannot be read cannot show the batch is durable: it counts as failed (a
+        read-only ``TRACKIO_DIR`` refuses the writes as well)."""
+        durable = _trackio_private.flush_run(run, time.monotonic() + self.settings.sink_timeout_s)
+        try:
+            if before is None:
+                raise OSError("no count before the batch")
+            after = _trackio_private.stored_trace_count(run)
+        except Exception as exc:
+            self._stored.pop(run.id, None)  # read again before the next batch
+            raise PartialExport(n, f"trackio's store could not be read back ({exc})") from None
+        self._stored[run.id] = after
+        # more than n: the application logged traces of its own to the same run meanwhile
+        lost = max(0, n - (after - before))
+        if lost:
+            why = "" if durable else " (trackio's writer held the run past the sink timeout)"
+            raise PartialExport(lost, f"{lost} of {n} traces are not in trackio's store{why}; trackio warns "
+                                      "of its failed writes and drops them")
 
     def export_step_metrics(self, metrics: Sequence[StepMetrics]) -> None:
         """Log each step's metrics (computed job-wide by the pipeline) at that step."""

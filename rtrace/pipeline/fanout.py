@@ -25,7 +25,7 @@ from typing import Any, Sequence
 from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, attach, detach, set_value
 
 from .. import _stats
-from ..exporters.base import Sink
+from ..exporters.base import PartialExport, Sink
 from ..trajectory import StepMetrics, Trajectory
 
 __all__ = ["SinkWorker", "Fanout"]
@@ -107,17 +107,27 @@ class SinkWorker:
             if self._abandoned:  # counted as abandoned already: a late thread writes nothing
                 return
             self._in_flight = item
-        ok = self._call("export", self.sink.export, item)
+        failed = len(item)
+        try:
+            self.sink.export(item)
+            failed = 0
+        except PartialExport as exc:  # part of the batch is durable, ``failed`` is not
+            failed = max(0, min(len(item), int(exc.failed)))
+            _stats.warn_once(f"sink-partial-{self.name}", "rtrace sink %r could not write part of a batch: %s",
+                             self.name, exc)
+        except Exception:
+            _stats.warn_once(f"sink-export-{self.name}", "rtrace sink %r failed in export", self.name,
+                             exc_info=True)
         with self._lock:
             self._in_flight = None
             if self._abandoned:  # shutdown gave up on this batch and counted it
                 return
-        if ok:
-            self._count("exported", len(item))
-        else:
+        if len(item) - failed:
+            self._count("exported", len(item) - failed)
+        if failed:
             self._failed_since_marker = True
             self._count("failed_batches", 1)
-            self._count("failed_trajectories", len(item))
+            self._count("failed_trajectories", failed)
 
     def _call(self, what: str, fn: Any, *args: Any) -> bool:
         try:
