@@ -371,8 +371,11 @@ PARAMS: tuple[Param, ...] = (
           "On SIGTERM, flush (bounded by sink_timeout_s) and then let the signal do what it did before "
           "(the previous handler, or the default: terminate). Main thread only.", type="bool"),
     Param("await_annotations", "RTRACE_AWAIT_ANNOTATIONS", _str_list, (), "comma list of keys, or none",
-          "Annotation keys (`reward`, `advantage`...) a finished trajectory waits for before it is exported.",
-          type="tuple[str, ...]"),
+          "Annotation keys (`reward`, `advantage`...) a finished training trajectory waits for before it is "
+          "exported.", type="tuple[str, ...]"),
+    Param("await_eval_annotations", "RTRACE_AWAIT_EVAL_ANNOTATIONS", _str_list, (), "comma list of keys, or none",
+          "The same for validation trajectories (none by default: trainers annotate advantages and returns on "
+          "training rollouts only, and a validation rollout would wait in vain).", type="tuple[str, ...]"),
     Param("annotation_timeout_s", "RTRACE_ANNOTATION_TIMEOUT_S", _float(0.0), 120.0, _SEC.format(0),
           "How long a trajectory waits for awaited annotations; then it is exported without them (counted).",
           type="float"),

@@ -259,3 +259,25 @@ class TestInTheBackends:
         exp = client.get_experiment_by_name(project)
         best = client.search_traces(locations=[exp.experiment_id], filter_string="tags.kept LIKE '%best%'")
         assert [(t.info.tags["sample_index"], t.info.tags["advantage"]) for t in best] == [("3", "1.5")]
+
+
+class TestAwaitedKeysPerStream:
+    def test_validation_does_not_wait_for_training_keys(self):
+        """RTRACE_AWAIT_ANNOTATIONS holds training trajectories until their advantage comes; a
+        validation trajectory is written at once (it waits only for RTRACE_AWAIT_EVAL_ANNOTATIONS)."""
+        with rtrace.testing.capture(await_annotations="advantage", annotation_timeout_s=30,
+                                    await_eval_annotations="score") as got:
+            rollout(1, 0, 0, 1.0)
+            rollout(1, 0, 0, 0.5, validate=True)
+            rollout(1, 1, 0, 0.5, validate=True)
+            time.sleep(0.5)  # several worker rounds: the validation ones without "score" wait
+            assert got.trajectories == []
+            rtrace.annotate(step=1, sample_index=0, rollout_n=0, advantage=0.25)
+            rtrace.annotate(step=1, sample_index=0, rollout_n=0, validate=True, score=3.0)
+            deadline = time.monotonic() + 10
+            while len(got.trajectories) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            got_now = {(t.validate, t.sample_index): t.annotations for t in got.trajectories}
+            stats = got.stats()
+        assert got_now == {(False, 0): {"advantage": 0.25}, (True, 0): {"score": 3.0}}
+        assert stats.get("trajectories_missing_annotations", 0) == 0

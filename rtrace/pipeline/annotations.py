@@ -70,8 +70,10 @@ class Annotation:
 class AnnotationTable:
     """The worker's side of annotations (worker thread only)."""
 
-    def __init__(self, await_keys: tuple[str, ...], timeout_s: float) -> None:
+    def __init__(self, await_keys: tuple[str, ...], timeout_s: float, await_eval_keys: tuple[str, ...] = ()) -> None:
+        #: keys training trajectories wait for, and validation ones (``validate=True``)
         self.await_keys = await_keys
+        self.await_eval_keys = await_eval_keys
         self.timeout_s = timeout_s
         self._pending: OrderedDict[Hashable, Annotation] = OrderedDict()
         self._recent: OrderedDict[Hashable, str] = OrderedDict()
@@ -122,11 +124,12 @@ class AnnotationTable:
 
     def ready(self, state: TrajectoryState, now: float) -> bool:
         """True when ``state`` has every awaited key, or waited long enough (counted)."""
-        if not self.await_keys:
+        keys = self.await_eval_keys if state.coords.get("validate") else self.await_keys
+        if not keys:
             return True
         self.arrived(state)  # annotations that came while it was settling
         key = coord_key(state.coords)
-        if all(k in state.annotations for k in self.await_keys):
+        if all(k in state.annotations for k in keys):
             self._forget(state, key)
             return True
         if state.root_at is not None and now - state.root_at >= self.timeout_s:

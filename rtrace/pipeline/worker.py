@@ -91,7 +91,8 @@ class Pipeline:
         self.registry = TrajectoryRegistry(settings.max_open_trajectories, settings.max_spans_per_trajectory)
         self.fanout = fanout
         self.postprocessors = list(postprocessors)
-        self.annotations = AnnotationTable(settings.await_annotations, settings.annotation_timeout_s)
+        self.annotations = AnnotationTable(settings.await_annotations, settings.annotation_timeout_s,
+                                           settings.await_eval_annotations)
         #: per-step metrics over the exported trajectories (None: summary_metrics off)
         self.metrics = StepMetricsTracker(min(self.metrics_linger_s, settings.step_linger_s)) \
             if settings.summary_metrics else None
@@ -151,7 +152,7 @@ class Pipeline:
         if room < len(annotations):
             _stats.incr("annotations_dropped_queue", len(annotations) - room)
         self._annotations.extend(annotations[:room])
-        if self.settings.await_annotations:
+        if self.settings.await_annotations or self.settings.await_eval_annotations:
             with self._cond:
                 self._cond.notify()
 
