@@ -42,17 +42,33 @@ def run_demo(out_dir: Path, *args: str, small: bool = True) -> subprocess.Comple
                           timeout=300)
 
 
+def check_coordinates(coords: list[tuple[int, int, int, bool]]) -> None:
+    """(step, sample_index, rollout_n, validate) of the demo's rollouts: each training step
+    draws PROMPTS distinct prompts of its 2 * PROMPTS-prompt dataset (sample_index = the
+    dataset index), ROLLOUTS each; validation has its own prompts, numbered after them."""
+    train = [c for c in coords if not c[3]]
+    for step in range(1, STEPS + 1):
+        drawn = sorted({c[1] for c in train if c[0] == step})
+        assert len(drawn) == PROMPTS and set(drawn) <= set(range(2 * PROMPTS))
+        assert sorted(c[1:3] for c in train if c[0] == step) == [(i, n) for i in drawn for n in range(ROLLOUTS)]
+    assert len(train) == STEPS * PROMPTS * ROLLOUTS
+    assert sorted(c for c in coords if c[3]) == [(STEPS, 2 * PROMPTS + i, 0, True) for i in range(VAL)]
+
+
 def check_trajectory_set(trajs: list) -> None:
-    """The demo's shape: coordinates, tool spans, decoded text, rewards."""
-    train = [t for t in trajs if not t.validate]
-    val = [t for t in trajs if t.validate]
-    assert len(train) == STEPS * PROMPTS * ROLLOUTS and len(val) == VAL
-    assert sorted((t.step, t.sample_index, t.rollout_n) for t in train) == [
-        (1, i, n) for i in range(PROMPTS) for n in range(ROLLOUTS)]
-    assert sorted((t.step, t.sample_index, t.rollout_n) for t in val) == [(STEPS, i, 0) for i in range(VAL)]
+    """The demo's shape: coordinates, tool spans, decoded text, rewards, advantages."""
+    check_coordinates([(t.step, t.sample_index, t.rollout_n, t.validate) for t in trajs])
+    groups: dict = defaultdict(list)
+    for t in trajs:
+        groups[(t.step, t.validate, t.group_id)].append(t.reward)
     for t in trajs:
         assert t.reward in (0.0, 1.0) and t.outcome["expected"]
-        assert t.group_id == f"step{t.step}-sample{t.sample_index}"
+        assert t.group_id == f"prompt-{t.sample_index}" and t.extra["prompt_id"] == t.sample_index
+        rewards = groups[(t.step, t.validate, t.group_id)]
+        mean = sum(rewards) / len(rewards)
+        std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
+        # the trainer's GRPO advantage, joined to the training trajectories (validation has none)
+        assert t.annotations == ({} if t.validate else {"advantage": (t.reward - mean) / std if std else 0.0})
         names = [s.name for s in t.spans]
         assert names[0] == "rollout" and "ToolAgentLoop.run" in names and "reward" in names
         tools = t.spans_of_kind("tool")
@@ -109,8 +125,8 @@ class TestDemoTrackio:
         train = [t for t in traces if t["key"] == "rollout/traces"]
         val = [t for t in traces if t["key"] == "eval/traces"]
         assert len(train) == STEPS * PROMPTS * ROLLOUTS and len(val) == VAL and len(traces) == len(train) + len(val)
-        assert sorted((t["step"], t["metadata"]["sample_index"], t["metadata"]["rollout_n"]) for t in train) == [
-            (1, i, n) for i in range(PROMPTS) for n in range(ROLLOUTS)]
+        check_coordinates([(t["step"], t["metadata"]["sample_index"], t["metadata"]["rollout_n"],
+                            t["key"] == "eval/traces") for t in traces])
         for t in traces:
             meta = t["metadata"]
             assert meta["reward"] in (0.0, 1.0) and meta["validate"] == (t["key"] == "eval/traces")

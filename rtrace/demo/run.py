@@ -88,6 +88,7 @@ class RolloutResult:
     tool_calls: int
     latency_ms: float
     sample_index: int = 0
+    rollout_n: int = 0
     policy_tool_calls: int = 0
     forced_tool_calls: int = 0
     #: ``(prompt_ids, response_ids)`` of each generation: the policy-gradient data.
@@ -119,6 +120,11 @@ def _configure(opts: DemoOptions, exporter: str, out_dir: Path, tokenizer: Any) 
         "tokenizer": tokenizer,
         "max_traces_per_step": opts.max_traces_per_step,
         "export_interval_s": 0.2,
+        # the advantages come once the whole step is scored: training trajectories wait for them
+        "await_annotations": "advantage",
+        "annotation_timeout_s": 120.0,
+        # under a cap, keep the same prompts at every step they are drawn (whole groups)
+        "sample_prompts": opts.max_traces_per_step is not None,
     }
     where: dict[str, Any] = {"names": names, "project": kwargs["project"]}
     if "trackio" in names:
@@ -207,9 +213,11 @@ async def _rollout(agent: Any, task: Any, step: int, sample_index: int, rollout_
     from .model import recording
 
     start = time.perf_counter()
+    # The prompt's dataset index is its sample_index and names its GRPO group at every step
+    # it is drawn (as veRL's extra_info.index): a prompt can be followed across steps.
     with rtrace.rollout_context(step=step, sample_index=sample_index, rollout_n=rollout_n, validate=validate,
-                                group_id=f"step{step}-sample{sample_index}", policy_version=step,
-                                task_kind=task.kind) as ctx:
+                                group_id=f"prompt-{sample_index}", policy_version=step,
+                                prompt_id=sample_index, task_kind=task.kind) as ctx:
         with recording() as samples:
             out = await agent.run(task.question, task.kind, seed=seed, temperature=temperature)
         reward = compute_reward(task, out["answer"])
@@ -217,7 +225,7 @@ async def _rollout(agent: Any, task: Any, step: int, sample_index: int, rollout_
                              forced_tool_calls=out["forced_tool_calls"],
                              policy_tool_calls=out["policy_tool_calls"])
     return RolloutResult(step, validate, ctx.traced, reward, out["turns"], out["tool_calls"],
-                         (time.perf_counter() - start) * 1000, sample_index, out["policy_tool_calls"],
+                         (time.perf_counter() - start) * 1000, sample_index, rollout_n, out["policy_tool_calls"],
                          out["forced_tool_calls"], samples)
 
 
@@ -252,14 +260,16 @@ class _Progress:
         self.stream.flush()
 
 
-async def _run_batch(agent: Any, tasks: Sequence[Any], step: int, first_index: int, rollouts: int,
+async def _run_batch(agent: Any, tasks: Sequence[tuple[int, Any]], step: int, rollouts: int,
                      validate: bool, seed: int, label: str, stream: TextIO) -> list[RolloutResult]:
+    """Roll out ``tasks`` (``(dataset index, task)`` pairs) ``rollouts`` times each."""
     progress = _Progress(label, len(tasks) * rollouts, stream)
     temperature = 0.0 if validate else 1.0  # validation is greedy, as in veRL's val_kwargs
 
     async def one(i: int, n: int) -> RolloutResult:
-        result = await _rollout(agent, tasks[i], step, first_index + i, n, validate,
-                                _seed(seed, step, int(validate), first_index + i, n), temperature)
+        index, task = tasks[i]
+        result = await _rollout(agent, task, step, index, n, validate, _seed(seed, step, int(validate), index, n),
+                                temperature)
         progress.advance()
         return result
 
@@ -283,9 +293,9 @@ def group_advantages(results: Sequence[RolloutResult]) -> list[float]:
     return advantages
 
 
-async def _update(agent: Any, results: Sequence[RolloutResult], step: int, stream: TextIO) -> None:
+async def _update(agent: Any, results: Sequence[RolloutResult], advantages: Sequence[float], step: int,
+                  stream: TextIO) -> None:
     """One policy-gradient step on a training step's rollouts (see Policy.update)."""
-    advantages = group_advantages(results)
     stats = await agent.policy.update([(r.samples, a) for r, a in zip(results, advantages)])
     groups = len({r.sample_index for r in results})
     line = (f"{'update ' + str(step):<14} policy-gradient step on {stats['episodes']} of {len(results)} rollouts "
@@ -297,21 +307,36 @@ async def _update(agent: Any, results: Sequence[RolloutResult], step: int, strea
     stream.flush()
 
 
+def annotate_advantages(step: int, results: Sequence[RolloutResult]) -> list[float]:
+    """Hand the trainer's GRPO advantages to rtrace, as a trainer does after scoring a
+    batch: they join the step's trajectories (which wait for them: RTRACE_AWAIT_ANNOTATIONS)."""
+    advantages = group_advantages(results)
+    rtrace.annotate_batch(step=step, sample_index=[r.sample_index for r in results],
+                          rollout_n=[r.rollout_n for r in results], advantage=advantages)
+    return advantages
+
+
 async def _run_all(opts: DemoOptions, agent: Any, stream: TextIO) -> list[_Row]:
     from .agent import make_tasks
 
+    # A small dataset: each step draws its prompts from it, so prompts recur across steps
+    # under the same dataset index (sample_index, group_id "prompt-<index>"); validation
+    # has its own prompts, numbered after the training ones.
     rng = random.Random(opts.seed)
+    pool = list(enumerate(make_tasks(2 * opts.prompts, random.Random(opts.seed))))
     rows = []
     for step in range(1, opts.steps + 1):
-        tasks = make_tasks(opts.prompts, rng)
-        results = await _run_batch(agent, tasks, step, (step - 1) * opts.prompts, opts.rollouts, False,
-                                   opts.seed, f"step {step}/{opts.steps}", stream)
+        tasks = sorted(rng.sample(pool, min(opts.prompts, len(pool))), key=lambda t: t[0])
+        results = await _run_batch(agent, tasks, step, opts.rollouts, False, opts.seed, f"step {step}/{opts.steps}",
+                                   stream)
         rows.append(_Row(step, "train", results))
+        advantages = annotate_advantages(step, results)
         if opts.learning_rate > 0:
-            await _update(agent, results, step, stream)
+            await _update(agent, results, advantages, step, stream)
     if opts.validation:
-        tasks = make_tasks(opts.prompts, random.Random(opts.seed + 10_000), validation=True)
-        results = await _run_batch(agent, tasks, opts.steps, 0, 1, True, opts.seed, "validation", stream)
+        val = make_tasks(opts.prompts, random.Random(opts.seed + 10_000), validation=True)
+        tasks = [(len(pool) + k, task) for k, task in enumerate(val)]
+        results = await _run_batch(agent, tasks, opts.steps, 1, True, opts.seed, "validation", stream)
         rows.append(_Row(opts.steps, "val", results))
     return rows
 
