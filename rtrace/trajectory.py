@@ -191,6 +191,31 @@ class Trajectory:
     def num_tool_calls(self) -> int:
         return sum(1 for s in self.spans if s.kind == "tool")
 
+    @property
+    def finish_reason(self) -> str | None:
+        """Why the last generation that says so stopped (``stop``, ``length``...)."""
+        for span in reversed(self.spans):
+            if span.kind == "generation":
+                reasons = span.attributes.get("gen_ai.response.finish_reasons")
+                if reasons:
+                    return str(reasons[0] if isinstance(reasons, (list, tuple)) else reasons)
+        return None
+
+    def verdict(self) -> str:
+        """One word a person can search for: ``error``, ``partial`` (its root never
+        ended), ``truncated`` (the last generation stopped at ``length``), else ``correct``
+        / ``wrong`` when the outcome says (``correct=True/False``), else ``ok``."""
+        if self.status == "error":
+            return "error"
+        if self.partial:
+            return "partial"
+        if self.finish_reason == "length":
+            return "truncated"
+        correct = self.outcome.get("correct")
+        if isinstance(correct, bool):
+            return "correct" if correct else "wrong"
+        return "ok"
+
     def task_messages(self) -> list[dict[str, Any]]:
         """The task: the conversation's messages up to and including the first user
         message (the system prompt and the question); empty without a conversation."""

@@ -129,7 +129,7 @@ class TestDemoTrackio:
                             t["key"] == "eval/traces") for t in traces])
         for t in traces:
             meta = t["metadata"]
-            assert meta["reward"] in (0.0, 1.0) and meta["validate"] == (t["key"] == "eval/traces")
+            assert meta["reward"] in (0.0, 1.0) and meta.get("validate", False) == (t["key"] == "eval/traces")
             assert meta["num_tool_calls"] == 1 and meta["num_turns"] == 2
             spans = t["spans"]
             tools = [s for s in spans if s["kind"] == "tool"]
@@ -152,7 +152,10 @@ class TestDemoTrackio:
             assert spans[0]["input"] == t["messages"][:2]
             assert spans[0]["output"]["answer"] == t["messages"][4]["content"]
             assert spans[0]["output"]["reward"] == meta["reward"]
-            assert meta["status"] == ("[val] success" if meta["validate"] else "success")
+            verdict = f"{'correct' if meta['reward'] == 1.0 else 'wrong'} reward={meta['reward']!r}"
+            assert meta["status"] == (f"[val] {verdict}" if meta.get("validate") else verdict)
+            if t["key"] == "rollout/traces":  # the trainer's advantage, in the header
+                assert isinstance(meta["advantage"], float)
 
 
 MLFLOW_READER = """

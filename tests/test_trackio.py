@@ -90,6 +90,10 @@ async def one_rollout(step, i, validate=False, reward=1.0):
     return msgs, final
 
 
+def calls_turn(calls):
+    return {"role": "assistant", "content": "", "tool_calls": calls}
+
+
 # ----------------------------------------------------------------------------- tests
 class TestRoundTrip:
     def test_multi_turn_trajectory_round_trips(self, project, tmp_path, capsys):
@@ -146,12 +150,17 @@ class TestRoundTrip:
         total = ref.duration_ms
         gen = sum(s.duration_ms for s in ref.spans if s.kind == "generation")
         tool = sum(s.duration_ms for s in ref.spans if s.kind == "tool")
+        # rtrace's trace id first (trackio's TRACE ID column is a log batch's); durations to 0.1 ms;
+        # validate only when true (a search for "false" must not match every training trace)
         assert list(got["metadata"].items()) == [
-            ("step", 4), ("sample_index", 17), ("rollout_n", 0), ("validate", False), ("reward", 1.0),
-            ("group_id", "g17"), ("policy_version", 4), ("outcome.correct", True), ("trace_id", ref.trace_id),
-            ("duration_ms", total), ("generation_ms", gen), ("tool_ms", tool), ("num_turns", 3),
-            ("num_tool_calls", 2), ("finish_reason", "stop"), ("prompt_tokens", 20 + 30 + 40),
-            ("response_tokens", 3 + 4 + 2), ("experiment", "run-1"), ("status", "success")]
+            ("trace_id", ref.trace_id), ("step", 4), ("sample_index", 17), ("rollout_n", 0), ("reward", 1.0),
+            ("group_id", "g17"), ("policy_version", 4), ("outcome.correct", True),
+            ("duration_ms", round(total, 1)), ("generation_ms", round(gen, 1)), ("tool_ms", round(tool, 1)),
+            ("num_turns", 3), ("num_tool_calls", 2), ("finish_reason", "stop"), ("prompt_tokens", 20 + 30 + 40),
+            ("response_tokens", 3 + 4 + 2), ("experiment", "run-1"), ("status", "correct reward=1.0")]
+        # the list previews the first assistant message: a tool-call turn shows its call
+        assert [m["content"] for m in got["messages"] if m["role"] == "assistant"] == [
+            'Let me compute 17*3.', 'Let me compute 51+1.', "The answer is 52."]
 
         assert logs_with(project, "run-1", "rollout/") == [{
             "step": 4, "rollout/trajectories": 1, "rollout/reward_mean": 1.0, "rollout/reward_min": 1.0,
@@ -161,8 +170,7 @@ class TestRoundTrip:
             "rollout/latency_ms_mean": total, "rollout/latency_ms_p50": total, "rollout/latency_ms_p90": total,
             "rollout/latency_ms_max": total, "rollout/time_generation_frac": gen / total,
             "rollout/time_tool_frac": tool / total, "rollout/time_other_frac": (total - gen - tool) / total,
-            "rollout/error_rate": 0.0, "rollout/truncated_rate": 0.0, "rollout/partial_rate": 0.0,
-            "rollout/slowest_trace_id": ref.trace_id}]
+            "rollout/error_rate": 0.0, "rollout/truncated_rate": 0.0, "rollout/partial_rate": 0.0}]
         capsys.readouterr()
         rtrace.shutdown()
         assert "Run finished" in capsys.readouterr().out  # the run rtrace opened is finished
@@ -185,9 +193,12 @@ class TestRoundTrip:
                 [(step, step, i) for i in range(3)]
         (val,) = [t for t in traces_of(project, "steps") if t["key"] == "eval/traces"]
         assert (val["step"], val["metadata"]["validate"], val["metadata"]["reward"]) == (2, True, 0.5)
-        # told apart in trackio's trace list, whose Status column shows metadata["status"] ...
-        assert val["metadata"]["status"] == "[val] success"
-        assert {t["metadata"]["status"] for t in traces_of(project, "steps") if t["id"] != val["id"]} == {"success"}
+        # told apart in trackio's trace list, whose Status column shows metadata["status"]: the
+        # verdict and the reward ...
+        assert val["metadata"]["status"] == "[val] correct reward=0.5"
+        assert sorted(t["metadata"]["status"] for t in traces_of(project, "steps") if t["id"] != val["id"]) == [
+            f"correct reward={float(i)!r}" for i in (0, 0, 1, 1, 2, 2)]
+        assert [t["metadata"]["sample_index"] for t in traces_of(project, "steps", search="reward=2.0")] == [2, 2]
         # ... and found by the list's search box (trackio searches metadata values)
         assert [t["id"] for t in traces_of(project, "steps", search="[val]")] == [val["id"]]
         assert [t["id"] for t in traces_of(project, "steps", search=val["metadata"]["trace_id"])] == [val["id"]]
@@ -262,7 +273,9 @@ class TestWhatAPersonSees:
         (got,) = traces_of(project, "calls")
         first, second = [s for s in got["spans"] if s["kind"] == "generation"]
         assert first["output"] == {"role": "assistant", "content": raw, "tool_calls": calls}
-        assert second["output"] == "It is 4." and got["messages"][1]["content"] == ""
+        assert second["output"] == "It is 4."
+        # the tool-call turn's content is its call in trackio (its list previews it), not ""
+        assert got["messages"][1] == {**calls_turn(calls), "content": 'calculator(expression="2+2")'}
 
     def test_generation_without_text_says_what_it_holds(self, project):
         """Without token2text a generation's output (and its turn) says how many tokens it holds."""
@@ -296,16 +309,17 @@ class TestWhatAPersonSees:
         sink.shutdown()
         by_id = {t["metadata"]["trace_id"]: t["metadata"] for t in traces_of(project, "hdr")}
         assert list(by_id["e" * 32]) == [
-            "step", "sample_index", "rollout_n", "validate", "reward", "group_id", "policy_version",
-            "outcome.correct", "advantage", "annotations.step", "kept", "trace_id", "duration_ms", "generation_ms",
+            "trace_id", "step", "sample_index", "rollout_n", "reward", "group_id", "policy_version", "validate",
+            "outcome.correct", "advantage", "annotations.step", "kept", "duration_ms", "generation_ms",
             "tool_ms", "num_turns", "num_tool_calls", "extra.dataset", "status", "partial", "error", "dropped_spans"]
         assert {k: by_id["e" * 32][k] for k in ("advantage", "annotations.step", "kept", "status", "error")} == {
-            "advantage": 0.4, "annotations.step": 9, "kept": "best,error", "status": "[val] error",
+            "advantage": 0.4, "annotations.step": 9, "kept": "best,error", "status": "[val] error reward=0.5",
             "error": "Timeout: too slow"}
         assert by_id["e" * 32]["policy_version"] is None  # the first keys are always there
         assert list(by_id["f" * 32]) == [
-            "step", "sample_index", "rollout_n", "validate", "reward", "group_id", "policy_version", "trace_id",
+            "trace_id", "step", "sample_index", "rollout_n", "reward", "group_id", "policy_version",
             "duration_ms", "generation_ms", "tool_ms", "num_turns", "num_tool_calls", "status", "name"]
+        assert by_id["f" * 32]["status"] == "ok"
 
 
 class TestApplicationRun:
@@ -368,7 +382,8 @@ class TestBadValues:
         truncated = "x" * 20_000 + "…[truncated, 1000000 chars]"
         assert got["spans"][1]["output"] == truncated
         assert got["messages"] == []  # no generation: nothing readable as a conversation
-        total = meta["duration_ms"]
+        total = got["spans"][0]["duration_ms"]  # the header's is rounded to 0.1 ms
+        assert meta["duration_ms"] == round(total, 1)
         tool = got["spans"][1]["duration_ms"]
         assert logs_with(project, "odd", "rollout/") == [{
             "step": 2, "rollout/trajectories": 1, "rollout/reward_non_finite": 1, "rollout/turns_mean": 0.0,
@@ -376,8 +391,7 @@ class TestBadValues:
             "rollout/latency_ms_mean": total, "rollout/latency_ms_p50": total, "rollout/latency_ms_p90": total,
             "rollout/latency_ms_max": total, "rollout/time_generation_frac": 0.0,
             "rollout/time_tool_frac": tool / total, "rollout/time_other_frac": (total - tool) / total,
-            "rollout/error_rate": 0.0, "rollout/truncated_rate": 0.0, "rollout/partial_rate": 0.0,
-            "rollout/slowest_trace_id": meta["trace_id"]}]
+            "rollout/error_rate": 0.0, "rollout/truncated_rate": 0.0, "rollout/partial_rate": 0.0}]
         stats = rtrace.stats()
         assert stats["sink.trackio.exported"] == 1 and "sink.trackio.failed_batches" not in stats
 
@@ -402,7 +416,7 @@ class TestBadValues:
         assert (span["start_time"], span["end_time"]) == ("2001-09-09T01:46:40.123456Z", "2001-09-09T01:46:41.123456Z")
         assert span["duration_ms"] == 1000.0
         assert got["metadata"]["reward"] == math.inf and got["metadata"]["outcome.t"] == [None, 1.5]
-        assert (got["metadata"]["status"], got["metadata"]["error"]) == ("error", "boom")
+        assert (got["metadata"]["status"], got["metadata"]["error"]) == ("error reward=inf", "boom")
         assert got["messages"] == [{"role": "user", "content": ["tu", "ple"]}]
         assert logs_with(project, "hand", "rollout/error_rate") == [{"step": 1, "rollout/error_rate": 1.0}]
 

@@ -32,6 +32,7 @@ that touches trackio's private names (each listed there, with the reason).
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import threading
 import time
@@ -226,41 +227,56 @@ def _token_sum(gens: list[SpanRecord], key: str) -> int | None:
     return sum(values) if values else None
 
 
-#: Always in the header, first, in this order (``None`` shown as such).
-_HEADER_FIRST = ("step", "sample_index", "rollout_n", "validate", "reward", "group_id", "policy_version")
+#: Always in the header, first, in this order (``None`` shown as such), after rtrace's trace
+#: id (trackio's own TRACE ID column is the id of a log batch, not of the trajectory).
+_HEADER_FIRST = ("step", "sample_index", "rollout_n", "reward", "group_id", "policy_version")
 #: Keys written after the annotations (an annotation of such a name goes under ``annotations.<key>``).
-_LATER = frozenset({"kept", "trace_id", "duration_ms", "generation_ms", "tool_ms", "num_turns", "num_tool_calls",
+_LATER = frozenset({"kept", "trace_id", "validate", "duration_ms", "generation_ms", "tool_ms", "num_turns", "num_tool_calls",
                     "finish_reason", "prompt_tokens", "response_tokens", "experiment", "status", "name", "partial",
                     "error", "dropped_spans"})
 #: Starts the ``status`` of a validation trajectory: trackio's trace list shows each trace's status.
 VAL_MARK = "[val]"
 
 
+def status_text(traj: Trajectory) -> str:
+    """What trackio's Status column shows (and its search matches): :data:`VAL_MARK` for a
+    validation trajectory, the verdict (``correct``, ``wrong``, ``truncated``, ``error``,
+    ``partial``, ``ok``; :meth:`Trajectory.verdict`) and the reward, e.g. ``wrong reward=0.0``
+    or ``[val] correct reward=1.0``."""
+    parts = [VAL_MARK] if traj.validate else []
+    parts.append(traj.verdict())
+    if traj.reward is not None:
+        parts.append(f"reward={traj.reward!r}")
+    return " ".join(parts)
+
+
+def _ms(value: float) -> float:
+    return round(value, 1)  # 2697.3, not 2697.282937
+
+
 def trace_metadata(traj: Trajectory) -> dict[str, Any]:
     """The trace-level metadata of a trajectory (normalised), in the order trackio's trace
-    header shows it: the RL coordinates and the reward; the outcome (``outcome.<k>``), the
-    annotations (``advantage`` ...) and why it was kept; the trace id; durations, turns and
-    tokens; the rest. Keys at their default (``partial: false``, no error, no dropped
-    span, ``None``) are left out; the ``status`` of a validation trajectory starts with
-    :data:`VAL_MARK`."""
+    header shows it: rtrace's trace id; the RL coordinates and the reward; the outcome
+    (``outcome.<k>``), the annotations (``advantage`` ...) and why it was kept; durations
+    (ms, one decimal), turns and tokens; the rest. Keys at their default (``validate:
+    false``, ``partial: false``, no error, no dropped span, ``None``) are left out, so a
+    search for ``false`` finds an outcome, not every training trace; ``status`` is
+    :func:`status_text`."""
     gens = traj.spans_of_kind("generation")
-    finish = None
-    for span in reversed(gens):  # the reason the last turn stopped
-        reasons = span.attributes.get("gen_ai.response.finish_reasons")
-        if reasons:
-            finish = reasons[0] if isinstance(reasons, (list, tuple)) else reasons
-            break
-    meta: dict[str, Any] = {name: getattr(traj, name) for name in _HEADER_FIRST}
+    finish = traj.finish_reason
+    meta: dict[str, Any] = {"trace_id": traj.trace_id}
+    meta.update((name, getattr(traj, name)) for name in _HEADER_FIRST)
+    if traj.validate:
+        meta["validate"] = True
     rest: dict[str, Any] = {f"outcome.{key}": value for key, value in traj.outcome.items()}
     for key, value in traj.annotations.items():  # advantage, returns ...: under their own name
         rest[f"annotations.{key}" if key in meta or key in _LATER else key] = value
     if traj.kept:
         rest["kept"] = ",".join(map(str, traj.kept))
     rest.update({
-        "trace_id": traj.trace_id,
-        "duration_ms": traj.duration_ms,
-        "generation_ms": sum(s.duration_ms for s in gens),
-        "tool_ms": sum(s.duration_ms for s in traj.spans_of_kind("tool")),
+        "duration_ms": _ms(traj.duration_ms),
+        "generation_ms": _ms(sum(s.duration_ms for s in gens)),
+        "tool_ms": _ms(sum(s.duration_ms for s in traj.spans_of_kind("tool"))),
         "num_turns": traj.num_turns,
         "num_tool_calls": traj.num_tool_calls,
         "finish_reason": finish,
@@ -269,8 +285,7 @@ def trace_metadata(traj: Trajectory) -> dict[str, Any]:
         "experiment": traj.experiment,
     })
     rest.update((f"extra.{key}", value) for key, value in traj.extra.items())
-    status = _STATUS.get(traj.status, traj.status)
-    rest["status"] = f"{VAL_MARK} {status}" if traj.validate else status
+    rest["status"] = status_text(traj)
     if traj.name != "rollout":
         rest["name"] = traj.name
     if traj.partial:
@@ -282,9 +297,45 @@ def trace_metadata(traj: Trajectory) -> dict[str, Any]:
     return normalize(meta)
 
 
+def call_text(tool_calls: Any) -> str:
+    """Tool calls as a person reads them: ``calculator(expression="33 - 14 * 5")``, one per
+    line (arguments as JSON values; arguments that are not an object as they are)."""
+    lines = []
+    for call in tool_calls if isinstance(tool_calls, list) else ():
+        fn = call.get("function", call) if isinstance(call, dict) else {}
+        name = fn.get("name") if isinstance(fn, dict) else None
+        args = fn.get("arguments") if isinstance(fn, dict) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass
+        if isinstance(args, dict):
+            shown = ", ".join(f"{k}={json.dumps(v, ensure_ascii=False, default=str)}" for k, v in args.items())
+        else:
+            shown = "" if args is None else str(args)
+        lines.append(f"{name or '?'}({shown})")
+    return "\n".join(lines)
+
+
+def readable_messages(messages: list[Any]) -> list[Any]:
+    """The conversation as trackio's trace list should preview it: an assistant turn that
+    only called tools (content ``""``) shows its calls as its content (trackio previews the
+    first assistant message, "(no assistant response)" otherwise). The tool calls stay."""
+    out = []
+    for msg in messages:
+        if (isinstance(msg, dict) and msg.get("role") == "assistant" and not msg.get("content")
+                and msg.get("tool_calls")):
+            text = call_text(msg["tool_calls"])
+            if text:
+                msg = {**msg, "content": text}
+        out.append(msg)
+    return out
+
+
 def trace_payload(traj: Trajectory) -> tuple[list[dict], dict[str, Any], list[dict]]:
     """``(messages, metadata, spans)`` of the trackio Trace for one trajectory."""
-    return normalize(traj.messages), trace_metadata(traj), [span_dict(s, traj) for s in traj.spans]
+    return normalize(readable_messages(traj.messages)), trace_metadata(traj), [span_dict(s, traj) for s in traj.spans]
 
 
 # ----------------------------------------------------------------------------- summaries
@@ -434,10 +485,9 @@ class TrackioSink(Sink):
         with self._lock:
             run = self._run()
             for m in metrics:
-                values: dict[str, Any] = dict(m.values)
-                if m.slowest_trace_id:
-                    values[("eval" if m.validate else "rollout") + "/slowest_trace_id"] = m.slowest_trace_id
-                run.log(values, step=_int_step(m.step))
+                # (the slowest trajectory is marked in the step's rollouts table: trackio
+                # plots no string metric)
+                run.log(dict(m.values), step=_int_step(m.step))
             if run not in self._touched:
                 self._touched.append(run)
 
