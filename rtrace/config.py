@@ -399,6 +399,10 @@ PARAMS: tuple[Param, ...] = (
           "trackio key for validation trajectories.", type="str"),
     Param("space_id", "TRACKIO_SPACE_ID", _str, None, "a Hugging Face Space id",
           "Send the trackio run to a Space, as trackio does.", type="str | None"),
+    Param("step_table_rows", "RTRACE_STEP_TABLE_ROWS", _int(0), 1024, "an integer >= 0",
+          "Rows of each step's rollouts table (trackio Table, MLflow table): one per exported trajectory of the "
+          "step, by group; 0: no table. Beyond it, rows are left out (the table's last row says how many).",
+          type="int"),
     Param("summary_metrics", "RTRACE_SUMMARY_METRICS", _bool, True, "true/false",
           "Log per-step summary metrics (reward, turns, latency...) next to the traces (trackio).", type="bool"),
     # MLflow sink

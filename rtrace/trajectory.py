@@ -41,6 +41,9 @@ class StepMetrics:
     values: dict[str, float]
     #: the slowest trajectory of the step: a straggler is one search away
     slowest_trace_id: str | None = None
+    #: the step's rollouts table: one row per exported trajectory (the sample and the tail),
+    #: ordered by group then rollout (columns: :data:`rtrace.pipeline.metrics.TABLE_COLUMNS`)
+    rows: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _float_or_none(value: Any) -> float | None:

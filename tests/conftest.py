@@ -20,11 +20,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 @pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    """No RTRACE_* / OTEL_* / backend variables leak in from the machine or an earlier test."""
+def clean_env(monkeypatch, tmp_path):
+    """No RTRACE_* / OTEL_* / backend variables leak in from the machine or an earlier test,
+    and each test runs in its own directory: what lands in the working directory (MLflow's
+    default artifact root ./mlruns, the default rtrace_traces.jsonl) never lands in the
+    checkout."""
     for key in list(os.environ):
         if key.startswith("RTRACE_") or key.startswith("OTEL_") or key in ("MLFLOW_TRACKING_URI", "TRACKIO_SPACE_ID"):
             monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(tmp_path)
     yield
 
 

@@ -160,6 +160,28 @@ class TestStepMetrics:
         assert got == {(False, 0): 0.0, (False, 1): 1.0, (False, 2): 2.0, (False, 3): 3.0}
         assert [m.step for m in sink.rows] == [0, 1, 2, 3]  # in step order, each once
 
+    def test_rollouts_table_groups_side_by_side_and_is_bounded(self):
+        """Each step's rollouts table holds its trajectories ordered by group then rollout, the
+        annotations as columns after the reward, the slowest marked; beyond step_table_rows the
+        last row says how many were left out."""
+        sink = MetricsSink()
+        rtrace.configure(exporter="none", sinks=[sink], step_table_rows=5, export_interval_s=0.02,
+                         await_annotations="advantage")
+        for i in (2, 0, 1):
+            for r in (1, 0):
+                rollout(1, i, r, float(r))
+                rtrace.annotate(step=1, sample_index=i, rollout_n=r, advantage=r - 0.5)
+        assert rtrace.flush(30)
+        (m,) = sink.rows
+        assert list(m.rows[0]) == ["step", "group", "sample_index", "rollout_n", "reward", "advantage", "outcome",
+                                   "turns", "tool_calls", "tokens_in", "tokens_out", "finish_reason", "latency_ms",
+                                   "kept", "note", "trace_id", "answer"]
+        shown = [(r["group"], r["rollout_n"]) for r in m.rows[:5]]
+        assert shown == sorted(shown) and len(set(shown)) == 5  # 5 of the 6, by group then rollout
+        assert m.rows[5]["note"] == "1 more rows left out (step_table_rows)" and m.rows[5]["trace_id"] is None
+        assert [r["note"] for r in m.rows[:5]].count("slowest") <= 1
+        assert all(r["advantage"] == r["rollout_n"] - 0.5 for r in m.rows[:5])
+
     def test_merge_is_exact(self):
         """StepStats of four parts, merged, equal the StepStats of the whole (count-weighted)."""
         with rtrace.testing.capture() as got:

@@ -4,6 +4,7 @@ runs (no flush between steps), read back through each backend's own API."""
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing as mp
 import time
@@ -63,6 +64,49 @@ def mlflow_rows(uri: str, run_id: str, keys) -> dict[tuple[bool, int], dict[str,
     return out
 
 
+def expected_tables(path) -> dict[tuple[bool, int], list[tuple]]:
+    """Each step's rollouts table as the JSONL says it must be: every exported trajectory,
+    ordered by group (its group_id, else its sample_index) then rollout; the slowest marked."""
+    steps: dict = {}
+    for t in read_jsonl(path):
+        steps.setdefault((t.validate, t.step), []).append(t)
+    out = {}
+    for key, trajs in steps.items():
+        slowest = max(trajs, key=lambda t: t.duration_ms).trace_id
+        group = {t.trace_id: t.group_id if t.group_id is not None else t.sample_index for t in trajs}
+        trajs.sort(key=lambda t: (str(group[t.trace_id]), t.rollout_n, t.trace_id))
+        out[key] = [(t.trace_id, group[t.trace_id], t.sample_index, t.rollout_n, t.reward, t.verdict(),
+                     "slowest" if t.trace_id == slowest else "") for t in trajs]
+    return out
+
+
+def _cells(rows) -> list[tuple]:
+    return [(r["trace_id"], r["group"], r["sample_index"], r["rollout_n"], r["reward"], r["outcome"], r["note"])
+            for r in rows]
+
+
+def trackio_tables(project: str, run: str) -> dict[tuple[bool, int], list[tuple]]:
+    from trackio.sqlite_storage import SQLiteStorage
+
+    out = {}
+    for row in SQLiteStorage.get_logs(project, run):
+        for key, validate in (("rollout/rollouts", False), ("eval/rollouts", True)):
+            if key in row:
+                out[(validate, row["step"])] = _cells(row[key]["_value"])
+    return out
+
+
+def mlflow_tables(uri: str, run_id: str, steps) -> dict[tuple[bool, int], list[tuple]]:
+    out = {}
+    for validate, step in steps:
+        name = f"rtrace/{'eval' if validate else 'rollout'}_rollouts/step_{step:06d}.json"
+        local = MlflowClient(tracking_uri=uri).download_artifacts(run_id, name)
+        with open(local) as f:
+            table = json.load(f)  # MLflow's table format: {"columns": [...], "data": [[...], ...]}
+        out[(validate, step)] = _cells([dict(zip(table["columns"], row)) for row in table["data"]])
+    return out
+
+
 def same(got: dict, expected: dict) -> None:
     assert set(got) == set(expected)
     for key, values in expected.items():
@@ -95,6 +139,10 @@ def test_every_step_in_one_process(trackio_mod, tmp_path):
     same(trackio_rows(project, "every-step"), expected)
     keys = {k for values in expected.values() for k in values}
     same(mlflow_rows(uri, run.info.run_id, keys), expected)
+    # each step's rollouts table: one row per trajectory, by group, the slowest marked
+    tables = expected_tables(tmp_path / "t.jsonl")
+    assert trackio_tables(project, "every-step") == tables
+    assert mlflow_tables(uri, run.info.run_id, tables) == tables
 
 
 @pytest.mark.integration
@@ -121,3 +169,6 @@ def test_every_step_through_the_collector(trackio_mod, tmp_path):
     same(trackio_rows(project, "job"), expected)
     keys = {k for values in expected.values() for k in values}
     same(mlflow_rows(uri, run_id, keys), expected)
+    tables = expected_tables(tmp_path / "t.jsonl")
+    assert trackio_tables(project, "job") == tables
+    assert mlflow_tables(uri, run_id, tables) == tables

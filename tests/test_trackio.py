@@ -40,7 +40,16 @@ def logs_with(project, run, prefix):
     from trackio.sqlite_storage import SQLiteStorage
 
     rows = [r for r in SQLiteStorage.get_logs(project, run) if any(k.startswith(prefix) for k in r)]
-    return [{k: v for k, v in r.items() if k.startswith(prefix) or k == "step"} for r in rows]
+    # numbers only: the step's rollouts table is logged beside them (tables_of)
+    return [{k: v for k, v in r.items() if (k.startswith(prefix) and not isinstance(v, dict)) or k == "step"}
+            for r in rows]
+
+
+def tables_of(project, run, key="rollout/rollouts"):
+    """The rollouts tables of a run, by step (rows as trackio stored them)."""
+    from trackio.sqlite_storage import SQLiteStorage
+
+    return {r["step"]: r[key]["_value"] for r in SQLiteStorage.get_logs(project, run) if key in r}
 
 
 # ----------------------------------------------------------------------------- an agent

@@ -125,6 +125,11 @@ def tag_value(value: Any) -> str:
     return str(value)
 
 
+def tag_safe(value: Any) -> Any:
+    """A table cell MLflow's JSON writer takes: non-finite floats as strings."""
+    return finite_or_str(value) if isinstance(value, float) else value
+
+
 def trace_tags(traj: Trajectory) -> dict[str, str]:
     """The searchable trace tags of a trajectory (None values left out). ``validate`` is
     ``'True'`` / ``'False'``, as veRL writes it (``str(validate)``)."""
@@ -600,10 +605,12 @@ class MlflowSink(Sink):
 
     def export_step_metrics(self, metrics: Sequence[StepMetrics]) -> None:
         """Log each step's metrics on the linked run (``MlflowClient.log_batch``), at that
-        step; the slowest trajectory's trace id becomes the run tag
-        ``rtrace.slowest_trace_id.<rollout|eval>.<step>``. Without a run nothing is logged
-        (counted as ``sink.mlflow.step_metrics_without_run``)."""
-        from mlflow.entities import Metric, RunTag
+        step, and its rollouts table (``MlflowClient.log_table``, the run's artifact
+        ``rtrace/<rollout|eval>_rollouts/step_<step>.json``: one row per trajectory, the
+        slowest marked, each with its trace id). Without a run nothing is logged (counted
+        as ``sink.mlflow.step_metrics_without_run``); a table that cannot be written is
+        counted as ``sink.mlflow.failed_step_tables`` and the metrics still are."""
+        from mlflow.entities import Metric
         from mlflow.tracking import MlflowClient
 
         with self._lock:
@@ -617,11 +624,20 @@ class MlflowSink(Sink):
             now = int(time.time() * 1000)
             rows = [Metric(key, float(value), now, int(m.step)) for m in metrics for key, value in m.values.items()
                     if isinstance(value, (int, float)) and math.isfinite(value)]
-            tags = [RunTag(f"rtrace.slowest_trace_id.{'eval' if m.validate else 'rollout'}.{m.step}",
-                           "tr-" + m.slowest_trace_id) for m in metrics if m.slowest_trace_id]
             client = MlflowClient(tracking_uri=self._uri)
             for i in range(0, len(rows), 1000):  # MLflow's log_batch limit
-                client.log_batch(run_id, metrics=rows[i:i + 1000], tags=tags if i == 0 else [])
+                client.log_batch(run_id, metrics=rows[i:i + 1000])
+            for m in metrics:
+                if not m.rows:
+                    continue
+                name = f"rtrace/{'eval' if m.validate else 'rollout'}_rollouts/step_{int(m.step):06d}.json"
+                table = {key: [tag_safe(r.get(key)) for r in m.rows] for key in m.rows[0]}
+                try:
+                    client.log_table(run_id, data=table, artifact_file=name)
+                except Exception:
+                    _stats.incr("sink.mlflow.failed_step_tables")
+                    _stats.warn_once("mlflow-table", "rtrace could not log a step's rollouts table to MLflow run "
+                                     "%s", run_id, exc_info=True)
 
     def shutdown(self) -> None:
         self._backend = None

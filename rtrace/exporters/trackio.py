@@ -485,9 +485,13 @@ class TrackioSink(Sink):
         with self._lock:
             run = self._run()
             for m in metrics:
-                # (the slowest trajectory is marked in the step's rollouts table: trackio
-                # plots no string metric)
-                run.log(dict(m.values), step=_int_step(m.step))
+                # the step's rollouts table beside its metrics (Media & Tables page), the
+                # slowest trajectory marked in it: trackio plots no string metric
+                values: dict[str, Any] = dict(m.values)
+                if m.rows:
+                    key = ("eval" if m.validate else "rollout") + "/rollouts"
+                    values[key] = self._trackio.Table(data=normalize(m.rows))
+                run.log(values, step=_int_step(m.step))
             if run not in self._touched:
                 self._touched.append(run)
 

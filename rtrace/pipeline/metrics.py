@@ -22,6 +22,11 @@ the same four for every numeric annotation (``advantage_mean`` ...);
 by ``length``), ``partial_rate``; ``latency_ms_mean`` / ``_p50`` / ``_p90`` / ``_max``;
 ``time_generation_frac`` / ``time_tool_frac`` / ``time_other_frac``; and, not a number,
 ``slowest_trace_id``.
+
+Each step also gets its **rollouts table** (``StepMetrics.rows``): one row per exported
+trajectory of the step, the sample and the tail alike, ordered by group then rollout so
+a GRPO group reads side by side (columns :data:`TABLE_COLUMNS`, then one per numeric
+annotation), bounded by ``step_table_rows``.
 """
 
 from __future__ import annotations
@@ -32,11 +37,65 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from .. import _stats
+from .._serialize import truncate
 from ..trajectory import StepMetrics, Trajectory
 
-__all__ = ["StepStats", "StepMetricsTracker"]
+__all__ = ["StepStats", "StepMetricsTracker", "TABLE_COLUMNS", "table_row"]
 
 _MAX_DURATIONS = 200_000  # per step: exact percentiles up to this many trajectories
+
+#: The rollouts table's columns, in order; each numeric annotation (``advantage`` ...)
+#: follows ``reward`` as a column of its own. ``outcome`` is the trajectory's verdict
+#: (``correct``, ``wrong``, ``truncated``, ``error``, ``partial``, ``ok``); ``note`` marks
+#: the step's slowest trajectory; ``answer`` is the final answer, at most
+#: :data:`ANSWER_CHARS` characters.
+TABLE_COLUMNS = ("step", "group", "sample_index", "rollout_n", "reward", "outcome", "turns", "tool_calls",
+                 "tokens_in", "tokens_out", "finish_reason", "latency_ms", "kept", "note", "trace_id", "answer")
+ANSWER_CHARS = 300
+
+
+def table_row(traj: Trajectory) -> dict[str, Any]:
+    """One trajectory as a row of its step's rollouts table (annotations as extra keys)."""
+    tokens_in = tokens_out = 0
+    for span in traj.spans:
+        if span.kind == "generation":
+            tokens_in += _int(span.attributes.get("gen_ai.usage.input_tokens"))
+            tokens_out += _int(span.attributes.get("gen_ai.usage.output_tokens"))
+    final = traj.final_answer()
+    answer = final.get("content") if final is not None else None
+    row: dict[str, Any] = {
+        "step": traj.step, "group": traj.group_id if traj.group_id is not None else traj.sample_index,
+        "sample_index": traj.sample_index, "rollout_n": traj.rollout_n, "reward": traj.reward,
+        "outcome": traj.verdict(), "turns": traj.num_turns, "tool_calls": traj.num_tool_calls,
+        "tokens_in": tokens_in, "tokens_out": tokens_out, "finish_reason": traj.finish_reason,
+        "latency_ms": round(traj.duration_ms, 1), "kept": ",".join(traj.kept), "note": "",
+        "trace_id": traj.trace_id,
+        "answer": truncate(answer, ANSWER_CHARS) if isinstance(answer, str) else None,
+    }
+    for key, value in traj.annotations.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in row:
+            row[key] = value
+    return row
+
+
+def _table(rows: list[dict[str, Any]], left_out: int, slowest: str) -> list[dict[str, Any]]:
+    """The rows ordered by group then rollout, each with every column (None where a row
+    has no value: trackio and MLflow tables want rectangular data)."""
+    extra = sorted({k for r in rows for k in r} - set(TABLE_COLUMNS))
+    order = list(TABLE_COLUMNS[:5]) + extra + list(TABLE_COLUMNS[5:])
+    rows = sorted(rows, key=lambda r: (str(r["group"]), _sortable(r["rollout_n"]), r["trace_id"]))
+    out = []
+    for r in rows:
+        if r["trace_id"] == slowest:
+            r["note"] = "slowest"
+        out.append({k: r.get(k) for k in order})
+    if left_out:
+        out.append({k: None for k in order} | {"note": f"{left_out} more rows left out (step_table_rows)"})
+    return out
+
+
+def _sortable(value: Any) -> tuple[int, Any]:
+    return (0, value) if isinstance(value, (int, float)) else (1, str(value))
 
 
 @dataclass
@@ -197,10 +256,12 @@ def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-def step_metrics(validate: bool, step: int, stats: StepStats) -> StepMetrics:
+def step_metrics(validate: bool, step: int, stats: StepStats, rows: list[dict[str, Any]] | None = None,
+                 left_out: int = 0) -> StepMetrics:
     prefix = "eval" if validate else "rollout"
-    return StepMetrics(step=step, validate=validate, values=stats.values(prefix),
-                       slowest_trace_id=stats.slowest[1] or None)
+    slowest = stats.slowest[1] or None
+    return StepMetrics(step=step, validate=validate, values=stats.values(prefix), slowest_trace_id=slowest,
+                       rows=_table(rows or [], left_out, slowest or ""))
 
 
 class StepMetricsTracker:
@@ -211,9 +272,13 @@ class StepMetricsTracker:
     at flush / shutdown (:meth:`release`).
     """
 
-    def __init__(self, linger_s: float = 0.0) -> None:
+    def __init__(self, linger_s: float = 0.0, table_rows: int = 0) -> None:
         self.linger_s = linger_s
+        #: rows kept per step's rollouts table (0: none)
+        self.table_rows = table_rows
         self._open: dict[tuple[bool, int], StepStats] = {}
+        #: (validate, step) -> [rows, rows left out]
+        self._rows: dict[tuple[bool, int], list] = {}
         self._seen: dict[tuple[bool, int], float] = {}
         self._last: dict[bool, int] = {}
         self._newest: dict[bool, int] = {}
@@ -224,13 +289,20 @@ class StepMetricsTracker:
             step = traj.step
             if not isinstance(step, int) or isinstance(step, bool) or step < 0:
                 continue
-            if traj.kept and "sampled" not in traj.kept:
-                continue  # kept for the tail only: not part of the sample's statistics
             key = (traj.validate, step)
             if step <= self._last.get(traj.validate, -1) and key not in self._open:
                 _stats.incr("step_metrics_late_trajectories")
                 continue
-            self._open.setdefault(key, StepStats()).add(traj)
+            stats = self._open.setdefault(key, StepStats())
+            if self.table_rows:  # the table shows every exported trajectory, tail included
+                rows = self._rows.setdefault(key, [[], 0])
+                if len(rows[0]) < self.table_rows:
+                    rows[0].append(table_row(traj))
+                else:
+                    rows[1] += 1
+            if traj.kept and "sampled" not in traj.kept:
+                continue  # kept for the tail only: not part of the sample's statistics
+            stats.add(traj)
             self._seen[key] = now
             self._newest[traj.validate] = max(step, self._newest.get(traj.validate, -1))
         return self.due(now)
@@ -246,6 +318,7 @@ class StepMetricsTracker:
         for key in sorted(k for k in self._open if done is None or done(*k)):
             validate, step = key
             self._seen.pop(key, None)
-            out.append(step_metrics(validate, step, self._open.pop(key)))
+            rows, left_out = self._rows.pop(key, ([], 0))
+            out.append(step_metrics(validate, step, self._open.pop(key), rows, left_out))
             self._last[validate] = max(step, self._last.get(validate, -1))
         return out

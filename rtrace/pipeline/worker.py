@@ -94,8 +94,8 @@ class Pipeline:
         self.annotations = AnnotationTable(settings.await_annotations, settings.annotation_timeout_s,
                                            settings.await_eval_annotations)
         #: per-step metrics over the exported trajectories (None: summary_metrics off)
-        self.metrics = StepMetricsTracker(min(self.metrics_linger_s, settings.step_linger_s)) \
-            if settings.summary_metrics else None
+        self.metrics = StepMetricsTracker(min(self.metrics_linger_s, settings.step_linger_s),
+                                          settings.step_table_rows) if settings.summary_metrics else None
         #: end-of-trajectory selection (the collector; one process with tail keeping)
         self.selector: Any = None
         self._max_queue = settings.max_queue_size
