@@ -174,8 +174,8 @@ class TestStepMetrics:
         assert rtrace.flush(30)
         (m,) = sink.rows
         assert list(m.rows[0]) == ["step", "group", "sample_index", "rollout_n", "reward", "advantage", "outcome",
-                                   "turns", "tool_calls", "tokens_in", "tokens_out", "finish_reason", "latency_ms",
-                                   "kept", "note", "trace_id", "answer"]
+                                   "answer", "turns", "tool_calls", "tokens_in", "tokens_out", "finish_reason",
+                                   "latency_ms", "kept", "note", "trace_id"]
         shown = [(r["group"], r["rollout_n"]) for r in m.rows[:5]]
         assert shown == sorted(shown) and len(set(shown)) == 5  # 5 of the 6, by group then rollout
         assert m.rows[5]["note"] == "1 more rows left out (step_table_rows)" and m.rows[5]["trace_id"] is None

@@ -49,8 +49,8 @@ _MAX_DURATIONS = 200_000  # per step: exact percentiles up to this many trajecto
 #: (``correct``, ``wrong``, ``truncated``, ``error``, ``partial``, ``ok``); ``note`` marks
 #: the step's slowest trajectory; ``answer`` is the final answer, at most
 #: :data:`ANSWER_CHARS` characters.
-TABLE_COLUMNS = ("step", "group", "sample_index", "rollout_n", "reward", "outcome", "turns", "tool_calls",
-                 "tokens_in", "tokens_out", "finish_reason", "latency_ms", "kept", "note", "trace_id", "answer")
+TABLE_COLUMNS = ("step", "group", "sample_index", "rollout_n", "reward", "outcome", "answer", "turns",
+                 "tool_calls", "tokens_in", "tokens_out", "finish_reason", "latency_ms", "kept", "note", "trace_id")
 ANSWER_CHARS = 300
 
 
