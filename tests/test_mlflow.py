@@ -165,11 +165,12 @@ def test_tags_are_normalised_strings(tmp_path, sqlite_uri):
             for t in (a, b, c)}
     assert tags[a] == {"step": "3", "sample_index": "5", "rollout_n": "0", "validate": "True",
                        "experiment_name": "run-7", "group_id": "p5", "policy_version": "3", "reward": "2",
-                       "extra.task": "gsm8k"}
+                       "verdict": "ok", "extra.task": "gsm8k"}
     assert tags[b]["reward"] == "NaN" and tags[b]["validate"] == "False"
     assert tags[c]["reward"] == "0.25"
     exp = experiment_id(sqlite_uri, "tags")
     assert search(sqlite_uri, exp, filter_string="tags.reward = 'NaN'") == ["tr-" + b]
+    assert sorted(search(sqlite_uri, exp, filter_string="tags.verdict = 'ok'")) == sorted("tr-" + t for t in (a, b, c))
 
 
 @pytest.mark.parametrize("value, text", [

@@ -135,6 +135,8 @@ def trace_tags(traj: Trajectory) -> dict[str, str]:
     ``'True'`` / ``'False'``, as veRL writes it (``str(validate)``)."""
     tags = {tag: tag_value(getattr(traj, field)) for tag, field in _TAG_FIELDS if getattr(traj, field) is not None}
     tags["validate"] = str(bool(traj.validate))
+    # correct / wrong / truncated / error / partial / ok: `tags.verdict = 'wrong'` finds the failures
+    tags["verdict"] = traj.verdict()
     for key, value in traj.extra.items():
         if isinstance(value, (str, int, float, bool)):
             tags[f"extra.{key}"] = tag_value(value)
