@@ -113,7 +113,7 @@ def _build(settings: Settings) -> tuple[tuple[Any, Any], Any]:
             if settings.token2text else []
         from .pipeline.worker import Pipeline
 
-        return (Pipeline(settings, fanout, post), _tracer(settings)), tokenizer
+        return (Pipeline(settings, fanout, post, health_tokenizer=get_tokenizer), _tracer(settings)), tokenizer
     except BaseException:
         fanout.stop(0.0)  # no sink thread of a configuration that never ran is left behind
         raise

@@ -151,6 +151,22 @@ def _str_list(raw: Any) -> tuple[str, ...]:
     return () if names == ("none",) else names
 
 
+#: The rollout-health checks (rtrace/pipeline/health.py; kept here so config imports nothing
+#: of the pipeline): all but ``retokenization`` are on by default.
+HEALTH_CHECKS = ("token_continuity", "retokenization", "reward", "generation", "staleness", "coordinates")
+
+
+def _health_checks(raw: Any) -> tuple[str, ...]:
+    """``all``, ``none`` or a comma list of :data:`HEALTH_CHECKS`."""
+    names = _str_list(raw)
+    if names == ("all",):
+        return HEALTH_CHECKS
+    unknown = [n for n in names if n not in HEALTH_CHECKS]
+    if unknown:
+        raise ValueError(f"unknown check {unknown[0]!r}")
+    return tuple(n for n in HEALTH_CHECKS if n in names)
+
+
 def writable_path(raw: Any) -> str:
     """A file path whose directory exists (or can be created) and is writable; raises
     ValueError saying why not."""
@@ -327,11 +343,21 @@ PARAMS: tuple[Param, ...] = (
           type="int"),
     Param("keep_extremes", "RTRACE_KEEP_EXTREMES", _int(0), 0, "an integer >= 0",
           "Per step, keep the N best and N worst trajectories by `keep_by`, past the cap.", type="int"),
+    Param("keep_unhealthy", "RTRACE_KEEP_UNHEALTHY", _int(0), 0, "an integer >= 0",
+          "Per step, keep up to this many trajectories with a rollout-health finding (docs/health.md), past the "
+          "cap.", type="int"),
     Param("keep_by", "RTRACE_KEEP_BY", _str, "reward", "`reward` or an annotation key",
           "The value best / worst trajectories are chosen by.", type="str"),
     Param("keep_zero_variance_groups", "RTRACE_KEEP_ZERO_VARIANCE_GROUPS", _int(0), 0, "an integer >= 0",
           "Per step, keep up to this many GRPO groups whose rewards are all equal (zero advantage), past the cap.",
           type="int"),
+    Param("health_checks", "RTRACE_HEALTH_CHECKS", _health_checks, tuple(c for c in HEALTH_CHECKS
+                                                                         if c != "retokenization"),
+          "`all`, `none` or a comma list of " + ", ".join(HEALTH_CHECKS),
+          "Rollout-health checks run on every trajectory in rtrace's worker (or the collector); docs/health.md. "
+          "Default: all but retokenization (one tokenizer encode per generation).", type="tuple[str, ...]"),
+    Param("health_max_staleness", "RTRACE_HEALTH_MAX_STALENESS", _int(0), 1, "an integer >= 0",
+          "The `staleness` check reports trajectories whose step - policy_version is above this.", type="int"),
     Param("step_linger_s", "RTRACE_STEP_LINGER_S", _float(0.0), 10.0, _SEC.format(0),
           "Once a later step has begun, a step stays open this long after its last trajectory (workers run "
           "steps out of phase) before its job-wide sample and step metrics are written; flush() writes at "
@@ -448,7 +474,7 @@ class _SettingsBase:
         keeping or prompt sampling under a cap); the collector always does."""
         capped = self.max_traces_per_step is not None or self.max_val_traces_per_step is not None  # type: ignore[attr-defined]
         tail = (self.keep_errors or self.keep_extremes or self.keep_zero_variance_groups  # type: ignore[attr-defined]
-                or self.sample_prompts)  # type: ignore[attr-defined]
+                or self.sample_prompts or (self.keep_unhealthy and self.health_checks))  # type: ignore[attr-defined]
         return bool(capped and tail)
 
     @property

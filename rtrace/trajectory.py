@@ -157,6 +157,9 @@ class Trajectory:
     partial: bool = False
     dropped_spans: int = 0
     messages: list[dict[str, Any]] = field(default_factory=list)
+    #: rollout-health findings, ``{"check": ..., "detail": ...}`` each; empty when healthy
+    #: (docs/health.md). None: not checked (health checks off, or a file written before them).
+    health: list[dict[str, str]] | None = None
 
     # ------------------------------------------------------------------ derived
     @property
@@ -282,6 +285,7 @@ class Trajectory:
             "num_turns": self.num_turns,
             "num_tool_calls": self.num_tool_calls,
             "messages": self.messages,
+            "health": self.health,
             "spans": [s.to_dict() for s in self.spans],
         }
 
@@ -311,6 +315,7 @@ class Trajectory:
             partial=bool(data.get("partial", False)),
             dropped_spans=int(data.get("dropped_spans", 0)),
             messages=data.get("messages") or [],
+            health=data.get("health"),
         )
 
 

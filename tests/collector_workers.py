@@ -178,3 +178,38 @@ def steady(env: dict[str, str], n: int, pause_s: float, out: Any) -> None:
     out.close()
     out.join_thread()
     os._exit(0)
+
+
+def health_job(worker: int) -> None:
+    """Worker ``worker``'s part of a job with rollout-health findings (call with rtrace
+    configured): per step, prompts ``worker, worker + 2, ...`` of 6 with 2 rollouts; some
+    without reward, some stale, and sample 0 rollout 0 of step 1 made by both workers (a
+    duplicate only the whole job shows)."""
+    import rtrace
+
+    @rtrace.traced_generation
+    def gen(prompt_ids):
+        return {"response_ids": [7, 8], "finish_reason": "stop"}
+
+    for step in range(3):
+        for p in range(worker, 6, 2):
+            for r in range(2):
+                with rtrace.rollout_context(step=step, sample_index=p, rollout_n=r, group_id=f"p{p}",
+                                            policy_version=step - (2 if p == 4 else 0)):
+                    gen([1, 2, 3])
+                    gen([1, 2, 3, 7, 8] if (p + r) % 3 else [1, 2, 9])  # a continuity break
+                    if (p + r + step) % 4:
+                        rtrace.record_reward(float(r))
+        if step == 1 and worker == 1:
+            with rtrace.rollout_context(step=1, sample_index=0, rollout_n=0, group_id="p0", policy_version=1):
+                gen([1, 2, 3])
+                rtrace.record_reward(0.0)
+
+
+def health_worker(env: dict[str, str], worker: int) -> None:
+    """:func:`health_job` in a fresh process configured by the collector's env; ends
+    without flush (as Ray ends an actor)."""
+    _apply(env)
+    health_job(worker)
+    time.sleep(1.5)
+    os._exit(0)

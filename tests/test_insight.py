@@ -174,7 +174,7 @@ class TestStepMetrics:
         assert rtrace.flush(30)
         (m,) = sink.rows
         assert list(m.rows[0]) == ["step", "group", "sample_index", "rollout_n", "reward", "advantage", "outcome",
-                                   "answer", "turns", "tool_calls", "tokens_in", "tokens_out", "finish_reason",
+                                   "health", "answer", "turns", "tool_calls", "tokens_in", "tokens_out", "finish_reason",
                                    "latency_ms", "kept", "note", "trace_id"]
         shown = [(r["group"], r["rollout_n"]) for r in m.rows[:5]]
         assert shown == sorted(shown) and len(set(shown)) == 5  # 5 of the 6, by group then rollout

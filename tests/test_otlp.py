@@ -133,7 +133,8 @@ def test_http_export_keeps_ids_tree_times_status_and_attributes(receiver, tmp_pa
           "rl.validate": False, "rl.experiment": "run-7", "rl.extra.dataset": "gsm8k"}
     [root] = by_name["rollout"]
     assert root.parent_span_id is None
-    assert root.attributes == {**rl, "rl.reward": 1.0, "rl.outcome.correct": True, "rtrace.kind": "rollout"}
+    assert root.attributes == {**rl, "rl.reward": 1.0, "rl.outcome.correct": True, "rtrace.kind": "rollout",
+                               "rl.staleness": -2}
     [loop] = by_name["agent"]
     assert loop.parent_span_id == root.span_id
     assert loop.attributes == {**rl, "rtrace.kind": "agent", "rtrace.input": '{"question_ids": [1, 2, 3]}',

@@ -14,6 +14,7 @@ import pytest
 
 import rtrace
 from rtrace.exporters.jsonl import read_jsonl
+from rtrace.pipeline.health import DEFAULT_CHECKS
 from rtrace.pipeline.metrics import StepStats
 from tests import collector_workers as workers
 
@@ -34,13 +35,15 @@ def clean_mlflow(monkeypatch):
 
 
 def expected_from_jsonl(path) -> dict[tuple[bool, int], dict[str, float]]:
-    """The step metrics computed over the JSONL's trajectories, all at once."""
+    """The step metrics computed over the JSONL's trajectories, all at once (health rates of
+    the default checks included; every group is whole: no cap)."""
     stats: dict = {}
     for t in read_jsonl(path):
         if t.kept and "sampled" not in t.kept:
             continue
         stats.setdefault((t.validate, t.step), StepStats()).add(t)
-    return {key: st.values("eval" if key[0] else "rollout") for key, st in stats.items()}
+    return {key: st.values("eval" if key[0] else "rollout", DEFAULT_CHECKS, whole_groups=True)
+            for key, st in stats.items()}
 
 
 def trackio_rows(project: str, run: str) -> dict[tuple[bool, int], dict[str, float]]:

@@ -144,6 +144,8 @@ def trace_tags(traj: Trajectory) -> dict[str, str]:
         tags["partial"] = "true"
     if traj.kept:
         tags["kept"] = ",".join(traj.kept)
+    if traj.health:  # `tags.health LIKE '%token_continuity%'` finds the broken ones
+        tags["health"] = ",".join(sorted({f["check"] for f in traj.health}))
     for key, value in traj.annotations.items():  # advantage, returns ... (never over a standard tag)
         if isinstance(value, (str, int, float, bool)) and key not in tags:
             tags[key] = tag_value(value)

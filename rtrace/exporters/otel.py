@@ -28,8 +28,9 @@ therefore show a trajectory the same way:
   text bounded by :func:`bounded` (the one truncation marker,
   ``…[truncated, N chars]``, the form ``rtrace._serialize.Converter.bound`` writes);
   ``rtrace.prompt_ids`` / ``rtrace.response_ids`` when token ids are still on the span
-  (at most ``max_value_chars`` ids each); on the root ``rtrace.partial`` and
-  ``rtrace.dropped_spans`` when they apply.
+  (at most ``max_value_chars`` ids each); on the root ``rtrace.partial``,
+  ``rtrace.dropped_spans`` and the rollout-health findings (``rtrace.health.checks``, the
+  failed checks' names; ``rtrace.health``, the findings as JSON) when they apply.
 * **events**: name, time (the span's start when unknown) and attributes (checked the
   same way).
 
@@ -201,6 +202,9 @@ def span_attributes(traj: Trajectory, rec: SpanRecord, is_root: bool,
             attrs["rtrace.partial"] = True
         if traj.dropped_spans:
             attrs["rtrace.dropped_spans"] = traj.dropped_spans
+        if traj.health:  # rollout-health findings (docs/health.md)
+            attrs["rtrace.health.checks"] = sorted({f["check"] for f in traj.health})
+            attrs["rtrace.health"] = json_text(traj.health, max_value_chars)
     return attrs
 
 

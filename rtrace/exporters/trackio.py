@@ -231,7 +231,7 @@ def _token_sum(gens: list[SpanRecord], key: str) -> int | None:
 #: id (trackio's own TRACE ID column is the id of a log batch, not of the trajectory).
 _HEADER_FIRST = ("step", "sample_index", "rollout_n", "reward", "group_id", "policy_version")
 #: Keys written after the annotations (an annotation of such a name goes under ``annotations.<key>``).
-_LATER = frozenset({"kept", "trace_id", "validate", "duration_ms", "generation_ms", "tool_ms", "num_turns", "num_tool_calls",
+_LATER = frozenset({"kept", "trace_id", "validate", "health", "duration_ms", "generation_ms", "tool_ms", "num_turns", "num_tool_calls",
                     "finish_reason", "prompt_tokens", "response_tokens", "experiment", "status", "name", "partial",
                     "error", "dropped_spans"})
 #: Starts the ``status`` of a validation trajectory: trackio's trace list shows each trace's status.
@@ -286,6 +286,8 @@ def trace_metadata(traj: Trajectory) -> dict[str, Any]:
     })
     rest.update((f"extra.{key}", value) for key, value in traj.extra.items())
     rest["status"] = status_text(traj)
+    if traj.health:  # searchable: "token_continuity" finds the trajectories that failed it
+        rest["health"] = "; ".join(f"{f['check']}: {f['detail']}" for f in traj.health)
     if traj.name != "rollout":
         rest["name"] = traj.name
     if traj.partial:

@@ -260,6 +260,9 @@ def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Traje
         span.attributes = {**stamp, **span.attributes}  # a span's own value wins (a generation's version)
     if reward is not None:
         root.attributes["rl.reward"] = reward
+    step, version = coords.get("step"), coords.get("policy_version")
+    if type(step) is int and type(version) is int:
+        root.attributes["rl.staleness"] = step - version
     root.attributes.update({f"rl.outcome.{k}": v for k, v in outcome.items() if attr_ok(v)})
     root.attributes.update({f"rl.{k}": v for k, v in annotations.items() if attr_ok(v)})
 
@@ -272,7 +275,8 @@ def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Traje
         annotations=annotations,
         status="error" if root.status == "error" else "ok", error=root.error,
         partial=state.partial, dropped_spans=state.dropped_spans,
-        messages=list(state.messages) if state.messages else [], kept=list(state.kept))
+        messages=list(state.messages) if state.messages else [], kept=list(state.kept),
+        health=list(state.health) if settings.health_checks else None)
 
 
 def tail_of(state: TrajectoryState, keep_by: str) -> Any:
@@ -287,7 +291,7 @@ def tail_of(state: TrajectoryState, keep_by: str) -> Any:
             failed = True
     reward = _number(state.annotations.get("reward", state.reward if state.has_reward else None))
     value = reward if keep_by == "reward" else _number(state.annotations.get(keep_by))
-    return Tail(failed, value, reward)
+    return Tail(failed, value, reward, bool(state.health))
 
 
 def _number(value: Any) -> float | None:

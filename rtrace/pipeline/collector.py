@@ -56,13 +56,14 @@ class CollectorPipeline(Pipeline):
 
     refuse_new_at_shutdown = False
 
-    def __init__(self, settings: Settings, fanout: Fanout, postprocessors: list, settle_s: float) -> None:
+    def __init__(self, settings: Settings, fanout: Fanout, postprocessors: list, settle_s: float,
+                 health_tokenizer: Any = lambda: None) -> None:
         self.settle_s = settle_s
         self.metrics_linger_s = settings.step_linger_s
         self._requests: deque[tuple[Any, int]] = deque()
         self._queued = 0
         self._qlock = threading.Lock()
-        super().__init__(settings, fanout, postprocessors)
+        super().__init__(settings, fanout, postprocessors, health_tokenizer)
         self.selector = selector_for(settings, linger_s=settings.step_linger_s, on_drop=self.dropped)
 
     # ------------------------------------------------------------------ receiver threads
@@ -272,7 +273,7 @@ class Collector:
         post = [Token2Text(lambda: self._tokenizer, settings.token2text_skip_special_tokens,
                            settings.token2text_keep_ids)] if settings.token2text else []
         fanout = Fanout(sinks, settings.max_export_batch_size, settings.sink_queue_size, settings.sink_timeout_s)
-        self.pipeline = CollectorPipeline(settings, fanout, post, settle_s)
+        self.pipeline = CollectorPipeline(settings, fanout, post, settle_s, lambda: self._tokenizer)
         self.receiver = OtlpReceiver(self.pipeline.on_request, host=host, port=port, http_port=http_port)
         try:
             self.receiver.start()

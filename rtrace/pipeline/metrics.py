@@ -49,7 +49,7 @@ _MAX_DURATIONS = 200_000  # per step: exact percentiles up to this many trajecto
 #: (``correct``, ``wrong``, ``truncated``, ``error``, ``partial``, ``ok``); ``note`` marks
 #: the step's slowest trajectory; ``answer`` is the final answer, at most
 #: :data:`ANSWER_CHARS` characters.
-TABLE_COLUMNS = ("step", "group", "sample_index", "rollout_n", "reward", "outcome", "answer", "turns",
+TABLE_COLUMNS = ("step", "group", "sample_index", "rollout_n", "reward", "outcome", "health", "answer", "turns",
                  "tool_calls", "tokens_in", "tokens_out", "finish_reason", "latency_ms", "kept", "note", "trace_id")
 ANSWER_CHARS = 300
 
@@ -66,7 +66,9 @@ def table_row(traj: Trajectory) -> dict[str, Any]:
     row: dict[str, Any] = {
         "step": traj.step, "group": traj.group_id if traj.group_id is not None else traj.sample_index,
         "sample_index": traj.sample_index, "rollout_n": traj.rollout_n, "reward": traj.reward,
-        "outcome": traj.verdict(), "turns": traj.num_turns, "tool_calls": traj.num_tool_calls,
+        "outcome": traj.verdict(),
+        "health": ",".join(sorted({f["check"] for f in traj.health})) if traj.health else "",
+        "turns": traj.num_turns, "tool_calls": traj.num_tool_calls,
         "tokens_in": tokens_in, "tokens_out": tokens_out, "finish_reason": traj.finish_reason,
         "latency_ms": round(traj.duration_ms, 1), "kept": ",".join(traj.kept), "note": "",
         "trace_id": traj.trace_id,
@@ -78,16 +80,22 @@ def table_row(traj: Trajectory) -> dict[str, Any]:
     return row
 
 
-def _table(rows: list[dict[str, Any]], left_out: int, slowest: str) -> list[dict[str, Any]]:
+def _table(rows: list[dict[str, Any]], left_out: int, slowest: str,
+           odd: tuple[int | None, dict[str, int]] = (None, {})) -> list[dict[str, Any]]:
     """The rows ordered by group then rollout, each with every column (None where a row
-    has no value: trackio and MLflow tables want rectangular data)."""
+    has no value: trackio and MLflow tables want rectangular data); the slowest and the
+    members of groups of an odd size noted."""
     extra = sorted({k for r in rows for k in r} - set(TABLE_COLUMNS))
     order = list(TABLE_COLUMNS[:5]) + extra + list(TABLE_COLUMNS[5:])
     rows = sorted(rows, key=lambda r: (str(r["group"]), _sortable(r["rollout_n"]), r["trace_id"]))
+    usual, odd_groups = odd
     out = []
     for r in rows:
-        if r["trace_id"] == slowest:
-            r["note"] = "slowest"
+        notes = ["slowest"] if r["trace_id"] == slowest else []
+        size = odd_groups.get(str(r["group"]))
+        if size is not None:
+            notes.append(f"group of {size} (usual {usual})")
+        r["note"] = "; ".join(notes)
         out.append({k: r.get(k) for k in order})
     if left_out:
         out.append({k: None for k in order} | {"note": f"{left_out} more rows left out (step_table_rows)"})
@@ -151,6 +159,12 @@ class StepStats:
     time_generation: float = 0.0
     time_tool: float = 0.0
     slowest: tuple[float, str] = (-1.0, "")
+    #: rollout health: trajectories checked, and per check those with a finding
+    checked: int = 0
+    health: Counter = field(default_factory=Counter)
+    #: trajectories per group, and those of each group already flagged ``coordinates``
+    group_sizes: Counter = field(default_factory=Counter)
+    group_flagged: Counter = field(default_factory=Counter)
 
     def add(self, traj: Trajectory) -> None:
         self.n += 1
@@ -182,6 +196,15 @@ class StepStats:
                 self.time_tool += span.duration_ms
         self.errors += traj.status == "error"
         self.truncated += truncated
+        group = traj.group_id if traj.group_id is not None else traj.sample_index
+        if group is not None:
+            self.group_sizes[str(group)] += 1
+        if traj.health is not None:
+            self.checked += 1
+            failed = {f["check"] for f in traj.health}
+            self.health.update(failed)
+            if group is not None and "coordinates" in failed:
+                self.group_flagged[str(group)] += 1
         self.partial += traj.partial
         duration = traj.duration_ms
         if len(self.durations) < _MAX_DURATIONS:
@@ -205,9 +228,25 @@ class StepStats:
         self.time_generation += o.time_generation
         self.time_tool += o.time_tool
         self.slowest = max(self.slowest, o.slowest)
+        self.checked += o.checked
+        self.health.update(o.health)
+        self.group_sizes.update(o.group_sizes)
+        self.group_flagged.update(o.group_flagged)
 
-    def values(self, prefix: str) -> dict[str, float]:
-        """The metrics, named ``<prefix>/<name>``."""
+    def odd_groups(self) -> tuple[int | None, dict[str, int]]:
+        """The step's usual group size (the most common; the larger on a tie) and the groups
+        of another size; (None, {}) with fewer than 3 groups (no usual size to speak of)."""
+        if len(self.group_sizes) < 3:
+            return None, {}
+        counts = Counter(self.group_sizes.values())
+        usual = max(counts, key=lambda size: (counts[size], size))
+        return usual, {g: n for g, n in self.group_sizes.items() if n != usual}
+
+    def values(self, prefix: str, checks: tuple[str, ...] = (), whole_groups: bool = False) -> dict[str, float]:
+        """The metrics, named ``<prefix>/<name>``; ``health/<check>_rate`` for each of
+        ``checks`` (share of the checked trajectories with a finding of it), where
+        ``coordinates`` also counts the members of groups of an odd size when
+        ``whole_groups`` says every group is complete (no cap, or whole groups sampled)."""
         n = self.n
         out: dict[str, float] = {"trajectories": n}
         self.reward.into(out, "reward")
@@ -241,6 +280,13 @@ class StepStats:
                 out["time_generation_frac"] = gen / total
                 out["time_tool_frac"] = min(tool, total - gen) / total
                 out["time_other_frac"] = max(0.0, total - gen - tool) / total
+        if self.checked:
+            for check in checks:
+                count = self.health[check]
+                if check == "coordinates" and whole_groups:
+                    _, odd = self.odd_groups()
+                    count += sum(size - self.group_flagged[g] for g, size in odd.items())
+                out[f"health/{check}_rate"] = count / self.checked
         return {f"{prefix}/{k}": float(v) for k, v in out.items()}
 
 
@@ -257,11 +303,12 @@ def _int(value: Any) -> int:
 
 
 def step_metrics(validate: bool, step: int, stats: StepStats, rows: list[dict[str, Any]] | None = None,
-                 left_out: int = 0) -> StepMetrics:
+                 left_out: int = 0, checks: tuple[str, ...] = (), whole_groups: bool = False) -> StepMetrics:
     prefix = "eval" if validate else "rollout"
     slowest = stats.slowest[1] or None
-    return StepMetrics(step=step, validate=validate, values=stats.values(prefix), slowest_trace_id=slowest,
-                       rows=_table(rows or [], left_out, slowest or ""))
+    odd = stats.odd_groups() if whole_groups and "coordinates" in checks else (None, {})
+    return StepMetrics(step=step, validate=validate, values=stats.values(prefix, checks, whole_groups),
+                       slowest_trace_id=slowest, rows=_table(rows or [], left_out, slowest or "", odd))
 
 
 class StepMetricsTracker:
@@ -272,10 +319,15 @@ class StepMetricsTracker:
     at flush / shutdown (:meth:`release`).
     """
 
-    def __init__(self, linger_s: float = 0.0, table_rows: int = 0) -> None:
+    def __init__(self, linger_s: float = 0.0, table_rows: int = 0, checks: tuple[str, ...] = (),
+                 whole_groups: bool = False) -> None:
         self.linger_s = linger_s
         #: rows kept per step's rollouts table (0: none)
         self.table_rows = table_rows
+        #: the enabled health checks (a rate each), and whether every group is exported
+        #: whole (no cap, or whole groups sampled): only then are odd group sizes reported
+        self.checks = checks
+        self.whole_groups = whole_groups
         self._open: dict[tuple[bool, int], StepStats] = {}
         #: (validate, step) -> [rows, rows left out]
         self._rows: dict[tuple[bool, int], list] = {}
@@ -319,6 +371,7 @@ class StepMetricsTracker:
             validate, step = key
             self._seen.pop(key, None)
             rows, left_out = self._rows.pop(key, ([], 0))
-            out.append(step_metrics(validate, step, self._open.pop(key), rows, left_out))
+            out.append(step_metrics(validate, step, self._open.pop(key), rows, left_out, self.checks,
+                                    self.whole_groups))
             self._last[validate] = max(step, self._last.get(validate, -1))
         return out

@@ -69,7 +69,7 @@ class TrajectoryState:
 
     __slots__ = ("trace_id", "root_span_id", "name", "kind", "coords", "captures", "reward",
                  "has_reward", "outcome", "created", "created_ns", "records", "dropped_spans",
-                 "partial", "root_lost", "root_at", "annotations", "remote_parent", "messages", "kept")
+                 "partial", "root_lost", "root_at", "annotations", "remote_parent", "messages", "kept", "health")
 
     def __init__(self, trace_id: int, root_span_id: int | None, name: str, kind: str,
                  coords: dict[str, Any]) -> None:
@@ -103,3 +103,5 @@ class TrajectoryState:
         self.messages: list[dict[str, Any]] | None = None
         #: why the end-of-trajectory selection kept it ("sampled", "error", "best", ...)
         self.kept: list[str] = []
+        #: rollout-health findings ({"check", "detail"}), filled by the worker (health.py)
+        self.health: list[dict[str, str]] = []

@@ -97,15 +97,17 @@ class PreSampler:
 class Tail:
     """What a finished trajectory tells the selector besides its coordinates."""
 
-    __slots__ = ("failed", "value", "reward")
+    __slots__ = ("failed", "value", "reward", "unhealthy")
 
-    def __init__(self, failed: bool, value: float | None, reward: float | None) -> None:
+    def __init__(self, failed: bool, value: float | None, reward: float | None, unhealthy: bool = False) -> None:
         #: ended in error or was truncated (a generation stopped by ``length``)
         self.failed = failed
         #: the value best / worst are chosen by (``keep_by``: the reward or an annotation)
         self.value = value
         #: the reward, for zero-variance groups
         self.reward = reward
+        #: has a rollout-health finding (pipeline/health.py)
+        self.unhealthy = unhealthy
 
 
 class StepSelector:
@@ -119,6 +121,7 @@ class StepSelector:
       group size); ``prompts`` drops the step from the hash, so the same prompts are kept
       at every step where they recur.
     * **error**: up to ``keep_errors`` trajectories that ended in error or were truncated;
+    * **unhealthy**: up to ``keep_unhealthy`` trajectories with a rollout-health finding;
     * **best** / **worst**: the ``keep_extremes`` highest and lowest by ``keep_by``;
     * **zero_variance**: up to ``keep_zero_variance`` groups whose rewards are all equal
       (the lowest-priority groups among at most ``2 * keep_zero_variance`` candidates
@@ -133,12 +136,13 @@ class StepSelector:
 
     def __init__(self, cap: int | None, val_cap: int | None, groups: bool, seed: int, linger_s: float,
                  on_drop: Any = None, keep_errors: int = 0, keep_extremes: int = 0,
-                 keep_zero_variance: int = 0, prompts: bool = False) -> None:
+                 keep_zero_variance: int = 0, prompts: bool = False, keep_unhealthy: int = 0) -> None:
         #: called with each item sampled out (the collector remembers it for annotations)
         self.on_drop = on_drop or (lambda item: None)
         self.caps = {False: cap, True: val_cap}
         self.groups, self.seed, self.linger_s, self.prompts = groups, seed, linger_s, prompts
         self.keep_errors, self.keep_extremes, self.keep_zero_variance = keep_errors, keep_extremes, keep_zero_variance
+        self.keep_unhealthy = keep_unhealthy
         self._open: dict[tuple[bool, Any], _Step] = {}
         self._released: OrderedDict[tuple[bool, Any], int] = OrderedDict()
         self._latest: dict[bool, Any] = {}
@@ -185,6 +189,8 @@ class StepSelector:
         if tail is not None:
             if self.keep_errors and tail.failed:
                 self._push(entry, entry.errors, self.keep_errors, (rank, uid))
+            if self.keep_unhealthy and tail.unhealthy:
+                self._push(entry, entry.unhealthy, self.keep_unhealthy, (rank, uid))
             if self.keep_extremes and tail.value is not None:
                 self._push(entry, entry.best, self.keep_extremes, ((tail.value, rank), uid))
                 self._push(entry, entry.worst, self.keep_extremes, ((-tail.value, rank), uid))
@@ -260,8 +266,8 @@ class StepSelector:
                 continue
             del self._open[key]
             reasons: dict[int, list[str]] = {}
-            for name, heap in (("sampled", entry.sample), ("error", entry.errors), ("best", entry.best),
-                               ("worst", entry.worst)):
+            for name, heap in (("sampled", entry.sample), ("error", entry.errors), ("unhealthy", entry.unhealthy),
+                               ("best", entry.best), ("worst", entry.worst)):
                 for _, uid in sorted(heap, reverse=True):
                     reasons.setdefault(uid, []).append(name)
             zero = sorted((g for g in entry.groups.values() if len(g[2]) >= 2), key=lambda g: g[0])
@@ -291,11 +297,12 @@ class StepSelector:
 class _Step:
     """What the selector holds for one (validate, step)."""
 
-    __slots__ = ("sample", "errors", "best", "worst", "groups", "broken", "items", "last")
+    __slots__ = ("sample", "errors", "unhealthy", "best", "worst", "groups", "broken", "items", "last")
 
     def __init__(self) -> None:
         self.sample: list = []
         self.errors: list = []
+        self.unhealthy: list = []
         self.best: list = []
         self.worst: list = []
         #: zero-variance candidates: group -> [priority, reward, [uids]]
@@ -311,7 +318,8 @@ def selector_for(settings: Any, linger_s: float, on_drop: Any = None) -> StepSel
     return StepSelector(settings.max_traces_per_step, settings.val_cap, settings.sample_groups, settings.sample_seed,
                         linger_s, on_drop=on_drop, keep_errors=settings.keep_errors,
                         keep_extremes=settings.keep_extremes, keep_zero_variance=settings.keep_zero_variance_groups,
-                        prompts=settings.sample_prompts)
+                        prompts=settings.sample_prompts,
+                        keep_unhealthy=settings.keep_unhealthy if settings.health_checks else 0)
 
 
 def _plain_num(value: Any) -> float:

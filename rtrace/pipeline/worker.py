@@ -32,6 +32,7 @@ from ..trajectory import Trajectory
 from .annotations import Annotation, AnnotationTable, coord_key
 from .builder import SpanConverter, finish, tail_of
 from .fanout import Fanout
+from .health import HealthChecker
 from .messages import build_messages
 from .metrics import StepMetricsTracker
 from .records import TrajectoryState
@@ -86,7 +87,8 @@ class Pipeline:
     #: processes may still be on their way); 0 in one process, where children end first
     settle_s = 0.0
 
-    def __init__(self, settings: Settings, fanout: Fanout, postprocessors: Sequence[Postprocessor] = ()) -> None:
+    def __init__(self, settings: Settings, fanout: Fanout, postprocessors: Sequence[Postprocessor] = (),
+                 health_tokenizer: Callable[[], Any] = lambda: None) -> None:
         self.settings = settings
         self.registry = TrajectoryRegistry(settings.max_open_trajectories, settings.max_spans_per_trajectory)
         self.fanout = fanout
@@ -94,10 +96,15 @@ class Pipeline:
         self.annotations = AnnotationTable(settings.await_annotations, settings.annotation_timeout_s,
                                            settings.await_eval_annotations)
         #: per-step metrics over the exported trajectories (None: summary_metrics off)
+        whole = settings.sample_groups or (settings.max_traces_per_step is None and settings.val_cap is None)
         self.metrics = StepMetricsTracker(min(self.metrics_linger_s, settings.step_linger_s),
-                                          settings.step_table_rows) if settings.summary_metrics else None
+                                          settings.step_table_rows, settings.health_checks,
+                                          whole) if settings.summary_metrics else None
         #: end-of-trajectory selection (the collector; one process with tail keeping)
         self.selector: Any = None
+        #: rollout-health checks (None: RTRACE_HEALTH_CHECKS=none)
+        self.health: HealthChecker | None = HealthChecker(
+            settings.health_checks, settings.health_max_staleness, health_tokenizer) if settings.health_checks else None
         self._max_queue = settings.max_queue_size
         self._wake_at = max(1, min(2048, self._max_queue // 2))
         self._queue: collections.deque[ReadableSpan] = collections.deque()
@@ -216,6 +223,14 @@ class Pipeline:
         if expire:
             ready += self.registry.expire(now, self.settings.orphan_timeout_s, force)
             self.annotations.expire(now)
+        if self.health is not None:  # before the selection: it may keep unhealthy ones
+            for state in ready:
+                try:
+                    self.health.check_state(state)
+                except Exception:
+                    _stats.incr("health_errors")
+                    _stats.warn_once("health", "rtrace could not run the health checks on a trajectory",
+                                     exc_info=True)
         ready = self._select(ready, now, force)
         if ready:
             self._export(ready, conv)
@@ -285,6 +300,9 @@ class Pipeline:
                 _stats.warn_once("build", "rtrace could not build a trajectory; it is dropped", exc_info=True)
                 continue
             self.annotations.remember(coord_key(state.coords), state.trace_id, "exported")
+        health = self.health
+        if health is not None:
+            self._step(health.check_ids, out, "health")  # while the token ids are on the spans
         for post in self.postprocessors:
             try:
                 post(out)
@@ -299,6 +317,8 @@ class Pipeline:
             except Exception:
                 _stats.incr("messages_errors")
                 _stats.warn_once("messages", "rtrace could not build messages", exc_info=True)
+        if health is not None:
+            self._step(health.check_text, out, "health")  # with the decoded text and the conversation
         _stats.incr("trajectories_completed", len(out))
         self.fanout.submit(out)
         if self.metrics is not None:
@@ -307,6 +327,15 @@ class Pipeline:
             rows = self.metrics.observe(out, time.monotonic())
             if rows:
                 self.fanout.submit_metrics(rows)
+
+    @staticmethod
+    def _step(fn: Callable[[list[Trajectory]], None], out: list[Trajectory], what: str) -> None:
+        try:
+            fn(out)
+        except Exception:
+            _stats.incr(f"{what}_errors")
+            _stats.warn_once(f"step-{what}", "rtrace: %s failed on a batch (the trajectories are still exported)",
+                             what, exc_info=True)
 
     # ------------------------------------------------------------------ control
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
