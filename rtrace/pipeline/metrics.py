@@ -34,9 +34,15 @@ from typing import Any, Iterable
 from .. import _stats
 from ..trajectory import StepMetrics, Trajectory
 
-__all__ = ["StepStats", "StepMetricsTracker"]
+__all__ = ["StepStats", "StepMetricsTracker", "in_sample"]
 
 _MAX_DURATIONS = 200_000  # per step: exact percentiles up to this many trajectories
+
+
+def in_sample(traj: Trajectory) -> bool:
+    """Counted by the step metrics: kept by the step's sample (``kept`` contains
+    ``sampled``), or kept with no cap (``kept`` empty); not kept for the tail only."""
+    return not traj.kept or "sampled" in traj.kept
 
 
 @dataclass
@@ -224,7 +230,7 @@ class StepMetricsTracker:
             step = traj.step
             if not isinstance(step, int) or isinstance(step, bool) or step < 0:
                 continue
-            if traj.kept and "sampled" not in traj.kept:
+            if not in_sample(traj):
                 continue  # kept for the tail only: not part of the sample's statistics
             key = (traj.validate, step)
             if step <= self._last.get(traj.validate, -1) and key not in self._open:
