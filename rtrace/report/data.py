@@ -135,7 +135,8 @@ def _conversation(traj: Trajectory, s: _Strings, max_chars: int, max_messages: i
         msgs = head + [{"role": "…", "content": f"…[truncated, {cut} messages]"}] + tail
     out = []
     for m in msgs:
-        row: list[Any] = [s(str(m.get("role", "?"))), s(truncate(_content(m.get("content")), max_chars))]
+        text = _content(m.get("content"))
+        row: list[Any] = [s(str(m.get("role", "?"))), s(text if m.get("role") == "…" else truncate(text, max_chars))]
         calls = m.get("tool_calls")
         if isinstance(calls, list) and calls:
             row.append([[s(str((c.get("function") or {}).get("name", "?"))),

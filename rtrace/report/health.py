@@ -125,30 +125,36 @@ def check(records: Sequence[Record], specs: Sequence[str], out: TextIO) -> int:
         out.write(f"rtrace report --check: none of the {len(records)} trajectories carries health (files written "
                   "before rtrace's health checks, or checks turned off): nothing was checked\n")
         return NO_HEALTH
+    checked = sum(h.checked for h in steps)
+    unknown = sum(h.unknown for h in steps)
+    limits = ", ".join([f"{default:g} for every check"] + [f"{k}={v:g}" for k, v in sorted(per_check.items())])
+    out.write(f"rtrace report --check: {checked} trajectories checked in {sum(1 for h in steps if h.checked)} "
+              f"step(s)" + (f", {unknown} without health (unknown, not counted)" if unknown else "")
+              + f"; max rates: {limits}\n")
     failures = []
     for h in steps:
         label = step_label(h.validate, h.step)
         if not h.checked:
-            out.write(f"{label}: no health data ({h.unknown} trajectories written without health)\n")
+            out.write(f"{label}: no health data ({h.unknown} trajectories without health)\n")
             continue
-        unknown = f", {h.unknown} without health (not counted)" if h.unknown else ""
-        out.write(f"{label}: {h.checked} trajectories checked{unknown}\n")
+        parts = []
         for name, rate in h.rates().items():
             check_name = name[len("health/"):-len("_rate")]
             limit = per_check.get(check_name, default)
             bad = rate > limit and not math.isclose(rate, limit)
-            mark = "FAIL" if bad else "ok"
-            out.write(f"  {mark:4} {name} = {rate:.4g} ({h.failing.get(check_name, 0)} of {h.checked}), "
-                      f"max {limit:g}\n")
+            if rate or bad:
+                parts.append(f"{'FAIL' if bad else 'ok'} {check_name} {h.failing.get(check_name, 0)}/{h.checked} = "
+                             f"{rate:.2%} {'>' if bad else '<='} {limit:g}")
             if bad:
                 example = next(((i, d) for i, c, d in h.findings if c == check_name), None)
-                failures.append((label, name, rate, limit, example))
+                failures.append((label, name, rate, limit, h.failing.get(check_name, 0), h.checked, example))
+        out.write(f"{label}: {'; '.join(parts) if parts else 'ok'} ({h.checked} checked)\n")
     if not failures:
         out.write("health check passed\n")
         return OK
     out.write(f"health check FAILED: {len(failures)} rate(s) above their threshold\n")
-    for label, name, rate, limit, example in failures:
-        line = f"  {label}: {name} = {rate:.4g} > {limit:g}"
+    for label, name, rate, limit, count, total, example in failures:
+        line = f"  {label}: {name} = {rate:.4g} > {limit:g} ({count} of {total})"
         if example is not None:
             i, detail = example
             line += f"; e.g. trace {records[i].traj.trace_id}: {detail}"

@@ -131,7 +131,10 @@ def line_plot(title: str, series: Sequence[tuple[str, Sequence[tuple[int, float]
         return LEFT + 8 + (s - x0) / (x1 - x0) * (W - RIGHT - LEFT - 16)
 
     out = [f'<svg class="plot" viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img" aria-label="{_esc(title)}">']
-    out += _frame(title, yt, unit, sy, [label for label, _ in series] if len(series) > 1 else ())
+    legend = [label for label, _ in series] if len(series) > 1 else []
+    if len(steps) == 1 and legend:  # one step: the values go in the legend (labels at one x would collide)
+        legend = [f"{label} {fmt_number(pts[0][1], unit)}" for label, pts in series]
+    out += _frame(title, yt, unit, sy, legend)
     labelled = steps if len(steps) <= 12 else sorted({round(t) for t in ticks(0, x1 - x0, 5)
                                                       if 0 <= t <= x1 - x0} | {0, x1 - x0})
     if len(steps) > 12:
@@ -148,7 +151,7 @@ def line_plot(title: str, series: Sequence[tuple[str, Sequence[tuple[int, float]
             tip = f"{label}: step {x}: {fmt_number(y, unit)}" if len(series) > 1 else f"step {x}: {fmt_number(y, unit)}"
             out.append(f'<circle class="s{i}" cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3"><title>{_esc(tip)}</title>'
                        f'</circle>')
-        if len(steps) == 1:  # a single point: say its value next to it
+        if len(steps) == 1 and len(series) == 1:  # a single point: say its value next to it
             x, y = pts[0]
             out.append(f'<text class="v" x="{sx(x) + 6:.1f}" y="{sy(y) - 6:.1f}">{fmt_number(y, unit)}</text>')
     out.append("</svg>")
