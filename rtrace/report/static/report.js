@@ -59,6 +59,7 @@ rtraceData().then(function (D) {
     return strip(v.toFixed(Math.min(15, 3 - Math.floor(Math.log10(a)))));
   }
   function ms(v) { return v.toLocaleString("en-US", {maximumFractionDigits: 1}) + " ms"; }
+  function plural(n, one, many) { return n.toLocaleString("en-US") + " " + (n === 1 ? one : many); }
   function pct(a, b) { return b ? (Math.round(1000 * a / b) / 10) + "%" : "–"; }
   function short(text, n) { return text && text.length > n ? text.slice(0, n) + "…" : (text || ""); }
   /* the end of an answer: where the answer is */
@@ -73,12 +74,13 @@ rtraceData().then(function (D) {
     for (const [k, v] of new URLSearchParams(location.hash.slice(1))) o[k] = v;
     return o;
   }
+  /* a link to the state `changes` makes: kept on top of the current one, or alone with keep=false */
   function href(changes, keep) {
-    const o = keep ? Object.assign(params(), changes) : Object.assign({}, changes);
+    const o = keep === false ? Object.assign({}, changes) : Object.assign(params(), changes);
     for (const k of Object.keys(o)) if (o[k] === null || o[k] === undefined || o[k] === "") delete o[k];
     return "#" + new URLSearchParams(o).toString();
   }
-  function go(changes, keep) { location.hash = href(changes, keep === undefined ? true : keep); }
+  function go(changes, keep) { location.hash = href(changes, keep); }
   function traceLink(i, text) {
     const id = val(T[i], "trace_id");
     return h("a", {class: "tid", href: href({trace: id}, true), title: id, text: text || id.slice(0, 12)});
@@ -190,8 +192,8 @@ rtraceData().then(function (D) {
     const st = STEPS[si];
     const select = h("select", {"aria-label": "step", onchange: (e) => go({step: e.target.value, tab: tab}, false)},
       STEPS.map((x) => h("option", {value: x.key, selected: x.key === st.key, text: x.label})));
-    const prev = si > 0 ? h("a", {href: href({step: STEPS[si - 1].key, tab: tab}), text: "← previous"}) : null;
-    const next = si < STEPS.length - 1 ? h("a", {href: href({step: STEPS[si + 1].key, tab: tab}), text: "next →"})
+    const prev = si > 0 ? h("a", {href: href({step: STEPS[si - 1].key, tab: tab}, false), text: "← previous"}) : null;
+    const next = si < STEPS.length - 1 ? h("a", {href: href({step: STEPS[si + 1].key, tab: tab}, false), text: "next →"})
       : null;
     const tail = st.n - st.sampled;
     return h("div", {class: "stephead"}, h("h2", {id: "step-title", text: st.label}), select, prev, next,
@@ -203,7 +205,7 @@ rtraceData().then(function (D) {
     const st = STEPS[si];
     const nfail = stepRange(si).filter((i) => val(T[i], "fail").length).length;
     const counts = {groups: groups(si).size, failures: nfail, health: st.health.findings.length};
-    return h("nav", {class: "tabs"}, TABS.map((name) => h("a", {href: href({step: st.key, tab: name}),
+    return h("nav", {class: "tabs"}, TABS.map((name) => h("a", {href: href({step: st.key, tab: name}, false),
       class: name === tab ? "on" : null, "data-tab": name}, name,
       counts[name] !== undefined ? h("span", {class: "n", text: " " + counts[name]}) : null)));
   }
@@ -232,7 +234,7 @@ rtraceData().then(function (D) {
     box.append(hists);
     const notes = [];
     if (!st.hist.advantage) notes.push("No advantage: annotate it (rtrace.annotate_batch(..., advantage=...)).");
-    if (st.non_finite.reward) notes.push(st.non_finite.reward + " trajectories without a finite reward.");
+    if (st.non_finite.reward) notes.push(plural(st.non_finite.reward, "trajectory", "trajectories") + " without a finite reward.");
     notes.forEach((n) => box.append(h("p", {class: "muted", text: n})));
     const g = groups(si);
     const multi = [...g.values()].filter((m) => m.filter((i) => val(T[i], "sampled")).length >= 2).length;
@@ -240,7 +242,7 @@ rtraceData().then(function (D) {
       " (all rewards equal: no GRPO signal)"}));
     if (st.zero_var.length) {
       box.append(h("div", {class: "chips", id: "zero-var"}, st.zero_var.map(([name, reward, size]) =>
-        h("a", {class: "chip", href: href({step: st.key, tab: "groups", group: name}), "data-group": name,
+        h("a", {class: "chip", href: href({step: st.key, tab: "groups", group: name}, false), "data-group": name,
                 text: name + " · reward " + num(reward) + " × " + size}))));
     }
     return box;
@@ -284,7 +286,8 @@ rtraceData().then(function (D) {
     const task0 = task(members[0]);
     const box = h("div", {id: "group", "data-group": name},
       h("h3", null, "group " + name + " · " + members.length + " rollouts · ",
-        h("a", {href: href({tab: "prompts", prompt: str(val(T[members[0]], "prompt")), group: null}), text: "this prompt across steps"})),
+        h("a", {href: href({tab: "prompts", prompt: str(val(T[members[0]], "prompt")), group: null, a: null, b: null}),
+                text: "this prompt across steps"})),
       task0 ? h("pre", {class: "text task", text: task0}) : null);
     const cols = h("div", {class: "cols"});
     for (const i of members) {
@@ -584,7 +587,8 @@ rtraceData().then(function (D) {
     if (spans.length) {
       const total = Math.max(val(t, "ms"), 1e-9);
       d.append(h("h3", {text: "timeline"}), h("div", {class: "timeline"}, spans.map(([kind, name, start, dur, err, fin]) =>
-        h("div", {class: "row"}, h("span", {text: (kind === "g" ? "generation " : kind === "t" ? "tool " : kind + " ") + (str(name) || "")}),
+        h("div", {class: "row"}, h("span", {text: (kind === "g" ? "generation" : kind === "t" ? "tool" : kind) +
+          (str(name) && str(name) !== kind ? " " + str(name) : "")}),
           h("span", {class: "track"}, h("i", {class: err ? "e" : kind, style: "left:" + (100 * start / total).toFixed(2) + "%;width:" +
             (100 * dur / total).toFixed(2) + "%"})),
           h("span", {text: ms(dur) + (str(fin) ? " " + str(fin) : "")})))));
