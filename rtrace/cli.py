@@ -161,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "report":
         from .report import MAX_CHARS, run
 
+        if args.max_rate and not args.check:
+            parser.error("--max-rate is a threshold of --check: add --check")
         return run(args.paths, sys.stdout, args.html, health_check=args.check, max_rates=args.max_rate,
                    max_chars=args.max_chars or MAX_CHARS)
     parser.print_help()

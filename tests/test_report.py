@@ -212,6 +212,10 @@ class TestPageData:
         zero = {s["key"]: s["zero_var"] for s in data["steps"]}
         assert zero == {"t1": [["s1-q2", 0.0, 4]], "t2": [["s2-q0", 1.0, 4]],
                         "t3": [["s3-q0", 1.0, 4], ["s3-q1", 1.0, 4]], "v3": []}
+        assert [s["groups_2"] for s in data["steps"]] == [3, 3, 3, 0]
+        for s in data["steps"][:3]:  # named groups / groups of 2 or more = the metric
+            frac = dict((name, v) for name, v, _ in s["metrics"])["zero_variance_groups_frac"]
+            assert len(s["zero_var"]) / s["groups_2"] == frac
 
     def test_prompt_key_is_the_samplers(self, records):
         """The report follows prompts with the rule sample_prompts hashes: prompt_id, else group_id, else sample_index."""
@@ -310,6 +314,8 @@ class TestHealth:
         one = _report("--check", *paths, "--max-rate", "0.1", "--max-rate", "retokenization=0.05", check=False)
         assert one.returncode == 1 and "step 3: FAIL retokenization 1/12 = 8.33% > 0.05" in one.stdout
         assert "token_continuity" not in one.stdout.split("health check FAILED")[1]
+        alone = _report(*paths, "--max-rate", "0.1", check=False)  # a threshold without --check checks nothing
+        assert alone.returncode == 2 and "--max-rate is a threshold of --check" in alone.stderr
         bad = _report("--check", *paths, "--max-rate", "nope=0.1", check=False)
         assert bad.returncode == 2 and "unknown check 'nope'" in bad.stdout
         old = tmp_path / "old.jsonl"  # written before the health checks: no `health` key

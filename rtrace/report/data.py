@@ -256,6 +256,8 @@ def page_data(records: Sequence[Record], max_chars: int = MAX_CHARS, max_message
             "non_finite": {"reward": sum(r is None for r in rewards),
                            "advantage": sum(a is None for a in advantages)},
             "zero_var": zero, "health": h,
+            # groups of 2 or more finite rewards: zero_variance_groups_frac's denominator
+            "groups_2": 0 if st is None else sum(1 for rs in st.groups.values() if len(rs) >= 2),
         })
     return {"fields": list(FIELDS), "failures": list(FAILURES), "max_chars": max_chars, "steps": steps,
             "trajectories": trajs, "strings": s.table()}

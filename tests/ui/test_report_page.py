@@ -114,6 +114,8 @@ def test_a_step_shows_the_step_metrics(page, report):
     bars = page.locator("#overview [data-hist='reward'] rect title").all_text_contents()
     assert bars == ["0: 4", "1: 7"]  # 11 rewards: the crashed rollout has none
     assert page.locator("#zero-var a").all_text_contents() == ["s2-q0 · reward 1 × 4"]
+    assert page.locator("#overview h3", has_text="zero-variance groups").text_content().startswith(
+        "zero-variance groups: 1 of 3 ")  # zero_variance_groups_frac = 1/3
     slowest = page.locator("#overview a.tid").text_content()
     assert slowest == max((r.traj for r in report["records"] if r.traj.step == 2 and not r.traj.validate),
                           key=lambda t: t.duration_ms).trace_id

@@ -236,9 +236,7 @@ rtraceData().then(function (D) {
     if (!st.hist.advantage) notes.push("No advantage: annotate it (rtrace.annotate_batch(..., advantage=...)).");
     if (st.non_finite.reward) notes.push(plural(st.non_finite.reward, "trajectory", "trajectories") + " without a finite reward.");
     notes.forEach((n) => box.append(h("p", {class: "muted", text: n})));
-    const g = groups(si);
-    const multi = [...g.values()].filter((m) => m.filter((i) => val(T[i], "sampled")).length >= 2).length;
-    box.append(h("h3", {text: "zero-variance groups: " + st.zero_var.length + (multi ? " of " + multi : "") +
+    box.append(h("h3", {text: "zero-variance groups: " + st.zero_var.length + (st.groups_2 ? " of " + st.groups_2 : "") +
       " (all rewards equal: no GRPO signal)"}));
     if (st.zero_var.length) {
       box.append(h("div", {class: "chips", id: "zero-var"}, st.zero_var.map(([name, reward, size]) =>
