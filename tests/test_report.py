@@ -107,6 +107,8 @@ class TestTable:
         bad.write_text('{"schema": "other"}\n{"x": 1}\n')
         proc = _report(bad, check=False)
         assert proc.returncode == 2 and "bad.jsonl:1: not an rtrace trajectory" in proc.stdout
+        unwritable = _report(run_files["paths"][0], "--html", tmp_path / "no" / "dir" / "r.html", check=False)
+        assert unwritable.returncode == 2 and "cannot write" in unwritable.stdout
         half = tmp_path / "half.jsonl"
         lines = Path(run_files["paths"][0]).read_text().splitlines(keepends=True)
         half.write_text("".join(lines[:3]) + lines[3][:50])

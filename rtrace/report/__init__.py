@@ -53,7 +53,11 @@ def run(paths: Sequence[str], out: TextIO, html_path: str | None = None, health_
     if not health_check:
         _table(records, notes, paths, out)
     if html_path:
-        _page(records, notes, paths, out, html_path, max_chars, max_messages)
+        try:
+            _page(records, notes, paths, out, html_path, max_chars, max_messages)
+        except OSError as exc:
+            out.write(f"rtrace report: cannot write {html_path}: {exc.strerror or exc}\n")
+            return USAGE
     return check(records, max_rates, out) if health_check else 0
 
 

@@ -20,7 +20,7 @@ try:  # the same values as the json module, ~3x faster; trackio and the otlp ext
 except ImportError:  # pragma: no cover - depends on the installed extras
     _loads = json.loads
 
-__all__ = ["Record", "ReportInputError", "read_records", "step_of", "group_of"]
+__all__ = ["Record", "ReportInputError", "read_records", "step_of", "group_of", "by_step"]
 
 
 class ReportInputError(Exception):
