@@ -2,8 +2,8 @@
  *
  * Reads the block #rtrace-data (JSON built by rtrace/report/data.py, gzip, base64:
  * rtrace/report/page.py; each trajectory an array named by `fields`, texts by index into
- * `strings`) and renders the selected step only, on demand; a conversation is built when it is opened. The state lives in the
- * URL's hash (#step=t3&tab=groups&group=p1, #trace=<id>): links can be shared, the back
+ * `strings`) and renders the selected step only, on demand; a conversation is built
+ * when it is opened. The state lives in the URL's hash (#step=t3&tab=groups&group=p1, #trace=<id>): links can be shared, the back
  * button works. Texts from the data are only ever set as textContent; the one innerHTML
  * is the SVG that rtrace/report/plots.py escaped.
  */
@@ -92,30 +92,34 @@ rtraceData().then(function (D) {
     return out;
   }
   function answer(i) { return str(val(T[i], "answer")); }
-  function latencyBar(i, max, width) {
+  /* [generation, tools, other] ms, clamped as the step metrics' time_*_frac are */
+  function timeSplit(i) {
     const t = T[i], total = val(t, "ms") || 0;
     const gen = Math.min(val(t, "gen_ms"), total), tool = Math.min(val(t, "tool_ms"), total - gen);
+    return [gen, tool, Math.max(0, total - gen - tool)];
+  }
+  function latencyBar(i, max, width) {
+    const [gen, tool, other] = timeSplit(i);
     const px = (x) => (max > 0 ? (x / max) * width : 0).toFixed(1) + "px";
-    return h("span", {class: "bar", title: "generation " + ms(gen) + ", tools " + ms(tool) + ", other " +
-                      ms(Math.max(0, total - gen - tool))},
+    return h("span", {class: "bar", title: split(i)},
              h("i", {class: "g", style: "width:" + px(gen)}), h("i", {class: "t", style: "width:" + px(tool)}),
-             h("i", {class: "o", style: "width:" + px(Math.max(0, total - gen - tool))}));
+             h("i", {class: "o", style: "width:" + px(other)}));
   }
   function split(i) {
-    const t = T[i], total = val(t, "ms");
-    const gen = Math.min(val(t, "gen_ms"), total), tool = Math.min(val(t, "tool_ms"), total - gen);
-    return "gen " + ms(gen) + " · tool " + ms(tool) + " · other " + ms(Math.max(0, total - gen - tool));
+    const [gen, tool, other] = timeSplit(i);
+    return "gen " + ms(gen) + " · tool " + ms(tool) + " · other " + ms(other);
+  }
+  /* head: [[label, class], ...] */
+  function thead(head) {
+    return h("thead", null, h("tr", null, head.map((c) => h("th", {class: c[1] || null, text: c[0]}))));
   }
   function table(head, rows, cls) {
-    return h("div", {class: "scroll"}, h("table", {class: cls || null},
-      h("thead", null, h("tr", null, head.map((c) => h("th", {class: c[1] || null, text: c[0]})))),
-      h("tbody", null, rows)));
+    return h("div", {class: "scroll"}, h("table", {class: cls || null}, thead(head), h("tbody", null, rows)));
   }
   /* rows rendered PAGE at a time: a step of 10,000 trajectories stays fast */
   function paged(head, items, row, cls) {
     const body = h("tbody");
-    const wrap = h("div", null, h("div", {class: "scroll"}, h("table", {class: cls || null},
-      h("thead", null, h("tr", null, head.map((c) => h("th", {class: c[1] || null, text: c[0]})))), body)));
+    const wrap = h("div", null, h("div", {class: "scroll"}, h("table", {class: cls || null}, thead(head), body)));
     let shown = 0;
     const more = h("button", {class: "more", type: "button", onclick: () => add()});
     function add() {
@@ -195,10 +199,10 @@ rtraceData().then(function (D) {
     const prev = si > 0 ? h("a", {href: href({step: STEPS[si - 1].key, tab: tab}, false), text: "← previous"}) : null;
     const next = si < STEPS.length - 1 ? h("a", {href: href({step: STEPS[si + 1].key, tab: tab}, false), text: "next →"})
       : null;
-    const tail = st.n - st.sampled;
+    const tailOnly = st.n - st.sampled;
     return h("div", {class: "stephead"}, h("h2", {id: "step-title", text: st.label}), select, prev, next,
-      h("span", {class: "muted", text: st.n.toLocaleString("en-US") + " trajectories" + (tail ? ": " +
-        st.sampled.toLocaleString("en-US") + " in the step's sample (the metrics), " + tail +
+      h("span", {class: "muted", text: plural(st.n, "trajectory", "trajectories") + (tailOnly ? ": " +
+        st.sampled.toLocaleString("en-US") + " in the step's sample (the metrics), " + tailOnly +
         " kept for the tail only" : "")}));
   }
   function tabs(si, tab) {
