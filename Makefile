@@ -4,7 +4,7 @@
 # SQLite, in-process OTLP receivers); `make test-integration` runs the tests marked
 # `integration` (a real mlflow server, Ray, collector worker processes, the demo, torchrun).
 # `make test-verl` runs tests/verl against the real verl in its own venv (.venv-verl).
-# `make test-ui` runs tests/ui: trackio's traces page in a real browser (Debian's chromium, Playwright).
+# `make test-ui` runs tests/ui: trackio's traces page and rtrace report's page in a real browser (Debian's chromium, Playwright).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -71,8 +71,9 @@ test-py:
 	  HF_HUB_OFFLINE=1 $$venv/bin/python -m pytest -q -p no:cacheprovider -m "not integration"; \
 	done
 
-# What a person sees (issue #14): tests/ui drives Debian's chromium with Playwright through
-# trackio's traces page. Installs what it needs: chromium (apt, as root) when it is not on PATH,
+# What a person sees (issues #14, #22): tests/ui drives Debian's chromium with Playwright through
+# trackio's traces page, its Media page and the page `rtrace report --html` writes. Installs what
+# it needs: chromium (apt, as root) when it is not on PATH,
 # playwright into the venv (its own browser download is not used: the test launches chromium).
 test-ui: $(STAMP)
 	command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium; }

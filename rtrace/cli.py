@@ -35,6 +35,12 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _exit_codes() -> list[tuple[int, str]]:
+    from .report.health import EXIT_CODES
+
+    return sorted(EXIT_CODES.items())
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``rtrace`` and its subcommands."""
     parser = argparse.ArgumentParser(
@@ -85,11 +91,24 @@ def build_parser() -> argparse.ArgumentParser:
     collect.add_argument("--max-traces-per-step", type=_non_negative, default=None,
                          help="trajectories kept per step, job-wide (default: all)")
     report = sub.add_parser(
-        "report", help="per-step metrics of JSONL trajectory files (a table; optionally one HTML page)",
+        "report", help="a step at a glance from JSONL trajectory files: a table, a static HTML page, a health check",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Print the per-step table (reward, turns, tokens, errors, latency...) of one or more JSONL "
-                    "files written by rtrace's jsonl sink (several workers' files merge exactly).")
+                    "files written by rtrace's jsonl sink (several workers' files merge exactly). --html writes "
+                    "one self-contained page that shows a step: metrics and histograms, GRPO groups side by side, "
+                    "failures, a prompt across steps, latency ranking, rollout health, conversations "
+                    "(docs/report.md).",
+        epilog="--check exit codes:\n" + "\n".join(f"  {code}  {meaning}" for code, meaning in _exit_codes()))
     report.add_argument("paths", nargs="+", help="JSONL files")
-    report.add_argument("--html", default=None, help="also write a static HTML page with tables and plots here")
+    report.add_argument("--html", default=None, metavar="PAGE", help="also write the step viewer page here")
+    report.add_argument("--check", action="store_true",
+                        help="check the rollout health rates (health/<check>_rate per step) instead of printing "
+                             "the table; exit 1 when one is above its threshold")
+    report.add_argument("--max-rate", action="append", default=[], metavar="[CHECK=]RATE",
+                        help="threshold of --check: RATE for every check (default 0: any finding fails) or "
+                             "CHECK=RATE for one, e.g. --max-rate token_continuity=0.01; repeatable")
+    report.add_argument("--max-chars", type=_positive, default=None,
+                        help="the page cuts message contents to this many characters (default 4000)")
     return parser
 
 
@@ -140,10 +159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "collect":
         return _collect(args)
     if args.command == "report":
-        from .report import write_report
+        from .report import MAX_CHARS, run
 
-        write_report(args.paths, sys.stdout, args.html)
-        return 0
+        if args.max_rate and not args.check:
+            parser.error("--max-rate is a threshold of --check: add --check")
+        return run(args.paths, sys.stdout, args.html, health_check=args.check, max_rates=args.max_rate,
+                   max_chars=args.max_chars or MAX_CHARS)
     parser.print_help()
     return 0 if args.command is None else 2
 

@@ -51,11 +51,12 @@ from collections import OrderedDict
 from typing import Any, Callable, Iterable
 
 from .. import _stats
+from ..config import HEALTH_CHECKS
 from ..trajectory import SpanRecord, Trajectory, response_text
 
 __all__ = ["CHECKS", "DEFAULT_CHECKS", "HealthChecker", "finding", "group_key"]
 
-CHECKS = ("token_continuity", "retokenization", "reward", "generation", "staleness", "coordinates")
+CHECKS = HEALTH_CHECKS  # declared in config (which imports nothing of the pipeline)
 DEFAULT_CHECKS = tuple(c for c in CHECKS if c != "retokenization")
 
 #: Steps whose coordinates and group rewards are remembered (older ones are forgotten).

@@ -40,7 +40,7 @@ from .. import _stats
 from .._serialize import truncate
 from ..trajectory import StepMetrics, Trajectory
 
-__all__ = ["StepStats", "StepMetricsTracker", "TABLE_COLUMNS", "table_row"]
+__all__ = ["StepStats", "StepMetricsTracker", "TABLE_COLUMNS", "table_row", "in_sample"]
 
 _MAX_DURATIONS = 200_000  # per step: exact percentiles up to this many trajectories
 
@@ -104,6 +104,12 @@ def _table(rows: list[dict[str, Any]], left_out: int, slowest: str,
 
 def _sortable(value: Any) -> tuple[int, Any]:
     return (0, value) if isinstance(value, (int, float)) else (1, str(value))
+
+
+def in_sample(traj: Trajectory) -> bool:
+    """Counted by the step metrics: kept by the step's sample (``kept`` contains
+    ``sampled``), or kept with no cap (``kept`` empty); not kept for the tail only."""
+    return not traj.kept or "sampled" in traj.kept
 
 
 @dataclass
@@ -352,7 +358,7 @@ class StepMetricsTracker:
                     rows[0].append(table_row(traj))
                 else:
                     rows[1] += 1
-            if traj.kept and "sampled" not in traj.kept:
+            if not in_sample(traj):
                 continue  # kept for the tail only: not part of the sample's statistics
             stats.add(traj)
             self._seen[key] = now

@@ -23,7 +23,7 @@ from typing import Any
 
 from .. import _stats
 
-__all__ = ["StepSampler", "StepSelector", "PreSampler", "Tail", "priority", "selector_for"]
+__all__ = ["StepSampler", "StepSelector", "PreSampler", "Tail", "priority", "prompt_key", "selector_for"]
 
 #: Steps whose counters are kept; older ones are forgotten (bounded memory).
 _STEPS_KEPT = 64
@@ -65,6 +65,17 @@ class StepSampler:
                 entry[0] += 1
         _stats.incr("trajectories_started" if admitted else "trajectories_sampled_out")
         return admitted
+
+
+def prompt_key(coords: dict[str, Any]) -> Any:
+    """The prompt a trajectory answers, to follow it across steps: ``prompt_id`` of its extra
+    coordinates, else ``group_id``, else ``sample_index`` (the first one set; ``None`` when
+    none is). ``sample_prompts`` hashes it, and ``rtrace report`` groups by it."""
+    extra = coords.get("extra") or {}
+    for value in (extra.get("prompt_id"), coords.get("group_id"), coords.get("sample_index")):
+        if value is not None:
+            return value
+    return None
 
 
 # ----------------------------------------------------------------------------- job-wide
@@ -150,7 +161,7 @@ class StepSelector:
 
     def priority(self, coords: dict[str, Any]) -> float:
         if self.prompts:
-            prompt = (coords.get("extra") or {}).get("prompt_id", coords.get("group_id", coords.get("sample_index")))
+            prompt = prompt_key(coords)
             coords = {"validate": coords.get("validate"), "step": None, "sample_index": prompt,
                       "group_id": prompt, "rollout_n": coords.get("rollout_n")}
         return priority(coords, self.seed, self.groups or self.prompts)
