@@ -9,10 +9,11 @@ another (``worker1.jsonl``), as two workers would. Rewards, advantages (annotate
 generation and one slow tool call are scripted (:data:`PASS`, :data:`ERROR`,
 :data:`TRUNCATED`, :data:`SLOW`), so the test knows every value the page must show.
 
-Rollout health: the pipeline's health checks are another engineer's work in progress, so
-this job adds ``health`` to the lines as the checked pipeline will write it (an empty
-list when healthy; :data:`HEALTH` holds the findings), and leaves it out of the
-validation lines: written without checks, their health is unknown.
+Rollout health: the job runs with the pipeline's checks off (``health: null`` on every
+line, as a file written without them) and then sets ``health`` on the training lines to
+scripted findings (an empty list when healthy; :data:`HEALTH` holds the findings), so the
+test knows every value; the validation lines keep ``null``: their health is unknown.
+tests/test_health.py checks the pipeline's own findings.
 
 Prints ``{"paths": [...], "trace_ids": {"step-prompt-rollout": id}}`` as JSON.
 """
@@ -102,7 +103,7 @@ def episode(question: str, a: int, b: int, final: str, delay: float, crash: bool
 
 def run_worker(path: str, parity: int, ids: dict[str, str]) -> None:
     rtrace.configure(exporter="jsonl", jsonl_path=path, export_interval_s=0.02, await_annotations="advantage",
-                     annotation_timeout_s=0.5)
+                     annotation_timeout_s=0.5, health_checks="none")
     for step in (1, 2, 3):
         for prompt, (question, a, b) in PROMPTS.items():
             for rollout in range(parity, 4, 2):
