@@ -455,22 +455,25 @@ class TrackioSink(Sink):
         batch, else read now (None: the store cannot be read)."""
         known = self._stored.get(run.id)
         if known is None:
-            _trackio_private.flush_run(run, time.monotonic() + self.settings.sink_timeout_s)
+            deadline = time.monotonic() + self.settings.sink_timeout_s
+            _trackio_private.flush_run(run, deadline)
             try:
-                known = self._stored[run.id] = _trackio_private.stored_trace_count(run)
+                known = self._stored[run.id] = _count(run, deadline)
             except Exception:
                 return None
         return known
 
     def _verify(self, run: Any, before: int | None, n: int) -> None:
         """Write the run's queue now and check that ``n`` more traces are stored. A store
-        that cannot be read cannot show the batch is durable: it counts as failed (a
-        read-only ``TRACKIO_DIR`` refuses the writes as well)."""
-        durable = _trackio_private.flush_run(run, time.monotonic() + self.settings.sink_timeout_s)
+        that cannot be read (a read-only ``TRACKIO_DIR`` refuses trackio's lock file to
+        readers too) is read again until ``sink_timeout_s``; one that stays unreadable
+        cannot show the batch is durable: it counts as failed."""
+        deadline = time.monotonic() + self.settings.sink_timeout_s
+        durable = _trackio_private.flush_run(run, deadline)
         try:
             if before is None:
                 raise OSError("no count before the batch")
-            after = _trackio_private.stored_trace_count(run)
+            after = _count(run, deadline)
         except Exception as exc:
             self._stored.pop(run.id, None)  # read again before the next batch
             raise PartialExport(n, f"trackio's store could not be read back ({exc})") from None
@@ -513,6 +516,18 @@ class TrackioSink(Sink):
             run, self._own_run = self._own_run, None
         if run is not None and self._is_open(run):
             run.finish()
+
+
+def _count(run: Any, deadline: float) -> int:
+    """The run's stored traces, read again every 0.1 s until ``deadline`` while the store
+    cannot be read (the last error is raised then)."""
+    while True:
+        try:
+            return _trackio_private.stored_trace_count(run)
+        except Exception:
+            if time.monotonic() + 0.1 > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def _drain(run: Any, deadline: float) -> None:
