@@ -323,5 +323,59 @@ def test_run_based_slicing_matches_a_per_token_reference():
         real = [(lo, hi) for v, lo, hi in batch._runs(attn) if v]
         n_prompt = batch._prompt_len(0, width, real, None, None, [loss])
         prompt_iv, resp_iv = batch._split(real, n_prompt)
-        got = batch._gather(row, prompt_iv), batch._turns(row, resp_iv, loss, vers)
-        assert got == _reference_turns(row, attn, loss, vers), (row, attn, loss, vers)
+        turns = [(t.role == "assistant", t.ids, t.version) for t in batch._turns(row, resp_iv, loss, vers)]
+        assert (batch._gather(row, prompt_iv), turns) == _reference_turns(row, attn, loss, vers), (row, attn, loss, vers)
+
+
+class TestWhoWroteItAndExactCoordinates:
+    """log_rollout_batch for trainers whose loss mask is not "written by the policy" and whose
+    batches do not divide into groups (SkyRL's overlong filtering, its evaluation batches)."""
+
+    def test_assistant_mask_cuts_turns_and_loss_mask_counts_what_is_trained(self, tmp_path):
+        """A truncated response whose loss mask is all zeros (apply_overlong_filtering) still shows
+        its two policy turns and its tool turn; rl.loss_tokens says none of it is trained on."""
+        path = tmp_path / "t.jsonl"
+        _configure(path)
+        prompt, a1, obs, a2 = [1, 2, 3], [10, 11], [20, 21, 22], [30, 31, 32]
+        ids = [prompt + a1 + obs + a2, prompt + a1 + obs + a2]
+        who = [[0] * 3 + [1] * 2 + [0] * 3 + [1] * 3] * 2
+        loss = [[0] * 11, [0] * 3 + [1] * 2 + [0] * 3 + [1] * 3]
+        rtrace.log_rollout_batch(ids, assistant_mask=who, loss_mask=loss, prompt_lengths=3, step=1,
+                                 sample_indices=[0, 0], rollout_ns=[0, 1], finish_reasons=["length", "stop"])
+        filtered, trained = _read(path)
+        for traj in (filtered, trained):
+            assert [(s.attributes["rtrace.role"], s.response_ids) for s in traj.spans[1:]] == [
+                ("assistant", a1), ("tool", obs), ("assistant", a2)]
+            assert traj.spans[1].prompt_ids == prompt
+        assert [s.attributes["rl.loss_tokens"] for s in filtered.spans] == [0, 0, 0, 0]
+        assert [s.attributes["rl.loss_tokens"] for s in trained.spans] == [5, 2, 0, 3]
+        assert filtered.finish_reason == "length" and trained.finish_reason == "stop"
+        assert filtered.verdict() == "truncated"
+
+    def test_exact_coordinates_need_no_divisibility(self, tmp_path):
+        """Four evaluation samples of three prompts (one, two, one rollouts), their coordinates given
+        per sample: no divisibility rule, each trajectory where it belongs."""
+        path = tmp_path / "t.jsonl"
+        _configure(path)
+        rtrace.log_rollout_batch([[1, 5], [2, 5], [2, 6], [3, 5]], prompt_lengths=1, n_samples_per_prompt=3,
+                                 step=2, validate=True, sample_indices=[0, 1, 1, 2], rollout_ns=[0, 0, 1, 0],
+                                 prompt_uids=["a", "b", "b", "c"])
+        trajs = _read(path)
+        assert [(t.sample_index, t.rollout_n, t.group_id, t.validate) for t in trajs] == [
+            (0, 0, "a", True), (1, 0, "b", True), (1, 1, "b", True), (2, 0, "c", True)]
+
+    def test_without_them_the_divisibility_error_says_what_to_do(self, tmp_path):
+        _configure(tmp_path / "t.jsonl")
+        with pytest.raises(ValueError, match="does not divide the batch size 4 .*give sample_indices"):
+            rtrace.log_rollout_batch([[1, 5]] * 4, n_samples_per_prompt=3, step=1)
+
+
+class TestPromptIndex:
+    def test_dense_indices_per_step_across_calls(self):
+        """A uid gets the next free index of its (validate, step), the same one when seen again."""
+        from rtrace.instrumentation.turns import PromptIndex
+
+        idx = PromptIndex()
+        got = [idx.index(False, 1, u) for u in ("q7", "q3", "q7", "q9")]
+        assert got == [0, 1, 0, 2]
+        assert [idx.index(True, 1, "q7"), idx.index(False, 2, "q3"), idx.index(False, 1, "q3")] == [0, 0, 1]
