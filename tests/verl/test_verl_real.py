@@ -454,3 +454,44 @@ class TestToken2Text:
         run = t.spans[1]
         assert run.output["response_text"] is not None and run.output["response_text"].endswith(app.answer_text(a, b))
         assert rtrace.stats().get("token2text_errors", 0) == 0
+
+
+# ----------------------------------------------------------------------------- rollout health
+
+
+class TestHealth:
+    async def test_tool_agent_loop_has_no_finding(self, model_dir, tool_config, tokenizer, tmp_path, monkeypatch):
+        """veRL's own ToolAgentLoop, token in token out, its rewards annotated by the trainer (as
+        veRL's driver computes them after the batch): every trajectory's health is empty, every
+        check on (no false positive)."""
+        monkeypatch.setenv("RTRACE_HEALTH_CHECKS", "all")
+        monkeypatch.setenv("RTRACE_AWAIT_ANNOTATIONS", "reward")
+        worker, _ = worker_for(model_dir, tool_config, tokenizer, trace_overrides())
+        out = await worker.generate_sequences(app.make_batch([0, 1], n=2, step=3))
+        index = [int(i) for i in out.non_tensor_batch["index"]]
+        rtrace.annotate_batch(step=3, sample_index=index, rollout_n=[0, 1, 0, 1], reward=[1.0, 1.0, 0.0, 1.0])
+        trajs = read_traces(tmp_path)
+        assert sorted(by_coords(trajs)) == [(3, i, r, False) for i in (0, 1) for r in (0, 1)]
+        assert [t.health for t in trajs] == [[], [], [], []]
+        assert all(t.spans_of_kind("generation") for t in trajs)
+
+    async def test_a_loop_that_re_renders_the_template_is_flagged(self, model_dir, tool_config, tokenizer, tmp_path):
+        """A custom loop that renders the chat template again at every turn, its parser having
+        re-serialized the call's arguments (CompactChatAgentLoop), is flagged token_continuity at
+        turn 2, at the first token where its prompt leaves what the model sampled; the same loop
+        without the re-serialization (ChatAgentLoop: the template renders the call as the model
+        wrote it) is not."""
+        loops = app.write_agent_loop_config(tmp_path / "agent_loops.yaml")
+        worker, _ = worker_for(model_dir, tool_config, tokenizer, trace_overrides(
+            token2text=False, **{"actor_rollout_ref.rollout.agent.agent_loop_config_path": str(loops)}))
+        await worker.generate_sequences(app.make_batch([2], n=1, step=1, agent="chat_agent"))
+        await worker.generate_sequences(app.make_batch([2], n=1, step=2, agent="compact_chat_agent"))
+        faithful, t = sorted(read_traces(tmp_path), key=lambda t: t.step)
+        assert [f["check"] for f in faithful.health] == ["reward"]  # (no reward: nothing scored it)
+        first, second = t.spans_of_kind("generation")
+        expected = first.prompt_ids + first.response_ids
+        pos = next(i for i, (a, b) in enumerate(zip(expected, second.prompt_ids)) if a != b)
+        (finding,) = [f for f in t.health if f["check"] == "token_continuity"]
+        assert finding["detail"] == (f"turn 2: its prompt does not continue turn 1's prompt + response at token {pos} "
+                                     f"of {len(expected)} (expected id {expected[pos]}, got {second.prompt_ids[pos]})")
+        assert pos > len(first.prompt_ids)  # inside what the model wrote, not in the prompt

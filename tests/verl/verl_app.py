@@ -314,6 +314,10 @@ class ChatAgentLoop(AgentLoopBase):
         self._last = list(output.token_ids)
         return {"role": "assistant", "content": self.tokenizer.decode(output.token_ids, skip_special_tokens=True)}
 
+    def arguments(self, call: dict[str, Any]) -> Any:
+        """The call's arguments as the conversation keeps them (the template renders them)."""
+        return call["arguments"]
+
     @rollout_trace_op
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         messages = [dict(m) for m in kwargs["raw_prompt"]]
@@ -325,7 +329,7 @@ class ChatAgentLoop(AgentLoopBase):
                 break
             call = json.loads(calls[0])
             messages.append({"role": "assistant", "content": "", "tool_calls": [
-                {"type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]})
+                {"type": "function", "function": {"name": call["name"], "arguments": self.arguments(call)}}]})
             response, _reward, _metrics = await self.tools[call["name"]].execute(f"chat-{turn}", call["arguments"])
             messages.append({"role": "tool", "content": response.text})
         response_ids = (self._ids(messages) + self._last)[len(prompt_ids):]
@@ -333,7 +337,17 @@ class ChatAgentLoop(AgentLoopBase):
                                response_mask=[1] * len(response_ids), num_turns=len(messages) + 1, metrics={})
 
 
+class CompactChatAgentLoop(ChatAgentLoop):
+    """ChatAgentLoop whose tool parser re-serializes the call's arguments compactly (as some
+    parsers do) before the template renders the conversation again: the next prompt no
+    longer holds the tokens the model sampled (the rollout-health test's broken loop)."""
+
+    def arguments(self, call: dict[str, Any]) -> Any:
+        return json.dumps(call["arguments"], separators=(",", ":"))
+
+
 def write_agent_loop_config(path: Path) -> Path:
     """veRL's custom agent loop registry file (``rollout.agent.agent_loop_config_path``)."""
-    path.write_text("- name: chat_agent\n  _target_: verl_app.ChatAgentLoop\n")
+    path.write_text("- name: chat_agent\n  _target_: verl_app.ChatAgentLoop\n"
+                    "- name: compact_chat_agent\n  _target_: verl_app.CompactChatAgentLoop\n")
     return path
