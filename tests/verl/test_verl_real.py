@@ -28,6 +28,7 @@ pytest.importorskip("verl")
 import rtrace  # noqa: E402
 from rtrace.compat.verl import RolloutTraceConfig  # noqa: E402
 from rtrace.exporters.jsonl import read_jsonl  # noqa: E402
+from rtrace.exporters.trackio import readable_messages  # noqa: E402
 
 import verl_app as app  # noqa: E402  (tests/verl on sys.path: see conftest.py)
 from verl_app import TOOL_LOOP_TREE, trace_overrides  # noqa: E402
@@ -338,9 +339,9 @@ class TestBackends:
         assert len(got) == 2 == len(ref)
         for g in got:
             md = g["metadata"]
-            t = ref[(md["step"], md["sample_index"], md["rollout_n"], md["validate"])]
+            t = ref[(md["step"], md["sample_index"], md["rollout_n"], md.get("validate", False))]
             assert (g["step"], g["key"], md["experiment"]) == (2, "rollout/traces", app.EXPERIMENT)
-            assert g["messages"] == t.messages
+            assert g["messages"] == readable_messages(t.messages)  # a tool-call turn shows its call
 
 
 # ----------------------------------------------------------------------------- install & token2text
