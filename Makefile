@@ -18,7 +18,7 @@ VERL_BIN := $(VERL_VENV)/bin
 VERL_STAMP := $(VERL_VENV)/.rtrace-verl-installed
 PIP_QUIET := -q --disable-pip-version-check
 
-.PHONY: install install-verl demo test test-integration test-py test-ui test-verl soak bench clean
+.PHONY: install install-verl demo test test-integration test-py test-ui test-verl test-frameworks soak bench clean
 
 install: $(STAMP)
 
@@ -80,6 +80,23 @@ test-ui: $(STAMP)
 	$(BIN)/python -m pip install $(PIP_QUIET) "playwright>=1.45"
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests/ui
 
+# The seed trainers' adapters against their real packages (tests/frameworks, issue #21), each in
+# its own venv built here: torch pinned to the CPU wheel on disk first, so no dependency pulls a
+# CUDA build. TRL: trl 1.16.0 (transformers 5) with trackio.
+TRL_VENV ?= .venv-trl
+TRL_STAMP := $(TRL_VENV)/.rtrace-installed
+
+$(TRL_STAMP): pyproject.toml constraints-dev.txt
+	$(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install $(PIP_QUIET) --upgrade pip
+	$(TRL_VENV)/bin/python -m pip install $(PIP_QUIET) torch==2.13.0
+	$(TRL_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt "trl==1.16.0"
+	$(TRL_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt -e ".[trackio,test]"
+	touch $(TRL_STAMP)
+
+test-frameworks: $(TRL_STAMP)
+	HF_HUB_OFFLINE=1 $(TRL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/frameworks/test_trl.py
+
 # rtrace's veRL shim against the real verl (tests/verl); `make test` skips those tests without verl.
 test-verl: $(VERL_STAMP)
 	HF_HUB_OFFLINE=1 $(VERL_BIN)/python -m pytest -q tests/verl
@@ -92,4 +109,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_hot_path.py
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) .venv-py3.* .pytest_cache
+	rm -rf $(VENV) $(VERL_VENV) .venv-py3.* $(TRL_VENV) .pytest_cache

@@ -21,18 +21,23 @@ from pathlib import Path
 
 import pytest
 
+from rtrace.compat import _trl_private
 from rtrace.exporters import _mlflow_private, _trackio_private
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "rtrace"
-QUARANTINE = {PACKAGE / "exporters" / "_trackio_private.py", PACKAGE / "exporters" / "_mlflow_private.py"}
-#: Modules that handle backend objects: no private attribute of anything but themselves.
-SINK_MODULES = [PACKAGE / "exporters" / name for name in ("trackio.py", "mlflow.py", "otlp.py", "otel.py")]
-BACKENDS = ("trackio", "mlflow")
+QUARANTINE = {PACKAGE / "exporters" / "_trackio_private.py", PACKAGE / "exporters" / "_mlflow_private.py",
+              PACKAGE / "compat" / "_trl_private.py"}
+#: Modules that handle backend / trainer objects: no private attribute of anything but themselves.
+SINK_MODULES = [PACKAGE / "exporters" / name for name in ("trackio.py", "mlflow.py", "otlp.py", "otel.py")] + [
+    PACKAGE / "compat" / "trl.py"]
+BACKENDS = ("trackio", "mlflow", "trl")
+#: The quarantine modules' own names: calling their functions is how the others get there.
+WRAPPERS = ("_trackio_private", "_mlflow_private", "_trl_private")
 #: The last step of every listed private name (``_stop_flag``, ``current_run``,
 #: ``ManagedSessionMaker``...): internal names without an underscore are caught too.
 LISTED = {name.rpartition(":")[2].split(".")[-1]
-          for name in (*_trackio_private.PRIVATE_NAMES, *_mlflow_private.PRIVATE_NAMES)}
+          for name in (*_trackio_private.PRIVATE_NAMES, *_mlflow_private.PRIVATE_NAMES, *_trl_private.PRIVATE_NAMES)}
 
 
 def resolve(name: str, instances: dict[str, object]) -> object:
@@ -96,12 +101,12 @@ def violations(path: Path, strict: bool) -> list[str]:
         elif isinstance(node, ast.Import):
             found += [(*where(node), f"import {a.name}") for a in node.names if _backend_private_module(a.name)]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            if re.fullmatch(r"(trackio|mlflow)(\.\w+)+", node.value) and _backend_private_module(node.value):
+            if re.fullmatch(r"(trackio|mlflow|trl)(\.\w+)+", node.value) and _backend_private_module(node.value):
                 found.append((*where(node), repr(node.value)))
         if not strict:
             continue
         wrapper = (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                   and node.value.id in ("_trackio_private", "_mlflow_private"))  # the quarantine's own API
+                   and node.value.id in WRAPPERS)  # the quarantine's own API
         used = None if wrapper else (node.attr if isinstance(node, ast.Attribute)
                                      else node.id if isinstance(node, ast.Name)
                                      else node.value if isinstance(node, ast.Constant)

@@ -1,0 +1,205 @@
+"""rtrace.compat.trl against the real TRL: a GRPOTrainer on CPU, a tiny Qwen2 built in code.
+
+``GRPOTrainer(..., callbacks=[RTraceCallback()])`` and nothing else: every completion of the
+two training steps (one generation batch for both, ``steps_per_generation=2``) and of the
+evaluation is a trajectory whose rewards and advantages equal those TRL computed — read
+back from the completions table TRL itself logs to trackio — and training is unchanged by
+tracing (the weights after training are identical with and without the callback).
+
+Runs in its own venv (``make test-frameworks`` builds ``.venv-trl``); skipped without trl.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tempfile
+
+import pytest
+
+trl = pytest.importorskip("trl", reason="make test-frameworks runs this in .venv-trl")
+torch = pytest.importorskip("torch")
+
+import rtrace  # noqa: E402
+from rtrace.compat import _trl_private  # noqa: E402
+from rtrace.compat.trl import RTraceCallback  # noqa: E402
+from rtrace.exporters.jsonl import read_jsonl  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+PROJECT = "rtrace-trl"
+QUESTIONS = [(2, 3), (4, 5), (6, 1), (7, 2)]
+
+
+@pytest.fixture(scope="module")
+def trackio_dir(tmp_path_factory):
+    """trackio reads TRACKIO_DIR at import: set before the first import in this process."""
+    path = tmp_path_factory.mktemp("trackio")
+    if "trackio" in sys.modules:
+        from trackio import utils
+
+        if not str(utils.TRACKIO_DIR).startswith(tempfile.gettempdir()):
+            pytest.skip(f"trackio was imported with TRACKIO_DIR={utils.TRACKIO_DIR}")
+        return utils.TRACKIO_DIR
+    os.environ["TRACKIO_DIR"] = str(path)
+    return path
+
+
+def tiny_model(tok):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         tie_word_embeddings=True, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+                         pad_token_id=tok.pad_token_id)
+    return Qwen2ForCausalLM(config)
+
+
+def correct(completions, answer, **kwargs):
+    return [1.0 if a in c[0]["content"] else 0.0 for c, a in zip(completions, answer)]
+
+
+def brevity(completions, **kwargs):
+    return [-len(c[0]["content"]) / 100 for c in completions]
+
+
+def dataset():
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)}
+                              for a, b in QUESTIONS])
+
+
+def train(tmp_path, tok, callbacks, run_name, report_to="trackio"):
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path / run_name), per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=8, max_steps=2, logging_steps=1, report_to=report_to, use_cpu=True,
+                      bf16=False, seed=0, log_completions=True, save_strategy="no", steps_per_generation=2,
+                      project=PROJECT, run_name=run_name, eval_strategy="steps", eval_steps=2,
+                      per_device_eval_batch_size=4, num_generations_eval=2, reward_weights=[1.0, 0.5])
+    trainer = GRPOTrainer(model=tiny_model(tok), reward_funcs=[correct, brevity], args=args,
+                          train_dataset=dataset(), eval_dataset=dataset(), processing_class=tok, callbacks=callbacks)
+    trainer.train()
+    return trainer
+
+
+def trl_completions(run_name):
+    """The completions tables TRL logged to its trackio run (prompt, completion, one column per
+    reward function, advantage), as rows."""
+    from trackio.sqlite_storage import SQLiteStorage
+
+    rows = []
+    for log in SQLiteStorage.get_logs(PROJECT, run_name):
+        if "completions" in log:
+            rows.extend(log["completions"]["_value"])
+    return rows
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory, trackio_dir):
+    from rtrace.demo import build_tokenizer
+
+    tmp = tmp_path_factory.mktemp("trl")
+    tok = build_tokenizer()
+    trainer = train(tmp, tok, [RTraceCallback(exporter="jsonl,trackio", jsonl_path=str(tmp / "t.jsonl"),
+                                                  token2text_keep_ids=True)], "traced")
+    assert rtrace.flush(60)
+    stats = rtrace.stats()
+    rtrace.shutdown()
+    return {"trainer": trainer, "trajs": read_jsonl(tmp / "t.jsonl"), "tok": tok, "tmp": tmp, "stats": stats}
+
+
+def test_every_completion_is_a_trajectory_with_exact_coordinates(traced):
+    """2 training steps of one generation batch (4 prompts x 2 completions) and the evaluation's
+    4 x 2: one trajectory each, step = the optimizer step the batch starts (global_step + 1),
+    evaluation at global_step 2, sample_index per prompt in its step, rollout_n per completion."""
+    trajs = traced["trajs"]
+    train = sorted((t.step, t.sample_index, t.rollout_n) for t in trajs if not t.validate)
+    evals = sorted((t.step, t.sample_index, t.rollout_n) for t in trajs if t.validate)
+    assert train == [(1, i, n) for i in range(4) for n in range(2)]
+    assert evals == [(2, i, n) for i in range(4) for n in range(2)]
+    for t in trajs:
+        assert t.policy_version == (2 if t.validate else 0)
+        assert t.group_id == t.extra["prompt_id"] and t.group_id.startswith("p-")
+    # a prompt's group id is the same at every step it comes back (training and evaluation here)
+    by_prompt = {}
+    for t in trajs:
+        by_prompt.setdefault(t.messages[0]["content"], set()).add(t.group_id)
+    assert len(by_prompt) == 4 and all(len(ids) == 1 for ids in by_prompt.values())
+
+
+def test_rewards_and_advantages_equal_trl_s(traced):
+    """Each function's score, the weighted reward TRL trains on and the advantage equal the values
+    of the completions table TRL logged itself, completion by completion."""
+    trajs = [t for t in traced["trajs"] if not t.validate]
+    table = [r for r in trl_completions("traced") if r["step"] == 1]
+    assert len(table) >= len(trajs) == 8
+    for t in trajs:
+        matches = [r for r in table if _same(r, t, t.final_answer()["content"])]
+        assert matches, t.messages  # (two identical completions of a prompt have the same values)
+        row = matches[0]
+        assert t.outcome == {"reward/correct": row["correct"], "reward/brevity": row["brevity"]}
+        assert math.isclose(t.reward, row["correct"] * 1.0 + row["brevity"] * 0.5, rel_tol=1e-6, abs_tol=1e-7)
+        assert math.isclose(t.annotations["advantage"], row["advantage"], rel_tol=1e-6, abs_tol=1e-7)
+
+
+def _same(row, traj, answer):
+    prompt = row["prompt"][-1]["content"] if isinstance(row["prompt"], list) else row["prompt"]
+    completion = row["completion"][0]["content"] if isinstance(row["completion"], list) else row["completion"]
+    return prompt == traj.messages[0]["content"] and completion == answer
+
+
+def test_ids_text_and_finish_reasons(traced):
+    """The prompt and completion ids decode to the conversation TRL scored; a completion that
+    reached max_completion_length without an end token is `length`, else `stop`."""
+    tok = traced["tok"]
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    for t in traced["trajs"]:
+        (gen,) = t.spans_of_kind("generation")
+        ids = gen.response_ids
+        assert 1 <= len(ids) <= 8 == gen.attributes["gen_ai.usage.output_tokens"] or len(ids) < 8
+        assert t.finish_reason == ("stop" if ids[-1] == eos else "length")
+        assert gen.attributes["rtrace.response_text"] == tok.decode(ids, skip_special_tokens=True)
+        assert gen.attributes["rtrace.prompt_text"] == tok.decode(gen.prompt_ids, skip_special_tokens=True)
+        assert tok.decode(gen.prompt_ids, skip_special_tokens=False).startswith("<|im_start|>user\n")
+
+
+def test_summaries_go_to_trl_s_own_trackio_run(traced):
+    """report_to="trackio": rtrace's traces, step summaries and rollouts tables are in TRL's run
+    (no second run of the same name), written before TRL finished it."""
+    from trackio.sqlite_storage import SQLiteStorage
+
+    runs = SQLiteStorage.get_runs(PROJECT)
+    assert runs.count("traced") == 1
+    logs = SQLiteStorage.get_logs(PROJECT, "traced")
+    assert any("rollout/reward_mean" in r and r["step"] == 1 for r in logs)
+    assert any("eval/rollouts" in r for r in logs) and any("rollout/rollouts" in r for r in logs)
+    traces = SQLiteStorage.get_traces(PROJECT, run="traced")
+    assert len(traces) == len(traced["trajs"])
+    assert traced["stats"]["sink.trackio.exported"] == len(traced["trajs"])
+
+
+def test_training_is_unchanged(traced, tmp_path):
+    """The same training without the callback ends with the same weights, bit for bit."""
+    plain = train(tmp_path, traced["tok"], [], "plain", report_to="none")
+    ours = traced["trainer"].model.state_dict()
+    theirs = plain.model.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_private_names_exist(traced):
+    """Canary: every TRL private name rtrace.compat._trl_private lists exists in the installed TRL."""
+    import importlib
+
+    trainer = traced["trainer"]
+    for name in _trl_private.PRIVATE_NAMES:
+        module, _, path = name.partition(":")
+        obj = importlib.import_module(module)
+        for i, part in enumerate(path.split(".")):
+            if i == 1 and module.startswith("trl") and not hasattr(obj, part):
+                obj = trainer  # an instance attribute
+            obj = getattr(obj, part)
