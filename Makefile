@@ -94,8 +94,26 @@ $(TRL_STAMP): pyproject.toml constraints-dev.txt
 	$(TRL_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt -e ".[trackio,test]"
 	touch $(TRL_STAMP)
 
-test-frameworks: $(TRL_STAMP)
+# SkyRL: skyrl-train 0.3.1 declares Python >= 3.12, but the CPU torch wheel on disk is for 3.11; it
+# runs on 3.11: installed --no-deps --ignore-requires-python, its dependencies listed here
+# (transformers < 5, as it asks; skyrl-gym 0.4.0 for the text2sql environment).
+SKYRL_VENV ?= .venv-skyrl
+SKYRL_STAMP := $(SKYRL_VENV)/.rtrace-installed
+SKYRL_DEPS := "transformers>=4.51,<5" skyrl-gym==0.4.0 loguru omegaconf hydra-core==1.3.2 jaxtyping ray==2.51.1 \
+	datasets==4.0.0 tensordict torchdata accelerate peft fastapi uvicorn
+
+$(SKYRL_STAMP): pyproject.toml constraints-dev.txt
+	$(PYTHON) -m venv $(SKYRL_VENV)
+	$(SKYRL_VENV)/bin/python -m pip install $(PIP_QUIET) --upgrade pip
+	$(SKYRL_VENV)/bin/python -m pip install $(PIP_QUIET) torch==2.13.0
+	$(SKYRL_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt $(SKYRL_DEPS)
+	$(SKYRL_VENV)/bin/python -m pip install $(PIP_QUIET) --no-deps --ignore-requires-python skyrl-train==0.3.1
+	$(SKYRL_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt -e ".[otlp,test]"
+	touch $(SKYRL_STAMP)
+
+test-frameworks: $(TRL_STAMP) $(SKYRL_STAMP)
 	HF_HUB_OFFLINE=1 $(TRL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/frameworks/test_trl.py
+	HF_HUB_OFFLINE=1 $(SKYRL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/frameworks/test_skyrl.py
 
 # rtrace's veRL shim against the real verl (tests/verl); `make test` skips those tests without verl.
 test-verl: $(VERL_STAMP)
@@ -109,4 +127,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_hot_path.py
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) .venv-py3.* $(TRL_VENV) .pytest_cache
+	rm -rf $(VENV) $(VERL_VENV) .venv-py3.* $(TRL_VENV) $(SKYRL_VENV) .pytest_cache

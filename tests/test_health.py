@@ -60,26 +60,38 @@ class TestTokenContinuity:
     def test_a_re_tokenized_turn_is_flagged_at_its_turn_and_position(self):
         """Turn 2's prompt changes turn 1's response (id 5 became 9): flagged at turn 2, token 4."""
         with health_of() as got:
-            rollout([([1, 2, 3], [4, 5], "tool_calls"), ([1, 2, 3, 4, 9, 6], [8], "stop")])
+            rollout([([1, 2, 3], [4, 5, 0], "tool_calls"), ([1, 2, 3, 4, 9, 0, 6], [8], "stop")])
             rollout(HEALTHY, index=1)
         f = findings(got.trajectories)
         assert f[(1, 0, 0)] == [("token_continuity", "turn 2: its prompt does not continue turn 1's prompt + "
-                                                     "response at token 4 of 5 (expected id 5, got 9)")]
+                                                     "response at token 4 of 6 (expected id 5, got 9)")]
         assert f[(1, 1, 0)] == []
+
+    def test_a_dropped_final_stop_token_is_not_a_break(self):
+        """A loop that drops the reply's final token (its end-of-turn) to continue the same assistant
+        message, as SkyRL's single-turn mode does, re-tokenizes nothing; dropping another token is."""
+        with health_of() as got:
+            rollout([([1, 2, 3], [4, 5, 99], "stop"), ([1, 2, 3, 4, 5, 6], [8], "stop")], index=0)
+            rollout([([1, 2, 3], [4, 5, 99], "stop"), ([1, 2, 3, 4, 99, 6], [8], "stop")], index=1)
+        f = findings(got.trajectories)
+        assert f[(1, 0, 0)] == []
+        assert [c for c, _ in f[(1, 1, 0)]] == ["token_continuity"]
 
     def test_with_a_tokenizer_the_text_at_the_break_is_shown(self, tok):
         """With token2text, the finding shows the decoded text on both sides of the break."""
         first = tok("What is 2+2?", add_special_tokens=False)["input_ids"]
-        reply = tok(" Let me see.", add_special_tokens=False)["input_ids"]
-        stripped = tok(" Let me see", add_special_tokens=False)["input_ids"]  # the "." lost on re-rendering
+        reply = tok(" Let me see.  It is 4.", add_special_tokens=False)["input_ids"]
+        again = tok(" Let me see. It is 4.", add_special_tokens=False)["input_ids"]  # whitespace merged on re-rendering
         with health_of(token2text=True, tokenizer=tok) as got:
-            rollout([(first, reply, "tool_calls"), (first + stripped + [5], [6], "stop")])
+            rollout([(first, reply, "tool_calls"), (first + again + [5], [6], "stop")])
         (traj,) = got.trajectories
         (finding,) = [f for f in traj.health if f["check"] == "token_continuity"]
-        pos = len(first) + len(stripped)
+        expected, actual = first + reply, first + again + [5]
+        pos = next(i for i, (a, b) in enumerate(zip(expected, actual)) if a != b)
+        assert pos < len(expected) - 1  # inside the reply, not its last token
         assert finding["detail"].startswith(f"turn 2: its prompt does not continue turn 1's prompt + response at "
-                                            f"token {pos} of {len(first) + len(reply)}")
-        assert "text at the break: " in finding["detail"] and "me see" in finding["detail"]
+                                            f"token {pos} of {len(expected)}")
+        assert "text at the break: " in finding["detail"] and "me see." in finding["detail"]
 
 
 class TestRetokenization:

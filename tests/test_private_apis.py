@@ -21,23 +21,24 @@ from pathlib import Path
 
 import pytest
 
-from rtrace.compat import _trl_private
+from rtrace.compat import _skyrl_private, _trl_private
 from rtrace.exporters import _mlflow_private, _trackio_private
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "rtrace"
 QUARANTINE = {PACKAGE / "exporters" / "_trackio_private.py", PACKAGE / "exporters" / "_mlflow_private.py",
-              PACKAGE / "compat" / "_trl_private.py"}
+              PACKAGE / "compat" / "_trl_private.py", PACKAGE / "compat" / "_skyrl_private.py"}
 #: Modules that handle backend / trainer objects: no private attribute of anything but themselves.
 SINK_MODULES = [PACKAGE / "exporters" / name for name in ("trackio.py", "mlflow.py", "otlp.py", "otel.py")] + [
-    PACKAGE / "compat" / "trl.py"]
-BACKENDS = ("trackio", "mlflow", "trl")
+    PACKAGE / "compat" / name for name in ("trl.py", "skyrl.py")]
+BACKENDS = ("trackio", "mlflow", "trl", "skyrl_train", "skyrl")
 #: The quarantine modules' own names: calling their functions is how the others get there.
-WRAPPERS = ("_trackio_private", "_mlflow_private", "_trl_private")
+WRAPPERS = ("_trackio_private", "_mlflow_private", "_trl_private", "_skyrl_private")
 #: The last step of every listed private name (``_stop_flag``, ``current_run``,
 #: ``ManagedSessionMaker``...): internal names without an underscore are caught too.
 LISTED = {name.rpartition(":")[2].split(".")[-1]
-          for name in (*_trackio_private.PRIVATE_NAMES, *_mlflow_private.PRIVATE_NAMES, *_trl_private.PRIVATE_NAMES)}
+          for name in (*_trackio_private.PRIVATE_NAMES, *_mlflow_private.PRIVATE_NAMES, *_trl_private.PRIVATE_NAMES,
+                       *_skyrl_private.PRIVATE_NAMES)}
 
 
 def resolve(name: str, instances: dict[str, object]) -> object:
@@ -101,7 +102,8 @@ def violations(path: Path, strict: bool) -> list[str]:
         elif isinstance(node, ast.Import):
             found += [(*where(node), f"import {a.name}") for a in node.names if _backend_private_module(a.name)]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            if re.fullmatch(r"(trackio|mlflow|trl)(\.\w+)+", node.value) and _backend_private_module(node.value):
+            if re.fullmatch(r"(trackio|mlflow|trl|skyrl_train|skyrl)(\.\w+)+", node.value) and \
+                    _backend_private_module(node.value):
                 found.append((*where(node), repr(node.value)))
         if not strict:
             continue

@@ -11,7 +11,8 @@ when healthy); docs/health.md explains each check, its causes in real trainers a
 Checks (:data:`CHECKS`; all but ``retokenization`` on by default, ``RTRACE_HEALTH_CHECKS``):
 
 * ``token_continuity``: in a token-in-token-out loop, turn k+1's prompt ids start with
-  turn k's prompt ids + response ids; a break means the conversation was re-tokenized
+  turn k's prompt ids + response ids (its final stop token may be left out: loops that
+  continue one assistant message drop it); a break means the conversation was re-tokenized
   (chat template re-rendered, special tokens stripped) and the trainer's log-probs are
   not those of what was sampled. The turn and first differing position are reported,
   with the decoded text around it when a tokenizer is set.
@@ -159,7 +160,10 @@ class HealthChecker:
             if prev is not None and gen.prompt_ids is not None:
                 expected = prev.prompt_ids + prev.response_ids
                 got = gen.prompt_ids
-                if got[:len(expected)] != expected:
+                # A loop may drop the reply's final stop token to continue the same assistant
+                # message (SkyRL's single-turn mode): nothing sampled is then re-tokenized.
+                if got[:len(expected)] != expected and not (
+                        prev.response_ids and got[:len(expected) - 1] == expected[:-1]):
                     pos = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected),
                                                                                                    len(got)))
                     want = expected[pos] if pos < len(expected) else None

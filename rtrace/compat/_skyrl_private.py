@@ -1,0 +1,69 @@
+"""Every SkyRL name rtrace patches, each behind one small function.
+
+SkyRL's generator has no hook for a tracer: ``SkyRLGymGenerator.generate`` runs one
+``agent_loop`` per trajectory, which calls the inference engine client and the
+environment turn by turn and returns only the concatenated token ids. To see each turn
+(its prompt ids, what the engine returned and when, what the environment answered and
+when), :mod:`rtrace.compat.skyrl` wraps these methods, on the classes, once
+(:func:`patch`). Nothing else in rtrace touches a SkyRL name that is not in
+:data:`PRIVATE_NAMES`; ``tests/frameworks/test_skyrl.py`` checks each against the
+installed SkyRL (``skyrl_train`` 0.3, and ``skyrl.train`` 0.4 where it imports).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+__all__ = ["PRIVATE_NAMES", "MODULE_ROOTS", "classes", "patch"]
+
+#: The packages SkyRL ships its trainer in: ``skyrl_train`` (skyrl-train 0.3) and
+#: ``skyrl.train`` (skyrl 0.4).
+MODULE_ROOTS = ("skyrl_train", "skyrl.train")
+
+PRIVATE_NAMES = (
+    # one trajectory's loop: called once per row, in row order, by generate()
+    "generators.skyrl_gym_generator:SkyRLGymGenerator.agent_loop",
+    # where env.init / env.step / env.close run (in a thread pool or inline); underscored
+    "generators.skyrl_gym_generator:SkyRLGymGenerator._run_in_executor_if_available",
+    # the observation token ids of a turn
+    "generators.skyrl_gym_generator:SkyRLGymGenerator.get_obs_ids_from_obs",
+    # the batch entry point (public, the GeneratorInterface method)
+    "generators.skyrl_gym_generator:SkyRLGymGenerator.generate",
+    # the engine call of a turn (public, the InferenceEngineInterface method)
+    "inference_engines.inference_engine_client:InferenceEngineClient.generate",
+)
+
+
+def classes(root: str) -> tuple[Any, Any] | None:
+    """``(SkyRLGymGenerator, InferenceEngineClient)`` of the SkyRL package ``root``, or None
+    when it does not import."""
+    try:
+        gen = importlib.import_module(f"{root}.generators.skyrl_gym_generator")
+        client = importlib.import_module(f"{root}.inference_engines.inference_engine_client")
+    except Exception:
+        return None
+    return gen.SkyRLGymGenerator, client.InferenceEngineClient
+
+
+def patch(generator_cls: type, client_cls: type, wrappers: dict[str, Callable[[Callable], Callable]]) -> bool:
+    """Replace the methods keyed in ``wrappers`` with ``wrapper(original)``, once per class:
+    ``batch`` (``SkyRLGymGenerator.generate``), ``loop`` (``agent_loop``), ``run_in_executor``
+    (``_run_in_executor_if_available``), ``obs_ids`` (``get_obs_ids_from_obs``) and
+    ``engine`` (``InferenceEngineClient.generate``). False when they were patched already."""
+    if getattr(generator_cls, "__rtrace_patched__", False):
+        return False
+    targets = {"batch": (generator_cls, "generate"), "loop": (generator_cls, "agent_loop"),
+               "run_in_executor": (generator_cls, "_run_in_executor_if_available"),
+               "obs_ids": (generator_cls, "get_obs_ids_from_obs"), "engine": (client_cls, "generate")}
+    for key, wrap in wrappers.items():
+        owner, name = targets[key]
+        original = owner.__dict__.get(name) or getattr(owner, name)
+        if getattr(original, "__rtrace_wrapped__", False):
+            continue
+        new = wrap(original)
+        new.__rtrace_wrapped__ = True  # type: ignore[attr-defined]
+        new.__wrapped__ = original  # type: ignore[attr-defined]
+        setattr(owner, name, new)
+    generator_cls.__rtrace_patched__ = True  # type: ignore[attr-defined]
+    return True

@@ -1,0 +1,280 @@
+"""rtrace.compat.skyrl against the real skyrl-train: its SkyRLGymGenerator, agent loop,
+InferenceEngineClient and the skyrl-gym text2sql environment with its real SQL tool on a
+SQLite file; only the inference engine is scripted.
+
+``rtrace.compat.skyrl.install()`` and nothing else: training steps, evaluation (a batch
+size the training group size does not divide), step-wise trajectories, and a truncated
+response under ``apply_overlong_filtering``. Each trajectory is checked against SkyRL's
+own output: one per trajectory id, exact coordinates, the reward, the stop reason, the
+turns of the loop (not the loss mask), real times, and SkyRL's output unchanged by tracing.
+
+Runs in its own venv (``make test-frameworks`` builds ``.venv-skyrl``); skipped without skyrl-train.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import sqlite3
+
+import pytest
+
+pytest.importorskip("skyrl_train", reason="make test-frameworks runs this in .venv-skyrl")
+
+import rtrace  # noqa: E402
+import rtrace.compat.skyrl  # noqa: E402
+from rtrace.compat import _skyrl_private  # noqa: E402
+from rtrace.exporters.jsonl import read_jsonl  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+GOLD = "SELECT name FROM items WHERE price > 5 ORDER BY name"
+WRONG = "SELECT name FROM items ORDER BY name"
+#: instance -> what the scripted model does: "right" (a query, then the right solution),
+#: "wrong" (a query, then a wrong solution), "long" (rambles until the length limit)
+SCRIPT = {"q0": "right", "q1": "wrong", "q2": "long", "q3": "right", "q4": "wrong"}
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """rtrace's offline ChatML tokenizer, its end token <|im_end|> as a Qwen-2.5 instruct model's."""
+    from rtrace.demo import build_tokenizer
+
+    tok = copy.deepcopy(build_tokenizer())
+    tok.eos_token = "<|im_end|>"
+    return tok
+
+
+@pytest.fixture(scope="module")
+def db_root(tmp_path_factory):
+    """The text2sql env's database folder: <root>/spider/database/shop/shop.sqlite."""
+    root = tmp_path_factory.mktemp("sql")
+    folder = root / "spider" / "database" / "shop"
+    folder.mkdir(parents=True)
+    conn = sqlite3.connect(folder / "shop.sqlite")
+    conn.executescript("CREATE TABLE items (name TEXT, price REAL);"
+                       "INSERT INTO items VALUES ('apple', 3), ('book', 12), ('lamp', 25), ('pen', 2);")
+    conn.commit()
+    conn.close()
+    return root
+
+
+def config(db_root, **generator):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import skyrl_train
+
+    folder = os.path.join(os.path.dirname(skyrl_train.__file__), "config")
+    with initialize_config_dir(config_dir=folder, version_base=None):
+        cfg = compose(config_name="ppo_base_config")
+    OmegaConf.set_struct(cfg, False)
+    cfg.trainer.policy.model.path = "tiny-sql"
+    cfg.generator.max_turns = 3
+    cfg.generator.sampling_params.max_generate_length = MAX_TOKENS
+    cfg.environment.skyrl_gym.text2sql.db_path = str(db_root)
+    cfg.environment.skyrl_gym.max_env_workers = 0
+    for key, value in generator.items():
+        cfg.generator[key] = value
+    return cfg
+
+
+class ScriptedEngine:
+    """The stand-in for vLLM: token ids in, token ids out, scripted by the question."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.eos = tok.eos_token_id
+
+    async def generate(self, input_batch):
+        out = {"responses": [], "response_ids": [], "stop_reasons": [], "response_logprobs": None}
+        for ids in input_batch["prompt_token_ids"]:
+            text = self.tok.decode(ids, skip_special_tokens=False)
+            instance = next(q for q in SCRIPT if f"[{q}]" in text)
+            turn = text.count("</sql>") + 1  # the replies so far are in the prompt, in either mode
+            mode = SCRIPT[instance]
+            await asyncio.sleep(0.002)
+            if mode == "long":
+                reply, stop = "I will think about it " * 30, "length"
+                reply_ids = self.tok(reply, add_special_tokens=False)["input_ids"][:MAX_TOKENS]
+                reply = self.tok.decode(reply_ids)
+            else:
+                if turn == 1:
+                    reply = f"<think>Look at the prices.</think><sql>{GOLD}</sql>"
+                else:
+                    reply = f"<think>That is it.</think><solution>{GOLD if mode == 'right' else WRONG}</solution>"
+                reply_ids = self.tok(reply, add_special_tokens=False)["input_ids"] + [self.eos]
+                stop = "stop"
+            out["responses"].append(reply)
+            out["response_ids"].append(reply_ids)
+            out["stop_reasons"].append(stop)
+        return out
+
+    # the rest of InferenceEngineInterface is not used by generate()
+    def tp_size(self):
+        return 1
+
+    def pp_size(self):
+        return 1
+
+    def dp_size(self):
+        return 1
+
+
+def generator(cfg, tok):
+    from skyrl_train.generators.skyrl_gym_generator import SkyRLGymGenerator
+    from skyrl_train.inference_engines.inference_engine_client import InferenceEngineClient
+
+    client = InferenceEngineClient([ScriptedEngine(tok)], tok, cfg)
+    return SkyRLGymGenerator(cfg.generator, cfg.environment.skyrl_gym, client, tok, "tiny-sql")
+
+
+def batch(instances, n, step, phase):
+    from skyrl_train.generators.base import BatchMetadata, TrajectoryID
+
+    rows = [(q, r) for q in instances for r in range(n)]
+    return {
+        "prompts": [[{"role": "system", "content": "Answer with SQL. Put the final query in <solution></solution>."},
+                     {"role": "user", "content": f"[{q}] Which items cost more than 5?"}] for q, _ in rows],
+        "env_classes": ["text2sql"] * len(rows),
+        "env_extras": [{"db_id": "shop", "reward_spec": {"ground_truth": GOLD}, "data": "spider"} for _ in rows],
+        "sampling_params": None,
+        "trajectory_ids": [TrajectoryID(instance_id=q, repetition_id=r) for q, r in rows],
+        "batch_metadata": BatchMetadata(global_step=step, training_phase=phase),
+    }
+
+
+def run(gen, input_batch):
+    return asyncio.run(gen.generate(copy.deepcopy(input_batch), disable_tqdm=True))
+
+
+@pytest.fixture(autouse=True)
+def installed():
+    assert rtrace.compat.skyrl.install() == ["skyrl_train"]
+
+
+def traced(tmp_path, gen, batches):
+    path = tmp_path / "t.jsonl"
+    rtrace.configure(exporter="jsonl", jsonl_path=str(path), token2text=True, export_interval_s=0.05)
+    rtrace.set_tokenizer(gen.tokenizer)
+    outputs = [run(gen, b) for b in batches]
+    assert rtrace.flush(30)
+    rtrace.shutdown()
+    return outputs, read_jsonl(path)
+
+
+def plain(out):
+    """A GeneratorOutput without what is not SkyRL's data (metrics holding timings)."""
+    return {k: v for k, v in out.items() if k != "rollout_metrics"}
+
+
+def test_training_steps_and_evaluation(tmp_path, tok, db_root):
+    """Two training steps (3 prompts x 2) and an evaluation of 5 prompts x 1 (a batch size 2 does not
+    divide): one trajectory per trajectory id, exact coordinates, SkyRL's rewards and stop reasons,
+    the loop's turns (SQL tool calls with the env's observation), real times."""
+    cfg = config(db_root)
+    gen = generator(cfg, tok)
+    train1, train2 = batch(["q0", "q1", "q2"], 2, 1, "train"), batch(["q3", "q0", "q1"], 2, 2, "train")
+    evals = batch(["q0", "q1", "q2", "q3", "q4"], 1, 2, "eval")
+    outputs, trajs = traced(tmp_path, gen, [train1, train2, evals])
+    assert len(trajs) == 6 + 6 + 5
+    by = {(t.step, t.validate, t.group_id, t.rollout_n): t for t in trajs}
+    for b, out in zip((train1, train2, evals), outputs):
+        meta = b["batch_metadata"]
+        seen = []
+        for i, tid in enumerate(b["trajectory_ids"]):
+            t = by[(meta.global_step, meta.training_phase == "eval", tid.instance_id, tid.repetition_id)]
+            if tid.instance_id not in seen:
+                seen.append(tid.instance_id)
+            assert t.sample_index == seen.index(tid.instance_id)  # dense, in order of first arrival
+            assert t.reward == float(out["rewards"][i] if not isinstance(out["rewards"][i], list)
+                                     else sum(out["rewards"][i]))
+            assert t.finish_reason == out["stop_reasons"][i]
+            assert t.extra["env_class"] == "text2sql"
+    right = by[(1, False, "q0", 0)]
+    assert right.reward == 1.0 and by[(1, False, "q1", 1)].reward == 0.0
+    # the loop's turns: a generation, the SQL tool's observation, the final generation
+    assert [(s.kind, s.name) for s in right.spans] == [
+        ("rollout", "skyrl_trajectory"), ("generation", "generation"), ("tool", "SQLEnv"), ("generation", "generation")]
+    assert [m["role"] for m in right.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert "book" in right.messages[3]["content"]
+    assert right.messages[4]["content"] == f"<think>That is it.</think><solution>{GOLD}</solution>"
+    assert right.spans[1].attributes["rtrace.response_text"] == f"<think>Look at the prices.</think><sql>{GOLD}</sql>"
+    # real times: each span lasts what it lasted, in order
+    gen1, tool, gen2 = right.spans[1:]
+    assert right.root.attributes.get("rtrace.synthetic_times") is None
+    assert gen1.end_ns <= tool.start_ns <= tool.end_ns <= gen2.start_ns and gen1.duration_ms >= 1.0
+    # the loop is token in, token out: no health finding but the truncation
+    assert right.health == []
+    long = by[(1, False, "q2", 0)]
+    assert long.finish_reason == "length" and [f["check"] for f in long.health] == ["generation"]
+
+
+def test_step_wise_rows_are_grouped_by_trajectory(tmp_path, tok, db_root):
+    """step_wise_trajectories: SkyRL outputs one row per turn; rtrace writes one trajectory per
+    trajectory id with all its turns, its reward the sum of the step rows' rewards."""
+    gen = generator(config(db_root, step_wise_trajectories=True), tok)
+    b = batch(["q0", "q1"], 2, 3, "train")
+    (out,), trajs = traced(tmp_path, gen, [b])
+    assert len(out["response_ids"]) == 8  # 4 trajectories x 2 turns
+    assert sorted((t.group_id, t.rollout_n) for t in trajs) == [("q0", 0), ("q0", 1), ("q1", 0), ("q1", 1)]
+    for t in trajs:
+        rows = [i for i, tid in enumerate(out["trajectory_ids"]) if (tid.instance_id, tid.repetition_id) == (
+            t.group_id, t.rollout_n)]
+        assert len(rows) == 2 and t.reward == sum(sum(out["rewards"][i]) for i in rows)
+        assert [s.kind for s in t.spans[1:]] == ["generation", "tool", "generation"]
+        assert t.root.attributes["rl.loss_tokens"] == sum(sum(out["loss_masks"][i]) for i in rows)
+
+
+def test_overlong_filtering_keeps_the_turns(tmp_path, tok, db_root):
+    """apply_overlong_filtering zeroes a truncated response's loss mask: the trajectory still
+    shows the policy's turns (from the loop, not read off the mask as tool turns), each with
+    rl.loss_tokens 0: nothing of it is trained on."""
+    gen = generator(config(db_root, apply_overlong_filtering=True), tok)
+    (out,), trajs = traced(tmp_path, gen, [batch(["q2", "q0"], 1, 1, "train")])
+    long = next(t for t in trajs if t.group_id == "q2")
+    i = [tid.instance_id for tid in out["trajectory_ids"] or batch(["q2", "q0"], 1, 1, "train")["trajectory_ids"]
+         ].index("q2")
+    assert sum(out["loss_masks"][i]) == 0
+    gens = long.spans_of_kind("generation")
+    assert len(gens) == 3  # every turn ran to the length limit, up to max_turns
+    for g in gens:
+        assert g.attributes["rtrace.role"] == "assistant" and g.attributes["gen_ai.usage.output_tokens"] == MAX_TOKENS
+        assert g.attributes["rl.loss_tokens"] == 0
+    assert long.root.attributes["rl.loss_tokens"] == 0
+    assert long.verdict() == "truncated"
+    right = next(t for t in trajs if t.group_id == "q0")
+    assert right.root.attributes["rl.loss_tokens"] > 0
+
+
+def test_single_turn_mode_is_healthy(tmp_path, tok, db_root):
+    """use_conversation_multi_turn=False (replies and observations in one assistant message, the
+    reply's end token dropped to continue it): the loop's turns, and no health finding for it."""
+    gen = generator(config(db_root, use_conversation_multi_turn=False), tok)
+    (out,), trajs = traced(tmp_path, gen, [batch(["q0"], 2, 1, "train")])
+    for t in trajs:
+        assert [s.kind for s in t.spans[1:]] == ["generation", "tool", "generation"]
+        assert t.health == [] and t.reward == 1.0
+
+
+def test_outputs_unchanged_by_tracing(tmp_path, tok, db_root):
+    """SkyRL's output is the same with rtrace installed and tracing on, and with tracing off."""
+    cfg = config(db_root)
+    b = batch(["q0", "q1", "q2"], 2, 1, "train")
+    (on,), _ = traced(tmp_path, generator(cfg, tok), [b])
+    off = run(generator(cfg, tok), b)  # rtrace is shut down: the wrappers call straight through
+    assert plain(on) == plain(off)
+
+
+def test_patched_names_exist():
+    """Canary: every SkyRL name rtrace.compat._skyrl_private patches exists in the installed SkyRL."""
+    import importlib
+
+    for name in _skyrl_private.PRIVATE_NAMES:
+        module, _, path = name.partition(":")
+        obj = importlib.import_module(f"skyrl_train.{module}")
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        assert callable(obj), name
