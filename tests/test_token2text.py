@@ -339,3 +339,35 @@ def test_generations_point_at_their_assistant_turns(tmp_path, tok):
     assert traj.messages[first.attributes["rtrace.message_index"]] == chat[1]
     assert traj.messages[second.attributes["rtrace.message_index"]] == {"role": "assistant", "content": " 2"}
     assert second.attributes["rtrace.message_index"] == len(traj.messages) - 1 == 3
+
+
+def test_a_turn_the_loop_inserted_between_generations_is_in_the_conversation(tmp_path, tok):
+    """A retry prompt the loop appends as token ids between two generations (AReaL's
+    MultiTurnWorkflow, no tool span) is a user message of the conversation, not lost:
+    user, assistant, user (the retry), assistant."""
+    path = tmp_path / "t.jsonl"
+    _configure(path, tokenizer=tok)
+    def template(msgs, **kw):
+        out = tok.apply_chat_template(msgs, tokenize=True, **kw)
+        return list(out if isinstance(out, list) else out["input_ids"])
+
+    chat = [{"role": "user", "content": "What is 2+2?"}]
+    first = template(chat, add_generation_prompt=True)
+    wrong = tok("It is 5.<|im_end|>", add_special_tokens=False)["input_ids"]
+    retry_chat = [{"role": "assistant", "content": "x"}, {"role": "user", "content": "Wrong, try again."}]
+    s1 = template(retry_chat[:1])
+    retry = template(retry_chat, add_generation_prompt=True)[len(s1):]
+    right = tok("It is 4.<|im_end|>", add_special_tokens=False)["input_ids"]
+
+    @rtrace.traced_generation
+    def generate(prompt_ids, answer):
+        return {"response_ids": answer, "finish_reason": "stop"}
+
+    with rtrace.rollout_context(step=0, sample_index=0):
+        generate(first, wrong)
+        generate(first + wrong + retry, right)
+    (traj,) = _read(path)
+    assert traj.messages == [{"role": "user", "content": tok.decode(first, skip_special_tokens=True)},
+                             {"role": "assistant", "content": "It is 5."},
+                             {"role": "user", "content": "Wrong, try again."},
+                             {"role": "assistant", "content": "It is 4."}]

@@ -323,6 +323,25 @@ def _index_chat(gens: list[SpanRecord], chat: list[dict[str, Any]]) -> None:
             span.attributes[MESSAGE_INDEX] = i
 
 
+#: Written by token2text on a generation whose prompt holds text inserted after the previous turn.
+INSERTED_TEXT = "rtrace.inserted_text"
+_ROLES = ("user", "tool", "system", "ipython", "observation", "human")
+
+
+def _inserted_message(text: str) -> dict[str, Any]:
+    """The message a loop inserted between two turns (decoded without special tokens): its
+    chat template's role lines (``user`` first, ``assistant`` last, as ChatML and Llama-3 leave
+    them) give the role and are left out."""
+    lines = text.strip().split("\n")
+    role = "user"
+    if lines and lines[0].strip().lower() in _ROLES:
+        role = lines.pop(0).strip().lower()
+        role = "tool" if role in ("tool", "ipython", "observation") else "user" if role == "human" else role
+    if lines and lines[-1].strip().lower() == "assistant":
+        lines.pop()
+    return {"role": role, "content": "\n".join(lines).strip()}
+
+
 def build_messages(traj: Trajectory, token2text: bool = False) -> list[dict[str, Any]]:
     """The trajectory's conversation (see the module docstring for the sources).
 
@@ -365,6 +384,9 @@ def build_messages(traj: Trajectory, token2text: bool = False) -> list[dict[str,
             continue
         span = spans[i]
         if span.kind == "generation":
+            inserted = span.attributes.get(INSERTED_TEXT)
+            if isinstance(inserted, str) and not chats:
+                messages.append(_inserted_message(inserted))
             last_assistant = {"role": "assistant", "content": _response(span, token2text)}
             span.attributes[MESSAGE_INDEX] = len(messages)
             messages.append(last_assistant)

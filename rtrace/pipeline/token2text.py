@@ -38,6 +38,10 @@ __all__ = ["Token2Text", "check_tokenizer", "load_tokenizer", "PROMPT_TEXT", "RE
 #: Span attributes written by token2text.
 PROMPT_TEXT = "rtrace.prompt_text"
 RESPONSE_TEXT = "rtrace.response_text"
+#: On a generation: the text the loop inserted between the previous turn's response and
+#: this turn (a retry prompt, a user message), when no tool ran between them: its prompt
+#: ids continue the previous prompt + response with these tokens.
+INSERTED_TEXT = "rtrace.inserted_text"
 
 
 
@@ -102,6 +106,26 @@ def _output_ids(output: dict[str, Any]) -> list[tuple[dict[str, Any], str, list[
     return found
 
 
+def _inserted(traj: Trajectory) -> list[tuple[SpanRecord, list[int]]]:
+    """``(generation, ids)`` for each turn whose prompt continues the previous turn's prompt
+    and response with tokens no tool span accounts for (a retry prompt, a user message)."""
+    out = []
+    prev: SpanRecord | None = None
+    for span in sorted(traj.spans, key=lambda s: s.start_ns):
+        if span.kind == "tool":
+            prev = None  # what follows a tool is the tool's turn
+        elif span.kind == "generation":
+            if prev is not None and span.prompt_ids is not None and prev.response_ids is not None:
+                base = prev.prompt_ids + prev.response_ids
+                ids = span.prompt_ids
+                if len(ids) > len(base) and ids[:len(base)] == base:
+                    out.append((span, ids[len(base):]))
+                elif prev.response_ids and len(ids) >= len(base) and ids[:len(base) - 1] == base[:-1]:
+                    out.append((span, ids[len(base) - 1:]))  # the reply's stop token left out
+            prev = span if span.prompt_ids is not None and span.response_ids is not None else None
+    return out
+
+
 class Token2Text:
     """Postprocessor (worker thread): decodes a batch of trajectories' token ids.
 
@@ -123,7 +147,9 @@ class Token2Text:
         prompts: list[SpanRecord] = []
         responses: list[SpanRecord] = []
         outputs: list[tuple[dict[str, Any], str, list[int]]] = []
+        inserted: list[tuple[SpanRecord, list[int]]] = []
         for traj in trajectories:
+            inserted.extend(_inserted(traj))
             for span in traj.spans:
                 if span.prompt_ids is not None:
                     prompts.append(span)
@@ -131,7 +157,7 @@ class Token2Text:
                     responses.append(span)
                 if span.kind != "generation" and type(span.output) is dict:
                     outputs.extend(_output_ids(span.output))
-        if prompts or responses or outputs:
+        if prompts or responses or outputs or inserted:
             tok = self.tokenizer()
             if tok is None:
                 _stats.incr("token2text_no_tokenizer", len(trajectories))
@@ -139,6 +165,10 @@ class Token2Text:
                                  "rtrace.set_tokenizer(tok), configure(tokenizer=...) or set RTRACE_TOKENIZER; "
                                  "trajectories keep their token ids")
             else:
+                if inserted:  # before the id lists are dropped
+                    for (span, _), text in zip(inserted, self._decode_all(tok, [ids for _, ids in inserted])):
+                        if isinstance(text, str) and text.strip():
+                            span.attributes[INSERTED_TEXT] = text
                 self._field(tok, prompts, "prompt_ids", PROMPT_TEXT)
                 self._field(tok, responses, "response_ids", RESPONSE_TEXT)
                 self._outputs(tok, outputs)
