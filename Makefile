@@ -111,9 +111,28 @@ $(SKYRL_STAMP): pyproject.toml constraints-dev.txt
 	$(SKYRL_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt -e ".[otlp,test]"
 	touch $(SKYRL_STAMP)
 
-test-frameworks: $(TRL_STAMP) $(SKYRL_STAMP)
+# AReaL: areal 1.0.4 declares torch < 2.11 (its resolver would fetch a CUDA build) and ~80
+# dependencies for every agent framework it supports; installed --no-deps beside the CPU torch,
+# with what its RLVR / multi-turn workflows, remote SGLang engine and executor import.
+AREAL_VENV ?= .venv-areal
+AREAL_STAMP := $(AREAL_VENV)/.rtrace-installed
+AREAL_DEPS := "transformers>=5.0.0,<=5.3.0" datasets omegaconf==2.4.0.dev2 hydra-core==1.4.0.dev1 aiohttp httpx \
+	requests pydantic pyyaml tqdm rich orjson msgspec pybase64 tabulate uvloop math-verify==0.8.0 mathruler==0.1.0 \
+	regex psutil colorlog colorama tenacity pandas torchdata einops flask lark ray numba pillow aiofiles openai
+
+$(AREAL_STAMP): pyproject.toml constraints-dev.txt
+	$(PYTHON) -m venv $(AREAL_VENV)
+	$(AREAL_VENV)/bin/python -m pip install $(PIP_QUIET) --upgrade pip
+	$(AREAL_VENV)/bin/python -m pip install $(PIP_QUIET) torch==2.13.0
+	$(AREAL_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt $(AREAL_DEPS)
+	$(AREAL_VENV)/bin/python -m pip install $(PIP_QUIET) --no-deps areal==1.0.4
+	$(AREAL_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt -e ".[test]"
+	touch $(AREAL_STAMP)
+
+test-frameworks: $(TRL_STAMP) $(SKYRL_STAMP) $(AREAL_STAMP)
 	HF_HUB_OFFLINE=1 $(TRL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/frameworks/test_trl.py
 	HF_HUB_OFFLINE=1 $(SKYRL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/frameworks/test_skyrl.py
+	HF_HUB_OFFLINE=1 AREAL_SPMD_MODE=1 $(AREAL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/frameworks/test_areal.py
 
 # rtrace's veRL shim against the real verl (tests/verl); `make test` skips those tests without verl.
 test-verl: $(VERL_STAMP)
@@ -127,4 +146,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_hot_path.py
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) .venv-py3.* $(TRL_VENV) $(SKYRL_VENV) .pytest_cache
+	rm -rf $(VENV) $(VERL_VENV) .venv-py3.* $(TRL_VENV) $(SKYRL_VENV) $(AREAL_VENV) .pytest_cache
