@@ -28,15 +28,16 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "rtrace"
 QUARANTINE = {PACKAGE / "exporters" / "_trackio_private.py", PACKAGE / "exporters" / "_mlflow_private.py",
               PACKAGE / "compat" / "_trl_private.py", PACKAGE / "compat" / "_skyrl_private.py",
-              PACKAGE / "compat" / "_areal_private.py"}
+              PACKAGE / "compat" / "_areal_private.py", PACKAGE / "compat" / "_open_instruct_private.py"}
 #: Modules that handle backend / trainer objects: no private attribute of anything but themselves.
 SINK_MODULES = [PACKAGE / "exporters" / name for name in ("trackio.py", "mlflow.py", "otlp.py", "otel.py")]
 #: The trainer adapters: no private attribute of a foreign object either (their listed names are
 #: as generic as `workflow` or `get`: those are not searched for by name).
-ADAPTER_MODULES = [PACKAGE / "compat" / name for name in ("trl.py", "skyrl.py", "areal.py")]
-BACKENDS = ("trackio", "mlflow", "trl", "skyrl_train", "skyrl", "areal")
+ADAPTER_MODULES = [PACKAGE / "compat" / name for name in ("trl.py", "skyrl.py", "areal.py", "open_instruct.py")]
+BACKENDS = ("trackio", "mlflow", "trl", "skyrl_train", "skyrl", "areal", "open_instruct")
 #: The quarantine modules' own names: calling their functions is how the others get there.
-WRAPPERS = ("_trackio_private", "_mlflow_private", "_trl_private", "_skyrl_private", "_areal_private")
+WRAPPERS = ("_trackio_private", "_mlflow_private", "_trl_private", "_skyrl_private", "_areal_private",
+            "_open_instruct_private")
 #: The last step of every listed private name (``_stop_flag``, ``current_run``,
 #: ``ManagedSessionMaker``...): internal names without an underscore are caught too.
 LISTED = {name.rpartition(":")[2].split(".")[-1]
@@ -107,7 +108,7 @@ def violations(path: Path, strict: bool, listed: bool = True) -> list[str]:
         elif isinstance(node, ast.Import):
             found += [(*where(node), f"import {a.name}") for a in node.names if _backend_private_module(a.name)]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            if re.fullmatch(r"(trackio|mlflow|trl|skyrl_train|skyrl|areal)(\.\w+)+", node.value) and \
+            if re.fullmatch(r"(trackio|mlflow|trl|skyrl_train|skyrl|areal|open_instruct)(\.\w+)+", node.value) and \
                     _backend_private_module(node.value):
                 found.append((*where(node), repr(node.value)))
         if not strict:

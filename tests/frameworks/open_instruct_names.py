@@ -1,0 +1,80 @@
+"""The names rtrace.compat.open_instruct relies on, read out of an open-instruct checkout.
+
+open-instruct is not on PyPI and its rollout path imports vLLM, olmo_core and deepspeed, so
+no test here can import it. What a test can check honestly is that every name the adapter
+and docs/frameworks/open-instruct.md use exists, with the fields and parameters they
+assume, in the real code: this module extracts them with ``ast`` (nothing is imported or
+run) into ``open_instruct_names.json``, committed beside it with the commit it was read at.
+
+    python tests/frameworks/open_instruct_names.py /path/to/open-instruct   # rewrite the JSON
+    OPEN_INSTRUCT_DIR=/path/to/open-instruct pytest tests/frameworks/test_open_instruct.py  # compare
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MANIFEST = HERE / "open_instruct_names.json"
+
+#: (file, class) -> dataclass fields; (file, function) -> parameters
+CLASSES = [("open_instruct/data_types.py", "GenerationResult"), ("open_instruct/data_types.py", "RequestInfo"),
+           ("open_instruct/data_types.py", "PromptRequest"), ("open_instruct/model_utils.py", "Batch")]
+FUNCTIONS = [("open_instruct/data_loader.py", "accumulate_inference_batches"),
+             ("open_instruct/grpo_utils.py", "maybe_evaluate"),
+             ("open_instruct/data_loader.py", "DataPreparationActor._data_preparation_loop")]
+
+
+def _fields(tree: ast.Module, name: str) -> list[str]:
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return [s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
+    raise KeyError(name)
+
+
+def _function(tree: ast.Module, dotted: str) -> ast.FunctionDef:
+    scope: list[ast.stmt] = tree.body
+    node: ast.AST | None = None
+    for part in dotted.split("."):
+        node = next(n for n in scope if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part)
+        scope = node.body
+    assert isinstance(node, ast.FunctionDef)
+    return node
+
+
+def extract(root: Path) -> dict:
+    out: dict = {"classes": {}, "functions": {}, "calls": {}}
+    trees = {}
+    for path, _ in CLASSES + FUNCTIONS:
+        if path not in trees:
+            trees[path] = ast.parse((root / path).read_text())
+    for path, name in CLASSES:
+        out["classes"][name] = _fields(trees[path], name)
+    for path, dotted in FUNCTIONS:
+        fn = _function(trees[path], dotted)
+        args = fn.args
+        out["functions"][dotted] = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
+        # how accumulate_inference_batches is called there, and what the loop reads
+        calls = sorted({ast.unparse(n.func) for n in ast.walk(fn) if isinstance(n, ast.Call)
+                        and ast.unparse(n.func).endswith("accumulate_inference_batches")})
+        attrs = sorted({ast.unparse(n) for n in ast.walk(fn) if isinstance(n, ast.Attribute)
+                        and ast.unparse(n).startswith(("self.training_step", "self.config.num_samples_per_prompt"))})
+        if calls or attrs:
+            out["calls"][dotted] = {"calls": calls, "attributes": attrs}
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+    except Exception:
+        commit = None
+    out["commit"] = commit
+    return out
+
+
+if __name__ == "__main__":
+    data = extract(Path(sys.argv[1]))
+    MANIFEST.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    print(f"wrote {MANIFEST} (open-instruct {data['commit']})")
