@@ -12,6 +12,7 @@ import pytest
 import rtrace
 import rtrace.testing
 from rtrace.exporters.jsonl import read_jsonl
+from rtrace.pipeline.health import DEFAULT_CHECKS
 from rtrace.pipeline.metrics import StepMetricsTracker, StepStats
 from tests import collector_workers as workers
 
@@ -136,7 +137,9 @@ class TestStepMetrics:
         whole: dict = {}  # one process, every trajectory of a step at once, in another order
         for t in sorted(trajs, key=lambda t: t.trace_id):
             whole.setdefault((t.validate, t.step), StepStats()).add(t)
-        expected = {(v, s): (st.values("eval" if v else "rollout"), st.slowest[1]) for (v, s), st in whole.items()}
+        # the collector's default health checks, a rate each; no cap, so every group is whole
+        expected = {(v, s): (st.values("eval" if v else "rollout", DEFAULT_CHECKS, whole_groups=True), st.slowest[1])
+                    for (v, s), st in whole.items()}
         got = {(m.validate, m.step): (m.values, m.slowest_trace_id) for m in sink.rows}
         assert set(got) == {(False, 0), (False, 1), (False, 2), (True, 0), (True, 1), (True, 2)} == set(expected)
         for key, (values, slowest) in expected.items():
