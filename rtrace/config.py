@@ -180,6 +180,9 @@ def writable_path(raw: Any) -> str:
         probe = parent
     if os.path.isdir(value):
         raise ValueError(f"{value!r} is a directory")
+    if os.path.islink(value) and not os.path.exists(value):
+        # the sink would start, then fail every batch (open() follows the link)
+        raise ValueError(f"{value!r} is a symbolic link to {os.readlink(value)!r}, which does not exist")
     if not os.path.isdir(probe):
         raise ValueError(f"{probe!r} is not a directory")
     # A real probe, not os.access: root passes every access() check, yet cannot create
@@ -407,7 +410,8 @@ PARAMS: tuple[Param, ...] = (
           type="float"),
     Param("jsonl_path", "RTRACE_JSONL_PATH", writable_path, "rtrace_traces.jsonl", "a writable file path",
           "Where the jsonl sink appends one trajectory per line. Missing directories are created at the first "
-          "write; configure() checks that they can be (the first existing ancestor takes a probe file).",
+          "write; configure() checks that they can be (the first existing ancestor takes a probe file) and refuses "
+          "a dangling symbolic link. A new file is created mode 0600 (less the umask): trajectories hold prompts.",
           type="str"),
     Param("service_name", "OTEL_SERVICE_NAME", _str, "rtrace", "a non-empty name",
           "OTel resource service.name of rtrace's own TracerProvider.", type="str"),

@@ -139,6 +139,8 @@ class TestEarlyChecks:
         ("RTRACE_JSONL_PATH", "{tmp}/a-file/traces/x.jsonl", "a-file' is not a directory"),
         # a directory that cannot be created by anyone, root included (a real probe, not access())
         ("RTRACE_JSONL_PATH", "/proc/rtrace-no-such-dir/x.jsonl", "cannot be created: '/proc' is not writable"),
+        # a dangling symbolic link: the sink would start, then fail every batch
+        ("RTRACE_JSONL_PATH", "{tmp}/dangling.jsonl", "symbolic link to .*gone/x.jsonl', which does not exist"),
         # a misspelt scheme
         ("MLFLOW_TRACKING_URI", "htp://localhost:5000", "unknown scheme 'htp'"),
         # not a URL: a path, MLflow 3's refused file store
@@ -154,9 +156,34 @@ class TestEarlyChecks:
     def test_bad_destination_fails_at_configure(self, monkeypatch, tmp_path, env, value, match):
         """Destinations are checked at configure(), not at the first export in the sink thread."""
         (tmp_path / "a-file").write_text("")
+        (tmp_path / "dangling.jsonl").symlink_to(tmp_path / "gone" / "x.jsonl")
         monkeypatch.setenv(env, value.format(tmp=tmp_path))
         with pytest.raises(ConfigError, match=rf"^{env}: .*{match}"):
             rtrace.configure(sinks=[MemorySink()])
+
+    def test_new_jsonl_file_is_private(self, tmp_path, monkeypatch):
+        """A JSONL file rtrace creates is readable by its owner only (0600 less the umask):
+        trajectories hold prompts and answers. An existing file keeps its mode."""
+        import os
+
+        old = os.umask(0o022)
+        try:
+            rtrace.configure(exporter="jsonl", jsonl_path=str(tmp_path / "new.jsonl"))
+            existing = tmp_path / "existing.jsonl"
+            existing.write_text("")
+            existing.chmod(0o644)
+            with rtrace.rollout_context(step=0, sample_index=0):
+                pass
+            assert rtrace.flush()
+            rtrace.configure(exporter="jsonl", jsonl_path=str(existing))
+            with rtrace.rollout_context(step=0, sample_index=1):
+                pass
+            assert rtrace.flush()
+        finally:
+            os.umask(old)
+        assert (tmp_path / "new.jsonl").stat().st_mode & 0o777 == 0o600
+        assert existing.stat().st_mode & 0o777 == 0o644
+        assert len(existing.read_text().splitlines()) == 1
 
     def test_default_jsonl_path_is_checked_too(self, tmp_path, monkeypatch):
         """The default path (relative to the working directory) is checked when the sink is built."""

@@ -107,7 +107,9 @@ class JsonlSink(Sink):
         with self._lock:
             if self._fd is None:
                 os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                # 0600 (less the umask): trajectories hold prompts and answers; an
+                # existing file keeps its mode
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             view = memoryview(data)
             while view:  # a regular file takes it in one call; a short write is finished here
                 written = os.write(self._fd, view)
