@@ -253,6 +253,41 @@ def _url(raw: Any) -> str:
     return value
 
 
+class Secret(str):
+    """A string that does not show itself: ``repr`` (and so the repr of :class:`Settings`,
+    tracebacks, logs) says ``'<secret>'``; the value is the string itself."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "'<secret>'"
+
+
+def _token(raw: Any) -> Secret:
+    """A bearer token: at least 16 printable ASCII characters, no spaces; ``none``: no
+    token, even beyond loopback (an empty :class:`Secret`)."""
+    value = _str(raw)
+    if value.lower() == "none":
+        return Secret("")
+    if len(value) < 16 or not all(33 <= ord(c) < 127 for c in value):
+        raise ValueError("a token must be at least 16 printable ASCII characters without spaces "
+                         f"(got {len(value)} characters)")
+    return Secret(value)
+
+
+def _pem_file(raw: Any) -> str:
+    """A readable PEM file."""
+    value = os.path.abspath(_str(raw))
+    try:
+        with open(value, "rb") as f:
+            head = f.read(1 << 20)
+    except OSError as exc:
+        raise ValueError(f"cannot read {value!r} ({exc.strerror})") from None
+    if b"-----BEGIN " not in head:
+        raise ValueError(f"{value!r} is not a PEM file")
+    return value
+
+
 def _headers(raw: Any) -> dict[str, str]:
     """OTLP headers: ``k1=v1,k2=v2`` (W3C baggage-like, values URL-decoded) or a mapping."""
     if raw is None:
@@ -422,6 +457,44 @@ PARAMS: tuple[Param, ...] = (
     Param("job_id", "RTRACE_JOB_ID", _str, None, "a non-empty id",
           "The training job's id, set by the collector in `collector.env`; stamped as `rtrace.job_id`.",
           type="str | None"),
+    Param("collector_token", "RTRACE_COLLECTOR_TOKEN", _token, None,
+          "at least 16 printable ASCII characters, or none",
+          "A shared secret: the collector refuses requests without it (gRPC UNAUTHENTICATED, HTTP 401), workers "
+          "send it (`authorization: Bearer ...`). `start_collector` / `rtrace collect` bound beyond loopback "
+          "generate one when unset (`none`: no token, with a warning); `collector.env` carries it. Never logged.",
+          type="str | None"),
+    Param("collector_tls_cert", "RTRACE_COLLECTOR_TLS_CERT", _pem_file, None, "a readable PEM file",
+          "Collector: its certificate chain; with `collector_tls_key`, the receiver speaks TLS only (workers then "
+          "send to `https://host:port`).", type="str | None"),
+    Param("collector_tls_key", "RTRACE_COLLECTOR_TLS_KEY", _pem_file, None, "a readable PEM file",
+          "Collector: the private key of `collector_tls_cert`.", type="str | None"),
+    Param("collector_tls_client_ca", "RTRACE_COLLECTOR_TLS_CLIENT_CA", _pem_file, None, "a readable PEM file",
+          "Collector: require client certificates signed by this CA (mutual TLS; workers present "
+          "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE and OTEL_EXPORTER_OTLP_CLIENT_KEY).", type="str | None"),
+    Param("collector_tls_ca", "RTRACE_COLLECTOR_TLS_CA", _pem_file, None, "a readable PEM file",
+          "Collector: the CA certificate workers verify it with; `collector.env` hands it to them as "
+          "OTEL_EXPORTER_OTLP_CERTIFICATE (for a self-signed certificate, the certificate itself).",
+          type="str | None"),
+    Param("otlp_certificate", "OTEL_EXPORTER_OTLP_CERTIFICATE", _pem_file, None, "a readable PEM file",
+          "Workers: the CA certificate that verifies an `https://` collector (unset: the system's roots).",
+          type="str | None"),
+    Param("otlp_client_certificate", "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", _pem_file, None,
+          "a readable PEM file", "Workers: the client certificate for a collector that asks for one (mutual TLS).",
+          type="str | None"),
+    Param("otlp_client_key", "OTEL_EXPORTER_OTLP_CLIENT_KEY", _pem_file, None, "a readable PEM file",
+          "Workers: the private key of the client certificate.", type="str | None"),
+    Param("collector_max_span_bytes", "RTRACE_COLLECTOR_MAX_SPAN_BYTES", _int(1024), 4 * 1024 * 1024,
+          "an integer >= 1024",
+          "Collector: a span larger than this on the wire is refused (counted). A 128k-token prompt's ids take "
+          "about 0.8 MB.", type="int"),
+    Param("collector_max_attributes", "RTRACE_COLLECTOR_MAX_ATTRIBUTES", _int(16), 1024, "an integer >= 16",
+          "Collector: a span with more attributes than this is refused (counted).", type="int"),
+    Param("collector_max_held_bytes", "RTRACE_COLLECTOR_MAX_HELD_BYTES", _int(1024 * 1024), 1024 ** 3,
+          "an integer >= 1048576",
+          "Collector: wire bytes the open trajectories may hold. At it (or at max_open_trajectories) the "
+          "receiver pushes back (RESOURCE_EXHAUSTED with RetryInfo / HTTP 429) and the least recently active "
+          "trajectories are written partial until a tenth is free (counted: trajectories_evicted).",
+          type="int"),
     # trackio sink
     Param("trackio_trace_key", "RTRACE_TRACKIO_TRACE_KEY", _str, "rollout/traces", "a non-empty log key",
           "trackio key for training trajectories.", type="str"),
@@ -566,6 +639,11 @@ def load_settings(overrides: Mapping[str, Any] | None = None,
     if "collector" in settings.exporter and settings.collector_endpoint is None:
         raise ConfigError("RTRACE_EXPORTER=collector needs RTRACE_COLLECTOR_ENDPOINT (host:port of "
                           "`rtrace collect` / rtrace.start_collector(); collector.env sets both)")
+    for a, b in (("collector_tls_cert", "collector_tls_key"), ("otlp_client_certificate", "otlp_client_key")):
+        if (getattr(settings, a) is None) != (getattr(settings, b) is None):
+            given, missing = (a, b) if getattr(settings, a) is not None else (b, a)
+            raise ConfigError(f"{_PARAMS_BY_NAME[given].env} is set but {_PARAMS_BY_NAME[missing].env} is not: "
+                              "a certificate needs its private key; accepted values: both, or neither")
     return settings
 
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
+from .. import _stats
 from ..config import ConfigError, Settings
 from ..trajectory import Trajectory
 from .base import Sink
@@ -46,8 +47,14 @@ class CollectorSink(Sink):
         if not settings.collector_endpoint:
             raise ConfigError("RTRACE_EXPORTER=collector needs RTRACE_COLLECTOR_ENDPOINT (host:port)")
         self._grpc = grpc
-        self._channel = grpc.insecure_channel(settings.collector_endpoint)
+        self._channel = _channel(grpc, settings)
         self._stub = TraceServiceStub(self._channel)
+        # OTEL_EXPORTER_OTLP_HEADERS (an OpenTelemetry Collector in front, with its own auth),
+        # then rtrace's token; gRPC metadata keys are lower case
+        headers = {k.lower(): v for k, v in settings.otlp_headers.items()}
+        if settings.collector_token:
+            headers["authorization"] = f"Bearer {settings.collector_token}"
+        self._metadata = tuple(headers.items()) or None
         self._resource = {"service.name": settings.service_name, "process.pid": os.getpid()}
         if settings.job_id:
             self._resource["rtrace.job_id"] = settings.job_id
@@ -61,10 +68,14 @@ class CollectorSink(Sink):
         while True:
             left = deadline - time.monotonic()
             try:
-                self._stub.Export(request, timeout=max(0.05, left))
+                self._stub.Export(request, timeout=max(0.05, left), metadata=self._metadata)
                 return
             except grpc.RpcError as exc:
                 if exc.code() not in retry or left <= delay:
+                    if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                        _stats.warn_once("collector-auth", "the rtrace collector at %s refused this worker's "
+                                         "token (RTRACE_COLLECTOR_TOKEN): start workers with collector.env",
+                                         self.settings.collector_endpoint)
                     raise ConnectionError(f"the rtrace collector at {self.settings.collector_endpoint} did not "
                                           f"take the spans: {exc.code().name}") from None
             time.sleep(delay)
@@ -72,3 +83,28 @@ class CollectorSink(Sink):
 
     def shutdown(self) -> None:
         self._channel.close()
+
+
+def _channel(grpc: Any, settings: Settings) -> Any:
+    """A channel to ``RTRACE_COLLECTOR_ENDPOINT``: ``https://host:port`` is TLS, verified with
+    OTEL_EXPORTER_OTLP_CERTIFICATE (else the system's roots) and, when both are set,
+    presenting OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE / _CLIENT_KEY (the OTel exporters'
+    variables); ``host:port`` or ``http://host:port`` is plaintext."""
+    endpoint = settings.collector_endpoint
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep:
+        return grpc.insecure_channel(endpoint)
+    target = rest.split("/", 1)[0]
+    if scheme != "https":
+        return grpc.insecure_channel(target)
+
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    creds = grpc.ssl_channel_credentials(root_certificates=read(settings.otlp_certificate),
+                                         private_key=read(settings.otlp_client_key),
+                                         certificate_chain=read(settings.otlp_client_certificate))
+    return grpc.secure_channel(target, creds)

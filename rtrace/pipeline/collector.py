@@ -24,7 +24,10 @@ order (:class:`~rtrace.pipeline.sampling.StepSelector`).
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import logging
+import secrets
 import threading
 import time
 import uuid
@@ -32,21 +35,22 @@ from collections import deque
 from typing import Any
 
 from .. import _stats
-from ..config import ConfigError, Settings, load_settings
+from ..config import ConfigError, Secret, Settings, load_settings
 from ..exporters.otel import RECORD_ATTR
 from ..trajectory import RL_FIELDS, SpanRecord
 from . import annotations as _annotations
 from .annotations import Annotation, coord_key
 from .builder import SpanConverter
 from .fanout import Fanout
-from .otlp_receiver import Backpressure, OtlpReceiver, attributes, count_spans, spans_of
+from .otlp_receiver import Backpressure, OtlpReceiver, TlsFiles, attributes, count_spans, spans_of
 from .records import TrajectoryState
 from .sampling import selector_for
 from .stream import ANNOTATION_SPAN
 from .token2text import Token2Text, check_tokenizer
 from .worker import Pipeline
 
-__all__ = ["Collector", "start_collector", "unpack"]
+__all__ = ["Collector", "start_collector", "unpack", "is_loopback"]
+_log = logging.getLogger("rtrace")
 _POPPED = frozenset(("rtrace.kind", "rtrace.input", "rtrace.output", "rtrace.prompt_ids", "rtrace.response_ids",
                      "rtrace.root"))
 
@@ -65,11 +69,25 @@ class CollectorPipeline(Pipeline):
         self._qlock = threading.Lock()
         super().__init__(settings, fanout, postprocessors, health_tokenizer)
         self.selector = selector_for(settings, linger_s=settings.step_linger_s, on_drop=self.dropped)
+        self._max_span_bytes = settings.collector_max_span_bytes
+        self._max_attributes = settings.collector_max_attributes
+        self._max_held_bytes = settings.collector_max_held_bytes
+        #: trajectories evicted (least recently active, as partial) to make room
+        self._evicted: list[TrajectoryState] = []
 
     # ------------------------------------------------------------------ receiver threads
     def on_request(self, request: Any) -> None:
         """OtlpReceiver callback: queue the request, or push back when full."""
         n = count_spans(request)
+        registry = self.registry
+        if len(registry) >= registry.max_open or registry.held_bytes >= self._max_held_bytes:
+            # full: the worker thread evicts the least recently active trajectories (written
+            # partial) in its next round; until then the sender waits and sends it all again
+            _stats.incr("collector_backpressure_spans", n)
+            with self._cond:
+                self._cond.notify()
+            raise Backpressure(f"rtrace collector holds {len(registry)} open trajectories "
+                               f"({registry.held_bytes} bytes); retry", retry_after_s=1.0)
         with self._qlock:
             if self._queued + n > self._max_queue:
                 _stats.incr("collector_backpressure_spans", n)
@@ -81,51 +99,120 @@ class CollectorPipeline(Pipeline):
             with self._cond:
                 self._cond.notify()
 
+    def _evict(self) -> list[TrajectoryState]:
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
     def gauges(self) -> dict[str, int]:
         out = super().gauges()
+        out["held_bytes"] = self.registry.held_bytes
         out["queued_spans"] = self._queued
         out["held_for_sampling"] = self.selector.held()
         return out
 
     # ------------------------------------------------------------------ worker thread
     def _assemble(self, spans: list, conv: SpanConverter) -> list[TrajectoryState]:
+        """Every queued request's spans into their trajectories, one span at a time: a span
+        that cannot be read is refused and counted (``collector_spans_refused``, and
+        ``collector_refused.<why>``), never the request or the round it came in."""
         arrived: list[TrajectoryState] = []
         registry = self.registry
-        max_children = self.settings.max_spans_per_trajectory - 1
+        if len(registry) >= registry.max_open or registry.held_bytes >= self._max_held_bytes:
+            # full (the receiver is pushing back): make room for a tenth of the table
+            self._evicted += registry.evict(registry.max_open * 9 // 10, self._max_held_bytes * 9 // 10)
         for _ in range(len(self._requests)):
             request, n = self._requests.popleft()
             with self._qlock:
                 self._queued -= n
             _stats.incr("collector_spans_received", n)
             for _resource, _scope, span in spans_of(request):
-                trace_id = int.from_bytes(span.trace_id, "big")
-                attrs, record_data = unpack(span)
-                if span.name == ANNOTATION_SPAN and "rtrace.annotation.values" in attrs:
-                    self.annotations.add(_annotation(attrs))
-                    continue
-                state = registry.open_or_get(trace_id, lambda: TrajectoryState(trace_id, None, "rollout",
-                                                                                "rollout", {}))
-                if state is None:
-                    _stats.incr("spans_dropped_open_limit")
-                    continue
-                is_root = bool(attrs.get("rtrace.root")) and registry.claim_root(state, int.from_bytes(
-                    span.span_id, "big"))
-                if not state.coords or is_root:
-                    state.coords = _coords(attrs) or state.coords  # workers stamp some spans only
-                if len(state.records) >= max_children and not is_root:
-                    state.dropped_spans += 1
-                    _stats.incr("spans_dropped_trajectory_limit")
-                    continue
-                record = _record(span, attrs, record_data)
-                if is_root:
-                    state.name, state.kind = record.name, record.kind
-                    if "rl.reward" in attrs:
-                        state.reward, state.has_reward = attrs["rl.reward"], True
-                    state.outcome = {k[len("rl.outcome."):]: v for k, v in attrs.items()
-                                     if k.startswith("rl.outcome.")}
-                    arrived.append(state)
-                state.records.append(record)
+                try:
+                    self._span(span, arrived)
+                except _Refused as why:
+                    _refuse(str(why))
+                except Exception:  # noqa: BLE001 - a span this code did not foresee: refused alone
+                    _refuse("unreadable")
+                    _stats.warn_once("collector-span", "rtrace collector refused a span it could not read "
+                                     "(counted in collector_spans_refused)", exc_info=True)
         return arrived
+
+    def _span(self, span: Any, arrived: list[TrajectoryState]) -> None:
+        """One span: checked and converted first; the registry is touched only once
+        nothing can fail, so a refused span leaves no trajectory half-changed."""
+        _check_ids(span)
+        size = span.ByteSize()
+        if size > self._max_span_bytes:
+            raise _Refused("size")
+        if len(span.attributes) > self._max_attributes:
+            raise _Refused("attributes")
+        attrs, record_data = unpack(span)
+        if len(attrs) > self._max_attributes:
+            raise _Refused("attributes")
+        if span.name == ANNOTATION_SPAN and "rtrace.annotation.values" in attrs:
+            self.annotations.add(_annotation(attrs))
+            return
+        coords = _coords(attrs)
+        record = _record(span, attrs, record_data)
+        if record.end_ns < record.start_ns:  # a clock step on the sender, or garbage: zero length
+            record.end_ns = record.start_ns
+            _stats.incr("collector_spans_repaired_times")
+        registry = self.registry
+        trace_id = int.from_bytes(span.trace_id, "big")
+        state = registry.open_or_get(trace_id, lambda: TrajectoryState(trace_id, None, "rollout", "rollout", {}))
+        if state is None:  # requests queued before the receiver pushed back: evict one, not the span
+            self._evicted += registry.evict(registry.max_open - 1, self._max_held_bytes)
+            state = registry.open_or_get(trace_id, lambda: TrajectoryState(trace_id, None, "rollout", "rollout",
+                                                                            {}))
+            if state is None:  # every open trajectory has its root and waits (annotations, settle)
+                _stats.incr("spans_dropped_open_limit")
+                return
+        seen = state.span_ids
+        if seen is None:
+            seen = state.span_ids = set()
+        span_id = int.from_bytes(span.span_id, "big")
+        if span_id in seen:
+            _stats.incr("collector_spans_duplicate")
+            return
+        registry.touch(state, size)
+        is_root = bool(attrs.get("rtrace.root")) and registry.claim_root(state, span_id)
+        if not state.coords or is_root:
+            state.coords = coords or state.coords  # workers stamp some spans only
+        if len(state.records) >= self.settings.max_spans_per_trajectory - 1 and not is_root:
+            state.dropped_spans += 1
+            _stats.incr("spans_dropped_trajectory_limit")
+            return
+        seen.add(span_id)
+        if is_root:
+            state.name, state.kind = record.name, record.kind
+            if "rl.reward" in attrs:
+                state.reward, state.has_reward = attrs["rl.reward"], True
+            state.outcome = {k[len("rl.outcome."):]: v for k, v in attrs.items() if k.startswith("rl.outcome.")}
+            arrived.append(state)
+        state.records.append(record)
+
+
+class _Refused(Exception):
+    """A span the collector does not take; the message is the reason's counter suffix."""
+
+
+def _refuse(why: str) -> None:
+    _stats.incr("collector_spans_refused")
+    _stats.incr(f"collector_refused.{why}")
+
+
+_ZERO_TRACE, _ZERO_SPAN = bytes(16), bytes(8)
+
+
+def _check_ids(span: Any) -> None:
+    """OTLP's rules: a 16-byte trace id and an 8-byte span id, neither all zero; a parent
+    id empty (a root) or 8 bytes, not all zero."""
+    trace_id, span_id, parent = span.trace_id, span.span_id, span.parent_span_id
+    if len(trace_id) != 16 or trace_id == _ZERO_TRACE:
+        raise _Refused("trace_id")
+    if len(span_id) != 8 or span_id == _ZERO_SPAN:
+        raise _Refused("span_id")
+    if parent and (len(parent) != 8 or parent == _ZERO_SPAN):
+        raise _Refused("parent_span_id")
 
 
 
@@ -149,12 +236,36 @@ def unpack(span: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
     record_data = _record_json(packed) if packed is not None else None
     if not isinstance(record_data, dict):
         return attrs, None
-    attrs.update(record_data.get("attributes") or {})
+    inner = record_data.get("attributes")
+    if inner is not None and type(inner) is not dict:
+        raise _Refused("record")
+    if inner:
+        attrs.update(inner)
     return attrs, record_data
 
 
+#: coordinates that are counted, compared and keyed on: an int each (a bool is no step)
+_INT_COORDS = ("step", "sample_index", "rollout_n", "policy_version")
+_SCALAR = (str, int, float, bool)
+
+
 def _coords(attrs: dict[str, Any]) -> dict[str, Any]:
+    """The ``rl.*`` coordinates of a span's attributes; refuses (:class:`_Refused`) a span
+    whose step, sample index, rollout number or policy version is not an int, whose
+    ``validate`` is not a bool, or whose group id or experiment is not a scalar: such a
+    value would break the job-wide sample, the step metrics and the annotation keys."""
     coords: dict[str, Any] = {k: attrs[f"rl.{k}"] for k in RL_FIELDS if f"rl.{k}" in attrs}
+    for key in _INT_COORDS:
+        value = coords.get(key)
+        if value is not None and (type(value) is not int):
+            raise _Refused("coordinates")
+    validate = coords.get("validate")
+    if validate is not None and type(validate) is not bool:
+        raise _Refused("coordinates")
+    for key in ("group_id", "experiment"):
+        value = coords.get(key)
+        if value is not None and not isinstance(value, _SCALAR):
+            raise _Refused("coordinates")
     extra = {k[len("rl.extra."):]: v for k, v in attrs.items() if k.startswith("rl.extra.")}
     if extra:
         coords["extra"] = extra
@@ -199,6 +310,8 @@ def _json(text: Any) -> Any:
         return json.loads(text)
     except ValueError:
         return text  # truncated JSON text stays the bounded string it is
+    except RecursionError:  # nesting deeper than the interpreter's stack: no worker sends that
+        raise _Refused("record") from None
 
 
 def _record(span: Any, attrs: dict[str, Any], packed: dict[str, Any] | None) -> SpanRecord:
@@ -208,8 +321,12 @@ def _record(span: Any, attrs: dict[str, Any], packed: dict[str, Any] | None) -> 
         get = packed.get
         kind, inp, out = get("kind", "span"), get("input"), get("output")
         prompt_ids, response_ids = get("prompt_ids"), get("response_ids")
+        if type(kind) is not str:
+            raise _Refused("record")
     else:
         kind = attrs.get("rtrace.kind", "span")
+        if type(kind) is not str:
+            raise _Refused("record")
         inp, out = _json(attrs.get("rtrace.input")), _json(attrs.get("rtrace.output"))
         prompt_ids, response_ids = _json(attrs.get("rtrace.prompt_ids")), _json(attrs.get("rtrace.response_ids"))
     status = span.status
@@ -235,11 +352,33 @@ def _ids(value: Any) -> list | None:
     return list(value) if isinstance(value, tuple) else None
 
 
+#: the longest annotation values (JSON text) the collector holds: trainers annotate numbers
+#: (reward, advantage, returns), a few per trajectory; pending ones wait in a table
+MAX_ANNOTATION_CHARS = 4096
+
+
 def _annotation(attrs: dict[str, Any]) -> Annotation:
-    values = _json(attrs.get("rtrace.annotation.values")) or {}
+    """An annotation span's values and target; refuses (:class:`_Refused`) values that are
+    not a JSON object of at most :data:`MAX_ANNOTATION_CHARS`, or a trace id that is not
+    32 hex digits (not all zero)."""
+    text = attrs.get("rtrace.annotation.values")
+    if not isinstance(text, str) or len(text) > MAX_ANNOTATION_CHARS:
+        raise _Refused("annotation")
+    values = _json(text)
+    if not isinstance(values, dict):
+        raise _Refused("annotation")
     trace_hex = attrs.get("rtrace.annotation.trace_id")
-    trace_id = int(trace_hex, 16) if isinstance(trace_hex, str) else None
-    return Annotation(coord_key(_coords(attrs)), trace_id, values if isinstance(values, dict) else {})
+    trace_id = None
+    if trace_hex is not None:
+        if not isinstance(trace_hex, str) or len(trace_hex) != 32:
+            raise _Refused("annotation")
+        try:
+            trace_id = int(trace_hex, 16)
+        except ValueError:
+            raise _Refused("annotation") from None
+        if not trace_id:
+            raise _Refused("annotation")
+    return Annotation(coord_key(_coords(attrs)), trace_id, values)
 
 
 class Collector:
@@ -273,8 +412,23 @@ class Collector:
         post = [Token2Text(lambda: self._tokenizer, settings.token2text_skip_special_tokens,
                            settings.token2text_keep_ids)] if settings.token2text else []
         fanout = Fanout(sinks, settings.max_export_batch_size, settings.sink_queue_size, settings.sink_timeout_s)
+        #: the bearer token workers must send (generated when binding beyond loopback)
+        self.token: str | None = settings.collector_token or None
+        local = is_loopback(host)
+        if settings.collector_token is None and not local:
+            self.token = Secret(secrets.token_urlsafe(32))
+        if not local and not self.token:
+            _log.warning("rtrace collector: listening on %s with no token (RTRACE_COLLECTOR_TOKEN=none): anyone who "
+                         "can reach the port can inject trajectories and overwrite the rewards and advantages of "
+                         "this job", host)
+        if not local and settings.collector_tls_cert is None:
+            _log.warning("rtrace collector: listening on %s without TLS: the token, prompts and answers cross the "
+                         "network in clear text (RTRACE_COLLECTOR_TLS_CERT / RTRACE_COLLECTOR_TLS_KEY)", host)
+        tls = TlsFiles(settings.collector_tls_cert, settings.collector_tls_key, settings.collector_tls_client_ca) \
+            if settings.collector_tls_cert is not None else None
         self.pipeline = CollectorPipeline(settings, fanout, post, settle_s, lambda: self._tokenizer)
-        self.receiver = OtlpReceiver(self.pipeline.on_request, host=host, port=port, http_port=http_port)
+        self.receiver = OtlpReceiver(self.pipeline.on_request, host=host, port=port, http_port=http_port,
+                                     token=self.token, tls=tls)
         try:
             self.receiver.start()
         except Exception:
@@ -299,7 +453,27 @@ class Collector:
             env["RTRACE_MLFLOW_RUN_ID"] = self.mlflow_run_id
         if s.pre_sample_rate < 1.0:
             env["RTRACE_PRE_SAMPLE_RATE"] = repr(s.pre_sample_rate)
+        if self.token:
+            # rtrace's own variable, not OTEL_EXPORTER_OTLP_HEADERS: that one goes with every
+            # OTLP export of the worker (an otlp sink to Jaeger too), and would hand the token on
+            env["RTRACE_COLLECTOR_TOKEN"] = self.token
+        if s.collector_tls_ca is not None:
+            env["OTEL_EXPORTER_OTLP_CERTIFICATE"] = s.collector_tls_ca
         return env
+
+    def write_env(self, path: str) -> str:
+        """Write :attr:`env` as ``export KEY=VALUE`` lines (shell-quoted) to ``path``, created
+        mode 0600 (it may hold the token); returns the absolute path."""
+        import os
+        import shlex
+
+        path = os.path.abspath(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o600)  # an existing file too
+            for key, value in self.env.items():
+                f.write(f"export {key}={shlex.quote(str(value))}\n")
+        return path
 
     def set_tokenizer(self, tokenizer: Any) -> None:
         """The tokenizer token2text decodes with, in the collector."""
@@ -337,6 +511,16 @@ class Collector:
         self.stop()
 
 
+def is_loopback(host: str) -> bool:
+    """``host`` binds this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name: resolved by the system, assume it reaches beyond
+        return False
+
+
 def start_collector(*, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None,
                     settle_s: float = 2.0, **settings: Any) -> Collector:
     """Start an rtrace collector in this process (its own threads, no subprocess).
@@ -353,6 +537,13 @@ def start_collector(*, host: str = "127.0.0.1", port: int = 0, http_port: int | 
         http_port: also serve OTLP/HTTP ``/v1/traces`` there (0: a free port).
         settle_s: how long a trajectory waits after its root arrived, for spans of other
             processes still in flight.
+
+    Security (docs/collector.md): ``collector_token=...`` (``RTRACE_COLLECTOR_TOKEN``)
+    makes the receiver refuse requests without it; bound beyond loopback, a token is
+    generated when none is given. ``collector_tls_cert`` / ``collector_tls_key`` (and
+    ``collector_tls_client_ca`` for mutual TLS) make it speak TLS only. ``collector.env``
+    carries the token (and ``collector_tls_ca`` as ``OTEL_EXPORTER_OTLP_CERTIFICATE``)
+    to the workers; ``collector.write_env(path)`` writes it mode 0600.
 
     Returns:
         The running :class:`Collector` (also a context manager: ``stop()`` on exit).

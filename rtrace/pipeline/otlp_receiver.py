@@ -52,11 +52,15 @@ attributes, scope name, span)``; :func:`any_value` / :func:`attributes` turn OTL
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import logging
 import math
 import socket
 import socketserver
+import ssl
 import threading
+import time
 import zlib
 from concurrent import futures
 from dataclasses import dataclass
@@ -65,7 +69,7 @@ from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import urlsplit
 
 import grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+from grpc import aio as grpc_aio
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTracePartialSuccess,
     ExportTraceServiceRequest,
@@ -81,21 +85,27 @@ except ImportError:  # pragma: no cover - then no RetryInfo / Status bodies
 
 __all__ = [
     "Backpressure", "PartialSuccess", "OtlpReceiver", "spans_of", "any_value", "attributes",
-    "HTTP_MAX_CONNECTIONS", "HTTP_IDLE_TIMEOUT_S",
+    "HTTP_MAX_CONNECTIONS", "HTTP_IDLE_TIMEOUT_S", "MESSAGE_TIMEOUT_S", "TlsFiles",
 ]
 
 _log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
-#: OTLP/HTTP connections served at once; further ones get 503 + Retry-After and are closed.
-HTTP_MAX_CONNECTIONS = 64
+#: OTLP/HTTP connections served at once. At the cap, a new connection takes the place of
+#: the one that has been sending its request (or waiting idle) the longest, if that began
+#: more than :data:`HTTP_EVICT_AFTER_S` ago; else it gets 503 + Retry-After.
+HTTP_MAX_CONNECTIONS = 128
+HTTP_EVICT_AFTER_S = 1.0
 #: An HTTP keep-alive connection idle (or a body not arriving) this long is closed.
 HTTP_IDLE_TIMEOUT_S = 30.0
+#: A gRPC call must deliver its request within this long after it starts (DEADLINE_EXCEEDED).
+MESSAGE_TIMEOUT_S = 10.0
+_EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 
 _TRACES_PATH = "/v1/traces"
 _PROTOBUF_TYPES = ("application/x-protobuf", "application/protobuf")
 # google.rpc.Code values, for the HTTP error bodies
-_CODE_INVALID_ARGUMENT, _CODE_RESOURCE_EXHAUSTED, _CODE_INTERNAL = 3, 8, 13
+_CODE_INVALID_ARGUMENT, _CODE_RESOURCE_EXHAUSTED, _CODE_INTERNAL, _CODE_UNAUTHENTICATED = 3, 8, 13, 16
 
 
 class Backpressure(Exception):
@@ -120,6 +130,22 @@ class PartialSuccess:
 
 
 OnRequest = Callable[[ExportTraceServiceRequest], "PartialSuccess | None"]
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of a TLS receiver: its certificate chain and key, and optionally the CA
+    that client certificates must be signed by (then clients must present one)."""
+
+    cert: str
+    key: str
+    client_ca: str | None = None
+
+    def read(self) -> tuple[bytes, bytes, bytes | None]:
+        def load(path: str) -> bytes:
+            with open(path, "rb") as f:
+                return f.read()
+        return load(self.cert), load(self.key), load(self.client_ca) if self.client_ca else None
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -189,10 +215,13 @@ class OtlpReceiver:
 
     def __init__(self, on_request: OnRequest, *, host: str = "127.0.0.1", port: int = 0,
                  http_port: int | None = None, max_workers: int = 4, max_message_bytes: int = 64 * MiB,
-                 max_concurrent_rpcs: int = 64) -> None:
+                 max_concurrent_rpcs: int = 256, token: str | None = None, tls: TlsFiles | None = None) -> None:
         if max_workers < 1 or max_message_bytes < 1 or max_concurrent_rpcs < 1:
             raise ValueError("max_workers, max_message_bytes and max_concurrent_rpcs must be >= 1")
         self._on_request = on_request
+        #: the bearer token every request must carry (None: no authentication)
+        self._token = f"Bearer {token}".encode() if token else None
+        self.tls = tls
         self.host = host
         self._want_port = int(port)
         self._want_http_port = None if http_port is None else int(http_port)
@@ -202,11 +231,15 @@ class OtlpReceiver:
         self._lock = threading.Lock()
         self._counts = {"requests": 0, "accepted_spans": 0, "rejected_spans": 0,
                         "backpressure_requests": 0, "backpressure_spans": 0,
-                        "failed_requests": 0, "failed_spans": 0, "invalid_requests": 0}
+                        "failed_requests": 0, "failed_spans": 0, "invalid_requests": 0,
+                        "unauthenticated_requests": 0, "grpc_calls": 0, "grpc_refused_calls": 0,
+                        "http_evicted_connections": 0}
         self._last_error: str | None = None
         self._state = "new"  # new -> started -> stopped
         self._grpc_server: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._grpc_executor: futures.ThreadPoolExecutor | None = None
+        self._loop_thread: threading.Thread | None = None
         self._http: _HttpServer | None = None
         self._http_thread: threading.Thread | None = None
         self.port: int | None = None
@@ -228,25 +261,108 @@ class OtlpReceiver:
             raise
 
     def _start_grpc(self) -> None:
-        self._grpc_executor = futures.ThreadPoolExecutor(self.max_workers, thread_name_prefix="otlp-grpc")
-        self._grpc_server = grpc.server(
-            self._grpc_executor, maximum_concurrent_rpcs=self.max_concurrent_rpcs,
+        # grpc.aio on a thread of its own: a call waiting for its message holds no thread
+        # (the sync server's pool thread waits for it: 4 silent calls stopped every export)
+        self._grpc_executor = futures.ThreadPoolExecutor(self.max_workers, thread_name_prefix="otlp-grpc-worker")
+        loop = self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=loop.run_forever, name="otlp-grpc", daemon=True)
+        self._loop_thread.start()
+        self.port = asyncio.run_coroutine_threadsafe(self._serve_grpc(), loop).result(30)
+
+    async def _serve_grpc(self) -> int:
+        server = grpc_aio.server(
+            maximum_concurrent_rpcs=self.max_concurrent_rpcs,
             options=[("grpc.max_receive_message_length", self.max_message_bytes),
                      # never share a port with another server silently (gRPC sets SO_REUSEPORT)
                      ("grpc.so_reuseport", 0)])
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Servicer(self), self._grpc_server)
+        self._grpc_server = server
+        # raw bytes in and out: the request is decoded here, so what cannot be decoded is
+        # counted; a stream handler (same wire format as unary) so the wait for the message
+        # has a deadline
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "opentelemetry.proto.collector.trace.v1.TraceService",
+            {"Export": grpc.stream_unary_rpc_method_handler(self._grpc_export)}),))
         address = f"{_host_for_url(self.host)}:{self._want_port}"
         try:
-            port = self._grpc_server.add_insecure_port(address)
+            if self.tls is not None:
+                cert, key, client_ca = self.tls.read()
+                creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                                    require_client_auth=client_ca is not None)
+                port = server.add_secure_port(address, creds)
+            else:
+                port = server.add_insecure_port(address)
         except RuntimeError as exc:  # grpcio >= 1.5x raises instead of returning 0
             raise OSError(f"cannot bind the OTLP gRPC receiver to {address}: {exc}") from exc
         if not port:
             raise OSError(f"cannot bind the OTLP gRPC receiver to {address}")
-        self.port = port
-        self._grpc_server.start()
+        await server.start()
+        return port
+
+    async def _grpc_export(self, requests: Any, context: Any) -> bytes:
+        self._count(grpc_calls=1)
+        if self._token is not None and not self._authorized(dict(context.invocation_metadata() or ()).get(
+                "authorization")):
+            self._count(unauthenticated_requests=1)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a bearer token is required")
+        try:
+            body = await asyncio.wait_for(requests.__anext__(), MESSAGE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            self._count(grpc_refused_calls=1)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no request within {MESSAGE_TIMEOUT_S:g} s of the call's start")
+        except StopAsyncIteration:
+            self._count(grpc_refused_calls=1)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
+        except Exception:  # noqa: BLE001 - gRPC refused the message (too large once decompressed, ...)
+            self._count(grpc_refused_calls=1)
+            raise
+        # decoded and handed over on a pool thread: a slow or stuck callback holds a thread,
+        # never the event loop (which keeps serving, and can stop)
+        outcome, detail = await asyncio.get_running_loop().run_in_executor(self._grpc_executor, self._decode, body)
+        if outcome == "invalid":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, detail)
+        if outcome == "ok":
+            return detail.SerializeToString()
+        if outcome == "backpressure":
+            if RetryInfo is not None:
+                delay = Duration()
+                delay.FromNanoseconds(int(detail.retry_after_s * 1e9))
+                context.set_trailing_metadata(
+                    (("google.rpc.retryinfo-bin", RetryInfo(retry_delay=delay).SerializeToString()),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, detail.message)
+        await context.abort(grpc.StatusCode.INTERNAL, detail)
+        raise AssertionError("unreachable")  # context.abort raises
+
+    def _decode(self, body: bytes) -> tuple[str, Any]:
+        request = ExportTraceServiceRequest()
+        try:
+            request.ParseFromString(body)
+        except Exception as exc:  # noqa: BLE001 - protobuf DecodeError
+            self._invalid(f"not an ExportTraceServiceRequest: {exc}")
+            return "invalid", "not an ExportTraceServiceRequest"
+        return self._handle(request)
+
+    def _authorized(self, value: Any) -> bool:
+        """``value`` is ``Bearer <token>`` (compared in constant time)."""
+        if isinstance(value, bytes):
+            supplied = value
+        elif isinstance(value, str):
+            supplied = value.encode("utf-8", "surrogateescape")
+        else:
+            supplied = b""
+        return hmac.compare_digest(supplied, self._token or b"")
 
     def _start_http(self) -> None:
         server = _HttpServer((self.host, self._want_http_port or 0), self)
+        if self.tls is not None:
+            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ctx.load_cert_chain(self.tls.cert, self.tls.key)
+            if self.tls.client_ca:
+                ctx.load_verify_locations(self.tls.client_ca)
+                ctx.verify_mode = ssl.CERT_REQUIRED
+            # the handshake happens on the connection's own thread (its first read), not in
+            # the accept loop, where one silent client would stop every other
+            server.socket = ctx.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
         self._http = server
         self.http_port = server.server_address[1]
         self._http_thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
@@ -262,7 +378,9 @@ class OtlpReceiver:
                 return
             self._state = "stopped"
         grace_s = max(0.0, grace_s)
-        stopped = self._grpc_server.stop(grace_s) if self._grpc_server is not None else None
+        stopped = None
+        if self._grpc_server is not None and self._loop is not None:
+            stopped = asyncio.run_coroutine_threadsafe(self._grpc_server.stop(grace_s), self._loop)
         if self._http is not None:
             self._http.shutdown()       # the accept loop (returns within its poll interval)
             self._http.server_close()   # the listening socket: the port is free
@@ -270,7 +388,16 @@ class OtlpReceiver:
             if self._http_thread is not None:
                 self._http_thread.join(grace_s + 1)
         if stopped is not None:
-            stopped.wait(grace_s + 5)
+            try:
+                stopped.result(grace_s + 5)
+            except Exception:  # noqa: BLE001 - stopping anyway
+                _log.debug("OTLP receiver: gRPC stop", exc_info=True)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._loop_thread is not None:
+                self._loop_thread.join(5)
+            if not self._loop.is_running():
+                self._loop.close()
         if self._grpc_executor is not None:
             self._grpc_executor.shutdown(wait=False, cancel_futures=True)
 
@@ -285,25 +412,32 @@ class OtlpReceiver:
     @property
     def endpoint(self) -> str:
         """The gRPC address, ``"127.0.0.1:PORT"`` (give it to ``OTLPSpanExporter(endpoint=...,
-        insecure=True)``, or ``http://`` + it)."""
+        insecure=True)``, or ``http://`` + it); with TLS, ``"https://127.0.0.1:PORT"``."""
         if self.port is None:
             raise RuntimeError("OtlpReceiver.start() was not called")
-        return f"{_host_for_url(self.host)}:{self.port}"
+        address = f"{_host_for_url(self.host)}:{self.port}"
+        return f"https://{address}" if self.tls is not None else address
 
     @property
     def http_endpoint(self) -> str | None:
-        """``"http://127.0.0.1:PORT"`` (POST to it + ``/v1/traces``), ``None`` without HTTP."""
+        """``"http://127.0.0.1:PORT"`` (POST to it + ``/v1/traces``; ``https`` with TLS),
+        ``None`` without HTTP."""
         if self.http_port is None:
             return None
-        return f"http://{_host_for_url(self.host)}:{self.http_port}"
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://{_host_for_url(self.host)}:{self.http_port}"
 
     # ------------------------------------------------------------------ counters
     def stats(self) -> dict[str, Any]:
         """Counters since start: ``requests`` (handed to ``on_request``), ``accepted_spans``,
         ``rejected_spans`` (partial successes), ``backpressure_requests`` /
         ``backpressure_spans`` (told to retry), ``failed_requests`` / ``failed_spans``
-        (``on_request`` raised), ``invalid_requests`` (HTTP bodies refused before
-        decoding: size, type, encoding, protobuf), and ``last_error``."""
+        (``on_request`` raised), ``invalid_requests`` (bodies refused before decoding:
+        size, type, encoding, protobuf), ``unauthenticated_requests`` (no or a wrong
+        token), ``grpc_calls`` (gRPC calls begun), ``grpc_refused_calls`` (calls whose
+        message never came, or that gRPC itself refused: too large, also once
+        decompressed), ``http_evicted_connections`` (slow or idle HTTP connections closed
+        to make room at the cap), and ``last_error``."""
         with self._lock:
             return {**self._counts, "last_error": self._last_error}
 
@@ -350,26 +484,6 @@ def _host_for_url(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-# ----------------------------------------------------------------------------- gRPC
-class _Servicer(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self, receiver: OtlpReceiver) -> None:
-        self._rx = receiver
-
-    def Export(self, request: ExportTraceServiceRequest, context: Any) -> ExportTraceServiceResponse:  # noqa: N802
-        outcome, detail = self._rx._handle(request)
-        if outcome == "ok":
-            return detail
-        if outcome == "backpressure":
-            if RetryInfo is not None:
-                delay = Duration()
-                delay.FromNanoseconds(int(detail.retry_after_s * 1e9))
-                context.set_trailing_metadata(
-                    (("google.rpc.retryinfo-bin", RetryInfo(retry_delay=delay).SerializeToString()),))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, detail.message)
-        context.abort(grpc.StatusCode.INTERNAL, detail)
-        raise AssertionError("unreachable")  # context.abort raises
-
-
 # ----------------------------------------------------------------------------- HTTP
 class _HttpServer(ThreadingHTTPServer):
     """ThreadingHTTPServer with a bound on connections and a record of them for stop()."""
@@ -385,6 +499,8 @@ class _HttpServer(ThreadingHTTPServer):
         self.cond = threading.Condition()
         self.in_flight = 0
         self.connections: set[socket.socket] = set()
+        #: connection -> monotonic time it began waiting for (or reading) a request
+        self.reading: dict[socket.socket, float] = {}
         super().__init__(address, _Handler)
 
     def server_bind(self) -> None:
@@ -393,7 +509,7 @@ class _HttpServer(ThreadingHTTPServer):
         self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
+        if not self.slots.acquire(blocking=False) and not self._evict_slowest():
             # Answered from the accept loop without reading the request: 503 is retryable for
             # OTLP clients (so is the connection reset they may see instead if they were still
             # sending: what already arrived is read, without waiting, to make that rarer).
@@ -422,8 +538,28 @@ class _HttpServer(ThreadingHTTPServer):
         finally:
             self._forget(request)
 
+    def _evict_slowest(self) -> bool:
+        """At the cap: close the connection that has been waiting for or sending its request
+        the longest (a slow or stalled client, or an idle keep-alive one), if that began
+        over :data:`HTTP_EVICT_AFTER_S` ago, and take its slot. An honest request arrives
+        in milliseconds, so a flood of slow connections cannot keep honest clients out."""
+        with self.cond:
+            now = time.monotonic()
+            candidates = [(since, conn) for conn, since in self.reading.items() if now - since > HTTP_EVICT_AFTER_S]
+            if not candidates:
+                return False
+            _, victim = min(candidates, key=lambda item: item[0])
+            self.reading.pop(victim, None)
+        try:
+            victim.shutdown(socket.SHUT_RDWR)  # its thread reads EOF, ends and frees the slot
+        except OSError:
+            pass
+        self.receiver._count(http_evicted_connections=1)
+        return self.slots.acquire(timeout=1.0)
+
     def _forget(self, request: Any) -> None:
         with self.cond:
+            self.reading.pop(request, None)
             if request in self.connections:
                 self.connections.discard(request)
                 self.slots.release()
@@ -445,6 +581,18 @@ class _Handler(BaseHTTPRequestHandler):
     timeout = HTTP_IDLE_TIMEOUT_S
     server: _HttpServer
 
+    def handle_one_request(self) -> None:
+        srv = self.server
+        with srv.cond:  # waiting for (then reading) a request: may be evicted at the cap
+            srv.reading[self.request] = time.monotonic()
+        try:
+            super().handle_one_request()
+        except (OSError, ssl.SSLError):  # evicted, reset, or a failed TLS handshake
+            self.close_connection = True
+        finally:
+            with srv.cond:
+                srv.reading.pop(self.request, None)
+
     def do_POST(self) -> None:  # noqa: N802 (http.server API)
         srv = self.server
         with srv.cond:
@@ -459,6 +607,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _post(self, rx: OtlpReceiver) -> None:
         if urlsplit(self.path).path.rstrip("/") != _TRACES_PATH:
             return self._refuse(rx, 404, f"no such path {self.path!r}; OTLP traces go to {_TRACES_PATH}")
+        if rx._token is not None and not rx._authorized(self.headers.get("Authorization")):
+            rx._count(unauthenticated_requests=1)
+            self.close_connection = True  # the body is not read
+            return self._reply(401, _status_body(_CODE_UNAUTHENTICATED, "a bearer token is required"),
+                               {"WWW-Authenticate": "Bearer"})
         if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
             return self._refuse(rx, 411, "a Content-Length is required")
         try:
@@ -472,6 +625,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             rx._invalid("truncated request body")
             return None
+        with self.server.cond:  # the request is in: no longer a candidate for eviction
+            self.server.reading.pop(self.request, None)
         ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
         if ctype not in _PROTOBUF_TYPES:
             return self._refuse(rx, 415, f"unsupported Content-Type {ctype!r}: send application/x-protobuf "

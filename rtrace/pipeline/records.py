@@ -69,7 +69,8 @@ class TrajectoryState:
 
     __slots__ = ("trace_id", "root_span_id", "name", "kind", "coords", "captures", "reward",
                  "has_reward", "outcome", "created", "created_ns", "records", "dropped_spans",
-                 "partial", "root_lost", "root_at", "annotations", "remote_parent", "messages", "kept", "health")
+                 "partial", "root_lost", "root_at", "annotations", "remote_parent", "messages", "kept", "health",
+                 "span_ids", "touched", "held_bytes")
 
     def __init__(self, trace_id: int, root_span_id: int | None, name: str, kind: str,
                  coords: dict[str, Any]) -> None:
@@ -105,3 +106,8 @@ class TrajectoryState:
         self.kept: list[str] = []
         #: rollout-health findings ({"check", "detail"}), filled by the worker (health.py)
         self.health: list[dict[str, str]] = []
+        #: collector only: the span ids taken (duplicates are refused), when a span last
+        #: arrived (the least recently active are evicted first), the bytes held
+        self.span_ids: set[int] | None = None
+        self.touched = self.created
+        self.held_bytes = 0

@@ -56,6 +56,8 @@ class TrajectoryRegistry:
         self._lock = threading.Lock()
         self._open: dict[int, TrajectoryState] = {}
         self._closed = False
+        #: collector: wire bytes of the spans the open trajectories hold
+        self.held_bytes = 0
 
     # ------------------------------------------------------------------ hot path
     def register(self, state: TrajectoryState) -> bool:
@@ -117,11 +119,41 @@ class TrajectoryRegistry:
             state.root_at = time.monotonic()
             return True
 
+    def touch(self, state: TrajectoryState, nbytes: int) -> None:
+        """Collector: a span of ``nbytes`` arrived for ``state`` (activity and bytes held)."""
+        with self._lock:
+            state.touched = time.monotonic()
+            state.held_bytes += nbytes
+            if self._open.get(state.trace_id) is state:
+                self.held_bytes += nbytes
+
     def remove(self, state: TrajectoryState) -> None:
         """Forget a finished trajectory: spans of its trace that arrive later are late."""
         with self._lock:
             if self._open.get(state.trace_id) is state:
                 del self._open[state.trace_id]
+                self.held_bytes -= state.held_bytes
+
+    def evict(self, max_open: int, max_bytes: int) -> list[TrajectoryState]:
+        """Collector under pressure: remove the least recently active trajectories still
+        waiting for their root until at most ``max_open`` are open and at most
+        ``max_bytes`` held; returned marked partial (written with what arrived)."""
+        with self._lock:
+            if len(self._open) <= max_open and self.held_bytes <= max_bytes:
+                return []
+            waiting = sorted((st for st in self._open.values() if st.root_at is None), key=lambda st: st.touched)
+            evicted = []
+            for state in waiting:
+                if len(self._open) <= max_open and self.held_bytes <= max_bytes:
+                    break
+                del self._open[state.trace_id]
+                self.held_bytes -= state.held_bytes
+                state.partial = True
+                evicted.append(state)
+        if evicted:
+            _stats.incr("trajectories_evicted", len(evicted))
+            _stats.incr("trajectories_partial", len(evicted))
+        return evicted
 
     def expire(self, now: float, timeout_s: float, force: bool = False) -> list[TrajectoryState]:
         """Remove and return trajectories whose root was lost, or that waited for their
@@ -131,6 +163,7 @@ class TrajectoryRegistry:
                        if st.root_at is None and (force or st.root_lost or now - st.created > timeout_s)]
             for state in expired:
                 del self._open[state.trace_id]
+                self.held_bytes -= state.held_bytes
                 state.partial = True
         if expired:
             _stats.incr("trajectories_partial", len(expired))

@@ -220,6 +220,7 @@ class Pipeline:
                 self._waiting.append(state)
         for state in ready:
             self.registry.remove(state)
+        ready += self._evict()
         if expire:
             ready += self.registry.expire(now, self.settings.orphan_timeout_s, force)
             self.annotations.expire(now)
@@ -240,6 +241,10 @@ class Pipeline:
             if rows:
                 self.fanout.submit_metrics(rows)
 
+    def _evict(self) -> list[TrajectoryState]:
+        """Trajectories removed from the registry to make room (the collector), as partial."""
+        return []
+
     def dropped(self, state: TrajectoryState) -> None:
         """The selector sampled ``state`` out: its annotations are then dropped cheaply."""
         self.annotations.remember(coord_key(state.coords), state.trace_id, "sampled_out")
@@ -258,7 +263,11 @@ class Pipeline:
         out: list[TrajectoryState] = []
         keep_by = self.settings.keep_by
         for state in states:
-            out.extend(selector.offer(state.coords, state, now, tail_of(state, keep_by)))
+            try:  # one trajectory the selector cannot place costs that one, not the round
+                out.extend(selector.offer(state.coords, state, now, tail_of(state, keep_by)))
+            except Exception:
+                _stats.incr("trajectories_select_failed")
+                _stats.warn_once("select", "rtrace could not sample a trajectory; it is dropped", exc_info=True)
         out.extend(selector.release(now, force or self._flushing))
         return out
 
