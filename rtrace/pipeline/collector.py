@@ -74,6 +74,8 @@ class CollectorPipeline(Pipeline):
         self._max_held_bytes = settings.collector_max_held_bytes
         #: trajectories evicted (least recently active, as partial) to make room
         self._evicted: list[TrajectoryState] = []
+        #: set by the receiver when it pushed back because the table was full
+        self._pressure = False
 
     # ------------------------------------------------------------------ receiver threads
     def on_request(self, request: Any) -> None:
@@ -84,6 +86,7 @@ class CollectorPipeline(Pipeline):
             # full: the worker thread evicts the least recently active trajectories (written
             # partial) in its next round; until then the sender waits and sends it all again
             _stats.incr("collector_backpressure_spans", n)
+            self._pressure = True
             with self._cond:
                 self._cond.notify()
             raise Backpressure(f"rtrace collector holds {len(registry)} open trajectories "
@@ -117,8 +120,8 @@ class CollectorPipeline(Pipeline):
         ``collector_refused.<why>``), never the request or the round it came in."""
         arrived: list[TrajectoryState] = []
         registry = self.registry
-        if len(registry) >= registry.max_open or registry.held_bytes >= self._max_held_bytes:
-            # full (the receiver is pushing back): make room for a tenth of the table
+        if self._pressure:  # the receiver pushed back since the last round: free a tenth of the table
+            self._pressure = False
             self._evicted += registry.evict(registry.max_open * 9 // 10, self._max_held_bytes * 9 // 10)
         for _ in range(len(self._requests)):
             request, n = self._requests.popleft()

@@ -490,6 +490,9 @@ class _HttpServer(ThreadingHTTPServer):
 
     daemon_threads = True
     block_on_close = False
+    # socketserver's default listen backlog is 5: a burst of clients then waits for the
+    # kernel's SYN retry (1 s) every few connections
+    request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], receiver: OtlpReceiver) -> None:
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
