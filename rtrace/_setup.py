@@ -325,9 +325,18 @@ def start_collector(*, host: str = "127.0.0.1", port: int = 0, http_port: int | 
         settle_s: how long a finished trajectory waits for spans of other processes
             still in flight.
 
+    Security (docs/collector.md): ``collector_token=...`` (``RTRACE_COLLECTOR_TOKEN``)
+    makes the receiver refuse requests without it (UNAUTHENTICATED / 401, counted); bound
+    beyond loopback, a token is generated when none is given (``none``: no token, with a
+    warning). ``collector_tls_cert`` / ``collector_tls_key`` (and
+    ``collector_tls_client_ca`` for mutual TLS) make it speak TLS only. ``collector.env``
+    carries the token, the ``https://`` endpoint and ``collector_tls_ca`` (as
+    ``OTEL_EXPORTER_OTLP_CERTIFICATE``) to the workers; ``collector.write_env(path)``
+    writes it mode 0600.
+
     Returns:
-        The running :class:`rtrace.Collector`: ``endpoint``, ``env``, ``flush()``,
-        ``stats()``, ``stop()``; also a context manager.
+        The running :class:`rtrace.Collector`: ``endpoint``, ``env``, ``token``,
+        ``write_env(path)``, ``flush()``, ``stats()``, ``stop()``; also a context manager.
 
     Raises:
         ConfigError: a bad setting, or no sink.

@@ -90,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     collect.add_argument("--experiment", default=None, help="run name")
     collect.add_argument("--max-traces-per-step", type=_non_negative, default=None,
                          help="trajectories kept per step, job-wide (default: all)")
+    collect.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS only "
+                         "(default: $RTRACE_COLLECTOR_TLS_CERT)")
+    collect.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert "
+                         "(default: $RTRACE_COLLECTOR_TLS_KEY)")
+    collect.add_argument("--tls-client-ca", default=None, help="PEM CA: require client certificates it signed "
+                         "(mutual TLS; default: $RTRACE_COLLECTOR_TLS_CLIENT_CA)")
+    collect.add_argument("--tls-ca", default=None, help="PEM CA workers verify the collector with, handed to them as "
+                         "OTEL_EXPORTER_OTLP_CERTIFICATE (default: $RTRACE_COLLECTOR_TLS_CA)")
+    collect.add_argument("--env-file", default=None, metavar="PATH",
+                         help="also write the worker environment here, mode 0600 (with a token: default "
+                              "rtrace-collector.env; the token is never printed)")
     report = sub.add_parser(
         "report", help="a step at a glance from JSONL trajectory files: a table, a static HTML page, a health check",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -123,13 +134,29 @@ def _collect(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     collector = _setup.start_collector(host=args.host, port=args.port, http_port=args.http_port,
                                        exporter=args.exporter, project=args.project, experiment=args.experiment,
-                                       max_traces_per_step=args.max_traces_per_step, flush_on_sigterm=False)
-    host = args.host if args.host not in ("0.0.0.0", "::") else "<this host's address>"
+                                       max_traces_per_step=args.max_traces_per_step, flush_on_sigterm=False,
+                                       collector_tls_cert=args.tls_cert, collector_tls_key=args.tls_key,
+                                       collector_tls_client_ca=args.tls_client_ca, collector_tls_ca=args.tls_ca)
+    env = dict(collector.env)
+    if args.host in ("0.0.0.0", "::"):  # workers need an address they can reach
+        scheme = "https://" if env["RTRACE_COLLECTOR_ENDPOINT"].startswith("https://") else ""
+        env["RTRACE_COLLECTOR_ENDPOINT"] = f"{scheme}<this host's address>:{collector.endpoint.rsplit(':', 1)[1]}"
+    env_file = args.env_file or ("rtrace-collector.env" if collector.token else None)
+    if env_file:
+        env_file = collector.write_env(env_file)
+        if args.host in ("0.0.0.0", "::"):  # the file gets the address placeholder too
+            import shlex
+
+            with open(env_file, "w") as f:
+                f.writelines(f"export {k}={shlex.quote(str(v))}\n" for k, v in env.items())
     print(f"rtrace collector listening on {collector.endpoint}; worker environment:", flush=True)
-    for key, value in collector.env.items():
-        if key == "RTRACE_COLLECTOR_ENDPOINT" and args.host in ("0.0.0.0", "::"):
-            value = f"{host}:{collector.endpoint.rsplit(':', 1)[1]}"
+    for key, value in env.items():
+        if key == "RTRACE_COLLECTOR_TOKEN":  # never printed: logs are read by others
+            print(f"# {key}: in {env_file} (mode 0600)", flush=True)
+            continue
         print(f"export {key}={value}", flush=True)
+    if env_file:
+        print(f"# the whole worker environment: source {env_file}", flush=True)
     while not stop.wait(1.0):
         pass
     collector.stop()

@@ -466,3 +466,42 @@ class TestTls:
         """RTRACE_COLLECTOR_TLS_CERT without RTRACE_COLLECTOR_TLS_KEY is refused at start."""
         with pytest.raises(ConfigError, match="RTRACE_COLLECTOR_TLS_CERT is set but RTRACE_COLLECTOR_TLS_KEY"):
             load_settings({"collector_tls_cert": str(pki / "server.pem")})
+
+
+@pytest.mark.integration
+def test_secure_multi_node_recipe_of_the_docs(tmp_path, pki):
+    """docs/collector.md's recipe on one node: `rtrace collect --host 0.0.0.0` with TLS
+    prints no token, writes the worker environment 0600 (token, https endpoint, CA), and
+    a worker process started with that file (the address filled in) is let in."""
+    import multiprocessing as mp
+    import shlex
+    import signal
+
+    from tests import collector_workers as workers
+    from tests.test_collector import _rtrace_collect
+
+    env_file = tmp_path / "collector.env"
+    path = tmp_path / "cli.jsonl"
+    proc, printed = _rtrace_collect(path, "--host", "0.0.0.0", "--tls-cert", str(pki / "server.pem"),
+                                    "--tls-key", str(pki / "server.key"), "--tls-ca", str(pki / "ca.pem"),
+                                    "--env-file", str(env_file))
+    try:
+        assert "RTRACE_COLLECTOR_TOKEN" not in printed
+        assert os.stat(env_file).st_mode & 0o777 == 0o600
+        worker_env = {}
+        for line in env_file.read_text().splitlines():
+            key, _, value = line[len("export "):].partition("=")
+            worker_env[key] = shlex.split(value)[0]
+        assert len(worker_env["RTRACE_COLLECTOR_TOKEN"]) >= 32
+        assert worker_env["OTEL_EXPORTER_OTLP_CERTIFICATE"] == str(pki / "ca.pem")
+        endpoint = worker_env["RTRACE_COLLECTOR_ENDPOINT"]
+        assert endpoint.startswith("https://<this host's address>:")
+        worker_env["RTRACE_COLLECTOR_ENDPOINT"] = endpoint.replace("<this host's address>", "127.0.0.1")
+        worker = mp.get_context("spawn").Process(target=workers.rollouts, args=(worker_env, 0, 1, 1, 3, 1))
+        worker.start()
+        worker.join(120)
+        assert worker.exitcode == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    assert sorted(t.sample_index for t in read_jsonl(path)) == [0, 1, 2]

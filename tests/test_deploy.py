@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from rtrace.config import ConfigError, load_settings
+
 ROOT = Path(__file__).resolve().parents[1]
 LB_CONFIG = ROOT / "deploy" / "otel-collector-loadbalancing.yaml"
 DEFAULT_SERVICES = {"otel-collector", "jaeger", "mlflow"}
@@ -169,3 +171,21 @@ def test_lb_service_mounts_the_config_and_publishes_its_receivers(services, lb):
     assert {"4317", "4318", lb["extensions"]["health_check"]["endpoint"].rsplit(":", 1)[1]} <= published
     hosts = {h.rsplit(":", 1)[0] for h in lb["exporters"]["loadbalancing"]["resolver"]["static"]["hostnames"]}
     assert hosts | {"jaeger"} <= set(svc["depends_on"])
+
+
+def test_one_token_guards_every_hop(services, lb):
+    """Every rtrace collector service and otel-collector-lb take the same RTRACE_COLLECTOR_TOKEN
+    from the shell (empty when unset: an rtrace collector then refuses to start, while the
+    default stack needs none); the lb checks it on both receivers (bearertokenauth) and
+    sends it on to the rtrace collectors."""
+    required = "${RTRACE_COLLECTOR_TOKEN:-}"
+    for name, svc in _rtrace_collectors(services).items():
+        assert svc["environment"]["RTRACE_COLLECTOR_TOKEN"] == required, name
+    assert services["otel-collector-lb"]["environment"]["RTRACE_COLLECTOR_TOKEN"] == required
+    with pytest.raises(ConfigError, match="RTRACE_COLLECTOR_TOKEN: empty value"):
+        load_settings({}, environ={"RTRACE_COLLECTOR_TOKEN": ""})
+    assert lb["extensions"]["bearertokenauth"]["token"] == "${env:RTRACE_COLLECTOR_TOKEN}"
+    for protocol in lb["receivers"]["otlp"]["protocols"].values():
+        assert protocol["auth"]["authenticator"] == "bearertokenauth"
+    headers = lb["exporters"]["loadbalancing"]["protocol"]["otlp"]["headers"]
+    assert headers == {"authorization": "Bearer ${env:RTRACE_COLLECTOR_TOKEN}"}

@@ -495,3 +495,37 @@ def test_http_connections_are_bounded_and_stop_closes_idle_ones(collected, monke
             s.bind(("127.0.0.1", port))
     finally:
         rx.stop(0)
+
+
+@pytest.mark.parametrize("body, compression, code, counter", [
+    # larger than max_message_bytes: gRPC itself refuses it before the handler has it
+    ("big", None, grpc.StatusCode.RESOURCE_EXHAUSTED, "grpc_refused_calls"),
+    # a gzip bomb: small on the wire, too large once decompressed
+    ("big", grpc.Compression.Gzip, grpc.StatusCode.RESOURCE_EXHAUSTED, "grpc_refused_calls"),
+    # bytes that are no ExportTraceServiceRequest
+    ("garbage", None, grpc.StatusCode.INVALID_ARGUMENT, "invalid_requests"),
+], ids=["oversize", "gzip-bomb", "undecodable"])
+def test_grpc_refusals_are_counted(body, compression, code, counter):
+    """What gRPC or the decoder refuses is answered with the right code and counted; the
+    callback never sees it."""
+    from rtrace.pipeline.otlp_receiver import _EXPORT_METHOD
+
+    got = []
+    with OtlpReceiver(got.append, max_message_bytes=64 * 1024) as rx:
+        if body == "big":
+            req = ExportTraceServiceRequest()
+            req.resource_spans.add().scope_spans.add().spans.add(trace_id=b"\1" * 16, span_id=b"\1" * 8,
+                                                                 name="x" * (1 << 20))
+            payload = req.SerializeToString()
+        else:
+            payload = b"\xff\xff not protobuf"
+        channel = grpc.insecure_channel(rx.endpoint, compression=compression)
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                channel.unary_unary(_EXPORT_METHOD)(payload, timeout=WAIT_S)
+        finally:
+            channel.close()
+        assert err.value.code() == code
+        stats = rx.stats()
+    assert got == []
+    assert stats[counter] == 1 and stats["grpc_calls"] == 1 and stats["requests"] == 0

@@ -541,13 +541,6 @@ def start_collector(*, host: str = "127.0.0.1", port: int = 0, http_port: int | 
         settle_s: how long a trajectory waits after its root arrived, for spans of other
             processes still in flight.
 
-    Security (docs/collector.md): ``collector_token=...`` (``RTRACE_COLLECTOR_TOKEN``)
-    makes the receiver refuse requests without it; bound beyond loopback, a token is
-    generated when none is given. ``collector_tls_cert`` / ``collector_tls_key`` (and
-    ``collector_tls_client_ca`` for mutual TLS) make it speak TLS only. ``collector.env``
-    carries the token (and ``collector_tls_ca`` as ``OTEL_EXPORTER_OTLP_CERTIFICATE``)
-    to the workers; ``collector.write_env(path)`` writes it mode 0600.
-
     Returns:
         The running :class:`Collector` (also a context manager: ``stop()`` on exit).
 
