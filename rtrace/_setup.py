@@ -35,7 +35,8 @@ _atexit_registered = False
 _mp_finalizer_pid: int | None = None
 #: provider -> the one ProcessorBridge rtrace added to it (a provider cannot drop one)
 _bridges: dict[int, Any] = {}
-_own_provider: Any = None
+#: the key of the bridge rtrace's own SpanTracer ends its spans into (no provider)
+_OWN = 0
 #: the tokenizer token2text decodes with (configure(tokenizer=...) or set_tokenizer())
 _tokenizer: Any = None
 _sigterm_installed = False
@@ -121,23 +122,27 @@ def _build(settings: Settings) -> tuple[tuple[Any, Any], Any]:
 
 def _tracer(settings: Settings) -> Any:
     """rtrace's tracer, on the application's SDK provider if it set one globally (rtrace
-    adds to it, never replaces it), else on rtrace's own provider."""
-    global _own_provider
-    from opentelemetry.sdk.resources import Resource
+    adds to it, never replaces it, and the application's processors see rtrace's spans);
+    else rtrace's own :class:`~rtrace.instrumentation.spans.SpanTracer`, whose light spans
+    go straight to rtrace's pipeline (docs/architecture.md, "Where spans become OTel spans")."""
     from opentelemetry.sdk.trace import TracerProvider
 
     from ._ids import UrandomIdGenerator
 
     provider = otel_trace.get_tracer_provider()
     if not isinstance(provider, TracerProvider):
-        if _own_provider is None or _own_provider.resource.attributes.get("service.name") != settings.service_name:
-            _own_provider = TracerProvider(resource=Resource.create({"service.name": settings.service_name}),
-                                           id_generator=UrandomIdGenerator())
-        provider = _own_provider
+        from .instrumentation.spans import SpanTracer
+        from .pipeline.worker import ProcessorBridge
+
+        bridge = _bridges.get(_OWN)
+        if bridge is None:
+            bridge = _bridges[_OWN] = ProcessorBridge()
+        return SpanTracer(bridge.on_end)
     tracer = provider.get_tracer("rtrace")
-    # On an application's provider, rtrace's own tracer still draws its ids from
-    # os.urandom: the SDK's default generator draws from the seeded global `random`
-    # (the program's state would move, seeded workers would repeat trace ids). Each
+    # On an application's provider, rtrace's own tracer still draws its ids from its
+    # private generator (rtrace._ids, seeded from os.urandom): the SDK's default draws from
+    # the seeded global `random` (the program's state would move, seeded workers would
+    # repeat trace ids). Each
     # get_tracer() returns a new SDK Tracer; the application's tracers keep its generator.
     if not isinstance(getattr(tracer, "id_generator", None), UrandomIdGenerator) and hasattr(tracer, "id_generator"):
         tracer.id_generator = UrandomIdGenerator()
@@ -154,13 +159,18 @@ def _install(built: tuple[Any, Any] | None, settings: Settings) -> None:
         _state.set_runtime(None)
         return
     pipeline, tracer = built
-    provider = _provider_of(tracer)
-    bridge = _bridges.get(id(provider))
-    if bridge is None:
-        from .pipeline.worker import ProcessorBridge
+    from .instrumentation.spans import SpanTracer
 
-        bridge = _bridges[id(provider)] = ProcessorBridge()
-        provider.add_span_processor(bridge)
+    if isinstance(tracer, SpanTracer):  # rtrace's own spans: the bridge is the tracer's on_end
+        bridge = _bridges[_OWN]
+    else:
+        provider = _provider_of(tracer)
+        bridge = _bridges.get(id(provider))
+        if bridge is None:
+            from .pipeline.worker import ProcessorBridge
+
+            bridge = _bridges[id(provider)] = ProcessorBridge()
+            provider.add_span_processor(bridge)
     bridge.target = pipeline
     _pipeline = pipeline
     if "collector" in settings.exporter:
@@ -204,10 +214,8 @@ def _register_multiprocessing_exit() -> None:
 
 
 def _provider_of(tracer: Any) -> Any:
-    from opentelemetry.sdk.trace import TracerProvider
-
-    provider = otel_trace.get_tracer_provider()
-    return provider if isinstance(provider, TracerProvider) else _own_provider
+    """The application's global SDK provider (rtrace's SDK tracer is on it)."""
+    return otel_trace.get_tracer_provider()
 
 
 # ----------------------------------------------------------------------------- environment-only start

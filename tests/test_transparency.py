@@ -242,7 +242,7 @@ class TestRandomState:
 
     def test_application_provider_with_the_sdks_random_ids(self):
         """On an application's TracerProvider (whose default id generator draws from `random`),
-        rtrace's own spans still take their ids from os.urandom: the program's random state does not
+        rtrace's own spans still take their ids from rtrace's private generator: the program's random state does not
         move and seeded runs do not repeat trace ids; the application's own spans keep its generator."""
         from opentelemetry import trace as otel_trace
         from opentelemetry.sdk.trace import TracerProvider

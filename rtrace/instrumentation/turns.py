@@ -19,8 +19,8 @@ coordinates of samples that arrive in batches:
   evaluation split into batches), so no divisibility rule is needed;
 * :func:`submit`: sample (the per-step cap) and queue.
 
-Ids come from :mod:`rtrace._ids` (``os.urandom``): drawing from the module-level ``random``
-would move the trainer's seeded state, and a private Random would repeat in forked workers.
+Ids come from :mod:`rtrace._ids` (a private generator seeded from ``os.urandom``, again in a
+forked child): drawing from the module-level ``random`` would move the trainer's seeded state.
 """
 
 from __future__ import annotations
