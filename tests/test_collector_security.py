@@ -406,6 +406,14 @@ def pki(tmp_path_factory):
              .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
         if san:
             b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        # key identifiers: Python 3.13's default TLS context is strict (VERIFY_X509_STRICT)
+        issuer_key = (ca_key or key).public_key()
+        b = b.add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        b = b.add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key), critical=False)
+        if ca:
+            b = b.add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                                              data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                              crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
         return key, b.sign(ca_key or key, hashes.SHA256())
 
     ca_key, ca_cert = issue("rtrace test CA", None, None, ca=True)
