@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
-__all__ = ["PRIVATE_NAMES", "MODULE_ROOTS", "classes", "patch"]
+__all__ = ["PRIVATE_NAMES", "MODULE_ROOTS", "classes", "patch", "wrap_client"]
 
 #: The packages SkyRL ships its trainer in: ``skyrl_train`` (skyrl-train 0.3) and
 #: ``skyrl.train`` (skyrl 0.4).
@@ -30,20 +30,49 @@ PRIVATE_NAMES = (
     "generators.skyrl_gym_generator:SkyRLGymGenerator.get_obs_ids_from_obs",
     # the batch entry point (public, the GeneratorInterface method)
     "generators.skyrl_gym_generator:SkyRLGymGenerator.generate",
-    # the engine call of a turn (public, the InferenceEngineInterface method)
+    # the engine call of a turn (public, the InferenceEngineInterface method): on skyrl-train
+    # 0.3's InferenceEngineClient class; any other client (skyrl 0.4's RemoteInferenceClient,
+    # under skyrl.backends, or a custom one) is wrapped on the generator's instance
+    # (the generator's ``inference_engine_client`` attribute, set in its __init__, is read
+    # by wrap_client)
     "inference_engines.inference_engine_client:InferenceEngineClient.generate",
 )
 
 
 def classes(root: str) -> tuple[Any, Any] | None:
-    """``(SkyRLGymGenerator, InferenceEngineClient)`` of the SkyRL package ``root``, or None
-    when it does not import."""
+    """``(SkyRLGymGenerator, InferenceEngineClient or None)`` of the SkyRL package ``root``,
+    or None when its generator does not import (skyrl 0.4 has no InferenceEngineClient
+    module: its clients are wrapped per instance, :func:`wrap_client`)."""
     try:
         gen = importlib.import_module(f"{root}.generators.skyrl_gym_generator")
-        client = importlib.import_module(f"{root}.inference_engines.inference_engine_client")
     except Exception:
         return None
-    return gen.SkyRLGymGenerator, client.InferenceEngineClient
+    try:
+        client = importlib.import_module(f"{root}.inference_engines.inference_engine_client").InferenceEngineClient
+    except Exception:
+        client = None
+    return gen.SkyRLGymGenerator, client
+
+
+def wrap_client(generator: Any, wrap: Callable[[Callable], Callable]) -> None:
+    """Wrap ``generator.inference_engine_client.generate`` on that instance, once, unless
+    its class's method is wrapped already (skyrl-train 0.3's InferenceEngineClient)."""
+    import types
+
+    client = getattr(generator, "inference_engine_client", None)
+    if client is None or getattr(getattr(type(client), "generate", None), "__rtrace_wrapped__", False):
+        return
+    if "generate" in getattr(client, "__dict__", {}):
+        return  # wrapped on this instance before
+    method = getattr(type(client), "generate", None)
+    if method is None:
+        return
+    new = wrap(method)
+    new.__rtrace_wrapped__ = True  # type: ignore[attr-defined]
+    try:
+        client.generate = types.MethodType(new, client)
+    except (AttributeError, TypeError):  # __slots__ or a read-only attribute: left untraced
+        pass
 
 
 def patch(generator_cls: type, client_cls: type, wrappers: dict[str, Callable[[Callable], Callable]]) -> bool:
@@ -58,6 +87,8 @@ def patch(generator_cls: type, client_cls: type, wrappers: dict[str, Callable[[C
                "obs_ids": (generator_cls, "get_obs_ids_from_obs"), "engine": (client_cls, "generate")}
     for key, wrap in wrappers.items():
         owner, name = targets[key]
+        if owner is None:  # no client class (skyrl 0.4): wrapped per instance
+            continue
         original = owner.__dict__.get(name) or getattr(owner, name)
         if getattr(original, "__rtrace_wrapped__", False):
             continue

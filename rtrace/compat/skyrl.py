@@ -33,6 +33,8 @@ there (the entrypoint), or pass it as Ray's ``worker_process_setup_hook``
 
 from __future__ import annotations
 
+import contextvars
+
 import time
 from contextvars import ContextVar
 from typing import Any, Callable
@@ -92,6 +94,10 @@ def _wrap_generate(original: Callable) -> Callable:
     async def traced_batch(self: Any, input_batch: Any, *args: Any, **kwargs: Any) -> Any:
         if not _setup.is_enabled():
             return await original(self, input_batch, *args, **kwargs)
+        try:  # a client whose class is not patched (skyrl 0.4, a custom client): on the instance
+            _skyrl_private.wrap_client(self, _wrap_engine_generate)
+        except Exception:
+            _stats.incr("internal_errors")
         batch = _Batch()
         token = _BATCH.set(batch)
         try:
@@ -129,14 +135,23 @@ async def _in_slot(coro: Any, slot: _Trajectory) -> Any:
         _SLOT.reset(token)
 
 
+#: set while a traced engine call runs: a client that delegates to another traced client
+#: (both wrapped) records the call once
+_IN_ENGINE: contextvars.ContextVar[bool] = contextvars.ContextVar("rtrace_skyrl_engine", default=False)
+
+
 def _wrap_engine_generate(original: Callable) -> Callable:
     async def traced_engine(self: Any, input_batch: Any, *args: Any, **kwargs: Any) -> Any:
         slot = _SLOT.get()
         ids = input_batch.get("prompt_token_ids") if slot is not None and isinstance(input_batch, dict) else None
-        if slot is None or not ids or len(ids) != 1:
+        if slot is None or not ids or len(ids) != 1 or _IN_ENGINE.get():
             return await original(self, input_batch, *args, **kwargs)
         turn = _Turn(list(ids[0]), time.time_ns())
-        out = await original(self, input_batch, *args, **kwargs)
+        token = _IN_ENGINE.set(True)
+        try:
+            out = await original(self, input_batch, *args, **kwargs)
+        finally:
+            _IN_ENGINE.reset(token)
         try:
             turn.t1 = time.time_ns()
             turn.output_ids = out["response_ids"][0]  # the loop may append an EOS to this very list

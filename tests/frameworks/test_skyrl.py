@@ -278,3 +278,32 @@ def test_patched_names_exist():
         for part in path.split("."):
             obj = getattr(obj, part)
         assert callable(obj), name
+
+
+def test_a_client_of_another_class_is_traced_too(tmp_path, tok, db_root):
+    """A client whose class rtrace did not patch (skyrl 0.4's RemoteInferenceClient lives
+    under skyrl.backends; a team's own client): its engine calls are generation spans all
+    the same (wrapped on the generator's instance), with SkyRL's outputs unchanged."""
+    from skyrl_train.generators.skyrl_gym_generator import SkyRLGymGenerator
+
+    class OwnClient:  # no InferenceEngineClient anywhere: it calls the engine itself
+        def __init__(self):
+            self.engine = ScriptedEngine(tok)
+
+        async def generate(self, input_batch, *args, **kwargs):
+            return await self.engine.generate(input_batch)
+
+    cfg = config(db_root)
+
+    def own():
+        return SkyRLGymGenerator(cfg.generator, cfg.environment.skyrl_gym, OwnClient(), tok, "tiny-sql")
+
+    b = batch(["q1"], 2, 1, "train")
+    expected = plain(run(own(), b))
+    outputs, trajs = traced(tmp_path, own(), [b])
+    assert plain(outputs[0]) == expected
+    assert sorted(t.rollout_n for t in trajs) == [0, 1]
+    for t in trajs:  # each engine call a generation with its real time, the environment's turn between
+        assert [s.kind for s in t.spans] == ["rollout", "generation", "tool", "generation"]
+        assert [m["role"] for m in t.messages] == ["system", "user", "assistant", "user", "assistant"]
+        assert all(s.end_ns - s.start_ns > 1000 for s in t.spans)
