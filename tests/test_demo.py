@@ -37,8 +37,10 @@ def run_demo(out_dir: Path, *args: str, small: bool = True) -> subprocess.Comple
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RTRACE_", "OTEL_", "TRACKIO_", "MLFLOW_"))}
     env["HF_HUB_OFFLINE"] = "1"
+    cwd = out_dir.parent / f"{out_dir.name}-cwd"  # apart from --out-dir: nothing may land here
+    cwd.mkdir(exist_ok=True)
     return subprocess.run([sys.executable, "-m", "rtrace", "demo", *(SMALL if small else []), "--out-dir",
-                           str(out_dir), *args], capture_output=True, text=True, env=env, cwd=str(out_dir),
+                           str(out_dir), *args], capture_output=True, text=True, env=env, cwd=str(cwd),
                           timeout=300)
 
 
@@ -222,6 +224,14 @@ class TestDemoJsonlMlflow:
         assert re.search(rf"mlflow:   (\S*/)?mlflow ui --backend-store-uri {uri} ", proc.stdout)
         assert "Filters -> Tag: step = 1" in proc.stdout and "tags.step = '1'" in proc.stdout
         assert "step 1/1" in proc.stderr and "validation" in proc.stderr  # the progress bars
+
+    def test_writes_only_under_out_dir(self, jsonl_demo):
+        """Everything the demo writes is under --out-dir: the MLflow run's tables go to its
+        artifact store there, not to ./mlruns of the current directory."""
+        out, proc = jsonl_demo
+        assert proc.returncode == 0, proc.stderr
+        assert list((out.parent / f"{out.name}-cwd").iterdir()) == []
+        assert list((out / "mlflow-artifacts").rglob("rollout_rollouts/step_*.json"))
 
     def test_traces_have_tools_text_and_rewards(self, jsonl_demo):
         """Every rollout is one trajectory with its coordinates, tool spans, decoded text and reward."""

@@ -181,9 +181,45 @@ class TestStepMetrics:
                                    "latency_ms", "kept", "note", "trace_id"]
         shown = [(r["group"], r["rollout_n"]) for r in m.rows[:5]]
         assert shown == sorted(shown) and len(set(shown)) == 5  # 5 of the 6, by group then rollout
-        assert m.rows[5]["note"] == "1 more rows left out (step_table_rows)" and m.rows[5]["trace_id"] is None
+        assert m.rows[5]["note"] == "1 more row left out (step_table_rows)" and m.rows[5]["trace_id"] is None
         assert [r["note"] for r in m.rows[:5]].count("slowest") <= 1
         assert all(r["advantage"] == r["rollout_n"] - 0.5 for r in m.rows[:5])
+
+    def test_every_column_of_a_row(self):
+        """A row holds the trajectory's values, column by column: tokens summed over its
+        generations, turns, tool calls, the last finish reason, its verdict and health, its
+        latency to 0.1 ms, the final answer bounded to 300 characters, the trace id."""
+        from rtrace.pipeline.metrics import ANSWER_CHARS
+
+        @rtrace.traced_generation
+        def gen(prompt_ids):
+            return {"response_ids": [5, 6, 7], "finish_reason": "length", "text": "The answer is 42. " * 40}
+
+        sink = MetricsSink()
+        with rtrace.testing.capture(sinks=[sink]) as got:
+            with rtrace.rollout_context(step=3, sample_index=2, rollout_n=1, group_id="prompt-2"):
+                gen([1, 2, 3, 4])
+                calc(1)
+                gen([1, 2, 3, 4, 5, 6, 7, 8])
+                rtrace.record_reward(0.0, correct=False)
+            rtrace.flush()
+        (t,) = got.trajectories
+        (m,) = sink.rows
+        (row,) = m.rows
+        answer = row.pop("answer")
+        assert row == {"step": 3, "group": "prompt-2", "sample_index": 2, "rollout_n": 1, "reward": 0.0,
+                       "outcome": "truncated", "health": "generation", "turns": 2, "tool_calls": 1, "tokens_in": 12,
+                       "tokens_out": 6, "finish_reason": "length", "latency_ms": round(t.duration_ms, 1), "kept": "",
+                       "note": "slowest", "trace_id": t.trace_id}
+        full = "The answer is 42. " * 40
+        assert answer.startswith(full[:ANSWER_CHARS - 1]) and answer.endswith("[truncated, 720 chars]")
+
+    def test_groups_in_natural_order(self):
+        """Group ids sort as a person reads them: prompt-2 before prompt-10."""
+        from rtrace.pipeline.metrics import _table
+
+        rows = [{"group": g, "rollout_n": 0, "trace_id": g} for g in ("prompt-10", "prompt-2", "prompt-1")]
+        assert [r["group"] for r in _table(rows, 0, "")] == ["prompt-1", "prompt-2", "prompt-10"]
 
     def test_merge_is_exact(self):
         """StepStats of four parts, merged, equal the StepStats of the whole (count-weighted)."""

@@ -136,6 +136,8 @@ def _configure(opts: DemoOptions, exporter: str, out_dir: Path, tokenizer: Any) 
         kwargs["jsonl_path"] = where["jsonl_path"]
     if "mlflow" in names:
         where["mlflow_uri"] = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{out_dir / 'mlflow.db'}"
+        if not os.environ.get("MLFLOW_TRACKING_URI"):  # the run's artifacts (its tables) beside the database
+            where["mlflow_artifacts"] = (out_dir / "mlflow-artifacts").as_uri()
         kwargs["mlflow_tracking_uri"] = where["mlflow_uri"]
     settings = rtrace.configure(**kwargs)
     where["otlp_endpoint"] = settings.otlp_traces_endpoint or settings.otlp_endpoint
@@ -150,6 +152,9 @@ def _start_mlflow_run(where: dict[str, Any], run_name: str) -> None:
     import mlflow
 
     mlflow.set_tracking_uri(where["mlflow_uri"])
+    if "mlflow_artifacts" in where and mlflow.get_experiment_by_name(where["project"]) is None:
+        # else MLflow puts the artifacts (the rollouts tables) in ./mlruns of the current directory
+        mlflow.create_experiment(where["project"], artifact_location=where["mlflow_artifacts"])
     mlflow.set_experiment(where["project"])
     run = mlflow.start_run(run_name=run_name)
     where["mlflow_run"] = (run.info.experiment_id, run.info.run_id)

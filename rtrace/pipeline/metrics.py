@@ -32,6 +32,7 @@ annotation), bounded by ``step_table_rows``.
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -87,7 +88,7 @@ def _table(rows: list[dict[str, Any]], left_out: int, slowest: str,
     members of groups of an odd size noted."""
     extra = sorted({k for r in rows for k in r} - set(TABLE_COLUMNS))
     order = list(TABLE_COLUMNS[:5]) + extra + list(TABLE_COLUMNS[5:])
-    rows = sorted(rows, key=lambda r: (str(r["group"]), _sortable(r["rollout_n"]), r["trace_id"]))
+    rows = sorted(rows, key=lambda r: (_natural(r["group"]), _sortable(r["rollout_n"]), r["trace_id"]))
     usual, odd_groups = odd
     out = []
     for r in rows:
@@ -98,8 +99,18 @@ def _table(rows: list[dict[str, Any]], left_out: int, slowest: str,
         r["note"] = "; ".join(notes)
         out.append({k: r.get(k) for k in order})
     if left_out:
-        out.append({k: None for k in order} | {"note": f"{left_out} more rows left out (step_table_rows)"})
+        rows_word = "row" if left_out == 1 else "rows"
+        out.append({k: None for k in order} | {"note": f"{left_out} more {rows_word} left out (step_table_rows)"})
     return out
+
+
+def _natural(value: Any) -> tuple:
+    """A group id's sort key: numbers by value, and the digit runs of a text too
+    (``prompt-2`` before ``prompt-10``), as the report page orders them."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return ((0, value, ""),)
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part)
+                 for part in re.split(r"(\d+)", str(value)) if part)
 
 
 def _sortable(value: Any) -> tuple[int, Any]:
