@@ -54,3 +54,22 @@ def read_back(path):
 
     assert rtrace.flush(60)  # bounded; a cold MLflow store on a busy machine takes a while
     return read_jsonl(path) if os.path.exists(path) else []
+
+
+@pytest.fixture
+def collector(tmp_path):
+    """``collector(**settings)`` starts an rtrace collector in this process (JSONL at
+    ``tmp_path / "traces.jsonl"`` unless told otherwise); every one is stopped after the test."""
+    made = []
+
+    def start(**settings):
+        settings.setdefault("exporter", "jsonl")
+        settings.setdefault("jsonl_path", str(tmp_path / "traces.jsonl"))
+        settings.setdefault("settle_s", 0.5)
+        c = rtrace.start_collector(**settings)
+        made.append(c)
+        return c
+
+    yield start
+    for c in made:
+        c.stop()

@@ -34,23 +34,6 @@ def _join(procs, timeout_s=120):
         assert proc.exitcode == 0, f"worker exit code {proc.exitcode}"
 
 
-@pytest.fixture
-def collector(tmp_path):
-    made = []
-
-    def start(**settings):
-        settings.setdefault("exporter", "jsonl")
-        settings.setdefault("jsonl_path", str(tmp_path / "traces.jsonl"))
-        settings.setdefault("settle_s", 0.5)
-        c = rtrace.start_collector(**settings)
-        made.append(c)
-        return c
-
-    yield start
-    for c in made:
-        c.stop()
-
-
 @pytest.mark.integration
 class TestJobWideSampling:
     def test_exact_cap_per_step_whole_groups_across_four_processes(self, collector, tmp_path):

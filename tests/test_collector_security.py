@@ -66,23 +66,6 @@ def send_raw(endpoint: str, request: ExportTraceServiceRequest | bytes, metadata
         channel.close()
 
 
-@pytest.fixture
-def collector(tmp_path):
-    made = []
-
-    def start(**settings):
-        settings.setdefault("exporter", "jsonl")
-        settings.setdefault("jsonl_path", str(tmp_path / "traces.jsonl"))
-        settings.setdefault("settle_s", 0.0)
-        c = rtrace.start_collector(**settings)
-        made.append(c)
-        return c
-
-    yield start
-    for c in made:
-        c.stop()
-
-
 def written(c, tmp_path) -> list:
     """Everything the collector wrote, once stopped (what waits for a root is written partial)."""
     assert c.flush(30)
