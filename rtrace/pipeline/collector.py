@@ -176,14 +176,15 @@ class CollectorPipeline(Pipeline):
         if span_id in seen:
             _stats.incr("collector_spans_duplicate")
             return
-        registry.touch(state, size)
         is_root = bool(attrs.get("rtrace.root")) and registry.claim_root(state, span_id)
         if not state.coords or is_root:
             state.coords = coords or state.coords  # workers stamp some spans only
         if len(state.records) >= self.settings.max_spans_per_trajectory - 1 and not is_root:
+            registry.touch(state, 0)  # active, but holds nothing more
             state.dropped_spans += 1
             _stats.incr("spans_dropped_trajectory_limit")
             return
+        registry.touch(state, size)
         seen.add(span_id)
         if is_root:
             state.name, state.kind = record.name, record.kind
