@@ -373,6 +373,12 @@ class Converter:
         if isinstance(value, dict):
             return self._mapping(value.items(), depth)
         if isinstance(value, (list, tuple)):
+            # token ids and other lists of plain ints (an agent loop's prompt_ids): what the
+            # walk returns, one unit per element, without a call per element
+            n = len(value)
+            if 0 < n < self._left and all(type(x) is int and -_INT_LIMIT < x < _INT_LIMIT for x in value):
+                self._spend(n)
+                return list(value)
             return self._sequence(value, depth)
         if isinstance(value, (set, frozenset)):
             return self._sequence(sorted(value, key=repr) if len(value) <= self._left else list(value), depth)
