@@ -260,12 +260,20 @@ def test_single_turn_mode_is_healthy(tmp_path, tok, db_root):
 
 
 def test_outputs_unchanged_by_tracing(tmp_path, tok, db_root):
-    """SkyRL's output is the same with rtrace installed and tracing on, and with tracing off."""
+    """SkyRL's output is the same with rtrace tracing, with rtrace installed but off, and with
+    SkyRL's own methods (rtrace's wrappers taken out)."""
+    from skyrl_train.generators.skyrl_gym_generator import SkyRLGymGenerator
+    from skyrl_train.inference_engines.inference_engine_client import InferenceEngineClient
+
+    from tests.frameworks import unpatched
+
     cfg = config(db_root)
     b = batch(["q0", "q1", "q2"], 2, 1, "train")
     (on,), _ = traced(tmp_path, generator(cfg, tok), [b])
     off = run(generator(cfg, tok), b)  # rtrace is shut down: the wrappers call straight through
-    assert plain(on) == plain(off)
+    with unpatched(SkyRLGymGenerator, InferenceEngineClient):
+        bare = run(generator(cfg, tok), b)
+    assert plain(on) == plain(off) == plain(bare)
 
 
 def test_patched_names_exist():
