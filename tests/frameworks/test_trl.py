@@ -203,3 +203,23 @@ def test_private_names_exist(traced):
             if i == 1 and module.startswith("trl") and not hasattr(obj, part):
                 obj = trainer  # an instance attribute
             obj = getattr(obj, part)
+
+
+@pytest.mark.parametrize("report_to, exporter", [
+    (["trackio"], "trackio"),              # TRL logs to trackio: rtrace's traces go to the same run
+    (["mlflow", "trackio"], "trackio,mlflow"),
+    ("none", "jsonl"),                     # no tracker: a JSONL file in the output dir
+])
+def test_sinks_follow_report_to(tmp_path, monkeypatch, report_to, exporter):
+    """RTraceCallback() with no arguments takes its sinks from TRL's own report_to, the run
+    name as the experiment, and decodes text."""
+    from trl import GRPOConfig
+
+    monkeypatch.delenv("RTRACE_EXPORTER", raising=False)
+    monkeypatch.delenv("RTRACE_EXPERIMENT", raising=False)
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), run_name="run-7", report_to=report_to, use_cpu=True)
+    got = RTraceCallback()._defaults(args)
+    expected = {"exporter": exporter, "experiment": "run-7", "token2text": True}
+    if exporter == "jsonl":
+        expected["jsonl_path"] = os.path.join(str(tmp_path / "out"), "rtrace_traces.jsonl")
+    assert {k: v for k, v in got.items() if k != "project"} == expected
