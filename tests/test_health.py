@@ -390,3 +390,60 @@ def test_collector_rates_equal_one_process_rates(tmp_path):
     assert expected[(False, 1)]["rollout/health/coordinates_rate"] > 0  # the duplicate and its odd group
     assert all(v["rollout/health/token_continuity_rate"] > 0 for v in expected.values())
     assert rates(job.metrics) == expected
+
+
+class TestRoundTwoFindings:
+    """Findings added after the first audit: structured tool calls, reward kinds, a reward
+    that came while the sample held the trajectory."""
+
+    @staticmethod
+    def _call_turn(ran_tool: bool, index: int):
+        @rtrace.traced_generation
+        def chat(prompt_ids):
+            return {"response_ids": [4, 5], "finish_reason": "tool_calls", "content": "",
+                    "tool_calls": [{"id": "c1", "type": "function",
+                                    "function": {"name": "calculator", "arguments": "{\"expression\": \"2+2\"}"}}]}
+
+        with rtrace.rollout_context(step=1, sample_index=index, rollout_n=0):
+            chat([1, 2, 3])
+            if ran_tool:
+                calc("2+2")
+            gen([1, 2, 3, 4, 5, 6], [8], "stop")
+            rtrace.record_reward(1.0)
+
+    def test_a_parsed_tool_call_that_no_tool_ran_is_flagged(self):
+        """A generation returned an OpenAI-style tool call and the loop went on without running
+        it: flagged; with the tool span between, nothing (and an empty content beside a tool
+        call is no 'tokens decode to no text')."""
+        with health_of() as got:
+            self._call_turn(ran_tool=False, index=0)
+            self._call_turn(ran_tool=True, index=1)
+        f = findings(got.trajectories)
+        assert f[(1, 0, 0)] == [("generation", "turn 1: the model called 1 tool(s) (calculator) but no tool ran")]
+        assert f[(1, 1, 0)] == []
+
+    def test_a_bool_reward_in_a_group_of_scores_is_flagged(self):
+        """One rollout's reward is a bool where its group's are numbers: flagged; a group of
+        bools only is not."""
+        with health_of() as got:
+            rollout(HEALTHY, index=0, n=0, reward=0.5, group_id="g")
+            rollout(HEALTHY, index=0, n=1, reward=True, group_id="g")
+            rollout(HEALTHY, index=1, n=0, reward=True, group_id="h")
+            rollout(HEALTHY, index=1, n=1, reward=False, group_id="h")
+        f = findings(got.trajectories)
+        assert f[(1, 0, 1)] == [("reward", "reward True is a bool in group 'g', whose first reward was a number "
+                                           "(a correctness flag mixed with scores?)")]
+        assert f[(1, 0, 0)] == f[(1, 1, 0)] == f[(1, 1, 1)] == []
+
+    def test_a_reward_annotated_while_the_sample_held_it_is_no_finding(self):
+        """With tail keeping the step's trajectories are held until the step is done; a reward
+        annotated meanwhile is on the trajectory, and 'no reward' is not among its findings."""
+        import time
+
+        with health_of(max_traces_per_step=1, keep_errors=1, sample_seed=1, export_interval_s=0.01) as got:
+            rollout(HEALTHY, index=0, reward=None)
+            time.sleep(0.3)  # the worker checked it ("no reward" then) and the sample holds it
+            rtrace.annotate(step=1, sample_index=0, rollout_n=0, reward=0.25)
+        (t,) = got.trajectories
+        assert t.reward == 0.25
+        assert [c for c, _ in findings([t])[(1, 0, 0)]] == []

@@ -99,12 +99,16 @@ def _magnitude(x: float) -> int:
 
 
 class _StepMemory:
-    __slots__ = ("coords", "groups", "full")
+    __slots__ = ("coords", "groups", "kinds", "full")
 
     def __init__(self) -> None:
         self.coords: dict[tuple, str] = {}
-        #: group -> {magnitude class: first reward seen of that class}
+        #: group -> {magnitude class: first reward seen of that class}. The first rollout of
+        #: a group to arrive sets its scale: when that one is the outlier, the others are the
+        #: ones flagged (the finding still says the group mixes scales)
         self.groups: dict[Any, dict[int, float]] = {}
+        #: group -> the kind of its first reward ("bool" or "number")
+        self.kinds: dict[Any, str] = {}
         self.full = False
 
 
@@ -192,6 +196,16 @@ class HealthChecker:
         if reward is None:
             out.append(finding("reward", "no reward recorded or annotated by the time it was written"))
             return
+        group = group_key(coords)
+        if isinstance(reward, bool) or isinstance(reward, (int, float)):
+            kind = "bool" if isinstance(reward, bool) else "number"
+            memory = self._memory(coords) if group is not None else None
+            if memory is not None:
+                kinds = memory.kinds.setdefault(group, kind)
+                if kinds != kind:
+                    out.append(finding("reward", f"reward {reward!r} is a {kind} in group {group!r}, whose first "
+                                                 f"reward was a {kinds} (a correctness flag mixed with scores?)"))
+                    return
         value = _number(reward)
         if value is None:
             return  # not a number: counted as reward_errors, kept as outcome reward_raw
@@ -200,7 +214,6 @@ class HealthChecker:
             return
         if gens and gens[-1].response_ids is not None and not gens[-1].response_ids:
             out.append(finding("reward", f"reward {value!r} given to a trajectory whose last generation is empty"))
-        group = group_key(coords)
         if group is None:
             return
         memory = self._memory(coords)
@@ -274,18 +287,23 @@ class HealthChecker:
                 k += 1
                 text = response_text(span)
                 n = span.attributes.get("gen_ai.usage.output_tokens")
-                if isinstance(n, int) and n > 0 and text == "":
+                calls = _structured_calls(span)
+                if isinstance(n, int) and n > 0 and text == "" and not calls:
+                    # (a reply that is only a parsed tool call has empty content: not a finding)
                     traj.health.append(finding("generation", f"turn {k}: {n} response tokens decode to no text"))
                 elif n == 0 and text:
                     traj.health.append(finding("generation", f"turn {k}: text ({len(text)} chars) without "
                                                              "response token ids"))
-                if text and TOOL_MARKUP.search(text):
-                    later = [spans[j] for j in order[pos + 1:]]
-                    ran = False
-                    for nxt in later:
-                        if nxt.kind == "generation":
-                            break
-                        ran = ran or nxt.kind == "tool"
+                ran = False
+                for j in order[pos + 1:]:
+                    if spans[j].kind == "generation":
+                        break
+                    ran = ran or spans[j].kind == "tool"
+                if calls and not ran:
+                    names = ", ".join(sorted({c for c in calls if c})) or "?"
+                    traj.health.append(finding("generation", f"turn {k}: the model called {len(calls)} tool(s) "
+                                                             f"({names}) but no tool ran"))
+                elif text and TOOL_MARKUP.search(text):
                     turn = traj.turn_of(span)
                     if not ran and not (turn or {}).get("tool_calls"):
                         traj.health.append(finding("generation", f"turn {k}: tool-call markup in the response but "
@@ -299,6 +317,26 @@ class HealthChecker:
                             name = (call.get("function") or {}).get("name")
                             traj.health.append(finding("generation", f"tool call {cid} ({name}) has no tool "
                                                                      "result"))
+
+
+def _structured_calls(span: SpanRecord) -> list[str]:
+    """The names of the tool calls a generation returned already parsed (an OpenAI-style
+    ``tool_calls`` list in its output or its ``message``); empty when none."""
+    out = span.output
+    if not isinstance(out, dict):
+        return []
+    calls = out.get("tool_calls")
+    if calls is None and isinstance(out.get("message"), dict):
+        calls = out["message"].get("tool_calls")
+    if not isinstance(calls, list):
+        return []
+    names = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        name = (fn.get("name") if isinstance(fn, dict) else None) or (call.get("name") if isinstance(call, dict)
+                                                                      else None)
+        names.append(name if isinstance(name, str) else "")
+    return names
 
 
 def _staleness(coords: dict[str, Any]) -> int | None:

@@ -302,6 +302,10 @@ class Pipeline:
         for state in states:
             # annotations that came while it was held (collector: the job-wide sample)
             self.annotations.arrived(state)
+            if state.health and ("reward" in state.annotations or state.has_reward):
+                # the reward came while the selector held it: the check ran before
+                state.health = [f for f in state.health if not (f["check"] == "reward" and f["detail"].startswith(
+                    "no reward"))]
             try:
                 out.append(finish(state, self.settings, conv.conv))
             except Exception:
