@@ -315,3 +315,21 @@ def test_a_client_of_another_class_is_traced_too(tmp_path, tok, db_root):
         assert [s.kind for s in t.spans] == ["rollout", "generation", "tool", "generation"]
         assert [m["role"] for m in t.messages] == ["system", "user", "assistant", "user", "assistant"]
         assert all(s.end_ns - s.start_ns > 1000 for s in t.spans)
+
+
+def test_evaluation_with_several_samples_over_several_batches(tmp_path, tok, db_root):
+    """eval_n_samples_per_prompt > 1, and one step's evaluation split into two generate() calls:
+    every trajectory id is one validation trajectory, sample indices dense across the batches
+    (no two share coordinates), rollout_n the repetition."""
+    gen = generator(config(db_root), tok)
+    first = batch(["q3", "q4"], 3, 2, "eval")
+    second = batch(["q1", "q3"], 3, 2, "eval")  # q3 again: the same prompt, its samples 3..5 here
+    for tid in second["trajectory_ids"]:
+        if tid.instance_id == "q3":
+            tid.repetition_id += 3
+    _, trajs = traced(tmp_path, gen, [first, second])
+    assert all(t.validate and t.step == 2 for t in trajs)
+    got = sorted((t.group_id, t.sample_index, t.rollout_n) for t in trajs)
+    assert got == sorted([("q3", 0, r) for r in range(6)] + [("q4", 1, r) for r in range(3)]
+                         + [("q1", 2, r) for r in range(3)])
+    assert len({(t.sample_index, t.rollout_n) for t in trajs}) == len(trajs) == 12
