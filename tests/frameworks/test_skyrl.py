@@ -322,13 +322,13 @@ def test_evaluation_with_several_samples_over_several_batches(tmp_path, tok, db_
     every trajectory id is one validation trajectory, sample indices dense across the batches
     (no two share coordinates), rollout_n the repetition."""
     gen = generator(config(db_root), tok)
-    first = batch(["q3", "q4"], 3, 2, "eval")
-    second = batch(["q1", "q3"], 3, 2, "eval")  # q3 again: the same prompt, its samples 3..5 here
+    first = batch(["q3", "q4"], 3, 7, "eval")  # a step no other test evaluates (indices are per step)
+    second = batch(["q1", "q3"], 3, 7, "eval")  # q3 again: the same prompt, its samples 3..5 here
     for tid in second["trajectory_ids"]:
         if tid.instance_id == "q3":
             tid.repetition_id += 3
     _, trajs = traced(tmp_path, gen, [first, second])
-    assert all(t.validate and t.step == 2 for t in trajs)
+    assert all(t.validate and t.step == 7 for t in trajs)
     got = sorted((t.group_id, t.sample_index, t.rollout_n) for t in trajs)
     assert got == sorted([("q3", 0, r) for r in range(6)] + [("q4", 1, r) for r in range(3)]
                          + [("q1", 2, r) for r in range(3)])
