@@ -83,7 +83,7 @@ def test_read_only_trackio_dir_every_trajectory_stored_or_counted(tmp_path):
     result = tmp_path / "result.json"
     program = tmp_path / "program.py"
     program.write_text(PROGRAM)
-    proc = subprocess.Popen([*_without_dac_override(), sys.executable, str(program), str(result), "6"], env=env,
+    proc = subprocess.Popen([*_without_dac_override(), sys.executable, str(program), str(result), "8"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -101,7 +101,7 @@ def test_read_only_trackio_dir_every_trajectory_stored_or_counted(tmp_path):
                 pass
         for path in modes:
             _chmod(path, modes[path] & ~0o222)  # read-only, as `chmod -R a-w`
-        time.sleep(1.5)
+        time.sleep(3.0)  # several of trackio's ~0.5 s write rounds fall in it, also on a loaded machine
         for path, mode in modes.items():
             _chmod(path, mode)
         _, stderr = proc.communicate(timeout=240)
@@ -113,6 +113,9 @@ def test_read_only_trackio_dir_every_trajectory_stored_or_counted(tmp_path):
     stats, produced = out["stats"], out["produced"]
     stored = _stored(env)
     assert stored < produced, "the read-only spell lost nothing: the test did not test anything"
-    assert stats.get("sink.trackio.failed_trajectories", 0) == produced - stored  # every loss counted
+    # every loss counted: failed writes, and batches dropped while the sink's queue was full
+    # behind the stalled store (a longer spell, or a slower machine, gives some of those)
+    lost = stats.get("sink.trackio.failed_trajectories", 0) + stats.get("sink.trackio.dropped_trajectories", 0)
+    assert lost == produced - stored
     assert stats["sink.trackio.exported"] == stored  # "exported" means stored
     assert out["flushed"] is False
