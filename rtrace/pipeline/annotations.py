@@ -27,6 +27,8 @@ __all__ = ["Annotation", "AnnotationTable", "coord_key"]
 local_target: Callable[[list["Annotation"]], None] | None = None
 
 #: Recent outcomes remembered (exported / sampled out), and pending annotations kept.
+#: A trajectory is remembered under its trace id (an int) and its coordinates (a tuple):
+#: two entries, ~150 bytes each, so the outcome table holds at most ~30 MB.
 _RECENT = 200_000
 _PENDING = 200_000
 
@@ -83,7 +85,7 @@ class AnnotationTable:
     # ------------------------------------------------------------------ outcomes
     def remember(self, key: Hashable | None, trace_id: int, outcome: str) -> None:
         """Remember that a trajectory was ``exported`` or ``sampled_out``."""
-        for k in (key, ("trace", trace_id)):
+        for k in (key, trace_id):
             if k is None:
                 continue
             self._recent[k] = outcome
@@ -93,7 +95,7 @@ class AnnotationTable:
     # ------------------------------------------------------------------ arrivals
     def add(self, ann: Annotation) -> None:
         """Join an annotation to its trajectory (waiting or later), or count it."""
-        k = ("trace", ann.trace_id) if ann.trace_id is not None else ann.key
+        k = ann.trace_id if ann.trace_id is not None else ann.key
         state = self._waiting.get(k)
         if state is not None:
             state.annotations.update(ann.values)
@@ -115,7 +117,7 @@ class AnnotationTable:
         """A trajectory's root arrived: give it its pending annotations."""
         if not self._pending:
             return
-        for k in (("trace", state.trace_id), coord_key(state.coords)):
+        for k in (state.trace_id, coord_key(state.coords)):
             if k is None:
                 continue
             ann = self._pending.pop(k, None)
@@ -138,11 +140,11 @@ class AnnotationTable:
             return True
         if key is not None:
             self._waiting[key] = state
-        self._waiting[("trace", state.trace_id)] = state
+        self._waiting[state.trace_id] = state
         return False
 
     def _forget(self, state: TrajectoryState, key: Hashable | None) -> None:
-        self._waiting.pop(("trace", state.trace_id), None)
+        self._waiting.pop(state.trace_id, None)
         if key is not None and self._waiting.get(key) is state:
             del self._waiting[key]
 
