@@ -496,3 +496,39 @@ def test_secure_multi_node_recipe_of_the_docs(tmp_path, pki):
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     assert sorted(t.sample_index for t in read_jsonl(path)) == [0, 1, 2]
+
+
+def test_tls_http_at_the_cap_never_stalls_the_accept_loop(pki, monkeypatch):
+    """At the HTTP connection cap on a TLS port, a client that connects and never starts
+    its handshake is closed without a word (writing the plaintext 503 made the accept loop
+    run that client's TLS handshake, waiting on it: every later client hung); an honest
+    HTTPS client that comes a second later is served (the silent slot holder is evicted)."""
+    import socket
+    import time as _time
+
+    from rtrace.pipeline import otlp_receiver
+    from rtrace.pipeline.otlp_receiver import OtlpReceiver, TlsFiles
+
+    monkeypatch.setattr(otlp_receiver, "HTTP_MAX_CONNECTIONS", 1)
+    got = []
+    rx = OtlpReceiver(got.append, http_port=0, tls=TlsFiles(str(pki / "server.pem"), str(pki / "server.key")))
+    rx.start()
+    holder = silent = None
+    try:
+        holder = socket.create_connection(("127.0.0.1", rx.http_port), timeout=5)  # takes the one slot
+        _time.sleep(0.2)
+        silent = socket.create_connection(("127.0.0.1", rx.http_port), timeout=5)  # at the cap, says nothing
+        assert silent.recv(1) == b""  # closed at once, no plaintext answer on a TLS port
+        _time.sleep(1.2)  # the holder has now waited over HTTP_EVICT_AFTER_S for its request
+        ctx = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+        body = request_of(honest(1, 1, 1, 1.0)).SerializeToString()
+        req = urllib.request.Request(rx.http_endpoint + "/v1/traces", data=body, method="POST",
+                                     headers={"Content-Type": "application/x-protobuf"})
+        with urllib.request.urlopen(req, timeout=5, context=ctx) as resp:
+            assert resp.status == 200
+        assert len(got) == 1 and rx.stats()["http_evicted_connections"] == 1
+    finally:
+        for sock in (holder, silent):
+            if sock is not None:
+                sock.close()  # without the fix, this ends the handshake the accept loop waits on
+        rx.stop(0)

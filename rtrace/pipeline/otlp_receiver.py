@@ -14,7 +14,7 @@ Binds 127.0.0.1 unless told otherwise; ``port=0`` picks a free port (see
 ``max_concurrent_rpcs`` gRPC calls in flight or queued (beyond it gRPC itself answers
 RESOURCE_EXHAUSTED), requests larger than ``max_message_bytes`` refused (also after
 decompression), at most :data:`HTTP_MAX_CONNECTIONS` HTTP connections (more are answered
-503 and closed), idle HTTP connections closed after :data:`HTTP_IDLE_TIMEOUT_S`.
+503 and closed; on a TLS port closed unanswered), idle HTTP connections closed after :data:`HTTP_IDLE_TIMEOUT_S`.
 
 What the callback can say, and what the client sees
 ---------------------------------------------------
@@ -516,6 +516,12 @@ class _HttpServer(ThreadingHTTPServer):
             # Answered from the accept loop without reading the request: 503 is retryable for
             # OTLP clients (so is the connection reset they may see instead if they were still
             # sending: what already arrived is read, without waiting, to make that rarer).
+            # On a TLS port nothing is written: writing would run the client's handshake
+            # here, in the accept loop, waiting on a client that may never send a byte. The
+            # connection is closed; OTLP clients retry a failed connection too.
+            if isinstance(request, ssl.SSLSocket):
+                self.shutdown_request(request)
+                return
             try:
                 request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\n"
                                 b"Content-Length: 0\r\nConnection: close\r\n\r\n")
