@@ -173,51 +173,61 @@ def run(target, *args):
     return p, q
 
 
+def throughput(n: int, path: str, label: str) -> None:
+    """(a): 4 senders x ``n`` trajectories -> one collector in this process -> JSONL."""
+    import rtrace
+    from rtrace.exporters.jsonl import read_jsonl
+
+    collector = rtrace.start_collector(exporter="jsonl", jsonl_path=path, settle_s=0.5, max_open_trajectories=200_000)
+    ctx = mp.get_context("spawn")
+    go = ctx.Event()
+    senders = []
+    for w in range(4):
+        ready, q = ctx.Event(), ctx.Queue()
+        p = ctx.Process(target=sender, args=(collector.endpoint, w, n, 64, ready, go, q))
+        p.start()
+        senders.append((p, q, ready))
+    for _, _, ready in senders:
+        assert ready.wait(600)
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    go.set()
+    sent_by = [q.get(timeout=600) for _, q, _ in senders]
+    retries, sender_cpu = sum(r for r, _ in sent_by), sum(c for _, c in sent_by)
+    assert collector.flush(600)
+    elapsed = time.perf_counter() - t0
+    cpu = time.process_time() - c0
+    for p, _, _ in senders:
+        p.join(60)
+    collector.stop()
+    written = len(read_jsonl(path))
+    spans = written * SPANS_PER_TRAJECTORY
+    sent = 4 * n * SPANS_PER_TRAJECTORY
+    print(f"(a) collector {label}: 4 senders x {n} trajectories x {SPANS_PER_TRAJECTORY} spans -> JSONL: "
+          f"{spans / elapsed:,.0f} spans/s ({written:,} trajectories in {elapsed:.1f} s; collector CPU "
+          f"{spans / cpu:,.0f} spans per CPU-second), lost {sent - spans} of {sent} spans "
+          f"(backpressure retries {retries}; the 4 senders used {sender_cpu:.1f} CPU-s)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=3000, help="trajectories per worker")
     parser.add_argument("--repeat", type=int, default=3, help="rounds of (b); the median is printed")
     args = parser.parse_args()
     import rtrace
-    from rtrace.exporters.jsonl import read_jsonl
     from rtrace.pipeline.otlp_receiver import OtlpReceiver, count_spans
 
     with tempfile.TemporaryDirectory() as tmp:
-        # (a) throughput: 4 senders -> one collector -> JSONL
-        path = os.path.join(tmp, "a.jsonl")
-        collector = rtrace.start_collector(exporter="jsonl", jsonl_path=path, settle_s=0.5,
-                                           max_open_trajectories=200_000)
-        ctx = mp.get_context("spawn")
-        go = ctx.Event()
-        senders = []
-        for w in range(4):
-            ready, q = ctx.Event(), ctx.Queue()
-            p = ctx.Process(target=sender, args=(collector.endpoint, w, args.n, 64, ready, go, q))
-            p.start()
-            senders.append((p, q, ready))
-        for _, _, ready in senders:
-            assert ready.wait(600)
-        c0 = time.process_time()
-        t0 = time.perf_counter()
-        go.set()
-        sent_by = [q.get(timeout=600) for _, q, _ in senders]
-        retries, sender_cpu = sum(r for r, _ in sent_by), sum(c for _, c in sent_by)
-        assert collector.flush(600)
-        elapsed = time.perf_counter() - t0
-        cpu = time.process_time() - c0
-        for p, _, _ in senders:
-            p.join(60)
-        stats = collector.stats()
-        collector.stop()
-        written = len(read_jsonl(path))
-        spans = written * SPANS_PER_TRAJECTORY
-        sent = 4 * args.n * SPANS_PER_TRAJECTORY
         print(f"machine reference: sum(range(1000)) takes {machine_reference():.1f} us in this process "
               "(absolute rates move with it: this VM's speed changes with its host's load)")
-        print(f"(a) collector: 4 senders x {args.n} trajectories x {SPANS_PER_TRAJECTORY} spans -> JSONL: "
-              f"{spans / elapsed:,.0f} spans/s ({written:,} trajectories in {elapsed:.1f} s; collector CPU "
-              f"{spans / cpu:,.0f} spans per CPU-second), lost {sent - spans} of {sent} spans "
-              f"(backpressure retries {retries}; the 4 senders used {sender_cpu:.1f} CPU-s)")
+        # (a) throughput: 4 senders -> one collector -> JSONL; first inside this process
+        # with Python's GC as it is (start_collector in an application's process), then
+        # with the GC set up as `rtrace collect` sets up its own process (tune_gc)
+        throughput(args.n, os.path.join(tmp, "a.jsonl"), "in an application's process (GC untouched)")
+        from rtrace.pipeline.collector import tune_gc
+
+        tune_gc()
+        throughput(args.n, os.path.join(tmp, "a2.jsonl"), "as `rtrace collect` (tune_gc)")
 
         # (b) worker CPU per trajectory, one process at a time, the set-ups in turn. The
         # senders' spans go to a receiver that counts them: the collector's own work (a)

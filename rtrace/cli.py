@@ -137,6 +137,9 @@ def _collect(args: argparse.Namespace) -> int:
                                        max_traces_per_step=args.max_traces_per_step, flush_on_sigterm=False,
                                        collector_tls_cert=args.tls_cert, collector_tls_key=args.tls_key,
                                        collector_tls_client_ca=args.tls_client_ca, collector_tls_ca=args.tls_ca)
+    from .pipeline.collector import tune_gc
+
+    tune_gc()  # this process is the collector's alone
     env = dict(collector.env)
     if args.host in ("0.0.0.0", "::"):  # workers need an address they can reach
         scheme = "https://" if env["RTRACE_COLLECTOR_ENDPOINT"].startswith("https://") else ""

@@ -374,3 +374,59 @@ def test_compact_record_values_read_back_exactly(value):
         assert all(type(i) is int for i in got.get("prompt_ids", []) + got.get("response_ids", []))
         if isinstance(value, (int, float)) and not isinstance(value, bool) and "output" in got:
             assert type(got["output"]) is type(value)
+
+
+class TestGc:
+    def test_start_collector_leaves_the_applications_gc_alone(self, tmp_path):
+        """start_collector runs in an application's process: its GC thresholds and frozen
+        objects are the application's, before, during and after the collector's work."""
+        import gc
+
+        before = gc.get_threshold(), gc.get_freeze_count()
+        c = rtrace.start_collector(exporter="jsonl", jsonl_path=str(tmp_path / "gc.jsonl"), settle_s=0.05)
+        try:
+            _join([_run(workers.rollouts, c.env, 0, 1, 2, 4, 2)])
+            assert c.flush(30)
+            assert (gc.get_threshold(), gc.get_freeze_count()) == before
+        finally:
+            c.stop()
+        assert (gc.get_threshold(), gc.get_freeze_count()) == before
+        assert len(read_jsonl(tmp_path / "gc.jsonl")) == 16  # 2 steps x 4 prompts x 2 rollouts
+
+    def test_tune_gc_freezes_and_raises_the_thresholds(self):
+        """tune_gc (what `rtrace collect` does to its own process): what exists is frozen out
+        of collections, the thresholds become COLLECTOR_GC_THRESHOLD, the old ones returned."""
+        import gc
+
+        from rtrace.pipeline.collector import COLLECTOR_GC_THRESHOLD, tune_gc
+
+        before = gc.get_threshold()
+        try:
+            assert tune_gc() == before
+            assert gc.get_threshold() == COLLECTOR_GC_THRESHOLD and gc.get_freeze_count() > 0
+        finally:
+            gc.set_threshold(*before)
+            gc.unfreeze()
+
+    def test_rtrace_collect_tunes_its_own_process(self, monkeypatch, tmp_path, capsys):
+        """`rtrace collect` calls tune_gc once it runs (its process is the collector's alone)."""
+        import signal
+        import threading
+
+        from rtrace import cli
+        from rtrace.pipeline import collector as collector_module
+
+        calls = []
+        monkeypatch.setattr(collector_module, "tune_gc", lambda: calls.append(1))
+        monkeypatch.setenv("RTRACE_JSONL_PATH", str(tmp_path / "cli.jsonl"))
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.start()
+        try:
+            assert cli.main(["collect", "--exporter", "jsonl", "--port", "0"]) == 0
+        finally:
+            timer.cancel()
+            for s, h in handlers.items():
+                signal.signal(s, h)
+        assert calls == [1]
+        assert "rtrace collector stopped" in capsys.readouterr().out
