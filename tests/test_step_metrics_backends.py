@@ -100,12 +100,15 @@ def trackio_tables(project: str, run: str) -> dict[tuple[bool, int], list[tuple]
 
 
 def mlflow_tables(uri: str, run_id: str, steps) -> dict[tuple[bool, int], list[tuple]]:
+    import tempfile
+
     out = {}
     for validate, step in steps:
         name = f"rtrace/{'eval' if validate else 'rollout'}_rollouts/step_{step:06d}.json"
-        local = MlflowClient(tracking_uri=uri).download_artifacts(run_id, name)
-        with open(local) as f:
-            table = json.load(f)  # MLflow's table format: {"columns": [...], "data": [[...], ...]}
+        with tempfile.TemporaryDirectory() as tmp:  # without dst_path MLflow leaves a directory in /tmp
+            local = MlflowClient(tracking_uri=uri).download_artifacts(run_id, name, dst_path=tmp)
+            with open(local) as f:
+                table = json.load(f)  # MLflow's table format: {"columns": [...], "data": [[...], ...]}
         out[(validate, step)] = _cells([dict(zip(table["columns"], row)) for row in table["data"]])
     return out
 
