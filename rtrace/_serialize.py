@@ -58,6 +58,7 @@ _INT_LIMIT = 2**_INT_BITS  # ints strictly inside (-_INT_LIMIT, _INT_LIMIT) stay
 #: encoded to check its length. Text the walk makes without spending (summaries of
 #: arrays, bytes, errors) sets ``_measure`` and is checked.
 _CHARS_PER_UNIT = 32
+_INT_SET = frozenset((int,))
 #: A string cut to max_chars is redacted over this many more characters first, so a
 #: token that straddles the cut is still recognised (and replaced) whole.
 _REDACT_WINDOW = 256
@@ -376,7 +377,8 @@ class Converter:
             # token ids and other lists of plain ints (an agent loop's prompt_ids): what the
             # walk returns, one unit per element, without a call per element
             n = len(value)
-            if 0 < n < self._left and all(type(x) is int and -_INT_LIMIT < x < _INT_LIMIT for x in value):
+            if 0 < n < self._left and _INT_SET.issuperset(map(type, value)) and (
+                    -_INT_LIMIT < min(value) and max(value) < _INT_LIMIT):  # each step in C
                 self._spend(n)
                 return list(value)
             return self._sequence(value, depth)
@@ -544,6 +546,8 @@ def _plain(data: Any) -> bool:
         data = data.values()
     elif kind is not list:
         return kind in _PLAIN or (kind is float and math.isfinite(data))
+    if len(data) > 16 and _PLAIN.issuperset(map(type, data)):
+        return True  # token ids, texts: the types of a long list checked in C, not one by one
     for value in data:
         kind = type(value)
         if kind in _PLAIN:

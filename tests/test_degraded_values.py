@@ -185,9 +185,11 @@ def nested(depth):
 
 
 PLAIN = [1.5, 1e-7, 1e16, -0.0, 2**64 - 1, -(2**63), "naïve ☃ \u2028 \x00", None, True, [1, [2, {"a": 3}]],
+         list(range(40)) + ["a", None, True],  # a long list: its element types checked at once
          nested(300)]  # orjson refuses nesting past 254: the json module writes it
 NOT_PLAIN = [float("nan"), float("inf"), -float("inf"), (1, 2), Num(5), Color.RED, Point(1), {1: "a"},
-             datetime.datetime(2026, 1, 2, 3, 4, 5), "a\ud800b", 2**64, -(2**63) - 1]
+             datetime.datetime(2026, 1, 2, 3, 4, 5), "a\ud800b", 2**64, -(2**63) - 1,
+             list(range(40)) + [float("nan")], list(range(40)) + [Num(5)], list(range(40)) + [[float("inf")]]]
 
 
 @pytest.mark.parametrize("value", PLAIN + NOT_PLAIN, ids=repr)
@@ -361,3 +363,20 @@ class TestRedaction:
         assert span.attributes["app.note"] == f"tried {REDACTED}"
         assert span.attributes["http.request.header.authorization"] == REDACTED
         assert SECRET not in self.dump(rtrace_capture)
+
+
+@pytest.mark.parametrize("value", [
+    list(range(50)), [-(2**64) + 1, 0, 2**64 - 1], [2**64, 1], [1, -(2**64)], [True, 1, 2], [Num(3), 1],
+    [1, 2.0, 3], [1, None], (4, 5, 6), list(range(3000)), list(range(5000)), [],
+], ids=lambda v: repr(v)[:40])
+@pytest.mark.parametrize("max_chars", [64, 4000, 100_000])
+def test_a_list_of_plain_ints_converts_as_the_walk_converts_it(value, max_chars, monkeypatch):
+    """Lists of plain ints take a shortcut through the converter (types and range checked
+    in C): the result and the counters are the element-by-element walk's, at any budget."""
+    from rtrace import _serialize
+
+    fast = _serialize.Converter(max_chars, ["api_key"])
+    got = fast(value), fast.truncated, fast.errors
+    monkeypatch.setattr(_serialize, "_INT_SET", frozenset())  # no shortcut: every element walked
+    slow = _serialize.Converter(max_chars, ["api_key"])
+    assert got == (slow(value), slow.truncated, slow.errors)
