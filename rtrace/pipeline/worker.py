@@ -95,11 +95,12 @@ class Pipeline:
         self.postprocessors = list(postprocessors)
         self.annotations = AnnotationTable(settings.await_annotations, settings.annotation_timeout_s,
                                            settings.await_eval_annotations)
-        #: per-step metrics over the exported trajectories (None: summary_metrics off)
+        #: per-step metrics over the exported trajectories (None: summary_metrics off, or
+        #: no sink writes step metrics)
         whole = settings.sample_groups or (settings.max_traces_per_step is None and settings.val_cap is None)
         self.metrics = StepMetricsTracker(min(self.metrics_linger_s, settings.step_linger_s),
                                           settings.step_table_rows, settings.health_checks,
-                                          whole) if settings.summary_metrics else None
+                                          whole) if settings.summary_metrics and fanout.wants_step_metrics else None
         #: end-of-trajectory selection (the collector; one process with tail keeping)
         self.selector: Any = None
         #: rollout-health checks (None: RTRACE_HEALTH_CHECKS=none)
