@@ -377,7 +377,7 @@ class Converter:
             # token ids and other lists of plain ints (an agent loop's prompt_ids): what the
             # walk returns, one unit per element, without a call per element
             n = len(value)
-            if 0 < n < self._left and _INT_SET.issuperset(map(type, value)) and (
+            if 0 < n < self._left and only_ints(value) and (
                     -_INT_LIMIT < min(value) and max(value) < _INT_LIMIT):  # each step in C
                 self._spend(n)
                 return list(value)
@@ -527,6 +527,12 @@ def json_safe(data: Any, depth: int = 0) -> Any:
 
 
 _PLAIN = frozenset((str, int, bool, type(None)))
+
+
+def only_ints(values: Any) -> bool:
+    """Every element is exactly an ``int`` (no bool, no numpy integer); True when empty.
+    The types are checked in C (token id lists are long)."""
+    return _INT_SET.issuperset(map(type, values))
 
 
 def is_plain_json(data: Any) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 from opentelemetry.trace import StatusCode
 
 from .. import _stats
-from .._serialize import Converter, array_to_python, attr_ok, is_array, truncate, unsnap
+from .._serialize import Converter, array_to_python, attr_ok, is_array, only_ints, truncate, unsnap
 from ..config import Settings
 from ..trajectory import RL_FIELDS, SpanRecord, Trajectory
 from .messages import tool_result
@@ -35,8 +35,7 @@ def as_id_list(value: Any) -> list[int] | None:
         value = array_to_python(value)
         if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list):
             value = value[0]  # a batch of one
-    # set(map(type, ...)) runs in C (2x faster than isinstance per id); bools are not ids
-    if isinstance(value, (list, tuple)) and (not value or set(map(type, value)) == {int}):
+    if isinstance(value, (list, tuple)) and only_ints(value):  # bools are not ids
         return list(value)
     return None
 

@@ -36,6 +36,7 @@ from collections import deque
 from typing import Any
 
 from .. import _stats
+from .._serialize import only_ints
 from ..config import ConfigError, Secret, Settings, load_settings
 from ..exporters.otel import RECORD_ATTR
 from ..trajectory import RL_FIELDS, SpanRecord
@@ -262,8 +263,6 @@ def _coords(attrs: dict[str, Any]) -> dict[str, Any]:
     ``validate`` is not a bool, or whose group id or experiment is not a scalar: such a
     value would break the job-wide sample, the step metrics and the annotation keys."""
     coords: dict[str, Any] = {k: attrs[a] for k, a in _RL_ATTRS if a in attrs}
-    if not coords and not any(k.startswith("rl.extra.") for k in attrs):
-        return coords  # a span the worker did not stamp (most non-root spans)
     for key in _INT_COORDS:
         value = coords.get(key)
         if value is not None and (type(value) is not int):
@@ -303,13 +302,10 @@ def _record_json(text: Any) -> Any:
             data = None
         if type(data) is dict:
             prompt_ids, response_ids = data.get("prompt_ids"), data.get("response_ids")
-            if ((not prompt_ids or set(map(type, prompt_ids)) == _INT)
-                    and (not response_ids or set(map(type, response_ids)) == _INT)):
+            if (not prompt_ids or only_ints(prompt_ids)) and (not response_ids or only_ints(response_ids)):
                 return data
     return _json(text)
 
-
-_INT = {int}
 
 
 def _json(text: Any) -> Any:

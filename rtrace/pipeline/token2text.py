@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .. import _stats
+from .._serialize import only_ints
 from ..config import ConfigError
 from ..trajectory import SpanRecord, Trajectory
 
@@ -89,7 +90,7 @@ OUTPUT_FIELDS = (("prompt_ids", "prompt_text"), ("response_ids", "response_text"
 
 
 def _ids(value: Any) -> bool:
-    return type(value) is list and bool(value) and set(map(type, value)) == {int}
+    return type(value) is list and bool(value) and only_ints(value)
 
 
 def _output_ids(output: dict[str, Any]) -> list[tuple[dict[str, Any], str, list[int]]]:
