@@ -71,6 +71,11 @@ _CONTEXT_TOKENS = 8
 TOOL_MARKUP = re.compile(r"<tool_call>|<\|python_tag\|>|\[TOOL_CALLS\]|<｜tool▁call▁begin｜>")
 
 
+#: The reward check's finding for a trajectory written without a reward. The worker drops
+#: it when the reward came while the sample held the trajectory (worker.Pipeline._export).
+NO_REWARD = "no reward recorded or annotated by the time it was written"
+
+
 def finding(check: str, detail: str) -> dict[str, str]:
     return {"check": check, "detail": detail}
 
@@ -194,12 +199,12 @@ class HealthChecker:
 
     def _reward(self, reward: Any, gens: list[SpanRecord], coords: dict[str, Any], out: list) -> None:
         if reward is None:
-            out.append(finding("reward", "no reward recorded or annotated by the time it was written"))
+            out.append(finding("reward", NO_REWARD))
             return
         group = group_key(coords)
-        if isinstance(reward, bool) or isinstance(reward, (int, float)):
+        memory = self._memory(coords) if group is not None else None
+        if isinstance(reward, (int, float)):  # a bool too
             kind = "bool" if isinstance(reward, bool) else "number"
-            memory = self._memory(coords) if group is not None else None
             if memory is not None:
                 kinds = memory.kinds.setdefault(group, kind)
                 if kinds != kind:
@@ -214,9 +219,8 @@ class HealthChecker:
             return
         if gens and gens[-1].response_ids is not None and not gens[-1].response_ids:
             out.append(finding("reward", f"reward {value!r} given to a trajectory whose last generation is empty"))
-        if group is None:
+        if memory is None:
             return
-        memory = self._memory(coords)
         classes = memory.groups.setdefault(group, {})
         mine = _magnitude(value)
         for other_class, other in classes.items():

@@ -32,7 +32,7 @@ from ..trajectory import Trajectory
 from .annotations import Annotation, AnnotationTable, coord_key
 from .builder import SpanConverter, finish, tail_of
 from .fanout import Fanout
-from .health import HealthChecker
+from .health import NO_REWARD, HealthChecker, finding
 from .messages import build_messages
 from .metrics import StepMetricsTracker
 from .records import TrajectoryState
@@ -305,8 +305,7 @@ class Pipeline:
             self.annotations.arrived(state)
             if state.health and ("reward" in state.annotations or state.has_reward):
                 # the reward came while the selector held it: the check ran before
-                state.health = [f for f in state.health if not (f["check"] == "reward" and f["detail"].startswith(
-                    "no reward"))]
+                state.health = [f for f in state.health if f != finding("reward", NO_REWARD)]
             try:
                 out.append(finish(state, self.settings, conv.conv))
             except Exception:
