@@ -44,6 +44,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=10 -m "not integration"
 
+# Ray's node start (test-integration, test-verl) waits 30 s for its raylet (hard-coded); on
+# a loaded machine it sometimes never registers. Only that start-up failure is run again, once (pytest-rerunfailures).
+RAY_RERUN := --reruns 1 --only-rerun "timed out during startup"
+
 test-integration: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=10 $(RAY_RERUN) -m integration
 
@@ -135,10 +139,6 @@ test-frameworks: $(TRL_STAMP) $(SKYRL_STAMP) $(AREAL_STAMP)
 	HF_HUB_OFFLINE=1 AREAL_SPMD_MODE=1 $(AREAL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/frameworks/test_areal.py
 
 # rtrace's veRL shim against the real verl (tests/verl); `make test` skips those tests without verl.
-# Ray's node start waits 30 s for its raylet (hard-coded); on a loaded machine it sometimes
-# never registers. Only that start-up failure is run again, once (pytest-rerunfailures).
-RAY_RERUN := --reruns 1 --only-rerun "timed out during startup"
-
 test-verl: $(VERL_STAMP)
 	HF_HUB_OFFLINE=1 $(VERL_BIN)/python -m pytest -q $(RAY_RERUN) tests/verl
 
