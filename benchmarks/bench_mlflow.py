@@ -7,6 +7,8 @@
     for SQLAlchemy's statement compilation, ~30% more); target >= 150 trajectories/s;
 (b) the by-hand baseline: the same MLflow spans, one ``log_spans`` + one
     ``link_traces_to_run`` call per trajectory (what a per-trajectory exporter does);
+(a') the same sink into a real ``mlflow server`` on 127.0.0.1 (SQLite backend, one worker,
+    started by the benchmark; ``--no-server`` skips it);
 (c) end to end: the same trajectories made with the decorators and ``rollout_context``
     and written through ``rtrace.flush()`` (span building + worker + sink).
 
@@ -65,10 +67,10 @@ def new_run(uri: str) -> str:
     return client.create_run(exp).info.run_id
 
 
-def bench_sink(n: int, folder: str, batch: int) -> tuple[float, float]:
+def bench_sink(n: int, uri: str, batch: int) -> tuple[float, float]:
+    """The sink into ``uri`` (a SQLite URI or a server's URL); CPU-s are this process's."""
     from rtrace.exporters.mlflow import MlflowSink
 
-    uri = f"sqlite:///{folder}/sink.db"
     run_id = new_run(uri)
     sink = MlflowSink(load_settings({"exporter": "mlflow", "mlflow_tracking_uri": uri, "mlflow_run_id": run_id}))
     # open the store, resolve the experiment, fill SQLAlchemy's statement cache: steady state
@@ -138,19 +140,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=1000, help="trajectories per variant")
     parser.add_argument("--batch", type=int, default=256, help="trajectories per export() call")
+    parser.add_argument("--no-server", action="store_true", help="skip the real `mlflow server` variant")
     args = parser.parse_args()
     import mlflow  # noqa: F401  (import cost outside the timings)
     import logging
 
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory() as folder:
-        sink = bench_sink(args.n, folder, args.batch)
+        sink = bench_sink(args.n, f"sqlite:///{folder}/sink.db", args.batch)
+        server = None
+        if not args.no_server:
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+            from servers import start_mlflow_server, stop_server
+
+            base_url, popen = start_mlflow_server(os.path.join(folder, "server"))
+            try:
+                server = bench_sink(args.n, base_url, args.batch)
+            finally:
+                stop_server(popen)
         hand = bench_by_hand(max(100, args.n // 4), folder)
         e2e = bench_end_to_end(args.n, folder)
     print(f"mlflow {mlflow.__version__}, SQLite, trajectories of 5 spans, linked to a run "
           f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     print("                                               wall traj/s   traj per CPU-s")
     print(f"  rtrace MlflowSink.export, {args.batch} per call : {sink[0]:10.1f} {sink[1]:14.1f}   (target >= 150)")
+    if server is not None:
+        print(f"  the same into a real `mlflow server` (SQLite): {server[0]:9.1f} {server[1]:14.1f}   (target >= 150; "
+              "CPU-s of the client only)")
     print(f"  by hand, one log_spans + link per trajectory: {hand[0]:10.1f} {hand[1]:14.1f}")
     print(f"  ratio sink / by hand                        : {sink[0] / hand[0]:9.2f}x {sink[1] / hand[1]:13.2f}x")
     print(f"  end to end (decorators -> flush -> sink)    : {e2e:10.1f}")

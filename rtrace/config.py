@@ -428,7 +428,7 @@ PARAMS: tuple[Param, ...] = (
     Param("max_export_batch_size", "RTRACE_MAX_EXPORT_BATCH_SIZE", _int(1), 256, "an integer >= 1",
           "Trajectories handed to a sink per call.", type="int"),
     Param("sink_queue_size", "RTRACE_SINK_QUEUE_SIZE", _int(1), 64, "an integer >= 1",
-          "Batches waiting per sink; a slow sink beyond it loses batches (counted).", type="int"),
+          "Batches waiting per sink; a slow sink beyond it samples fewer trajectories per step (counted).", type="int"),
     Param("sink_timeout_s", "RTRACE_SINK_TIMEOUT_S", _float(0.0), 30.0, _SEC.format(0),
           "How long flush()/shutdown() wait for each sink; also bounds interpreter exit.", type="float"),
     Param("flush_on_sigterm", "RTRACE_FLUSH_ON_SIGTERM", _bool, True, "true/false",

@@ -341,3 +341,118 @@ class TestJsonlWholeLines:
         assert len(seen) == 4 * 25 * 8
         assert sorted((d["step"], d["sample_index"]) for d in seen) == \
             sorted((w, i) for w in range(4) for i in range(200))
+
+
+# ----------------------------------------------------------------------------- #25: a sink behind samples fewer per step
+class Recording(rtrace.Sink):
+    """Waits for ``release`` in its first export (a stalled backend), then keeps what it gets."""
+
+    name = "recording"
+
+    def __init__(self):
+        super().__init__(None)
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.got = []
+
+    def export(self, trajectories):
+        self.entered.set()
+        self.release.wait()
+        self.got.extend(trajectories)
+
+
+def _traj(step, i, kept=(), status="ok"):
+    from rtrace.trajectory import SpanRecord, Trajectory
+
+    span = SpanRecord(f"{step:08x}{i:08x}", None, "rollout", "rollout", 1, 2)
+    return Trajectory(trace_id=f"{step:016x}{i:016x}", name="rollout", spans=[span], step=step, sample_index=i,
+                      kept=list(kept), status=status)
+
+
+class TestBehindSamplesPerStep:
+    def test_full_queue_thins_every_step_evenly_and_keeps_failures(self):
+        """Queue of 2 batches of 4, the sink stalled: step 1 and 2 fill it, step 3 arrives. Its 4
+        trajectories cost 4, taken one at a time from the step with the most (3, 2, 1, then 3 on the tie),
+        never the failed one while a plain one is left: every step is written, 3 + 3 + 2."""
+        from rtrace.pipeline.fanout import SinkWorker
+
+        sink = Recording()
+        worker = SinkWorker(sink, queue_size=2, timeout_s=5, batch_size=4)
+        worker.submit([_traj(0, 0)])
+        assert sink.entered.wait(10)  # in export(), stalled: the queue is empty again
+        step1 = [_traj(1, i, kept=("error",) if i == 3 else ("sampled",), status="error" if i == 3 else "ok")
+                 for i in range(4)]
+        step1_batch = list(step1)
+        worker.submit(step1_batch)
+        worker.submit([_traj(2, i) for i in range(4)])
+        incoming = [_traj(3, i) for i in range(4)]
+        before = list(incoming)
+        stats0 = rtrace.stats()
+        worker.submit(incoming)
+        assert incoming == before and step1_batch == step1  # lists other sinks may hold are not changed
+        sink.release.set()
+        worker.stop(10)
+        got = [(t.step, t.sample_index) for t in sink.got]
+        assert got[0] == (0, 0)
+        by_step = {s: sorted(i for st, i in got if st == s) for s in (1, 2, 3)}
+        assert by_step == {1: [0, 1, 3], 2: [0, 1, 2], 3: [0, 1]}  # the last plain one goes first
+        stats = rtrace.stats()
+        assert stats.get("sink.recording.dropped_trajectories", 0) - stats0.get(
+            "sink.recording.dropped_trajectories", 0) == 4
+        assert stats.get("sink.recording.exported", 0) - stats0.get("sink.recording.exported", 0) == 9
+
+    def test_room_in_queued_batches_is_used_before_anything_is_dropped(self):
+        """Small batches (a worker round with few finished trajectories) merge into the queued ones up
+        to the batch size: a queue "full" of 2 small batches takes 6 more trajectories, losing none."""
+        from rtrace.pipeline.fanout import SinkWorker
+
+        sink = Recording()
+        worker = SinkWorker(sink, queue_size=2, timeout_s=5, batch_size=4)
+        worker.submit([_traj(0, 0)])
+        assert sink.entered.wait(10)
+        stats0 = rtrace.stats()
+        for i in range(8):
+            worker.submit([_traj(1, i)])
+        sink.release.set()
+        worker.stop(10)
+        assert sorted(t.sample_index for t in sink.got if t.step == 1) == list(range(8))
+        assert rtrace.stats().get("sink.recording.dropped_trajectories", 0) == stats0.get(
+            "sink.recording.dropped_trajectories", 0)
+
+    def test_the_collector_sink_drops_whole_batches(self):
+        """Segments are not trajectories to sample: a full queue drops the incoming batch whole."""
+        from rtrace.exporters.collector import CollectorSink
+        from rtrace.pipeline.fanout import SinkWorker
+
+        class StalledCollector(Recording):
+            name = "stalled"
+            sample_when_behind = CollectorSink.sample_when_behind
+
+        assert CollectorSink.sample_when_behind is False
+        sink = StalledCollector()
+        worker = SinkWorker(sink, queue_size=1, timeout_s=5, batch_size=4)
+        worker.submit([_traj(0, 0)])
+        assert sink.entered.wait(10)
+        worker.submit([_traj(1, 0)])
+        worker.submit([_traj(2, 0), _traj(2, 1)])
+        sink.release.set()
+        worker.stop(10)
+        assert [(t.step, t.sample_index) for t in sink.got] == [(0, 0), (1, 0)]
+
+    def test_end_to_end_a_stalled_sink_still_shows_every_step(self):
+        """Through configure(): 6 steps of 8 rollouts into a sink stalled behind a queue of 2 batches of
+        4. Once it recovers, every step is there, and what it lacks is exactly what was counted."""
+        sink = Recording()
+        rtrace.configure(sinks=[sink], export_interval_s=0.02, max_export_batch_size=4, sink_queue_size=2)
+        rollouts(1, step=0)
+        assert sink.entered.wait(10)
+        for step in range(1, 7):
+            rollouts(8, step=step)
+        wait_for(lambda: rtrace.stats().get("sink.recording.dropped_trajectories", 0) == 48 + 1 - 1 - 8)
+        sink.release.set()
+        assert rtrace.flush(10) is False  # trajectories were dropped since the last flush
+        steps = [t.step for t in sink.got]
+        assert set(steps) == {0, 1, 2, 3, 4, 5, 6}
+        assert len(steps) == 1 + 8
+        counts = [steps.count(s) for s in range(1, 7)]
+        assert max(counts) - min(counts) <= 1, counts

@@ -39,6 +39,13 @@ class Sink:
     """
 
     name = "sink"
+    #: What a full queue does (the sink cannot keep up): True, the sink samples fewer
+    #: trajectories of every step (the step with the most queued loses one, then the
+    #: next, keeping failures and tail-kept ones longest; ``pipeline/fanout.py``); False,
+    #: the incoming batch is dropped whole (the collector sink: its units are segments,
+    #: which the collector assembles, not trajectories to sample). Either way every
+    #: trajectory lost is counted as ``sink.<name>.dropped_trajectories``.
+    sample_when_behind = True
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings

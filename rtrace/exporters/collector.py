@@ -35,6 +35,7 @@ class CollectorSink(Sink):
     """Streams span segments to ``RTRACE_COLLECTOR_ENDPOINT`` (OTLP/gRPC)."""
 
     name = "collector"
+    sample_when_behind = False  # segments, not trajectories: a full queue drops the batch
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)

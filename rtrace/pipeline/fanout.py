@@ -1,7 +1,11 @@
 """Fan-out to the sinks: one thread and one bounded queue of batches per sink.
 
-A slow sink drops its own batches (counted) without slowing the others or the traced
-program. Sinks run with OTel instrumentation suppressed, so a backend's own HTTP calls
+A slow sink loses trajectories (counted) without slowing the others or the traced
+program, and it loses them evenly across steps: when its queue is full, a new batch is
+first merged into the queued batches that have room, and if that is not enough the sink
+samples fewer trajectories of every step (:meth:`SinkWorker._thin`), so a sink that
+falls behind still shows every step, with failures and tail-kept trajectories kept
+longest, rather than missing whole batches at random. Sinks run with OTel instrumentation suppressed, so a backend's own HTTP calls
 are not traced into the trajectories. Shutdown is bounded per sink: each sink gets its
 own deadline, a sink that hangs is abandoned (its thread is a daemon) and everything
 still queued for it, or inside its export call, is counted as
@@ -34,8 +38,10 @@ __all__ = ["SinkWorker", "Fanout"]
 class SinkWorker:
     """One sink behind its own thread and bounded queue of batches."""
 
-    def __init__(self, sink: Sink, queue_size: int, timeout_s: float) -> None:
+    def __init__(self, sink: Sink, queue_size: int, timeout_s: float, batch_size: int = 256) -> None:
         self.sink = sink
+        self.batch_size = batch_size
+        self.sample_when_behind = bool(getattr(sink, "sample_when_behind", True))
         self.name = getattr(sink, "name", type(sink).__name__)
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.timeout_s = timeout_s
@@ -54,15 +60,78 @@ class SinkWorker:
         _stats.incr(f"sink.{self.name}.{what}", n)
 
     def submit(self, batch: list[Trajectory]) -> None:
+        """Queue a batch (never blocks). ``batch`` may be queued for other sinks too: it
+        is never changed; a full queue makes new lists (:meth:`_thin`)."""
         try:
             self.queue.put_nowait(batch)
+            return
         except queue.Full:
-            with self._lock:
-                self._failed_since_marker = True  # the next flush() cannot say "all written"
-            self._count("dropped_batches", 1)
-            self._count("dropped_trajectories", len(batch))
-            _stats.warn_once(f"sink-full-{self.name}",
-                             "rtrace sink %r cannot keep up; batches are dropped", self.name)
+            pass
+        lost = self._thin(batch) if self.sample_when_behind else len(batch)
+        if not lost:
+            return
+        with self._lock:
+            self._failed_since_marker = True  # the next flush() cannot say "all written"
+        self._count("dropped_batches", 1)
+        self._count("dropped_trajectories", lost)
+        _stats.warn_once(f"sink-full-{self.name}", "rtrace sink %r cannot keep up; it samples fewer "
+                         "trajectories per step (counted as dropped)", self.name)
+
+    def _thin(self, batch: list[Trajectory]) -> int:
+        """Make room for ``batch`` in the full queue; returns how many trajectories were
+        dropped to do it.
+
+        First the batch fills the room left in queued batches (up to ``batch_size`` each):
+        nothing is lost. What does not fit costs as many trajectories as it brings, taken
+        one at a time from the (validate, step) with the most trajectories queued or
+        incoming (on a tie, the one seen last), and within it the last one that was not kept
+        for a reason (an error, a tail) before any that was. So every step keeps an even
+        share and a burst from one step cannot push the others out. The queue keeps its
+        number of items; queued lists are replaced, never changed (other sinks may hold
+        them). Runs under the queue's own lock, on the pipeline's thread, only when the
+        sink is behind."""
+        q = self.queue
+        with q.mutex:
+            items = q.queue
+            slots = [i for i, item in enumerate(items) if type(item) is list]
+            if not slots:  # only markers / step metrics queued: nothing to merge into
+                return len(batch)
+            pending = self._fill(items, slots, list(batch))
+            if not pending:
+                return 0
+            # every queued and incoming trajectory by (validate, step), in arrival order
+            groups: dict[Any, list[tuple[int, Trajectory]]] = {}
+            for i in slots:
+                for traj in items[i]:
+                    groups.setdefault((traj.validate, traj.step), []).append((i, traj))
+            for traj in pending:
+                groups.setdefault((traj.validate, traj.step), []).append((-1, traj))
+            order = {key: n for n, key in enumerate(groups)}
+            dropped: set[int] = set()
+            for _ in range(len(pending)):
+                key = max(groups, key=lambda k: (len(groups[k]), order[k]))
+                members = groups[key]
+                at = next((j for j in range(len(members) - 1, -1, -1) if _plain(members[j][1])),
+                          len(members) - 1)
+                dropped.add(id(members.pop(at)[1]))
+                if not members:
+                    del groups[key]
+            for i in slots:
+                if any(id(t) in dropped for t in items[i]):
+                    items[i] = [t for t in items[i] if id(t) not in dropped]
+            pending = self._fill(items, slots, [t for t in pending if id(t) not in dropped])
+            return len(dropped) + len(pending)  # pending is empty: each drop made one place
+
+    def _fill(self, items: Any, slots: list[int], pending: list[Trajectory]) -> list[Trajectory]:
+        """Put ``pending`` into the queued batches with room (new lists); returns the rest."""
+        for i in reversed(slots):
+            if not pending:
+                break
+            room = self.batch_size - len(items[i])
+            if room > 0:
+                items[i] = items[i] + pending[:room]
+                pending = pending[room:]
+        return pending
 
     def marker(self, deadline: float) -> "_Marker | None":
         """Queue a flush marker (waiting for room until ``deadline``); its event is set once
@@ -181,6 +250,11 @@ class SinkWorker:
                          "or in-flight trajectories abandoned", self.name, lost)
 
 
+def _plain(traj: Trajectory) -> bool:
+    """Kept only as part of the step's sample (not for an error or a tail): dropped first."""
+    return traj.status != "error" and all(reason == "sampled" for reason in traj.kept)
+
+
 class _Metrics(list):
     """A batch of StepMetrics in a sink's queue."""
 
@@ -198,7 +272,7 @@ class Fanout:
 
     def __init__(self, sinks: Sequence[Sink], batch_size: int, queue_size: int, timeout_s: float) -> None:
         self.batch_size = batch_size
-        self.workers = [SinkWorker(sink, queue_size, timeout_s) for sink in sinks]
+        self.workers = [SinkWorker(sink, queue_size, timeout_s, batch_size) for sink in sinks]
 
     @property
     def wants_step_metrics(self) -> bool:
