@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _agent import SPANS_PER_TRAJECTORY, make_agent  # noqa: E402
+from _machine import reference_line  # noqa: E402
 
 #: trajectories each set-up of (b) runs (and flushes) before it is measured
 WARM_UP = 200
@@ -159,13 +160,6 @@ def sender(endpoint, worker, n, per_request, ready, go, out):
     os._exit(0)
 
 
-def machine_reference() -> float:
-    """Microseconds of a fixed pure-Python loop, best of 5: how fast this machine runs now."""
-    import timeit
-
-    return min(timeit.repeat("sum(range(1000))", number=2000, repeat=5)) / 2000 * 1e6
-
-
 def run(target, *args):
     q = mp.get_context("spawn").Queue()
     p = mp.get_context("spawn").Process(target=target, args=(*args, q))
@@ -218,8 +212,7 @@ def main() -> None:
     from rtrace.pipeline.otlp_receiver import OtlpReceiver, count_spans
 
     with tempfile.TemporaryDirectory() as tmp:
-        print(f"machine reference: sum(range(1000)) takes {machine_reference():.1f} us in this process "
-              "(absolute rates move with it: this VM's speed changes with its host's load)")
+        print(reference_line())
         # (a) throughput: 4 senders -> one collector -> JSONL; first inside this process
         # with Python's GC as it is (start_collector in an application's process), then
         # with the GC set up as `rtrace collect` sets up its own process (tune_gc)

@@ -3,8 +3,10 @@
 (a) tracing off: a decorated call vs a bare pass-through wrapper (target <= 1.1x);
 (b) tracing on: one trajectory (root + agent + 2 generations + 2 tools) through rtrace,
     vs the same six spans made by hand with the OTel SDK (rl.* and gen_ai.* attributes,
-    inputs/outputs as JSON attributes) and a BatchSpanProcessor with a JSON exporter
-    (target <= 0.25x, loop + flush);
+    inputs/outputs as JSON attributes) and a BatchSpanProcessor, against two exporters:
+    one that JSON-encodes each span (``span.to_json()``, kept in memory) and the SDK's own
+    ``ConsoleSpanExporter`` writing the JSON to /dev/null (target <= 0.25x, loop + flush,
+    against both);
 (c) the same trajectory with MLflow's ``@mlflow.trace`` (target: rtrace <= 0.25x), if
     mlflow is installed.
 
@@ -32,6 +34,7 @@ from rtrace.exporters.base import Sink  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _agent import decorated_agent, make_agent  # noqa: E402
+from _machine import reference_line  # noqa: E402
 
 
 class NullSink(Sink):
@@ -74,9 +77,12 @@ def make_rtrace_agent():
                                          "group_id": f"g{i % 64}", "policy_version": 1})
 
 
-def make_by_hand_agent():
+def make_by_hand_agent(devnull=None):
+    """The six spans by hand; their exporter JSON-encodes each span, or (``devnull``, an
+    open file) is the SDK's ConsoleSpanExporter writing that JSON to it."""
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+    from opentelemetry.sdk.trace.export import (BatchSpanProcessor, ConsoleSpanExporter, SpanExporter,
+                                                SpanExportResult)
 
     class JsonExporter(SpanExporter):
         def export(self, spans):
@@ -84,8 +90,9 @@ def make_by_hand_agent():
                 s.to_json()
             return SpanExportResult.SUCCESS
 
+    exporter = ConsoleSpanExporter(out=devnull) if devnull is not None else JsonExporter()
     provider = TracerProvider()
-    provider.add_span_processor(BatchSpanProcessor(JsonExporter(), max_queue_size=65536))
+    provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=65536))
     tracer = provider.get_tracer("by-hand")
 
     def coords(i):
@@ -154,6 +161,7 @@ def main() -> None:
     parser.add_argument("--no-mlflow", action="store_true")
     args = parser.parse_args()
 
+    print(reference_line())
     bare, off = [], []
     for _ in range(args.repeats):
         b, o = bench_off(args.calls)
@@ -163,8 +171,12 @@ def main() -> None:
     print(f"(a) tracing off: bare wrapper {mb / args.calls * 1e9:.0f} ns/call, "
           f"decorated {mo / args.calls * 1e9:.0f} ns/call -> ratio {mo / mb:.2f}x (target <= 1.1x)")
 
-    by_hand, provider = make_by_hand_agent()
-    ours_t, hand_t, ours_all, hand_all, ours_cpu, hand_cpu = [], [], [], [], [], []
+    devnull = open(os.devnull, "w")
+    hands = {"JSON in memory": make_by_hand_agent(), "ConsoleSpanExporter to /dev/null": make_by_hand_agent(devnull)}
+    ours_t, ours_all, ours_cpu = [], [], []
+    hand_t = {k: [] for k in hands}
+    hand_all = {k: [] for k in hands}
+    hand_cpu = {k: [] for k in hands}
     for _ in range(args.repeats):
         rtrace.configure(sinks=[NullSink(None)])
         rt_traj = make_rtrace_agent()
@@ -174,23 +186,28 @@ def main() -> None:
         ours_all.append(time.perf_counter() - t0)
         ours_cpu.append(time.process_time() - c0)
         rtrace.shutdown()
-        c0, t0 = time.process_time(), time.perf_counter()
-        hand_t.append(timed(by_hand, args.n))
-        provider.force_flush()
-        hand_all.append(time.perf_counter() - t0)
-        hand_cpu.append(time.process_time() - c0)
-    mo, mh = statistics.median(ours_t), statistics.median(hand_t)
-    ma, mha = statistics.median(ours_all), statistics.median(hand_all)
-    mc, mhc = statistics.median(ours_cpu), statistics.median(hand_cpu)
+        for name, (by_hand, provider) in hands.items():
+            c0, t0 = time.process_time(), time.perf_counter()
+            hand_t[name].append(timed(by_hand, args.n))
+            provider.force_flush()
+            hand_all[name].append(time.perf_counter() - t0)
+            hand_cpu[name].append(time.process_time() - c0)
+    med = statistics.median
+    mo, ma, mc = med(ours_t), med(ours_all), med(ours_cpu)
     per = lambda t: t / args.n * 1e6  # noqa: E731
-    print(f"(b) tracing on, 6 spans/trajectory, vs by hand (OTel SDK + BatchSpanProcessor + JSON):\n"
-          f"    loop + flush (wall): by hand {per(mha):.0f} us, rtrace {per(ma):.0f} us -> ratio {ma / mha:.2f}x "
-          f"(target <= 0.25x)\n"
-          f"    loop + flush (process CPU): by hand {per(mhc):.0f} us, rtrace {per(mc):.0f} us -> ratio "
-          f"{mc / mhc:.2f}x\n"
-          f"    loop only (the traced program's thread): by hand {per(mh):.0f} us, rtrace {per(mo):.0f} us "
-          f"-> ratio {mo / mh:.2f}x")
-    provider.shutdown()
+    print("(b) tracing on, 6 spans/trajectory, vs by hand (OTel SDK + BatchSpanProcessor + a JSON exporter):")
+    for name in hands:
+        mh, mha, mhc = med(hand_t[name]), med(hand_all[name]), med(hand_cpu[name])
+        print(f"  by hand with {name}:\n"
+              f"    loop + flush (wall): by hand {per(mha):.0f} us, rtrace {per(ma):.0f} us -> ratio {ma / mha:.2f}x "
+              f"(target <= 0.25x)\n"
+              f"    loop + flush (process CPU): by hand {per(mhc):.0f} us, rtrace {per(mc):.0f} us -> ratio "
+              f"{mc / mhc:.2f}x\n"
+              f"    loop only (the traced program's thread): by hand {per(mh):.0f} us, rtrace {per(mo):.0f} us "
+              f"-> ratio {mo / mh:.2f}x")
+    for _, provider in hands.values():
+        provider.shutdown()
+    devnull.close()
 
     if not args.no_mlflow:
         try:

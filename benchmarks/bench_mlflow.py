@@ -34,6 +34,9 @@ import rtrace  # noqa: E402
 from rtrace.config import load_settings  # noqa: E402
 from rtrace.trajectory import SpanRecord, Trajectory  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _machine import reference_line  # noqa: E402
+
 
 def make_trajectory(i: int) -> Trajectory:
     """A 5-span trajectory like a two-turn tool-calling rollout."""
@@ -160,6 +163,7 @@ def main() -> None:
                 stop_server(popen)
         hand = bench_by_hand(max(100, args.n // 4), folder)
         e2e = bench_end_to_end(args.n, folder)
+    print(reference_line())
     print(f"mlflow {mlflow.__version__}, SQLite, trajectories of 5 spans, linked to a run "
           f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     print("                                               wall traj/s   traj per CPU-s")
