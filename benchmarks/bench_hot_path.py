@@ -1,8 +1,8 @@
 """Hot-path cost of rtrace, as ratios against baselines measured in the same run.
 
 (a) tracing off: a decorated call vs a bare pass-through wrapper (target <= 1.1x);
-(b) tracing on: one trajectory (root + agent + 2 generations + 2 tools) through rtrace,
-    vs the same six spans made by hand with the OTel SDK (rl.* and gen_ai.* attributes,
+(b) tracing on: one trajectory (root + agent + 2 generations + 2 tools) through rtrace into
+    its JSONL sink writing to /dev/null, vs the same six spans made by hand with the OTel SDK (rl.* and gen_ai.* attributes,
     inputs/outputs as JSON attributes) and a BatchSpanProcessor, against two exporters:
     one that JSON-encodes each span (``span.to_json()``, kept in memory) and the SDK's own
     ``ConsoleSpanExporter`` writing the JSON to /dev/null (target <= 0.25x, loop + flush,
@@ -37,14 +37,14 @@ from _agent import decorated_agent, make_agent  # noqa: E402
 from _machine import reference_line  # noqa: E402
 
 
-class NullSink(Sink):
-    """Receives trajectories and JSON-encodes them (like the JSONL sink, without the disk)."""
+def devnull_sink() -> Sink:
+    """rtrace's own JSONL sink writing to /dev/null: every trajectory encoded as its JSONL
+    line (orjson when installed, as it is with the trackio and otlp extras; else the json
+    module) and written, like the baselines' JSON to /dev/null."""
+    from rtrace.config import load_settings
+    from rtrace.exporters.jsonl import JsonlSink
 
-    name = "null"
-
-    def export(self, trajectories):
-        for t in trajectories:
-            json.dumps(t.to_dict(), default=str)
+    return JsonlSink(load_settings({"jsonl_path": os.devnull}, environ={}))
 
 
 # ----------------------------------------------------------------------------- (a)
@@ -178,7 +178,7 @@ def main() -> None:
     hand_all = {k: [] for k in hands}
     hand_cpu = {k: [] for k in hands}
     for _ in range(args.repeats):
-        rtrace.configure(sinks=[NullSink(None)])
+        rtrace.configure(sinks=[devnull_sink()])
         rt_traj = make_rtrace_agent()
         c0, t0 = time.process_time(), time.perf_counter()
         ours_t.append(timed(rt_traj, args.n))
@@ -195,7 +195,11 @@ def main() -> None:
     med = statistics.median
     mo, ma, mc = med(ours_t), med(ours_all), med(ours_cpu)
     per = lambda t: t / args.n * 1e6  # noqa: E731
-    print("(b) tracing on, 6 spans/trajectory, vs by hand (OTel SDK + BatchSpanProcessor + a JSON exporter):")
+    from rtrace import _serialize
+
+    print("(b) tracing on, 6 spans/trajectory, rtrace's JSONL sink to /dev/null (encoder: "
+          f"{'orjson' if _serialize._orjson_dumps is not None else 'json module'}), vs by hand "
+          "(OTel SDK + BatchSpanProcessor + a JSON exporter):")
     for name in hands:
         mh, mha, mhc = med(hand_t[name]), med(hand_all[name]), med(hand_cpu[name])
         print(f"  by hand with {name}:\n"
