@@ -293,7 +293,7 @@ class Converter:
                 return data
             text = data
         elif isinstance(data, (list, dict)):
-            text = json.dumps(data, ensure_ascii=False, default=str)
+            text = _ENCODE(data)
             if len(text) <= self.max_chars:
                 return data
         else:
@@ -527,6 +527,8 @@ def json_safe(data: Any, depth: int = 0) -> Any:
 
 
 _PLAIN = frozenset((str, int, bool, type(None)))
+#: ``json.dumps(data, ensure_ascii=False, default=str)`` without building an encoder per call
+_ENCODE = json.JSONEncoder(ensure_ascii=False, default=str).encode
 
 
 def only_ints(values: Any) -> bool:

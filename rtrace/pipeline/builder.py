@@ -231,7 +231,7 @@ def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Traje
     the root. Reads the state, never writes it."""
     records = list(state.records)
     root_id = _hex_span(state.root_span_id) if state.root_span_id is not None else None
-    if root_id is None or not any(r.span_id == root_id for r in records):
+    if root_id is None or root_id not in [r.span_id for r in records]:
         # The root never ended (orphan timeout / shutdown / lost): stand in for it.
         if root_id is None:
             root_id = _hex_span(state.trace_id & 0xFFFFFFFFFFFFFFFF or 1)
