@@ -199,6 +199,63 @@ class TestOneBadSpan:
         assert c.stats()["collector_spans_duplicate"] == 1
 
 
+class TestLateSpans:
+    def test_a_span_after_its_trajectory_was_written_is_counted_not_written_again(self, collector, tmp_path):
+        """A tool span of trace 7 that comes after trace 7 was written (past its settle time): counted as
+        collector_spans_late, and trace 7 stays one trajectory (before: a second, partial trajectory of
+        the same trace id, a duplicate row in every sink and in the step's counts)."""
+        c = collector()
+        _stats.reset()
+        traj = honest(7, 1, 7, 1.0, children=1)
+        assert send_raw(c.endpoint, request_of(traj)) == grpc.StatusCode.OK
+        assert c.flush(30)
+        late = SpanRecord(f"{7:08x}{99:08x}", f"{7:016x}", "calculator", "tool", 40, 50, output="late")
+        assert send_raw(c.endpoint, request_of(Trajectory(traj.trace_id, "rollout", [late]))) == grpc.StatusCode.OK
+        assert c.flush(30)
+        stats = c.stats()
+        trajs = written(c, tmp_path)
+        assert [(t.trace_id, t.partial, len(t.spans)) for t in trajs] == [(traj.trace_id, False, 2)]
+        assert stats["collector_spans_late"] == 1
+
+    def test_the_root_of_an_expired_trajectory_is_late(self, collector, tmp_path):
+        """A child whose root does not come within the orphan timeout is written partial; the root that
+        comes after that is counted late, not written as a second trajectory."""
+        c = collector(orphan_timeout_s=0.3)
+        _stats.reset()
+        traj = honest(8, 1, 8, 1.0, children=1)
+        assert send_raw(c.endpoint, request_of(Trajectory(traj.trace_id, "rollout", [traj.spans[1]]))) == \
+            grpc.StatusCode.OK
+        deadline = time.monotonic() + 20
+        while c.stats().get("trajectories_partial", 0) < 1:
+            assert time.monotonic() < deadline, "the orphan was never expired"
+            time.sleep(0.05)
+        assert send_raw(c.endpoint, request_of(Trajectory(traj.trace_id, "rollout", [traj.spans[0]]))) == \
+            grpc.StatusCode.OK
+        assert c.flush(30)
+        stats = c.stats()
+        trajs = written(c, tmp_path)
+        assert [(t.trace_id, t.partial) for t in trajs] == [(traj.trace_id, True)]
+        assert stats["collector_spans_late"] == 1
+
+    def test_finished_trace_ids_are_bounded(self):
+        """The memory of finished trace ids keeps the last ``finished_bound``, oldest out first."""
+        from rtrace.pipeline.records import TrajectoryState
+        from rtrace.pipeline.registry import TrajectoryRegistry
+
+        reg = TrajectoryRegistry(100, 10)
+        reg.remember_finished(3)
+        for tid in range(1, 6):
+            state = TrajectoryState(tid, None, "rollout", "rollout", {})
+            assert reg.register(state)
+            reg.remove(state)
+        assert [t for t in range(1, 6) if reg.was_finished(t)] == [3, 4, 5]
+        plain = TrajectoryRegistry(100, 10)  # one process: nothing kept
+        state = TrajectoryState(9, None, "rollout", "rollout", {})
+        plain.register(state)
+        plain.remove(state)
+        assert not plain.was_finished(9)
+
+
 # ----------------------------------------------------------------------------- load
 class TestFullTable:
     def test_never_finishing_trace_ids_do_not_cost_the_next_honest_worker(self, collector, tmp_path):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from typing import Callable, Protocol
 
 from .. import _stats
@@ -58,6 +59,11 @@ class TrajectoryRegistry:
         self._closed = False
         #: collector: wire bytes of the spans the open trajectories hold
         self.held_bytes = 0
+        #: collector (:meth:`remember_finished`): trace ids that left the table, oldest
+        #: first, at most this many (0: not kept, as in one process, where a span of an
+        #: unknown trace is never opened as a new trajectory)
+        self.finished_bound = 0
+        self._finished: OrderedDict[int, None] = OrderedDict()
 
     # ------------------------------------------------------------------ hot path
     def register(self, state: TrajectoryState) -> bool:
@@ -133,6 +139,25 @@ class TrajectoryRegistry:
             if self._open.get(state.trace_id) is state:
                 del self._open[state.trace_id]
                 self.held_bytes -= state.held_bytes
+                self._left(state.trace_id)
+
+    def remember_finished(self, bound: int) -> None:
+        """Collector: keep the last ``bound`` trace ids that left the table (finished,
+        evicted or expired), so that a span of one of them that comes later is told
+        apart from the first span of a new trajectory (:meth:`was_finished`)."""
+        self.finished_bound = bound
+
+    def was_finished(self, trace_id: int) -> bool:
+        """Did ``trace_id`` leave the table (among the last ``finished_bound``)? Worker thread."""
+        return trace_id in self._finished
+
+    def _left(self, trace_id: int) -> None:
+        """Under the lock: ``trace_id`` left the table."""
+        if self.finished_bound:
+            finished = self._finished
+            finished[trace_id] = None
+            if len(finished) > self.finished_bound:
+                finished.popitem(last=False)
 
     def evict(self, max_open: int, max_bytes: int) -> list[TrajectoryState]:
         """Collector under pressure: remove the least recently active trajectories still
@@ -148,6 +173,7 @@ class TrajectoryRegistry:
                     break
                 del self._open[state.trace_id]
                 self.held_bytes -= state.held_bytes
+                self._left(state.trace_id)
                 state.partial = True
                 evicted.append(state)
         if evicted:
@@ -164,6 +190,7 @@ class TrajectoryRegistry:
             for state in expired:
                 del self._open[state.trace_id]
                 self.held_bytes -= state.held_bytes
+                self._left(state.trace_id)
                 state.partial = True
         if expired:
             _stats.incr("trajectories_partial", len(expired))
