@@ -139,11 +139,13 @@ class Gate(rtrace.Sink):
         self.release = threading.Event()
         self.entered = threading.Event()
         self.exported = 0
+        self.got = []
 
     def export(self, trajectories):
         self.entered.set()
         self.release.wait()
         self.exported += len(trajectories)
+        self.got.extend(trajectories)
 
 
 class HangsAtShutdown(rtrace.Sink):
@@ -344,23 +346,6 @@ class TestJsonlWholeLines:
 
 
 # ----------------------------------------------------------------------------- #25: a sink behind samples fewer per step
-class Recording(rtrace.Sink):
-    """Waits for ``release`` in its first export (a stalled backend), then keeps what it gets."""
-
-    name = "recording"
-
-    def __init__(self):
-        super().__init__(None)
-        self.release = threading.Event()
-        self.entered = threading.Event()
-        self.got = []
-
-    def export(self, trajectories):
-        self.entered.set()
-        self.release.wait()
-        self.got.extend(trajectories)
-
-
 def _traj(step, i, kept=(), status="ok"):
     from rtrace.trajectory import SpanRecord, Trajectory
 
@@ -376,7 +361,7 @@ class TestBehindSamplesPerStep:
         never the failed one while a plain one is left: every step is written, 3 + 3 + 2."""
         from rtrace.pipeline.fanout import SinkWorker
 
-        sink = Recording()
+        sink = Gate()
         worker = SinkWorker(sink, queue_size=2, timeout_s=5, batch_size=4)
         worker.submit([_traj(0, 0)])
         assert sink.entered.wait(10)  # in export(), stalled: the queue is empty again
@@ -397,16 +382,16 @@ class TestBehindSamplesPerStep:
         by_step = {s: sorted(i for st, i in got if st == s) for s in (1, 2, 3)}
         assert by_step == {1: [0, 1, 3], 2: [0, 1, 2], 3: [0, 1]}  # the last plain one goes first
         stats = rtrace.stats()
-        assert stats.get("sink.recording.dropped_trajectories", 0) - stats0.get(
-            "sink.recording.dropped_trajectories", 0) == 4
-        assert stats.get("sink.recording.exported", 0) - stats0.get("sink.recording.exported", 0) == 9
+        assert stats.get("sink.gate.dropped_trajectories", 0) - stats0.get(
+            "sink.gate.dropped_trajectories", 0) == 4
+        assert stats.get("sink.gate.exported", 0) - stats0.get("sink.gate.exported", 0) == 9
 
     def test_room_in_queued_batches_is_used_before_anything_is_dropped(self):
         """Small batches (a worker round with few finished trajectories) merge into the queued ones up
         to the batch size: a queue "full" of 2 small batches takes 6 more trajectories, losing none."""
         from rtrace.pipeline.fanout import SinkWorker
 
-        sink = Recording()
+        sink = Gate()
         worker = SinkWorker(sink, queue_size=2, timeout_s=5, batch_size=4)
         worker.submit([_traj(0, 0)])
         assert sink.entered.wait(10)
@@ -416,15 +401,15 @@ class TestBehindSamplesPerStep:
         sink.release.set()
         worker.stop(10)
         assert sorted(t.sample_index for t in sink.got if t.step == 1) == list(range(8))
-        assert rtrace.stats().get("sink.recording.dropped_trajectories", 0) == stats0.get(
-            "sink.recording.dropped_trajectories", 0)
+        assert rtrace.stats().get("sink.gate.dropped_trajectories", 0) == stats0.get(
+            "sink.gate.dropped_trajectories", 0)
 
     def test_the_collector_sink_drops_whole_batches(self):
         """Segments are not trajectories to sample: a full queue drops the incoming batch whole."""
         from rtrace.exporters.collector import CollectorSink
         from rtrace.pipeline.fanout import SinkWorker
 
-        class StalledCollector(Recording):
+        class StalledCollector(Gate):
             name = "stalled"
             sample_when_behind = CollectorSink.sample_when_behind
 
@@ -442,13 +427,13 @@ class TestBehindSamplesPerStep:
     def test_end_to_end_a_stalled_sink_still_shows_every_step(self):
         """Through configure(): 6 steps of 8 rollouts into a sink stalled behind a queue of 2 batches of
         4. Once it recovers, every step is there, and what it lacks is exactly what was counted."""
-        sink = Recording()
+        sink = Gate()
         rtrace.configure(sinks=[sink], export_interval_s=0.02, max_export_batch_size=4, sink_queue_size=2)
         rollouts(1, step=0)
         assert sink.entered.wait(10)
         for step in range(1, 7):
             rollouts(8, step=step)
-        wait_for(lambda: rtrace.stats().get("sink.recording.dropped_trajectories", 0) == 48 + 1 - 1 - 8)
+        wait_for(lambda: rtrace.stats().get("sink.gate.dropped_trajectories", 0) == 48 + 1 - 1 - 8)
         sink.release.set()
         assert rtrace.flush(10) is False  # trajectories were dropped since the last flush
         steps = [t.step for t in sink.got]
