@@ -93,6 +93,9 @@ class SinkWorker:
         q = self.queue
         with q.mutex:
             items = q.queue
+            if len(items) < q.maxsize:  # the sink's thread took an item meanwhile: room again
+                self._put(batch)
+                return 0
             slots = [i for i, item in enumerate(items) if type(item) is list]
             if not slots:  # only markers / step metrics queued: nothing to merge into
                 return len(batch)
@@ -121,6 +124,13 @@ class SinkWorker:
                     items[i] = [t for t in items[i] if id(t) not in dropped]
             pending = self._fill(items, slots, [t for t in pending if id(t) not in dropped])
             return len(dropped) + len(pending)  # pending is empty: each drop made one place
+
+    def _put(self, batch: list[Trajectory]) -> None:
+        """What ``Queue.put`` does, for a caller that holds the queue's lock already."""
+        q = self.queue
+        q.queue.append(batch)
+        q.unfinished_tasks += 1
+        q.not_empty.notify()
 
     def _fill(self, items: Any, slots: list[int], pending: list[Trajectory]) -> list[Trajectory]:
         """Put ``pending`` into the queued batches with room (new lists); returns the rest."""
