@@ -102,22 +102,21 @@ class SinkWorker:
             pending = self._fill(items, slots, list(batch))
             if not pending:
                 return 0
-            # every queued and incoming trajectory by (validate, step), in arrival order
-            groups: dict[Any, list[tuple[int, Trajectory]]] = {}
-            for i in slots:
-                for traj in items[i]:
-                    groups.setdefault((traj.validate, traj.step), []).append((i, traj))
-            for traj in pending:
-                groups.setdefault((traj.validate, traj.step), []).append((-1, traj))
+            # every queued and incoming trajectory by (validate, step), in arrival order:
+            # [plain ones, ones kept for a reason]; each drop is O(number of steps)
+            groups: dict[Any, tuple[list[Trajectory], list[Trajectory]]] = {}
+            for traj in [t for i in slots for t in items[i]] + pending:
+                group = groups.get((traj.validate, traj.step))
+                if group is None:
+                    group = groups[(traj.validate, traj.step)] = ([], [])
+                group[0 if _plain(traj) else 1].append(traj)
             order = {key: n for n, key in enumerate(groups)}
             dropped: set[int] = set()
             for _ in range(len(pending)):
-                key = max(groups, key=lambda k: (len(groups[k]), order[k]))
-                members = groups[key]
-                at = next((j for j in range(len(members) - 1, -1, -1) if _plain(members[j][1])),
-                          len(members) - 1)
-                dropped.add(id(members.pop(at)[1]))
-                if not members:
+                key = max(groups, key=lambda k: (len(groups[k][0]) + len(groups[k][1]), order[k]))
+                plain, kept = groups[key]
+                dropped.add(id((plain or kept).pop()))
+                if not plain and not kept:
                     del groups[key]
             for i in slots:
                 if any(id(t) in dropped for t in items[i]):
