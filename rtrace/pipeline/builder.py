@@ -10,14 +10,13 @@ conversation (``messages``) is built last, from whatever text is available.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from typing import Any
 
 from opentelemetry.trace import StatusCode
 
 from .. import _stats
-from .._serialize import Converter, array_to_python, attr_ok, is_array, only_ints, truncate, unsnap
+from .._serialize import Converter, array_to_python, attr_ok, is_array, json_text, only_ints, truncate, unsnap
 from ..config import Settings
 from ..trajectory import RL_FIELDS, SpanRecord, Trajectory
 from .messages import tool_result
@@ -219,8 +218,7 @@ def _tool_attributes(attrs: dict[str, Any], output: Any) -> None:
     for key, value in (result.metrics or {}).items():
         if value is None:
             continue
-        attrs[f"{TOOL_METRICS}{key}"] = value if attr_ok(value) else json.dumps(value, ensure_ascii=False,
-                                                                                 default=str)
+        attrs[f"{TOOL_METRICS}{key}"] = value if attr_ok(value) else json_text(value)
     if result.call_id is not None:
         attrs.setdefault("gen_ai.tool.call.id", result.call_id)
 

@@ -5,8 +5,9 @@ program, and it loses them evenly across steps: when its queue is full, a new ba
 first merged into the queued batches that have room, and if that is not enough the sink
 samples fewer trajectories of every step (:meth:`SinkWorker._thin`), so a sink that
 falls behind still shows every step, with failures and tail-kept trajectories kept
-longest, rather than missing whole batches at random. Sinks run with OTel instrumentation suppressed, so a backend's own HTTP calls
-are not traced into the trajectories. Shutdown is bounded per sink: each sink gets its
+longest, rather than missing whole batches at random. Sinks run with OTel
+instrumentation suppressed, so a backend's own HTTP calls are not traced into the
+trajectories. Shutdown is bounded per sink: each sink gets its
 own deadline, a sink that hangs is abandoned (its thread is a daemon) and everything
 still queued for it, or inside its export call, is counted as
 ``sink.<name>.abandoned_trajectories``; the next sink is shut down all the same. So
@@ -109,7 +110,7 @@ class SinkWorker:
                 group = groups.get((traj.validate, traj.step))
                 if group is None:
                     group = groups[(traj.validate, traj.step)] = ([], [])
-                group[0 if _plain(traj) else 1].append(traj)
+                group[0 if _sample_only(traj) else 1].append(traj)
             order = {key: n for n, key in enumerate(groups)}
             dropped: set[int] = set()
             for _ in range(len(pending)):
@@ -259,7 +260,7 @@ class SinkWorker:
                          "or in-flight trajectories abandoned", self.name, lost)
 
 
-def _plain(traj: Trajectory) -> bool:
+def _sample_only(traj: Trajectory) -> bool:
     """Kept only as part of the step's sample (not for an error or a tail): dropped first."""
     return traj.status != "error" and all(reason == "sampled" for reason in traj.kept)
 

@@ -44,6 +44,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from .._serialize import json_text
 from ..trajectory import CHAT_KEYS, MESSAGE_INDEX, SpanRecord, Trajectory, chat_argument, response_text
 
 __all__ = ["build_messages", "segment_messages", "response_text", "tool_call_id", "tool_arguments",
@@ -94,13 +95,8 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-#: one encoder for every tool call's arguments (``json.dumps`` with options builds a new
-#: one per call, a third of the call's time); encode() keeps no state between calls
-_ENCODE = json.JSONEncoder(ensure_ascii=False, default=str).encode
-
-
 def _json(value: Any) -> str:
-    return _ENCODE(value)
+    return json_text(value)
 
 
 def _text(value: Any) -> str:
