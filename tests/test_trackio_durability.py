@@ -78,7 +78,12 @@ def test_read_only_trackio_dir_every_trajectory_stored_or_counted(tmp_path):
         pytest.skip("trackio is not installed")
     store = tmp_path / "trackio"
     store.mkdir()
+    # Some spells make trackio's writes fail (counted as failed), others stall them until the
+    # files are writable again. A stalled sink must then lose what its queue cannot hold: a
+    # full queue takes trajectories into the room of queued batches first, so a queue of
+    # 64 x 256 would hold the whole spell's ~3,000 and lose nothing; 16 x 50 holds ~0.8 s.
     env = {**os.environ, "TRACKIO_DIR": str(store), "HF_HUB_OFFLINE": "1",
+           "RTRACE_MAX_EXPORT_BATCH_SIZE": "50", "RTRACE_SINK_QUEUE_SIZE": "16",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     result = tmp_path / "result.json"
     program = tmp_path / "program.py"
