@@ -380,3 +380,56 @@ def test_a_list_of_plain_ints_converts_as_the_walk_converts_it(value, max_chars,
     monkeypatch.setattr(_serialize, "_INT_SET", frozenset())  # no shortcut: every element walked
     slow = _serialize.Converter(max_chars, ["api_key"])
     assert got == (slow(value), slow.truncated, slow.errors)
+
+
+def has_nonfinite(value):
+    if isinstance(value, float):
+        return value - value != 0
+    return isinstance(value, (list, tuple)) and any(map(has_nonfinite, value))
+
+
+@pytest.mark.parametrize("where", ["output", "attribute", "reward", "outcome"])
+@pytest.mark.parametrize("value", PLAIN + NOT_PLAIN, ids=repr)
+def test_a_vouched_trajectory_is_plain_and_written_as_the_checked_path_writes_it(value, where, rtrace_capture,
+                                                                                  monkeypatch):
+    """The worker vouches for a trajectory built from converted values that are all plain
+    JSON data, and the JSONL sink then gives it to orjson without its plain-data check.
+    Whatever a traced program puts where (a tool's output, an attribute on its span, the
+    reward, an outcome): a vouched trajectory is plain, and its line is the line of the
+    checked path (and of the json module). Plain outputs are vouched for (the fast path
+    is taken); NaN or an infinity anywhere, or an attribute kept as it was, is not."""
+    pytest.importorskip("orjson")
+    from opentelemetry import trace
+
+    from rtrace import _serialize
+    from rtrace._serialize import is_plain_json, vouched
+    from rtrace.exporters import jsonl
+
+    @rtrace.traced_tool
+    def answer():
+        if where == "attribute":
+            trace.get_current_span().set_attribute("odd", value)
+        return value if where == "output" else "ok"
+
+    with rtrace.rollout_context(step=1):
+        answer()
+        if where == "reward":
+            rtrace.record_reward(value)
+        elif where == "outcome":
+            rtrace.record_reward(1.0, odd=value)
+    (traj,) = rtrace_capture.trajectories
+    line, degraded = jsonl.encode_line(traj)
+    promised = vouched(traj)
+    if promised:
+        assert is_plain_json(traj.to_dict())
+    if where == "output":
+        assert promised is not has_nonfinite(value)
+    if has_nonfinite(value) and not (where == "reward" and isinstance(value, list)):  # that one is its repr
+        assert not promised
+    traj.__dict__.pop(_serialize._VOUCHED, None)
+    assert not vouched(traj)
+    checked = jsonl.encode_line(traj)
+    monkeypatch.setattr(_serialize, "_orjson_dumps", None)
+    by_json_module = jsonl.encode_line(traj)
+    assert (line, degraded) == checked
+    assert (json.loads(line), degraded) == (json.loads(by_json_module[0]), by_json_module[1])

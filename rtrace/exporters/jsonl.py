@@ -8,7 +8,9 @@ plain data (no NaN, no objects given as they are) is encoded by it
 (:func:`rtrace._serialize.fast_json`): the check and the encoding take a third of the
 json module's time (36 vs 117 µs for a 6-span trajectory). The values written are the
 same; only the spelling of a float's exponent can differ (``1e-7`` for ``1e-07``).
-Anything else goes through the json module as below.
+Anything else goes through the json module as below. The check is skipped for a
+trajectory the one-process worker vouched for (:func:`rtrace._serialize.vouched`: built
+from converted values only, none of them NaN or kept as it was): 19 instead of 40 µs.
 
 Each trajectory is encoded on its own: one that does not encode as it is (a lone
 surrogate or a 5,000-digit int that reached it without the converter) is encoded again
@@ -28,7 +30,7 @@ import threading
 from typing import Any, Sequence
 
 from .. import _stats
-from .._serialize import fast_json, json_default, json_safe, strict_json
+from .._serialize import fast_json, json_default, json_safe, plain_json, strict_json, vouched
 from ..config import ConfigError, Settings, writable_path
 from ..trajectory import Trajectory
 from .base import Sink
@@ -51,7 +53,7 @@ def encode_line(traj: Trajectory) -> tuple[bytes, bool]:
         Exception: only if even the degraded form cannot be encoded.
     """
     data = traj.to_dict()
-    line = fast_json(data, newline=True)
+    line = plain_json(data, newline=True) if vouched(traj) else fast_json(data, newline=True)
     if line is not None:
         return line, False
     try:

@@ -16,7 +16,8 @@ from typing import Any
 from opentelemetry.trace import StatusCode
 
 from .. import _stats
-from .._serialize import Converter, array_to_python, attr_ok, is_array, json_text, only_ints, truncate, unsnap
+from .._serialize import (Converter, array_to_python, attr_ok, is_array, json_text, only_ints, truncate, unsnap,
+                          vouch)
 from ..config import Settings
 from ..trajectory import RL_FIELDS, SpanRecord, Trajectory
 from .messages import tool_result
@@ -116,6 +117,9 @@ class SpanConverter:
             events=[{"name": e.name, "time_ns": e.timestamp, "attributes": _attributes(e.attributes, conv)}
                     for e in span.events],
         )
+        if type(out.name) is not str or type(out.start_ns) is not int or type(out.end_ns) is not int or any(
+                type(e["name"]) is not str or type(e["time_ns"]) is not int for e in out.events):
+            conv.unplain += 1  # what the application gave its span as it was (a float end time ...)
         if rec is not None and rec.args is not None:
             self._captured(out, rec, conv)
         return out
@@ -227,6 +231,7 @@ def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Traje
     """The Trajectory of a finished (or expired) state: spans in tree order, the RL
     coordinates stamped as ``rl.*`` on every span, reward, outcome and annotations on
     the root. Reads the state, never writes it."""
+    unplain = conv.unplain
     records = list(state.records)
     root_id = _hex_span(state.root_span_id) if state.root_span_id is not None else None
     if root_id is None or root_id not in [r.span_id for r in records]:
@@ -263,7 +268,7 @@ def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Traje
     root.attributes.update({f"rl.outcome.{k}": v for k, v in outcome.items() if attr_ok(v)})
     root.attributes.update({f"rl.{k}": v for k, v in annotations.items() if attr_ok(v)})
 
-    return Trajectory(
+    traj = Trajectory(
         trace_id=format(state.trace_id, "032x"), name=root.name, spans=spans,
         step=coords.get("step"), sample_index=coords.get("sample_index"),
         rollout_n=coords.get("rollout_n"), validate=coords["validate"],
@@ -274,6 +279,10 @@ def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Traje
         partial=state.partial, dropped_spans=state.dropped_spans,
         messages=list(state.messages) if state.messages else [], kept=list(state.kept),
         health=list(state.health) if settings.health_checks else None)
+    if (state.plain and conv.unplain == unplain and not state.messages and type(traj.name) is str
+            and (reward is None or reward - reward == 0.0)):
+        vouch(traj)  # converted values only, none of them NaN or kept as it was
+    return traj
 
 
 def tail_of(state: TrajectoryState, keep_by: str) -> Any:

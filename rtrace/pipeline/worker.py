@@ -278,6 +278,7 @@ class Pipeline:
         registry = self.registry
         max_children = self.settings.max_spans_per_trajectory - 1
         arrived: list[TrajectoryState] = []
+        values = conv.conv
         for span in spans:
             ctx = span.context
             state, is_root = registry.arrive(ctx.trace_id, ctx.span_id)
@@ -289,11 +290,14 @@ class Pipeline:
                 state.dropped_spans += 1
                 _stats.incr("spans_dropped_trajectory_limit")
                 continue
+            unplain = values.unplain
             try:
                 state.records.append(conv.convert(span, record))
             except Exception:
                 _stats.incr("capture_errors")
                 _stats.warn_once("convert", "rtrace could not convert a span; it is dropped", exc_info=True)
+            # plain JSON data only so far (a sink may then skip its own check, see vouch())
+            state.plain = state.plain is not False and values.unplain == unplain
             if is_root:
                 arrived.append(state)
         return arrived
