@@ -198,7 +198,17 @@ def is_array(value: Any) -> bool:
     than AttributeError (``class AttrDict(dict): __getattr__ = dict.__getitem__``) is
     not asked."""
     cls = type(value)
-    return hasattr(cls, "tolist") and hasattr(cls, "shape")
+    known = _ARRAY_TYPES.get(cls)
+    if known is None:
+        known = hasattr(cls, "tolist") and hasattr(cls, "shape")
+        if len(_ARRAY_TYPES) < 256:  # bounded: types are few, but a program can make them
+            _ARRAY_TYPES[cls] = known
+    return known
+
+
+#: type -> is it an array type (:func:`is_array`); a lookup instead of two failed attribute
+#: lookups (list, dict, str: every captured value asks)
+_ARRAY_TYPES: dict[type, bool] = {}
 
 
 def array_to_python(value: Any) -> Any:
@@ -314,7 +324,20 @@ class Converter:
 
     def convert_named(self, values: dict[str, Any]) -> dict[str, Any]:
         """Values by name as ``{name: value}``; secret-looking names are redacted."""
-        return {key: self._redact_or_convert(str(key), value) for key, value in values.items()}
+        out: dict[str, Any] = {}
+        secret = self._secret_keys.get
+        for key, value in values.items():
+            if type(key) is not str:
+                key = str(key)
+            hit = secret(key)
+            if hit is None:
+                hit = self.is_secret(key)
+            if hit:
+                self.redacted += 1
+                out[key] = REDACTED
+            else:
+                out[key] = self(value)
+        return out
 
     def _redact_or_convert(self, key: str, value: Any) -> Any:
         if self.is_secret(key):
@@ -368,6 +391,30 @@ class Converter:
         # max_chars are spent, whatever the shape of the value (shared sublists repeat).
         self._partial = "…"
         cls = type(value)
+        # The exact types first (what the general path below does for them, in fewer steps)
+        if cls is str:
+            return self._str(value)
+        if cls is dict or cls is list or cls is int or cls is float or cls is bool or value is None:
+            left = self._left = self._left - 1
+            if left < 0:
+                raise _Budget
+            if cls is int:
+                return value if -_INT_LIMIT < value < _INT_LIMIT else self._int(value)
+            if cls is float:
+                if value - value != 0.0:
+                    self.unplain += 1
+                return value
+            if cls is bool or value is None:
+                return value
+            if depth < _MAX_DEPTH:
+                if cls is dict:
+                    return self._mapping(value.items(), depth)
+                n = len(value)
+                if 0 < n < left and only_ints(value) and -_INT_LIMIT < min(value) and max(value) < _INT_LIMIT:
+                    self._spend(n)
+                    return list(value)
+                return self._sequence(value, depth)
+            self._left += 1  # the general path spends it
         if cls is str or isinstance(value, str):
             return self._str(str.__str__(value))
         if cls is bool or value is None:
@@ -419,7 +466,12 @@ class Converter:
         return self._str(repr(value))
 
     def _str(self, text: str) -> str:
-        text = clean_text(text)  # lone surrogates: no sink can write them
+        if not text.isascii():
+            text = clean_text(text)  # lone surrogates: no sink can write them
+        n = len(text)
+        if n < self._left:  # the usual case: spent, and a short text is not redacted
+            self._left -= n + 1
+            return text if n < 12 else self._redact(text)
         if len(text) > self._left:
             # Redact before cutting: a token cut in half would no longer be recognised.
             keep = min(self.max_chars, max(0, self._left))
@@ -433,10 +485,14 @@ class Converter:
 
     def _mapping(self, items: Iterable[tuple[Any, Any]], depth: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        secret = self._secret_keys.get
         try:
             for k, v in items:
-                key = self._key(k)  # bounded, encodable, token shapes redacted
-                if self.is_secret(key):
+                key = self._str(k) if type(k) is str else self._key(k)  # bounded, encodable, token shapes redacted
+                hit = secret(key)
+                if hit is None:
+                    hit = self.is_secret(key)
+                if hit:
                     self.redacted += 1
                     out[key] = REDACTED
                 else:
@@ -545,9 +601,23 @@ def json_safe(data: Any, depth: int = 0) -> Any:
 
 
 _PLAIN = frozenset((str, int, bool, type(None)))
-#: ``json.dumps(value, ensure_ascii=False, default=str)`` without building an encoder per
-#: call (a third of a small value's time); encode() keeps no state between calls
-json_text = json.JSONEncoder(ensure_ascii=False, default=str).encode
+try:  # the json module's C encoder, made per call as JSONEncoder.encode does, without the Python layers
+    from json.encoder import c_make_encoder as _c_make_encoder
+    from json.encoder import encode_basestring as _encode_basestring
+except ImportError:  # pragma: no cover
+    _c_make_encoder = None
+
+
+def json_text(value: Any) -> str:
+    """``json.dumps(value, ensure_ascii=False, default=str)``, in 0.75 instead of 1.3 µs for a
+    small dict: the C encoder without the Python layers around it (a fresh one per call:
+    it holds the markers of its circular-reference check)."""
+    if _c_make_encoder is None or type(value) is str:  # pragma: no cover
+        return _json_text(value)
+    return "".join(_c_make_encoder({}, str, _encode_basestring, None, ": ", ", ", False, False, True)(value, 0))
+
+
+_json_text = json.JSONEncoder(ensure_ascii=False, default=str).encode
 
 
 def only_ints(values: Any) -> bool:

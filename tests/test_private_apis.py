@@ -292,3 +292,60 @@ class TestMlflowCanary:
         assert skipped == 1 and "bad/../key" not in tags
         assert tags["step"] == "2"
         assert 0 < len(tags["long"]) < 10_000 and tags["long"] == "x" * len(tags["long"])
+
+
+class TestOtelCanary:
+    """The OpenTelemetry API internals the hot path reads (rtrace/instrumentation/_otel_private.py)."""
+
+    def test_every_listed_name_exists_and_the_fast_path_is_on(self):
+        from rtrace.instrumentation import _otel_private
+
+        for name in _otel_private.PRIVATE_NAMES:
+            resolve(name, {})
+        assert _otel_private.FAST  # the default runtime context: the ContextVar is used
+
+    def test_the_functions_agree_with_the_public_api(self):
+        from opentelemetry import context, trace
+        from opentelemetry.trace import INVALID_SPAN, NonRecordingSpan, SpanContext, TraceFlags
+
+        from rtrace.instrumentation import _otel_private as fast
+
+        span = NonRecordingSpan(SpanContext(3, 4, False))
+        outer = trace.get_current_span()
+        token = fast.attach_span(span)
+        try:
+            assert trace.get_current_span() is span is fast.current_span() is fast.current_value()
+            inner = NonRecordingSpan(SpanContext(3, 5, False))
+            public = context.attach(trace.set_span_in_context(inner))
+            assert fast.current_span() is inner
+            context.detach(public)
+            assert fast.current_span() is span
+        finally:
+            fast.detach(token)
+        assert trace.get_current_span() is outer is fast.current_span()
+        assert fast.current_span() is INVALID_SPAN or fast.current_value() is outer
+        flags = TraceFlags(TraceFlags.SAMPLED)
+        state = SpanContext(1, 1, False).trace_state
+        made, public_made = fast.span_context(5, 6, flags, state), SpanContext(5, 6, False, flags, state)
+        assert made == public_made and type(made) is SpanContext
+        assert (made.trace_id, made.span_id, made.is_remote, made.trace_flags, made.trace_state, made.is_valid) == (
+            5, 6, False, flags, state, True)
+
+    def test_a_token_of_another_context_is_logged_not_raised(self, caplog):
+        import contextvars
+
+        from opentelemetry.trace import NonRecordingSpan, SpanContext
+
+        from rtrace.instrumentation import _otel_private as fast
+
+        token = contextvars.copy_context().run(fast.attach_span, NonRecordingSpan(SpanContext(3, 4, False)))
+        fast.detach(token)  # made in another context: the API logs it
+        assert "Failed to detach context" in caplog.text
+
+    def test_no_other_module_reads_them(self):
+        for path in PACKAGE.rglob("*.py"):
+            if path.name == "_otel_private.py":
+                continue
+            text = path.read_text()
+            for name in ("_RUNTIME_CONTEXT", "_current_context", "_SPAN_KEY", "tuple.__new__"):
+                assert name not in text, f"{path.relative_to(ROOT)} uses {name}: only _otel_private may"

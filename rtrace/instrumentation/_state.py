@@ -15,7 +15,6 @@ from __future__ import annotations
 from contextvars import ContextVar
 from typing import Any, Callable, Protocol, Sequence
 
-from opentelemetry import trace as otel_trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Tracer
 
@@ -23,6 +22,7 @@ from .. import _stats
 from ..pipeline.annotations import Annotation
 from ..pipeline.records import TrajectoryState
 from ..pipeline.registry import Registry
+from ._otel_private import current_span
 
 __all__ = ["Runtime", "Frame", "FRAME", "UNSET", "get_runtime", "set_runtime", "start_root"]
 
@@ -73,11 +73,15 @@ class Intake(Protocol):
 class Runtime:
     """What the hot path needs from the configured pipeline (set by ``rtrace.configure``)."""
 
-    __slots__ = ("tracer", "registry", "sampler", "intake", "capture", "experiment", "root_attributes")
+    __slots__ = ("tracer", "registry", "sampler", "intake", "capture", "experiment", "root_attributes",
+                 "start_child")
 
     def __init__(self, tracer: Tracer, registry: Registry, sampler: Sampler, intake: Intake, capture: bool,
                  experiment: str | None, root_attributes: dict[str, Any] | None = None) -> None:
         self.tracer = tracer
+        #: ``start_child(name)``: a span in the current context (rtrace's own tracer has a
+        #: fast one; an application's SDK tracer is called as it is)
+        self.start_child = getattr(tracer, "start_child", None) or tracer.start_span
         #: the open-trajectory table (register, lookup, set_root)
         self.registry = registry
         #: the per-step cap, decided at the trajectory start
@@ -123,7 +127,7 @@ def start_root(rt: Runtime, name: str, kind: str, coords: dict[str, Any]) -> tup
     """
     if not rt.sampler.admit(coords):
         return None, Frame(coords, None)
-    current = otel_trace.get_current_span().get_span_context()
+    current = current_span().get_span_context()
     links = (Link(current),) if current.is_valid else None
     span = rt.tracer.start_span(name, context=Context(), links=links, attributes=rt.root_attributes)
     ctx = span.get_span_context()

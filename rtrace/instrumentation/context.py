@@ -17,11 +17,9 @@ import contextvars
 import functools
 from typing import Any, Callable, TypeVar
 
-from opentelemetry import context as otel_context
-from opentelemetry import trace as otel_trace
-
 from .. import _stats
 from . import _state
+from ._otel_private import attach_span, detach
 from .capture import snapshot
 from .decorators import fail_span
 
@@ -80,12 +78,12 @@ class RolloutContext:
         self._frame_token = _state.FRAME.set(frame)
         if self._span is not None:
             self._trace_id = self._span.get_span_context().trace_id
-            self._span_token = otel_context.attach(otel_trace.set_span_in_context(self._span))
+            self._span_token = attach_span(self._span)
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         if self._span_token is not None:
-            otel_context.detach(self._span_token)
+            detach(self._span_token)
             self._span_token = None
         _state.FRAME.reset(self._frame_token)
         span, self._span = self._span, None

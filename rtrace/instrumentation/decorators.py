@@ -19,8 +19,6 @@ import inspect
 import traceback
 from typing import Any, Callable, TypeVar, overload
 
-from opentelemetry import context as otel_context
-from opentelemetry import trace as otel_trace
 from opentelemetry.trace import Status, StatusCode
 
 from .. import _stats
@@ -32,9 +30,8 @@ __all__ = ["traced", "traced_rollout", "traced_generation", "traced_tool"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_set_span_in_context = otel_trace.set_span_in_context
-_attach = otel_context.attach
-_detach = otel_context.detach
+from ._otel_private import attach_span as _attach_span
+from ._otel_private import detach as _detach
 _FRAME = _state.FRAME
 _ERROR = StatusCode.ERROR
 # The hot path keeps at most this much of an exception's text (the worker bounds it
@@ -86,7 +83,7 @@ class _Call:
         else:
             if frame.state is None:
                 return None
-            span = rt.tracer.start_span(spec.name)
+            span = rt.start_child(spec.name)
             opened = None
         state = frame.state
         if spec.capture and rt.capture:
@@ -105,7 +102,7 @@ class _Call:
 
     def enter(self) -> None:
         if self.span is not None:
-            self._span_token = _attach(_set_span_in_context(self.span))
+            self._span_token = _attach_span(self.span)
         if self.frame is not None:
             self._frame_token = _FRAME.set(self.frame)
 

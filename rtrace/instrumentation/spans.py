@@ -32,10 +32,14 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCod
 
 from .._ids import span_id as _new_span_id
 from .._ids import trace_id as _new_trace_id
+from ._otel_private import current_span as _current_span
+from ._otel_private import current_value as _current_value
+from ._otel_private import span_context as _span_context
 
 __all__ = ["RSpan", "SpanTracer", "Event"]
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_NO_STATE = SpanContext(1, 1, False).trace_state  # the API's DEFAULT_TRACE_STATE
 _UNSET = Status(StatusCode.UNSET)
 _get_current_span = otel_trace.get_current_span
 
@@ -154,18 +158,27 @@ class SpanTracer(otel_trace.Tracer):
     def __init__(self, on_end: Callable[[Any], None]) -> None:
         self.on_end = on_end
 
+    def start_child(self, name: str) -> otel_trace.Span:
+        """``start_span(name)`` in the current context, the decorators' usual case: the
+        child of one of rtrace's own spans is made without the general path's checks."""
+        parent = _current_value()
+        if type(parent) is not RSpan:
+            return self.start_span(name)
+        ctx = parent.context  # always valid and sampled
+        return RSpan(name, _span_context(ctx[0], _new_span_id(), _SAMPLED, ctx[4]), ctx, None, None, self.on_end)
+
     def start_span(self, name: str, context: Any = None, kind: Any = None, attributes: Mapping[str, Any] | None = None,
                    links: Sequence[Any] | None = None, start_time: int | None = None,
                    record_exception: bool = True, set_status_on_exception: bool = True) -> otel_trace.Span:
-        parent = _get_current_span(context).get_span_context()
+        parent = (_current_span() if context is None else _get_current_span(context)).get_span_context()
         if parent.is_valid:
             if not parent.trace_flags.sampled:  # ParentBased: an unsampled parent's children are not recorded
                 return NonRecordingSpan(SpanContext(parent.trace_id, _new_span_id(), False, parent.trace_flags,
                                                     parent.trace_state))
-            ctx = SpanContext(parent.trace_id, _new_span_id(), False, _SAMPLED, parent.trace_state)
+            ctx = _span_context(parent.trace_id, _new_span_id(), _SAMPLED, parent.trace_state)
         else:
             parent = None
-            ctx = SpanContext(_new_trace_id(), _new_span_id(), False, _SAMPLED)
+            ctx = _span_context(_new_trace_id(), _new_span_id(), _SAMPLED, _NO_STATE)
         span = RSpan(name, ctx, parent, attributes, links, self.on_end)
         if start_time is not None:
             span.start_time = start_time

@@ -15,8 +15,10 @@ from typing import Any
 
 from opentelemetry.trace import StatusCode
 
+_ERROR = StatusCode.ERROR
+
 from .. import _stats
-from .._serialize import (Converter, array_to_python, attr_ok, is_array, json_text, only_ints, truncate, unsnap,
+from .._serialize import (Converter, ListSnapshot, array_to_python, attr_ok, is_array, json_text, only_ints, truncate, unsnap,
                           vouch)
 from ..config import Settings
 from ..trajectory import RL_FIELDS, SpanRecord, Trajectory
@@ -28,6 +30,12 @@ __all__ = ["SpanConverter", "finish", "coordinates", "tail_of", "as_id_list"]
 
 def as_id_list(value: Any) -> list[int] | None:
     """Token ids as a list of ints, from a list, tuple, numpy array or torch tensor."""
+    cls = type(value)
+    if cls is ListSnapshot:  # a prompt as the call saw it: its slice is already a new list
+        value = value.value()
+        return value if only_ints(value) else None
+    if cls is list or cls is tuple:
+        return list(value) if only_ints(value) else None
     value = unsnap(value)
     if value is None:
         return None
@@ -101,24 +109,26 @@ class SpanConverter:
         ctx = span.context
         parent = span.parent
         status = span.status
-        is_error = status.status_code is StatusCode.ERROR
+        is_error = status.status_code is _ERROR
+        name = span.name
+        start = span.start_time or 0
+        end = span.end_time or start
+        attrs = span.attributes
+        events = span.events
+        attribute = conv.attribute
         out = SpanRecord(
-            span_id=_hex_span(ctx.span_id),
-            parent_id=_hex_span(parent.span_id) if parent is not None and parent.trace_id == ctx.trace_id else None,
-            name=span.name,
-            kind=rec.spec.kind if rec is not None else "span",
-            start_ns=span.start_time or 0,
-            end_ns=span.end_time or span.start_time or 0,
-            status="error" if is_error else "ok",
+            format(ctx.span_id, "016x"),
+            format(parent.span_id, "016x") if parent is not None and parent.trace_id == ctx.trace_id else None,
+            name, rec.spec.kind if rec is not None else "span", start, end, "error" if is_error else "ok",
             # exception text and attributes the application set did not come through a
             # capture: bounded, redacted and made encodable like every captured value
-            error=conv.text(status.description or "") if is_error else None,
-            attributes=_attributes(span.attributes, conv),
-            events=[{"name": e.name, "time_ns": e.timestamp, "attributes": _attributes(e.attributes, conv)}
-                    for e in span.events],
-        )
-        if type(out.name) is not str or type(out.start_ns) is not int or type(out.end_ns) is not int or any(
-                type(e["name"]) is not str or type(e["time_ns"]) is not int for e in out.events):
+            conv.text(status.description or "") if is_error else None,
+            {key: attribute(key, value) for key, value in attrs.items()} if attrs else {},
+            None, None,
+            [{"name": e.name, "time_ns": e.timestamp, "attributes": _attributes(e.attributes, conv)}
+             for e in events] if events else [])
+        if type(name) is not str or type(start) is not int or type(end) is not int or (events and any(
+                type(e["name"]) is not str or type(e["time_ns"]) is not int for e in out.events)):
             conv.unplain += 1  # what the application gave its span as it was (a float end time ...)
         if rec is not None and rec.args is not None:
             self._captured(out, rec, conv)

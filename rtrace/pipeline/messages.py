@@ -343,6 +343,10 @@ def _inserted_message(text: str) -> dict[str, Any]:
     return {"role": role, "content": "\n".join(lines).strip()}
 
 
+def _start_ns(span: SpanRecord) -> int:
+    return span.start_ns
+
+
 def build_messages(traj: Trajectory, token2text: bool = False) -> list[dict[str, Any]]:
     """The trajectory's conversation (see the module docstring for the sources).
 
@@ -351,20 +355,25 @@ def build_messages(traj: Trajectory, token2text: bool = False) -> list[dict[str,
     """
     if traj.spans and traj.root.attributes.get("rtrace.source") == BATCH_SOURCE:
         return segment_messages(traj, token2text)
-    # start order; a parent before the children that start with it (tree order breaks ties)
-    order = sorted(range(len(traj.spans)), key=lambda i: (traj.spans[i].start_ns, i))
-    spans = [traj.spans[i] for i in order]
-    chats = {i: c for i, s in enumerate(spans) if s.kind != "tool" and (c := _chat_messages(s)) is not None}
-    events = [i for i, s in enumerate(spans) if s.kind in ("generation", "tool")]
+    # start order; a parent before the children that start with it (the sort is stable:
+    # ties keep the tree order)
+    spans = sorted(traj.spans, key=_start_ns)
+    events = [i for i, s in enumerate(spans) if s.kind == "generation" or s.kind == "tool"]
+    # the last op (any kind but tool) with chat messages opens the conversation
+    first, chat = 0, None
+    for i in range(len(spans) - 1, -1, -1):
+        span = spans[i]
+        if span.kind != "tool" and span.input is not None and (found := chat_argument(span.input)) is not None:
+            first, chat = i, [dict(m) for m in found[1]]
+            break
+    chats = chat is not None
     if not chats and not any(spans[i].kind == "generation" for i in events):
         return []
     messages: list[dict[str, Any]] = []
     last_assistant: dict[str, Any] | None = None
-    first = 0
-    if chats:
-        first = max(chats)
+    if chat is not None:
         source = spans[first]
-        messages = chats[first]
+        messages = chat
         _index_chat([spans[i] for i in events if i < first and spans[i].kind == "generation"], messages)
         if source.kind != "generation" and not any(spans[i].kind == "generation" for i in events if i > first):
             # no generation traced in or after the op (an API call rtrace does not see): its
