@@ -83,14 +83,15 @@ class SpanRecord:
         return (self.end_ns - self.start_ns) / 1e6
 
     def to_dict(self) -> dict[str, Any]:
+        start, end = self.start_ns, self.end_ns
         out = {
             "span_id": self.span_id,
             "parent_id": self.parent_id,
             "name": self.name,
             "kind": self.kind,
-            "start_ns": self.start_ns,
-            "end_ns": self.end_ns,
-            "duration_ms": self.duration_ms,
+            "start_ns": start,
+            "end_ns": end,
+            "duration_ms": (end - start) / 1e6,
             "status": self.status,
             "error": self.error,
             "attributes": self.attributes,
@@ -259,6 +260,9 @@ class Trajectory:
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
         """The JSONL schema ``rtrace.trajectory/1`` (see docs/jsonl-schema.md)."""
+        spans = self.spans
+        start, end = spans[0].start_ns, max([s.end_ns for s in spans])
+        kinds = [s.kind for s in spans]
         return {
             "schema": SCHEMA,
             "trace_id": self.trace_id,
@@ -279,14 +283,14 @@ class Trajectory:
             "error": self.error,
             "partial": self.partial,
             "dropped_spans": self.dropped_spans,
-            "start_ns": self.start_ns,
-            "end_ns": self.end_ns,
-            "duration_ms": self.duration_ms,
-            "num_turns": self.num_turns,
-            "num_tool_calls": self.num_tool_calls,
+            "start_ns": start,
+            "end_ns": end,
+            "duration_ms": (end - start) / 1e6,
+            "num_turns": kinds.count("generation"),
+            "num_tool_calls": kinds.count("tool"),
             "messages": self.messages,
             "health": self.health,
-            "spans": [s.to_dict() for s in self.spans],
+            "spans": [s.to_dict() for s in spans],
         }
 
     @classmethod

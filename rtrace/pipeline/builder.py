@@ -244,7 +244,7 @@ def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Traje
     unplain = conv.unplain
     records = list(state.records)
     root_id = _hex_span(state.root_span_id) if state.root_span_id is not None else None
-    if root_id is None or root_id not in [r.span_id for r in records]:
+    if root_id is None or not any(r.span_id == root_id for r in records):
         # The root never ended (orphan timeout / shutdown / lost): stand in for it.
         if root_id is None:
             root_id = _hex_span(state.trace_id & 0xFFFFFFFFFFFFFFFF or 1)
@@ -269,7 +269,13 @@ def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Traje
     if "reward" in state.annotations:
         reward = _reward(state.annotations["reward"], annotations)
     for span in spans:
-        span.attributes = {**stamp, **span.attributes}  # a span's own value wins (a generation's version)
+        own = span.attributes
+        if own:
+            merged = stamp.copy()
+            merged.update(own)  # a span's own value wins (a generation's version)
+            span.attributes = merged
+        else:
+            span.attributes = stamp.copy()
     if reward is not None:
         root.attributes["rl.reward"] = reward
     step, version = coords.get("step"), coords.get("policy_version")
@@ -373,15 +379,31 @@ def _tree_order(records: list[SpanRecord], root_id: str) -> list[SpanRecord]:
     by_id = {r.span_id: r for r in records}
     children: dict[str, list[SpanRecord]] = {}
     for r in records:
-        if r.span_id == root_id:
+        span_id = r.span_id
+        if span_id == root_id:
             continue
-        parent = r.parent_id if r.parent_id in by_id else root_id
-        children.setdefault(parent, []).append(r)
+        parent = r.parent_id
+        if parent not in by_id:
+            parent = root_id
+        kids = children.get(parent)
+        if kids is None:
+            children[parent] = [r]
+        else:
+            kids.append(r)
     ordered: list[SpanRecord] = []
     stack = [by_id[root_id]]
     while stack:
         node = stack.pop()
         ordered.append(node)
-        kids = sorted(children.get(node.span_id, ()), key=lambda s: (s.start_ns, s.end_ns))
-        stack.extend(reversed(kids))
+        kids = children.get(node.span_id)
+        if kids:
+            if len(kids) > 1:
+                kids.sort(key=_start_end)  # stable: ties keep their arrival order
+                stack.extend(reversed(kids))
+            else:
+                stack.append(kids[0])
     return ordered
+
+
+def _start_end(span: SpanRecord) -> tuple[int, int]:
+    return span.start_ns, span.end_ns
