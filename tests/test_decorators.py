@@ -396,7 +396,7 @@ class TestOff:
         from rtrace.instrumentation import decorators
 
         opened = []
-        monkeypatch.setattr(decorators, "_call_or_none", lambda *a: opened.append(a))
+        monkeypatch.setattr(decorators, "_open_or_none", lambda *a: opened.append(a))
         assert f(1) == 1 and calls == [1]
         assert opened == []  # the off path never reached the span code
         rtrace.configure(sinks=[rtrace.testing.MemorySink()])

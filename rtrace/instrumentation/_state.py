@@ -74,7 +74,7 @@ class Runtime:
     """What the hot path needs from the configured pipeline (set by ``rtrace.configure``)."""
 
     __slots__ = ("tracer", "registry", "sampler", "intake", "capture", "experiment", "root_attributes",
-                 "start_child")
+                 "start_child", "start_root")
 
     def __init__(self, tracer: Tracer, registry: Registry, sampler: Sampler, intake: Intake, capture: bool,
                  experiment: str | None, root_attributes: dict[str, Any] | None = None) -> None:
@@ -82,6 +82,10 @@ class Runtime:
         #: ``start_child(name)``: a span in the current context (rtrace's own tracer has a
         #: fast one; an application's SDK tracer is called as it is)
         self.start_child = getattr(tracer, "start_child", None) or tracer.start_span
+        #: ``start_root(name, links, attributes)``: a span in a new trace
+        self.start_root = getattr(tracer, "start_root", None) or (
+            lambda name, links, attributes: tracer.start_span(name, context=Context(), links=links,
+                                                              attributes=attributes))
         #: the open-trajectory table (register, lookup, set_root)
         self.registry = registry
         #: the per-step cap, decided at the trajectory start
@@ -129,7 +133,7 @@ def start_root(rt: Runtime, name: str, kind: str, coords: dict[str, Any]) -> tup
         return None, Frame(coords, None)
     current = current_span().get_span_context()
     links = (Link(current),) if current.is_valid else None
-    span = rt.tracer.start_span(name, context=Context(), links=links, attributes=rt.root_attributes)
+    span = rt.start_root(name, links, rt.root_attributes)
     ctx = span.get_span_context()
     if not span.is_recording():  # the application's sampler said no
         _stats.incr("trajectories_dropped_provider_sampler")

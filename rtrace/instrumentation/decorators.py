@@ -33,6 +33,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 from ._otel_private import attach_span as _attach_span
 from ._otel_private import detach as _detach
 _FRAME = _state.FRAME
+_FRAME_get = _FRAME.get
+_UNSET = _state.UNSET
 _ERROR = StatusCode.ERROR
 # The hot path keeps at most this much of an exception's text (the worker bounds it
 # again to max_value_chars): a 200,000-character message is not copied per span.
@@ -51,6 +53,39 @@ def _on_runtime(rt: Any) -> None:
 _state._listeners.append(_on_runtime)
 
 
+def _open(rt: _state.Runtime, spec: CallSpec, args: tuple, kwargs: dict) -> tuple | None:
+    """Start the span for one call: ``(span, record, frame)``, or None when this call is
+    not traced. ``span`` is None for a root that is not traced (sampled out): its frame
+    is still set during the call so the calls inside it are not traced either; ``frame``
+    is the Frame this call opened when it is a trajectory root (else None)."""
+    frame = _FRAME_get()
+    if frame is None:
+        # No trajectory is open: this call is the root of a new one.
+        span, frame = _state.start_root(rt, spec.name, spec.kind, {})
+        if span is None:
+            return None, None, frame
+        opened = frame
+    else:
+        if frame.state is None:
+            return None
+        span = rt.start_child(spec.name)
+        opened = None
+    state = frame.state
+    if spec.capture and rt.capture:
+        record = CallRecord(spec, tuple(map(snapshot, args)), {k: snapshot(v) for k, v in kwargs.items()})
+        if spec.skip_first and args and spec.kind == "tool":
+            owner_name = getattr(args[0], "name", None)
+            if isinstance(owner_name, str):
+                record.owner_name = owner_name
+    else:
+        record = CallRecord(spec, None, None)
+    captures = state.captures
+    # Bounded: past max_spans_per_trajectory the worker drops the span anyway.
+    if len(captures) < rt.registry.max_spans:
+        captures[span.get_span_context().span_id] = record
+    return span, record, opened
+
+
 class _Call:
     """One traced call: its span, its record and, for a root, the trajectory it opened.
 
@@ -67,38 +102,6 @@ class _Call:
         self.frame = frame
         self._span_token = None
         self._frame_token = None
-
-    @staticmethod
-    def open(rt: _state.Runtime, spec: CallSpec, args: tuple, kwargs: dict) -> "_Call | None":
-        """Start the span for one call; None when this call is not traced."""
-        frame = _FRAME.get()
-        if frame is None:
-            # No trajectory is open: this call is the root of a new one. When that one is
-            # not traced (sampled out), the frame is still set during the call so the
-            # calls inside it are not traced either.
-            span, frame = _state.start_root(rt, spec.name, spec.kind, {})
-            if span is None:
-                return _Call(None, None, frame)
-            opened = frame
-        else:
-            if frame.state is None:
-                return None
-            span = rt.start_child(spec.name)
-            opened = None
-        state = frame.state
-        if spec.capture and rt.capture:
-            record = CallRecord(spec, tuple(map(snapshot, args)), {k: snapshot(v) for k, v in kwargs.items()})
-            if spec.skip_first and args and spec.kind == "tool":
-                owner_name = getattr(args[0], "name", None)
-                if isinstance(owner_name, str):
-                    record.owner_name = owner_name
-        else:
-            record = CallRecord(spec, None, None)
-        captures = state.captures
-        # Bounded: past max_spans_per_trajectory the worker drops the span anyway.
-        if len(captures) < rt.registry.max_spans:
-            captures[span.get_span_context().span_id] = record
-        return _Call(span, record, opened)
 
     def enter(self) -> None:
         if self.span is not None:
@@ -153,37 +156,57 @@ def fail_span(span: Any, exc: BaseException) -> None:
         _stats.warn_once("record-exception", "rtrace could not record an exception on a span", exc_info=True)
 
 
-def _call_or_none(spec: CallSpec, args: tuple, kwargs: dict) -> _Call | None:
-    """Slow path of every wrapper: tracing may be on; open the call if it is traced."""
-    rt = _state.get_runtime()
-    if rt is None:
-        return None
+def _open_or_none(spec: CallSpec, args: tuple, kwargs: dict) -> tuple | None:
+    """Slow path of every wrapper: tracing may be on; ``(span, record, frame)`` of the
+    call if it is traced (:func:`_open`), else None."""
+    rt = _runtime
+    if rt is None or rt is _UNSET:
+        rt = _state.get_runtime()
+        if rt is None:
+            return None
     try:
-        return _Call.open(rt, spec, args, kwargs)
+        return _open(rt, spec, args, kwargs)
     except Exception:  # telemetry never breaks the traced program
         _stats.incr("internal_errors")
         _stats.warn_once("open", "rtrace could not open a span; the call runs untraced", exc_info=True)
         return None
 
 
+def _call_or_none(spec: CallSpec, args: tuple, kwargs: dict) -> _Call | None:
+    """:func:`_open_or_none` as a :class:`_Call` (the generator wrappers)."""
+    opened = _open_or_none(spec, args, kwargs)
+    return None if opened is None else _Call(*opened)
+
+
 def _wrap_function(func: Callable, spec: CallSpec) -> Callable:
+    # _Call's enter / fail / exit / end / set_output, written out: the usual call of a
+    # traced program, where four method calls are a tenth of what tracing costs
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if _runtime is None:
             return func(*args, **kwargs)
-        call = _call_or_none(spec, args, kwargs)
-        if call is None:
+        opened = _open_or_none(spec, args, kwargs)
+        if opened is None:
             return func(*args, **kwargs)
-        call.enter()
+        span, record, frame = opened
+        span_token = None if span is None else _attach_span(span)
+        frame_token = None if frame is None else _FRAME.set(frame)
         try:
             result = func(*args, **kwargs)
         except BaseException as exc:
-            call.fail(exc)
+            if span is not None:
+                fail_span(span, exc)
             raise
         finally:
-            call.exit()
-            call.end()
-        call.set_output(result)
+            if frame_token is not None:
+                _FRAME.reset(frame_token)
+            if span_token is not None:
+                _detach(span_token)
+            if span is not None:
+                span.end()
+        if record is not None and record.args is not None:  # captured
+            record.output = snapshot(result)
+            record.has_output = True
         return result
 
     return wrapper
@@ -194,19 +217,28 @@ def _wrap_coroutine(func: Callable, spec: CallSpec) -> Callable:
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
         if _runtime is None:
             return await func(*args, **kwargs)
-        call = _call_or_none(spec, args, kwargs)
-        if call is None:
+        opened = _open_or_none(spec, args, kwargs)
+        if opened is None:
             return await func(*args, **kwargs)
-        call.enter()
+        span, record, frame = opened
+        span_token = None if span is None else _attach_span(span)
+        frame_token = None if frame is None else _FRAME.set(frame)
         try:
             result = await func(*args, **kwargs)
         except BaseException as exc:
-            call.fail(exc)
+            if span is not None:
+                fail_span(span, exc)
             raise
         finally:
-            call.exit()
-            call.end()
-        call.set_output(result)
+            if frame_token is not None:
+                _FRAME.reset(frame_token)
+            if span_token is not None:
+                _detach(span_token)
+            if span is not None:
+                span.end()
+        if record is not None and record.args is not None:  # captured
+            record.output = snapshot(result)
+            record.has_output = True
         return result
 
     return wrapper

@@ -158,6 +158,13 @@ class SpanTracer(otel_trace.Tracer):
     def __init__(self, on_end: Callable[[Any], None]) -> None:
         self.on_end = on_end
 
+    def start_root(self, name: str, links: Sequence[Any] | None = None,
+                   attributes: Mapping[str, Any] | None = None) -> otel_trace.Span:
+        """``start_span(name, context=Context(), links=links, attributes=attributes)``: a
+        span in a new trace (a trajectory's root)."""
+        ctx = _span_context(_new_trace_id(), _new_span_id(), _SAMPLED, _NO_STATE)
+        return RSpan(name, ctx, None, attributes, links, self.on_end)
+
     def start_child(self, name: str) -> otel_trace.Span:
         """``start_span(name)`` in the current context, the decorators' usual case: the
         child of one of rtrace's own spans is made without the general path's checks."""
