@@ -327,6 +327,10 @@ def _number(value: Any) -> float | None:
     return out if math.isfinite(out) else None
 
 
+#: coordinate -> its attribute (``step`` -> ``rl.step``)
+_RL_KEYS = {k: f"rl.{k}" for k in RL_FIELDS}
+
+
 def coordinates(state: TrajectoryState, settings: Settings,
                 conv: Converter) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The trajectory's RL coordinates, its ``extra`` ones (values converted; secret-looking
@@ -336,8 +340,13 @@ def coordinates(state: TrajectoryState, settings: Settings,
     coords["validate"] = bool(coords.get("validate") or False)
     if settings.experiment is not None:
         coords.setdefault("experiment", settings.experiment)
-    stamp = {f"rl.{k}": v for k, v in coords.items() if k in RL_FIELDS and attr_ok(v)}
-    stamp.update({f"rl.extra.{k}": v for k, v in extra.items() if attr_ok(v)})
+    stamp = {}
+    for k, v in coords.items():
+        key = _RL_KEYS.get(k)
+        if key is not None and attr_ok(v):
+            stamp[key] = v
+    if extra:
+        stamp.update({f"rl.extra.{k}": v for k, v in extra.items() if attr_ok(v)})
     return coords, extra, stamp
 
 

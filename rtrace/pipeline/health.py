@@ -85,8 +85,12 @@ def group_key(coords: dict[str, Any]) -> Any:
     return group if group is not None else coords.get("sample_index")
 
 
+def _start_end(span: SpanRecord) -> tuple[int, int]:
+    return span.start_ns, span.end_ns
+
+
 def _gens(records: Iterable[SpanRecord]) -> list[SpanRecord]:
-    return sorted((r for r in records if r.kind == "generation"), key=lambda r: (r.start_ns, r.end_ns))
+    return sorted([r for r in records if r.kind == "generation"], key=_start_end)
 
 
 def _number(value: Any) -> float | None:
@@ -281,11 +285,9 @@ class HealthChecker:
         if "generation" not in self.checks:
             return
         for traj in trajectories:
-            spans = traj.spans
-            order = sorted(range(len(spans)), key=lambda i: (spans[i].start_ns, spans[i].end_ns))
+            order = sorted(traj.spans, key=_start_end)  # stable: ties keep the tree order
             k = 0
-            for pos, i in enumerate(order):
-                span = spans[i]
+            for pos, span in enumerate(order):
                 if span.kind != "generation":
                     continue
                 k += 1
@@ -299,10 +301,10 @@ class HealthChecker:
                     traj.health.append(finding("generation", f"turn {k}: text ({len(text)} chars) without "
                                                              "response token ids"))
                 ran = False
-                for j in order[pos + 1:]:
-                    if spans[j].kind == "generation":
+                for later in order[pos + 1:]:
+                    if later.kind == "generation":
                         break
-                    ran = ran or spans[j].kind == "tool"
+                    ran = ran or later.kind == "tool"
                 if calls and not ran:
                     names = ", ".join(sorted({c for c in calls if c})) or "?"
                     traj.health.append(finding("generation", f"turn {k}: the model called {len(calls)} tool(s) "
