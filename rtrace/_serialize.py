@@ -325,14 +325,10 @@ class Converter:
     def convert_named(self, values: dict[str, Any]) -> dict[str, Any]:
         """Values by name as ``{name: value}``; secret-looking names are redacted."""
         out: dict[str, Any] = {}
-        secret = self._secret_keys.get
         for key, value in values.items():
             if type(key) is not str:
                 key = str(key)
-            hit = secret(key)
-            if hit is None:
-                hit = self.is_secret(key)
-            if hit:
+            if self.is_secret(key):
                 self.redacted += 1
                 out[key] = REDACTED
             else:
