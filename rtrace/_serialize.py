@@ -289,8 +289,11 @@ class Converter:
             if value - value != 0.0:  # NaN or an infinity (inf - inf is NaN)
                 self.unplain += 1
             return value
-        if cls is str and len(value) <= self.max_chars:  # the walk's result for a short string
-            return self.bound(self._redact(clean_text(value)))
+        if cls is str:
+            if len(value) < 12 and value.isascii():
+                return value  # clean, too short to be redacted, within max_chars (>= 16)
+            if len(value) <= self.max_chars:  # the walk's result for a short string
+                return self.bound(self._redact(clean_text(value)))
         self._left = self.max_chars + 2
         self._measure = False
         try:

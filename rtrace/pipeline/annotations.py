@@ -42,6 +42,9 @@ def coord_key(coords: dict[str, Any]) -> Hashable | None:
 
 
 def _plain(value: Any) -> Any:
+    cls = type(value)
+    if cls is int or cls is str or value is None:
+        return value
     if isinstance(value, bool):
         return value
     if isinstance(value, (int, str)):

@@ -139,8 +139,12 @@ class SpanConverter:
         args, names = rec.args or (), spec.param_names
         if spec.skip_first:
             args, names = args[1:], names[1:]
-        inputs = {names[i] if i < len(names) else f"arg{i}": value for i, value in enumerate(args)}
-        inputs.update(rec.kwargs or {})
+        if len(args) <= len(names):
+            inputs = dict(zip(names, args))
+        else:
+            inputs = {names[i] if i < len(names) else f"arg{i}": value for i, value in enumerate(args)}
+        if rec.kwargs:
+            inputs.update(rec.kwargs)
         has_output = rec.has_output
         output = unsnap(rec.output) if has_output else None
         attrs = out.attributes
@@ -224,6 +228,8 @@ def _tool_attributes(attrs: dict[str, Any], output: Any) -> None:
     ``rl.tool.done`` and ``rl.tool.metrics.<key>`` (a value that is not an attribute
     value is its JSON text, None is left out); an OpenAI tool message's ``tool_call_id`` as
     ``gen_ai.tool.call.id`` unless the call had one."""
+    if type(output) is str:
+        return  # the answer alone: no reward, flag, metrics or call id
     result = tool_result(output)
     if result.reward is not None:
         attrs[TOOL_REWARD] = result.reward

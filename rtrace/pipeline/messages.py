@@ -262,7 +262,9 @@ def _tool_messages(span: SpanRecord) -> tuple[dict[str, Any], dict[str, Any]]:
     args = tool_arguments(span.input)
     call = {"id": call_id, "type": "function",
             "function": {"name": name, "arguments": _json(args)}}
-    content = f"error: {span.error}" if span.status == "error" else tool_result(span.output).content
+    output = span.output
+    content = (f"error: {span.error}" if span.status == "error" else output if type(output) is str
+               else tool_result(output).content)
     return call, {"role": "tool", "tool_call_id": call_id, "name": name, "content": content}
 
 
