@@ -51,7 +51,7 @@ def _float_or_none(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-@dataclass
+@dataclass(slots=True)
 class SpanRecord:
     """One finished span of a trajectory, with JSON-safe captured values.
 
