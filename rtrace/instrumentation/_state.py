@@ -23,6 +23,7 @@ from ..pipeline.annotations import Annotation
 from ..pipeline.records import TrajectoryState
 from ..pipeline.registry import Registry
 from ._otel_private import current_span
+from .spans import RSpan
 
 __all__ = ["Runtime", "Frame", "FRAME", "UNSET", "get_runtime", "set_runtime", "start_root"]
 
@@ -134,11 +135,14 @@ def start_root(rt: Runtime, name: str, kind: str, coords: dict[str, Any]) -> tup
     current = current_span().get_span_context()
     links = (Link(current),) if current.is_valid else None
     span = rt.start_root(name, links, rt.root_attributes)
-    ctx = span.get_span_context()
     if not span.is_recording():  # the application's sampler said no
         _stats.incr("trajectories_dropped_provider_sampler")
         return None, Frame(coords, None)
-    state = TrajectoryState(ctx.trace_id, ctx.span_id, name, kind, coords)
+    if type(span) is RSpan:  # its SpanContext is made when asked for
+        state = TrajectoryState(span.trace_id, span.span_id, name, kind, coords)
+    else:
+        ctx = span.get_span_context()
+        state = TrajectoryState(ctx.trace_id, ctx.span_id, name, kind, coords)
     if not rt.registry.register(state):
         span.end()
         return None, Frame(coords, None)

@@ -20,6 +20,7 @@ from typing import Any, Callable, TypeVar
 from .. import _stats
 from . import _state
 from ._otel_private import attach_span, detach
+from .spans import RSpan
 from .capture import snapshot
 from .decorators import fail_span
 
@@ -77,7 +78,8 @@ class RolloutContext:
         self._frame = frame
         self._frame_token = _state.FRAME.set(frame)
         if self._span is not None:
-            self._trace_id = self._span.get_span_context().trace_id
+            span = self._span
+            self._trace_id = span.trace_id if type(span) is RSpan else span.get_span_context().trace_id
             self._span_token = attach_span(self._span)
         return self
 

@@ -25,6 +25,7 @@ from .. import _stats
 from ..pipeline.records import CallRecord, CallSpec
 from . import _state
 from .capture import snapshot
+from .spans import RSpan
 
 __all__ = ["traced", "traced_rollout", "traced_generation", "traced_tool"]
 
@@ -82,7 +83,7 @@ def _open(rt: _state.Runtime, spec: CallSpec, args: tuple, kwargs: dict) -> tupl
     captures = state.captures
     # Bounded: past max_spans_per_trajectory the worker drops the span anyway.
     if len(captures) < rt.registry.max_spans:
-        captures[span.get_span_context().span_id] = record
+        captures[span.span_id if type(span) is RSpan else span.get_span_context().span_id] = record
     return span, record, opened
 
 

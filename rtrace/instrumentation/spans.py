@@ -58,15 +58,22 @@ class Event:
 class RSpan(otel_trace.Span):
     """One span of rtrace's: an OTel API span, recorded as plain fields."""
 
-    __slots__ = ("name", "context", "parent", "start_time", "end_time", "_attributes", "_events", "status", "links",
-                 "_on_end")
+    __slots__ = ("name", "trace_id", "span_id", "trace_state", "_context", "_parent", "start_time", "end_time",
+                 "_attributes", "_events", "status", "links", "_on_end")
 
-    def __init__(self, name: str, context: SpanContext, parent: SpanContext | None,
+    def __init__(self, name: str, trace_id: int, span_id: int, trace_state: Any, parent: "RSpan | SpanContext | None",
                  attributes: Mapping[str, Any] | None, links: Sequence[Any] | None,
                  on_end: Callable[["RSpan"], None]) -> None:
         self.name = name
-        self.context = context
-        self.parent = parent
+        #: the ids, valid and sampled (rtrace's own, never 0); the SpanContext is made
+        #: when first asked for: a span waiting in the pipeline is one object less for
+        #: Python's GC to walk
+        self.trace_id = trace_id
+        self.span_id = span_id
+        self.trace_state = trace_state
+        self._context: SpanContext | None = None
+        #: the parent span (one of rtrace's) or its SpanContext (another tracer's, remote)
+        self._parent = parent
         self._attributes = dict(attributes) if attributes else None
         self._events: list[Event] | None = None
         self.status = _UNSET
@@ -76,6 +83,18 @@ class RSpan(otel_trace.Span):
         self.start_time = time_ns()
 
     # ------------------------------------------------------------------ ReadableSpan, for the worker
+    @property
+    def context(self) -> SpanContext:
+        ctx = self._context
+        if ctx is None:
+            ctx = self._context = _span_context(self.trace_id, self.span_id, _SAMPLED, self.trace_state)
+        return ctx
+
+    @property
+    def parent(self) -> SpanContext | None:
+        parent = self._parent
+        return parent.context if type(parent) is RSpan else parent
+
     @property
     def attributes(self) -> Mapping[str, Any]:
         return self._attributes or {}
@@ -149,7 +168,7 @@ class RSpan(otel_trace.Span):
         self.add_event("exception", attrs, timestamp)
 
     def __repr__(self) -> str:
-        return f"RSpan(name={self.name!r}, trace_id=0x{self.context.trace_id:032x}, span_id=0x{self.context.span_id:016x})"
+        return f"RSpan(name={self.name!r}, trace_id=0x{self.trace_id:032x}, span_id=0x{self.span_id:016x})"
 
 
 class SpanTracer(otel_trace.Tracer):
@@ -162,8 +181,7 @@ class SpanTracer(otel_trace.Tracer):
                    attributes: Mapping[str, Any] | None = None) -> otel_trace.Span:
         """``start_span(name, context=Context(), links=links, attributes=attributes)``: a
         span in a new trace (a trajectory's root)."""
-        ctx = _span_context(_new_trace_id(), _new_span_id(), _SAMPLED, _NO_STATE)
-        return RSpan(name, ctx, None, attributes, links, self.on_end)
+        return RSpan(name, _new_trace_id(), _new_span_id(), _NO_STATE, None, attributes, links, self.on_end)
 
     def start_child(self, name: str) -> otel_trace.Span:
         """``start_span(name)`` in the current context, the decorators' usual case: the
@@ -171,8 +189,8 @@ class SpanTracer(otel_trace.Tracer):
         parent = _current_value()
         if type(parent) is not RSpan:
             return self.start_span(name)
-        ctx = parent.context  # always valid and sampled
-        return RSpan(name, _span_context(ctx[0], _new_span_id(), _SAMPLED, ctx[4]), ctx, None, None, self.on_end)
+        # always valid and sampled
+        return RSpan(name, parent.trace_id, _new_span_id(), parent.trace_state, parent, None, None, self.on_end)
 
     def start_span(self, name: str, context: Any = None, kind: Any = None, attributes: Mapping[str, Any] | None = None,
                    links: Sequence[Any] | None = None, start_time: int | None = None,
@@ -182,11 +200,10 @@ class SpanTracer(otel_trace.Tracer):
             if not parent.trace_flags.sampled:  # ParentBased: an unsampled parent's children are not recorded
                 return NonRecordingSpan(SpanContext(parent.trace_id, _new_span_id(), False, parent.trace_flags,
                                                     parent.trace_state))
-            ctx = _span_context(parent.trace_id, _new_span_id(), _SAMPLED, parent.trace_state)
+            span = RSpan(name, parent.trace_id, _new_span_id(), parent.trace_state, parent, attributes, links,
+                         self.on_end)
         else:
-            parent = None
-            ctx = _span_context(_new_trace_id(), _new_span_id(), _SAMPLED, _NO_STATE)
-        span = RSpan(name, ctx, parent, attributes, links, self.on_end)
+            span = RSpan(name, _new_trace_id(), _new_span_id(), _NO_STATE, None, attributes, links, self.on_end)
         if start_time is not None:
             span.start_time = start_time
         return span

@@ -141,7 +141,14 @@ class HealthChecker:
     def check_state(self, state: Any) -> None:
         """Check a finished trajectory's spans, reward and coordinates (a
         :class:`~rtrace.pipeline.records.TrajectoryState`); findings go to ``state.health``."""
-        out: list[dict[str, str]] = state.health
+        out: list[dict[str, str]] = list(state.health)
+        try:
+            self._check_state(state, out)
+        finally:
+            if out:
+                state.health = out
+
+    def _check_state(self, state: Any, out: list[dict[str, str]]) -> None:
         records = state.records
         gens = _gens(records)
         on = self.checks

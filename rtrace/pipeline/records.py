@@ -9,7 +9,7 @@ the decorators on both.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from ..trajectory import SpanRecord
 
@@ -103,9 +103,9 @@ class TrajectoryState:
         #: a conversation given with the trajectory (log_rollout_batch(messages=...))
         self.messages: list[dict[str, Any]] | None = None
         #: why the end-of-trajectory selection kept it ("sampled", "error", "best", ...)
-        self.kept: list[str] = []
+        self.kept: Sequence[str] = ()  # a list once something keeps it (no list per waiting trajectory)
         #: rollout-health findings ({"check", "detail"}), filled by the worker (health.py)
-        self.health: list[dict[str, str]] = []
+        self.health: Sequence[dict[str, str]] = ()  # a list once a check finds something
         #: collector only: the span ids taken (duplicates are refused), when a span last
         #: arrived (the least recently active are evicted first), the bytes held
         self.span_ids: set[int] | None = None

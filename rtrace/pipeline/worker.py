@@ -123,8 +123,11 @@ class Pipeline:
     # ------------------------------------------------------------------ hot path
     def offer(self, span: ReadableSpan) -> None:
         """``on_end``: queue an ended span of one of our trajectories (others pass by)."""
-        ctx = span.context
-        if self.registry.lookup(ctx.trace_id) is None:
+        try:  # rtrace's own spans carry their ids (their SpanContext is made when asked for)
+            trace_id = span.trace_id
+        except AttributeError:  # an SDK span
+            trace_id = span.context.trace_id
+        if self.registry.lookup(trace_id) is None:
             return  # not ours (or already finished: counted by the worker as late)
         q = self._queue
         if len(q) >= self._max_queue:
@@ -132,7 +135,7 @@ class Pipeline:
             _stats.warn_once("queue-full", "rtrace span queue is full (%d); spans are dropped", self._max_queue)
             # A dropped root would keep its trajectory open until the orphan timeout:
             # mark it, so the worker writes it as partial in its next round.
-            self.registry.mark_root_lost(ctx.trace_id, ctx.span_id)
+            self.registry.mark_root_lost(trace_id, span.context.span_id)
             return
         q.append(span)
         if len(q) == self._wake_at:
