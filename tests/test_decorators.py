@@ -352,6 +352,28 @@ class TestCapture:
         gens = only(read_back(jsonl_path)).spans[1:]
         assert [g.prompt_ids for g in gens] == [[1, 2], [1, 2, 7]]
 
+    def test_arguments_snapshot_at_call_time_in_every_form(self, jsonl_path):
+        """Lists and dicts changed in place after the call, given positionally, by keyword,
+        next to a dict or alone: each span shows what its call saw (the hot path keeps the
+        call's own argument tuple and notes list lengths; dicts are copied)."""
+
+        @rtrace.traced
+        def step(*args, **kwargs):
+            return None
+
+        items, info = [1], {"a": 1}
+        with rtrace.rollout_context(step=1):
+            step(items, "x")  # a list: its length noted
+            step(items, info)  # a dict beside it: both snapshotted on the call
+            step(items=items, info=info)  # by keyword
+            step(items=items, tag="t")
+            items.append(2)
+            info["b"] = 2
+            step(items)
+        inputs = [s.input for s in only(read_back(jsonl_path)).spans[1:]]
+        assert inputs == [{"arg0": [1], "arg1": "x"}, {"arg0": [1], "arg1": {"a": 1}},
+                          {"items": [1], "info": {"a": 1}}, {"items": [1], "tag": "t"}, {"arg0": [1, 2]}]
+
     def test_unserialisable_argument_does_not_break_the_call(self, jsonl_path):
         """An argument whose repr raises is exported in a defined form and counted."""
 

@@ -136,7 +136,7 @@ class SpanConverter:
 
     def _captured(self, out: SpanRecord, rec: CallRecord, conv: Converter) -> None:
         spec = rec.spec
-        args, names = rec.args or (), spec.param_names
+        args, names = rec.snapshot_args(), spec.param_names
         if spec.skip_first:
             args, names = args[1:], names[1:]
         if len(args) <= len(names):

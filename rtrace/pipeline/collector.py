@@ -209,7 +209,10 @@ class CollectorPipeline(Pipeline):
                 state.reward, state.has_reward = attrs["rl.reward"], True
             state.outcome = {k[len("rl.outcome."):]: v for k, v in attrs.items() if k.startswith("rl.outcome.")}
             arrived.append(state)
-        state.records.append(record)
+        if state.records:
+            state.records.append(record)
+        else:
+            state.records = [record]
 
 
 class _Refused(Exception):

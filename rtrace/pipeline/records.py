@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
+from .._serialize import ListSnapshot
 from ..trajectory import SpanRecord
 
 __all__ = ["CallSpec", "CallRecord", "TrajectoryState"]
@@ -40,16 +41,29 @@ class CallSpec:
 class CallRecord:
     """One decorated call as the hot path saw it: references and snapshots, no conversion."""
 
-    __slots__ = ("spec", "args", "kwargs", "output", "has_output", "owner_name")
+    __slots__ = ("spec", "args", "kwargs", "output", "has_output", "owner_name", "arg_lens")
 
-    def __init__(self, spec: CallSpec, args: tuple | None, kwargs: dict | None) -> None:
+    def __init__(self, spec: CallSpec, args: tuple | None, kwargs: dict | None,
+                 arg_lens: tuple[int, ...] | None = None) -> None:
         self.spec = spec
+        #: the snapshotted arguments; with ``arg_lens``, the call's own argument tuple
+        #: (nothing copied on the hot path), each list argument to be cut at its length
+        #: there (-1: not a list): :meth:`snapshot_args` makes the snapshots in the worker
         self.args = args
+        self.arg_lens = arg_lens
         self.kwargs = kwargs
         self.output: Any = None
         self.has_output = False
         #: ``self.name`` of a method's instance (tool classes name themselves this way)
         self.owner_name: str | None = None
+
+    def snapshot_args(self) -> tuple:
+        """The arguments as the call saw them (worker thread): each list one a
+        :class:`~rtrace._serialize.ListSnapshot` of its length at call time."""
+        args, lens = self.args or (), self.arg_lens
+        if lens is None:
+            return args
+        return tuple(value if n < 0 else ListSnapshot(value, n) for value, n in zip(args, lens))
 
 
 class TrajectoryState:
@@ -86,8 +100,8 @@ class TrajectoryState:
         self.outcome: dict[str, Any] = {}
         self.created = time.monotonic()
         self.created_ns = time.time_ns()
-        #: converted spans, filled by the worker as they arrive
-        self.records: list[SpanRecord] = []
+        #: converted spans, filled by the worker as they arrive (a list from the first one)
+        self.records: Sequence[SpanRecord] = ()
         self.dropped_spans = 0
         #: set by the worker when the root never arrived (orphan timeout or shutdown)
         self.partial = False

@@ -295,7 +295,11 @@ class Pipeline:
                 continue
             unplain = values.unplain
             try:
-                state.records.append(conv.convert(span, record))
+                converted = conv.convert(span, record)
+                if state.records:
+                    state.records.append(converted)
+                else:
+                    state.records = [converted]
             except Exception:
                 _stats.incr("capture_errors")
                 _stats.warn_once("convert", "rtrace could not convert a span; it is dropped", exc_info=True)
