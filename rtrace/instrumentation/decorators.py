@@ -73,16 +73,27 @@ def _open(rt: _state.Runtime, spec: CallSpec, args: tuple, kwargs: dict) -> tupl
         span = rt.start_child(spec.name)
         opened = None
     state = frame.state
+    if type(span) is RSpan:  # the span carries what the call saw (no CallRecord, no captures entry)
+        record: Any = span
+        span.spec = spec
+        span.output = span.owner_name = None
+        span.has_output = False
+    else:
+        record = CallRecord(spec, None, None)
+        captures = state.captures
+        # Bounded: past max_spans_per_trajectory the worker drops the span anyway.
+        if len(captures) < rt.registry.max_spans:
+            captures[span.get_span_context().span_id] = record
     if spec.capture and rt.capture:
         # The call's own argument tuple is kept as it is when it holds no dict (a dict is
         # copied): a list's length is noted, the snapshot made in the worker. One object
         # less per call for Python's GC to walk while the trajectory waits.
         if _dict in map(type, args):
-            record = CallRecord(spec, tuple(map(snapshot, args)), None)
+            record.args, record.arg_lens = tuple(map(snapshot, args)), None
         elif _list in map(type, args):
-            record = CallRecord(spec, args, None, tuple([len(a) if type(a) is _list else -1 for a in args]))
+            record.args, record.arg_lens = args, tuple([len(a) if type(a) is _list else -1 for a in args])
         else:
-            record = CallRecord(spec, args, None)
+            record.args, record.arg_lens = args, None
         if kwargs:
             values = kwargs.values()
             record.kwargs = ({k: snapshot(v) for k, v in kwargs.items()}
@@ -94,11 +105,7 @@ def _open(rt: _state.Runtime, spec: CallSpec, args: tuple, kwargs: dict) -> tupl
             if isinstance(owner_name, str):
                 record.owner_name = owner_name
     else:
-        record = CallRecord(spec, None, None)
-    captures = state.captures
-    # Bounded: past max_spans_per_trajectory the worker drops the span anyway.
-    if len(captures) < rt.registry.max_spans:
-        captures[span.span_id if type(span) is RSpan else span.get_span_context().span_id] = record
+        record.args = record.kwargs = record.arg_lens = None
     return span, record, opened
 
 

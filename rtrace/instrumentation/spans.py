@@ -59,7 +59,10 @@ class RSpan(otel_trace.Span):
     """One span of rtrace's: an OTel API span, recorded as plain fields."""
 
     __slots__ = ("name", "trace_id", "span_id", "trace_state", "_context", "_parent", "start_time", "end_time",
-                 "_attributes", "_events", "status", "links", "_on_end")
+                 "_attributes", "_events", "status", "links", "_on_end",
+                 # what a decorated call saw, when ``spec`` is set: a CallRecord's fields
+                 # (pipeline/records.py) kept on the span itself, one object less per call
+                 "spec", "args", "kwargs", "arg_lens", "output", "has_output", "owner_name")
 
     def __init__(self, name: str, trace_id: int, span_id: int, trace_state: Any, parent: "RSpan | SpanContext | None",
                  attributes: Mapping[str, Any] | None, links: Sequence[Any] | None,
@@ -79,6 +82,7 @@ class RSpan(otel_trace.Span):
         self.status = _UNSET
         self.links = tuple(links) if links else ()
         self._on_end = on_end
+        self.spec = None  # not a decorated call's (the decorators set it, and the record's fields)
         self.end_time: int | None = None
         self.start_time = time_ns()
 

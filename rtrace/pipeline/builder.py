@@ -23,7 +23,7 @@ from .._serialize import (Converter, ListSnapshot, array_to_python, attr_ok, is_
 from ..config import Settings
 from ..trajectory import RL_FIELDS, SpanRecord, Trajectory
 from .messages import tool_result
-from .records import CallRecord, TrajectoryState
+from .records import CallRecord, TrajectoryState, snapshot_args
 
 __all__ = ["SpanConverter", "finish", "coordinates", "tail_of", "as_id_list"]
 
@@ -136,7 +136,7 @@ class SpanConverter:
 
     def _captured(self, out: SpanRecord, rec: CallRecord, conv: Converter) -> None:
         spec = rec.spec
-        args, names = rec.snapshot_args(), spec.param_names
+        args, names = snapshot_args(rec), spec.param_names
         if spec.skip_first:
             args, names = args[1:], names[1:]
         if len(args) <= len(names):

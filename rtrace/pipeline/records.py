@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from .._serialize import ListSnapshot
 from ..trajectory import SpanRecord
 
-__all__ = ["CallSpec", "CallRecord", "TrajectoryState"]
+__all__ = ["CallSpec", "CallRecord", "TrajectoryState", "snapshot_args", "record_of"]
 
 
 class CallSpec:
@@ -57,13 +57,25 @@ class CallRecord:
         #: ``self.name`` of a method's instance (tool classes name themselves this way)
         self.owner_name: str | None = None
 
-    def snapshot_args(self) -> tuple:
-        """The arguments as the call saw them (worker thread): each list one a
-        :class:`~rtrace._serialize.ListSnapshot` of its length at call time."""
-        args, lens = self.args or (), self.arg_lens
-        if lens is None:
-            return args
-        return tuple(value if n < 0 else ListSnapshot(value, n) for value, n in zip(args, lens))
+
+
+def snapshot_args(rec: Any) -> tuple:
+    """The arguments of a call record (a :class:`CallRecord`, or a span of rtrace's that
+    carries its fields) as the call saw them (worker thread): each list one a
+    :class:`~rtrace._serialize.ListSnapshot` of its length at call time."""
+    args, lens = rec.args or (), rec.arg_lens
+    if lens is None:
+        return args
+    return tuple(value if n < 0 else ListSnapshot(value, n) for value, n in zip(args, lens))
+
+
+def record_of(span: Any, state: "TrajectoryState", span_id: int) -> Any:
+    """The call record of an ended span: the span itself when it is one of rtrace's that
+    a decorated call made (it carries the record's fields), else the CallRecord kept in
+    ``state.captures`` (an SDK span of an application's provider, a segment), if any."""
+    if getattr(span, "spec", None) is not None:
+        return span
+    return state.captures.pop(span_id, None)
 
 
 class TrajectoryState:

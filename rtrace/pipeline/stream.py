@@ -21,7 +21,7 @@ from .._serialize import attr_ok
 from ..trajectory import SpanRecord, Trajectory
 from .annotations import Annotation
 from .builder import SpanConverter, _reward, coordinates
-from .records import TrajectoryState
+from .records import TrajectoryState, record_of
 from .worker import Pipeline
 
 __all__ = ["StreamPipeline", "ANNOTATION_SPAN"]
@@ -48,7 +48,7 @@ class StreamPipeline(Pipeline):
                 _stats.incr("spans_late")
                 continue
             try:
-                record = conv.convert(span, state.captures.pop(ctx.span_id, None))
+                record = conv.convert(span, record_of(span, state, ctx.span_id))
                 self._stamp(state, record, is_root, stamps, conv)
             except Exception:
                 _stats.incr("capture_errors")

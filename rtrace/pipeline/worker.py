@@ -35,7 +35,7 @@ from .fanout import Fanout
 from .health import NO_REWARD, HealthChecker, finding
 from .messages import build_messages
 from .metrics import StepMetricsTracker
-from .records import TrajectoryState
+from .records import TrajectoryState, record_of
 from .registry import TrajectoryRegistry
 
 __all__ = ["Pipeline", "ProcessorBridge"]
@@ -288,7 +288,7 @@ class Pipeline:
             if state is None:  # ended after its root was assembled
                 _stats.incr("spans_late")
                 continue
-            record = state.captures.pop(ctx.span_id, None)
+            record = record_of(span, state, ctx.span_id)
             if len(state.records) >= max_children and not is_root:
                 state.dropped_spans += 1
                 _stats.incr("spans_dropped_trajectory_limit")
