@@ -6,10 +6,12 @@ span, records the call and closes the span. The wrapper itself starts with one c
 (``_runtime is None``, a module global kept equal to ``_state.runtime``): with tracing
 off that check and the call are all it does.
 
-On the hot path a decorated call creates its span, snapshots its arguments (references
-and list lengths, see ``rtrace._serialize.snapshot``) and stores one
-:class:`~rtrace.pipeline.records.CallRecord`. Attributes, RL coordinates, JSON conversion and
-token decoding are all added later, in the worker thread.
+On the hot path a decorated call creates its span and records what it saw: references to
+its arguments and the lengths of its list arguments (dicts are copied, see
+``rtrace.instrumentation.capture``). The record's fields are kept on the span itself when it
+is one of rtrace's (:class:`~rtrace.instrumentation.spans.RSpan`), else in one
+:class:`~rtrace.pipeline.records.CallRecord`. Attributes, RL coordinates, JSON conversion
+and token decoding are all added later, in the worker thread.
 """
 
 from __future__ import annotations

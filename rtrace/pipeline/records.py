@@ -81,8 +81,9 @@ def record_of(span: Any, state: "TrajectoryState", span_id: int) -> Any:
 class TrajectoryState:
     """One open trajectory in the registry.
 
-    In one process the hot path creates it when a root span starts and adds a
-    :class:`CallRecord` per decorated call, the reward and the outcome; the worker
+    In one process the hot path creates it when a root span starts and adds the reward,
+    the outcome and, for a decorated call whose span is not one of rtrace's (an
+    application's provider), a :class:`CallRecord` in ``captures``; the worker
     converts each ended span into a :class:`~rtrace.trajectory.SpanRecord` as it arrives
     (``records``). In the collector the state is opened by the first span of a trace
     that arrives over OTLP, and the coordinates come from the root span's attributes.
