@@ -282,7 +282,10 @@ class Pipeline:
         max_children = self.settings.max_spans_per_trajectory - 1
         arrived: list[TrajectoryState] = []
         values = conv.conv
-        for span in spans:
+        for i, span in enumerate(spans):
+            # let each span go once converted (it holds what its call saw): a round of
+            # thousands of spans would otherwise keep them all for Python's GC to walk
+            spans[i] = None
             ctx = span.context
             state, is_root = registry.arrive(ctx.trace_id, ctx.span_id)
             if state is None:  # ended after its root was assembled
