@@ -438,3 +438,33 @@ def test_wraps_keeps_wrapped_attribute():
     assert plain.__wrapped__(1) == 5
     assert plain.__name__ == "plain" and plain.__doc__ == plain.__wrapped__.__doc__
     assert inspect.signature(plain) == inspect.signature(plain.__wrapped__)
+
+
+def test_a_calls_output_is_recorded_before_its_span_ends(monkeypatch, rtrace_capture):
+    """Once a span ends, the worker may read what its call saw at any moment: the return
+    value is recorded before the end, not after (a worker that ran in between lost it)."""
+    from rtrace.pipeline.worker import Pipeline
+
+    seen = []
+    offer = Pipeline.offer
+
+    def watching(self, span):
+        if getattr(span, "spec", None) is not None:  # a decorated call's span, as it ends
+            seen.append((span.name, span.has_output, span.output))
+        return offer(self, span)
+
+    monkeypatch.setattr(Pipeline, "offer", watching)
+
+    @rtrace.traced
+    def add_one(x):
+        return x + 1
+
+    @rtrace.traced
+    async def double(x):
+        return x * 2
+
+    with rtrace.rollout_context(step=1):
+        add_one(1)
+        asyncio.run(double(2))
+    assert seen == [("add_one", True, 2), ("double", True, 4)]
+    assert [s.output for s in rtrace_capture.trajectories[0].spans[1:]] == [2, 4]

@@ -222,6 +222,11 @@ def _wrap_function(func: Callable, spec: CallSpec) -> Callable:
             if span is not None:
                 fail_span(span, exc)
             raise
+        else:
+            # before the span ends: once ended, the worker may read its record any time
+            if record is not None and record.args is not None:  # captured
+                record.output = snapshot(result)
+                record.has_output = True
         finally:
             if frame_token is not None:
                 _FRAME.reset(frame_token)
@@ -229,9 +234,6 @@ def _wrap_function(func: Callable, spec: CallSpec) -> Callable:
                 _detach(span_token)
             if span is not None:
                 span.end()
-        if record is not None and record.args is not None:  # captured
-            record.output = snapshot(result)
-            record.has_output = True
         return result
 
     return wrapper
@@ -254,6 +256,11 @@ def _wrap_coroutine(func: Callable, spec: CallSpec) -> Callable:
             if span is not None:
                 fail_span(span, exc)
             raise
+        else:
+            # before the span ends: once ended, the worker may read its record any time
+            if record is not None and record.args is not None:  # captured
+                record.output = snapshot(result)
+                record.has_output = True
         finally:
             if frame_token is not None:
                 _FRAME.reset(frame_token)
@@ -261,9 +268,6 @@ def _wrap_coroutine(func: Callable, spec: CallSpec) -> Callable:
                 _detach(span_token)
             if span is not None:
                 span.end()
-        if record is not None and record.args is not None:  # captured
-            record.output = snapshot(result)
-            record.has_output = True
         return result
 
     return wrapper
