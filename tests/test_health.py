@@ -270,8 +270,11 @@ class TestCoordinates:
                     rollout([], index=index, n=n, group_id=f"g{index}")
         (m,) = sink.metrics
         assert m.values["rollout/health/coordinates_rate"] == 3 / 9
-        assert [r["note"] for r in m.rows if r["group"] == "g3"] == ["group of 3 (usual 2)"] * 3
+        # "slowest" marks the step's slowest rollout, which may be any of the nine (3.10 in CI: one of g3's)
+        assert [r["note"].removeprefix("slowest; ") for r in m.rows if r["group"] == "g3"] == [
+            "group of 3 (usual 2)"] * 3
         assert all(r["note"] in ("", "slowest") for r in m.rows if r["group"] != "g3")
+        assert sum("slowest" in r["note"] for r in m.rows) == 1
         capped = MetricsSink()
         with health_of(sinks=[capped], max_traces_per_step=100):
             for index, size in enumerate((2, 2, 2, 3)):
