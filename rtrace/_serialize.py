@@ -338,12 +338,6 @@ class Converter:
                 out[key] = self(value)
         return out
 
-    def _redact_or_convert(self, key: str, value: Any) -> Any:
-        if self.is_secret(key):
-            self.redacted += 1
-            return REDACTED
-        return self(value)
-
     def text(self, text: str, limit: int | None = None) -> str:
         """A string that did not come through a capture (exception text, an attribute the
         application set): lone surrogates escaped, token shapes redacted, then cut to
@@ -393,27 +387,16 @@ class Converter:
         # The exact types first (what the general path below does for them, in fewer steps)
         if cls is str:
             return self._str(value)
-        if cls is dict or cls is list or cls is int or cls is float or cls is bool or value is None:
-            left = self._left = self._left - 1
-            if left < 0:
-                raise _Budget
+        if cls is int or cls is float or cls is bool or value is None:
+            self._spend(1)
             if cls is int:
                 return value if -_INT_LIMIT < value < _INT_LIMIT else self._int(value)
-            if cls is float:
-                if value - value != 0.0:
-                    self.unplain += 1
-                return value
-            if cls is bool or value is None:
-                return value
-            if depth < _MAX_DEPTH:
-                if cls is dict:
-                    return self._mapping(value.items(), depth)
-                n = len(value)
-                if 0 < n < left and only_ints(value) and -_INT_LIMIT < min(value) and max(value) < _INT_LIMIT:
-                    self._spend(n)
-                    return list(value)
-                return self._sequence(value, depth)
-            self._left += 1  # the general path spends it
+            if cls is float and value - value != 0.0:
+                self.unplain += 1
+            return value
+        if (cls is dict or cls is list) and depth < _MAX_DEPTH:
+            self._spend(1)
+            return self._mapping(value.items(), depth) if cls is dict else self._list(value, depth)
         if cls is str or isinstance(value, str):
             return self._str(str.__str__(value))
         if cls is bool or value is None:
@@ -438,14 +421,7 @@ class Converter:
         if isinstance(value, dict):
             return self._mapping(value.items(), depth)
         if isinstance(value, (list, tuple)):
-            # token ids and other lists of plain ints (an agent loop's prompt_ids): what the
-            # walk returns, one unit per element, without a call per element
-            n = len(value)
-            if 0 < n < self._left and only_ints(value) and (
-                    -_INT_LIMIT < min(value) and max(value) < _INT_LIMIT):  # each step in C
-                self._spend(n)
-                return list(value)
-            return self._sequence(value, depth)
+            return self._list(value, depth)
         if isinstance(value, (set, frozenset)):
             return self._sequence(sorted(value, key=repr) if len(value) <= self._left else list(value), depth)
         if isinstance(value, (bytes, bytearray, memoryview)):
@@ -464,6 +440,16 @@ class Converter:
             return self._str(f"<{cls.__module__}.{cls.__qualname__} object>")
         return self._str(repr(value))
 
+    def _list(self, value: list | tuple, depth: int) -> list[Any]:
+        # token ids and other lists of plain ints (an agent loop's prompt_ids): what the
+        # walk returns, one unit per element, without a call per element
+        n = len(value)
+        if 0 < n < self._left and only_ints(value) and (
+                -_INT_LIMIT < min(value) and max(value) < _INT_LIMIT):  # each step in C
+            self._spend(n)
+            return list(value)
+        return self._sequence(value, depth)
+
     def _str(self, text: str) -> str:
         if not text.isascii():
             text = clean_text(text)  # lone surrogates: no sink can write them
@@ -471,7 +457,7 @@ class Converter:
         if n < self._left:  # the usual case: spent, and a short text is not redacted
             self._left -= n + 1
             return text if n < 12 else self._redact(text)
-        if len(text) > self._left:
+        if n > self._left:
             # Redact before cutting: a token cut in half would no longer be recognised.
             keep = min(self.max_chars, max(0, self._left))
             head, n = _redact_text(text[:keep + _REDACT_WINDOW], self._assignment, self.redact_keys)
@@ -484,14 +470,10 @@ class Converter:
 
     def _mapping(self, items: Iterable[tuple[Any, Any]], depth: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        secret = self._secret_keys.get
         try:
             for k, v in items:
                 key = self._str(k) if type(k) is str else self._key(k)  # bounded, encodable, token shapes redacted
-                hit = secret(key)
-                if hit is None:
-                    hit = self.is_secret(key)
-                if hit:
+                if self.is_secret(key):
                     self.redacted += 1
                     out[key] = REDACTED
                 else:

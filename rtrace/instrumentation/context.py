@@ -20,7 +20,6 @@ from typing import Any, Callable, TypeVar
 from .. import _stats
 from . import _state
 from ._otel_private import attach_span, detach
-from .spans import RSpan
 from .capture import snapshot
 from .decorators import fail_span
 
@@ -78,8 +77,7 @@ class RolloutContext:
         self._frame = frame
         self._frame_token = _state.FRAME.set(frame)
         if self._span is not None:
-            span = self._span
-            self._trace_id = span.trace_id if type(span) is RSpan else span.get_span_context().trace_id
+            self._trace_id = frame.state.trace_id  # the trace of the span just opened
             self._span_token = attach_span(self._span)
         return self
 

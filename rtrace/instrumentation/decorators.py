@@ -26,6 +26,8 @@ from opentelemetry.trace import Status, StatusCode
 from .. import _stats
 from ..pipeline.records import CallRecord, CallSpec
 from . import _state
+from ._otel_private import attach_span as _attach_span
+from ._otel_private import detach as _detach
 from .capture import snapshot
 from .spans import RSpan
 
@@ -33,8 +35,6 @@ __all__ = ["traced", "traced_rollout", "traced_generation", "traced_tool"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-from ._otel_private import attach_span as _attach_span
-from ._otel_private import detach as _detach
 _FRAME = _state.FRAME
 _FRAME_get = _FRAME.get
 _list, _dict = list, dict

@@ -207,7 +207,7 @@ class SpanTracer(otel_trace.Tracer):
             span = RSpan(name, parent.trace_id, _new_span_id(), parent.trace_state, parent, attributes, links,
                          self.on_end)
         else:
-            span = RSpan(name, _new_trace_id(), _new_span_id(), _NO_STATE, None, attributes, links, self.on_end)
+            span = self.start_root(name, links, attributes)
         if start_time is not None:
             span.start_time = start_time
         return span

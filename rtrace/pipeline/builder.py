@@ -15,17 +15,17 @@ from typing import Any
 
 from opentelemetry.trace import StatusCode
 
-_ERROR = StatusCode.ERROR
-
 from .. import _stats
-from .._serialize import (Converter, ListSnapshot, array_to_python, attr_ok, is_array, json_text, only_ints, truncate, unsnap,
-                          vouch)
+from .._serialize import (Converter, ListSnapshot, array_to_python, attr_ok, is_array, json_text, only_ints,
+                          truncate, unsnap, vouch)
 from ..config import Settings
 from ..trajectory import RL_FIELDS, SpanRecord, Trajectory
 from .messages import tool_result
-from .records import CallRecord, TrajectoryState, snapshot_args
+from .records import CallRecord, TrajectoryState, snapshot_args, start_end
 
 __all__ = ["SpanConverter", "finish", "coordinates", "tail_of", "as_id_list"]
+
+_ERROR = StatusCode.ERROR
 
 
 def as_id_list(value: Any) -> list[int] | None:
@@ -413,12 +413,8 @@ def _tree_order(records: list[SpanRecord], root_id: str) -> list[SpanRecord]:
         kids = children.get(node.span_id)
         if kids:
             if len(kids) > 1:
-                kids.sort(key=_start_end)  # stable: ties keep their arrival order
+                kids.sort(key=start_end)  # stable: ties keep their arrival order
                 stack.extend(reversed(kids))
             else:
                 stack.append(kids[0])
     return ordered
-
-
-def _start_end(span: SpanRecord) -> tuple[int, int]:
-    return span.start_ns, span.end_ns

@@ -209,10 +209,7 @@ class CollectorPipeline(Pipeline):
                 state.reward, state.has_reward = attrs["rl.reward"], True
             state.outcome = {k[len("rl.outcome."):]: v for k, v in attrs.items() if k.startswith("rl.outcome.")}
             arrived.append(state)
-        if state.records:
-            state.records.append(record)
-        else:
-            state.records = [record]
+        state.add(record)
 
 
 class _Refused(Exception):

@@ -54,6 +54,7 @@ from typing import Any, Callable, Iterable
 from .. import _stats
 from ..config import HEALTH_CHECKS
 from ..trajectory import SpanRecord, Trajectory, response_text
+from .records import start_end
 
 __all__ = ["CHECKS", "DEFAULT_CHECKS", "HealthChecker", "finding", "group_key"]
 
@@ -85,12 +86,8 @@ def group_key(coords: dict[str, Any]) -> Any:
     return group if group is not None else coords.get("sample_index")
 
 
-def _start_end(span: SpanRecord) -> tuple[int, int]:
-    return span.start_ns, span.end_ns
-
-
 def _gens(records: Iterable[SpanRecord]) -> list[SpanRecord]:
-    return sorted([r for r in records if r.kind == "generation"], key=_start_end)
+    return sorted([r for r in records if r.kind == "generation"], key=start_end)
 
 
 def _number(value: Any) -> float | None:
@@ -292,7 +289,7 @@ class HealthChecker:
         if "generation" not in self.checks:
             return
         for traj in trajectories:
-            order = sorted(traj.spans, key=_start_end)  # stable: ties keep the tree order
+            order = sorted(traj.spans, key=start_end)  # stable: ties keep the tree order
             k = 0
             for pos, span in enumerate(order):
                 if span.kind != "generation":

@@ -95,8 +95,7 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _json(value: Any) -> str:
-    return json_text(value)
+_json = json_text
 
 
 def _text(value: Any) -> str:

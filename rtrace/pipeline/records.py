@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from .._serialize import ListSnapshot
 from ..trajectory import SpanRecord
 
-__all__ = ["CallSpec", "CallRecord", "TrajectoryState", "snapshot_args", "record_of"]
+__all__ = ["CallSpec", "CallRecord", "TrajectoryState", "snapshot_args", "record_of", "start_end"]
 
 
 class CallSpec:
@@ -43,20 +43,18 @@ class CallRecord:
 
     __slots__ = ("spec", "args", "kwargs", "output", "has_output", "owner_name", "arg_lens")
 
-    def __init__(self, spec: CallSpec, args: tuple | None, kwargs: dict | None,
-                 arg_lens: tuple[int, ...] | None = None) -> None:
+    def __init__(self, spec: CallSpec, args: tuple | None, kwargs: dict | None) -> None:
         self.spec = spec
         #: the snapshotted arguments; with ``arg_lens``, the call's own argument tuple
         #: (nothing copied on the hot path), each list argument to be cut at its length
-        #: there (-1: not a list): :meth:`snapshot_args` makes the snapshots in the worker
+        #: there (-1: not a list): :func:`snapshot_args` makes the snapshots in the worker
         self.args = args
-        self.arg_lens = arg_lens
+        self.arg_lens: tuple[int, ...] | None = None
         self.kwargs = kwargs
         self.output: Any = None
         self.has_output = False
         #: ``self.name`` of a method's instance (tool classes name themselves this way)
         self.owner_name: str | None = None
-
 
 
 def snapshot_args(rec: Any) -> tuple:
@@ -67,6 +65,11 @@ def snapshot_args(rec: Any) -> tuple:
     if lens is None:
         return args
     return tuple(value if n < 0 else ListSnapshot(value, n) for value, n in zip(args, lens))
+
+
+def start_end(span: SpanRecord) -> tuple[int, int]:
+    """The sort key of spans in start order (ties by end): a key function, not a lambda per sort."""
+    return span.start_ns, span.end_ns
 
 
 def record_of(span: Any, state: "TrajectoryState", span_id: int) -> Any:
@@ -142,3 +145,10 @@ class TrajectoryState:
         #: plain JSON data (``Converter.unplain``): True lets finish() vouch for it; None
         #: (records made any other way: the collector, log_rollout_batch) or False do not
         self.plain: bool | None = None
+
+    def add(self, record: SpanRecord) -> None:
+        """Add a converted span to ``records`` (the list is made by the first one)."""
+        if self.records:
+            self.records.append(record)  # type: ignore[attr-defined]
+        else:
+            self.records = [record]

@@ -298,11 +298,7 @@ class Pipeline:
                 continue
             unplain = values.unplain
             try:
-                converted = conv.convert(span, record)
-                if state.records:
-                    state.records.append(converted)
-                else:
-                    state.records = [converted]
+                state.add(conv.convert(span, record))
             except Exception:
                 _stats.incr("capture_errors")
                 _stats.warn_once("convert", "rtrace could not convert a span; it is dropped", exc_info=True)
