@@ -58,7 +58,7 @@ class Event:
 class RSpan(otel_trace.Span):
     """One span of rtrace's: an OTel API span, recorded as plain fields."""
 
-    __slots__ = ("name", "trace_id", "span_id", "trace_state", "_context", "_parent", "start_time", "end_time",
+    __slots__ = ("name", "trace_id", "span_id", "trace_state", "_context", "parent_ref", "start_time", "end_time",
                  "_attributes", "_events", "status", "links", "_on_end",
                  # what a decorated call saw, when ``spec`` is set: a CallRecord's fields
                  # (pipeline/records.py) kept on the span itself, one object less per call
@@ -75,8 +75,10 @@ class RSpan(otel_trace.Span):
         self.span_id = span_id
         self.trace_state = trace_state
         self._context: SpanContext | None = None
-        #: the parent span (one of rtrace's) or its SpanContext (another tracer's, remote)
-        self._parent = parent
+        #: the parent span (one of rtrace's) or its SpanContext (another tracer's, remote):
+        #: both have ``trace_id`` and ``span_id``, which the worker reads without making a
+        #: SpanContext (pipeline/builder.py)
+        self.parent_ref = parent
         self._attributes = dict(attributes) if attributes else None
         self._events: list[Event] | None = None
         self.status = _UNSET
@@ -96,7 +98,7 @@ class RSpan(otel_trace.Span):
 
     @property
     def parent(self) -> SpanContext | None:
-        parent = self._parent
+        parent = self.parent_ref
         return parent.context if type(parent) is RSpan else parent
 
     @property

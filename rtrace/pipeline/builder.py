@@ -106,8 +106,11 @@ class SpanConverter:
         return self._span(span, rec, self.conv)
 
     def _span(self, span: Any, rec: CallRecord | None, conv: Converter) -> SpanRecord:
-        ctx = span.context
-        parent = span.parent
+        try:  # one of rtrace's own spans: its ids as they are, no SpanContext made
+            trace_id, span_id, parent = span.trace_id, span.span_id, span.parent_ref
+        except AttributeError:  # an SDK span (an application's provider, a segment)
+            ctx = span.context
+            trace_id, span_id, parent = ctx.trace_id, ctx.span_id, span.parent
         status = span.status
         is_error = status.status_code is _ERROR
         name = span.name
@@ -117,8 +120,8 @@ class SpanConverter:
         events = span.events
         attribute = conv.attribute
         out = SpanRecord(
-            format(ctx.span_id, "016x"),
-            format(parent.span_id, "016x") if parent is not None and parent.trace_id == ctx.trace_id else None,
+            format(span_id, "016x"),
+            format(parent.span_id, "016x") if parent is not None and parent.trace_id == trace_id else None,
             name, rec.spec.kind if rec is not None else "span", start, end, "error" if is_error else "ok",
             # exception text and attributes the application set did not come through a
             # capture: bounded, redacted and made encodable like every captured value

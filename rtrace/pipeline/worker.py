@@ -72,6 +72,14 @@ class ProcessorBridge(SpanProcessor):
         return True if target is None else target.force_flush(timeout_millis)
 
 
+#: Spans a round takes at a time (about 64 trajectories of 6): each part is converted,
+#: finished and handed to the sinks before the next is read. A round of thousands of spans
+#: at once kept all their records, trajectories and messages alive together, so Python's
+#: GC promoted them and walked them in full collections (a tight loop's backlog measured
+#: ~7% of the process's CPU more, benchmarks/bench_hot_path.py).
+_CHUNK = 384
+
+
 class Pipeline:
     """Collects the spans of registered trajectories and exports them from a worker thread."""
 
@@ -203,8 +211,20 @@ class Pipeline:
             detach(token)
 
     def _round(self, now: float, expire: bool, force: bool) -> None:
+        """Everything queued when the round starts, :data:`_CHUNK` spans at a time; the last
+        part also expires, forces and releases what it should."""
+        q = self._queue
+        left = len(q)
+        while left > _CHUNK:
+            self._chunk(now, False, False, _CHUNK)
+            left -= _CHUNK
+            now = time.monotonic()
+        self._chunk(now, expire, force, left)
+
+    def _chunk(self, now: float, expire: bool, force: bool, n: int) -> None:
+        """One part of a round: the next ``n`` spans, and what finished with them."""
         q, pre, anns = self._queue, self._states, self._annotations
-        spans = [q.popleft() for _ in range(len(q))]
+        spans = [q.popleft() for _ in range(n)]
         prebuilt = [pre.popleft() for _ in range(len(pre))]
         for _ in range(len(anns)):
             self.annotations.add(anns.popleft())
@@ -286,12 +306,16 @@ class Pipeline:
             # let each span go once converted (it holds what its call saw): a round of
             # thousands of spans would otherwise keep them all for Python's GC to walk
             spans[i] = None
-            ctx = span.context
-            state, is_root = registry.arrive(ctx.trace_id, ctx.span_id)
+            try:  # one of rtrace's own spans: its ids as they are, no SpanContext made
+                trace_id, span_id = span.trace_id, span.span_id
+            except AttributeError:  # an SDK span
+                ctx = span.context
+                trace_id, span_id = ctx.trace_id, ctx.span_id
+            state, is_root = registry.arrive(trace_id, span_id)
             if state is None:  # ended after its root was assembled
                 _stats.incr("spans_late")
                 continue
-            record = record_of(span, state, ctx.span_id)
+            record = record_of(span, state, span_id)
             if len(state.records) >= max_children and not is_root:
                 state.dropped_spans += 1
                 _stats.incr("spans_dropped_trajectory_limit")
