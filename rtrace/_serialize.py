@@ -59,6 +59,8 @@ _INT_LIMIT = 2**_INT_BITS  # ints strictly inside (-_INT_LIMIT, _INT_LIMIT) stay
 #: arrays, bytes, errors) sets ``_measure`` and is checked.
 _CHARS_PER_UNIT = 32
 _INT_SET = frozenset((int,))
+#: the types _mapping converts with :meth:`Converter._scalar`
+_SCALARS = frozenset((int, bool, type(None)))
 #: A string cut to max_chars is redacted over this many more characters first, so a
 #: token that straddles the cut is still recognised (and replaced) whole.
 _REDACT_WINDOW = 256
@@ -470,25 +472,48 @@ class Converter:
 
     def _mapping(self, items: Iterable[tuple[Any, Any]], depth: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        secret = self._secret_keys
         try:
             for k, v in items:
-                key = self._str(k) if type(k) is str else self._key(k)  # bounded, encodable, token shapes redacted
-                if self.is_secret(key):
+                # a short ASCII key or value is what _str / _convert return for it, spent here
+                # without their calls (most keys and many values of RL captures)
+                if type(k) is str and len(k) < 12 and len(k) < self._left and k.isascii():
+                    self._left -= len(k) + 1
+                    key = k
+                else:
+                    key = self._str(k) if type(k) is str else self._key(k)  # bounded, encodable, token shapes redacted
+                hit = secret.get(key)
+                if hit if hit is not None else self.is_secret(key):
                     self.redacted += 1
                     out[key] = REDACTED
+                elif type(v) is str and len(v) < 12 and len(v) < self._left and v.isascii():
+                    self._left -= len(v) + 1
+                    out[key] = v
                 else:
-                    out[key] = self._element(v, depth)
+                    out[key] = self._scalar(v) if type(v) in _SCALARS else self._element(v, depth)
         except _Budget:
             out["…"] = self._partial
             self._partial = out
             raise
         return out
 
+    def _scalar(self, value: int | bool | None) -> Any:
+        """What _convert returns for a 64-bit int, a bool or None (one unit spent)."""
+        self._left -= 1
+        if self._left < 0:
+            self._partial = "…"
+            raise _Budget
+        return value if type(value) is not int or -_INT_LIMIT < value < _INT_LIMIT else self._int(value)
+
     def _sequence(self, items: Iterable[Any], depth: int) -> list[Any]:
         out: list[Any] = []
         try:
             for v in items:
-                out.append(self._element(v, depth))
+                if type(v) is str and len(v) < 12 and len(v) < self._left and v.isascii():
+                    self._left -= len(v) + 1  # as in _mapping
+                    out.append(v)
+                else:
+                    out.append(self._element(v, depth))
         except _Budget:
             out.append(self._partial)
             self._partial = out
@@ -590,15 +615,24 @@ except ImportError:  # pragma: no cover
 
 
 def json_text(value: Any) -> str:
-    """``json.dumps(value, ensure_ascii=False, default=str)``, in 0.75 instead of 1.3 µs for a
-    small dict: the C encoder without the Python layers around it (a fresh one per call:
-    it holds the markers of its circular-reference check)."""
-    if _c_make_encoder is None or type(value) is str:  # pragma: no cover
+    """``json.dumps(value, ensure_ascii=False, default=str)``, in 0.4 instead of 1.3 µs for a
+    small dict: the C encoder without the Python layers around it, made once and without
+    the circular-reference check (what it is given is converted data, a tree); a cycle
+    it meets anyway (RecursionError) goes to a checked encoder, which says so as
+    ``json.dumps`` does (ValueError)."""
+    if _text_encoder is None or type(value) is str:  # pragma: no cover
         return _json_text(value)
-    return "".join(_c_make_encoder({}, str, _encode_basestring, None, ": ", ", ", False, False, True)(value, 0))
+    try:
+        return "".join(_text_encoder(value, 0))
+    except RecursionError:
+        return "".join(_c_make_encoder({}, str, _encode_basestring, None, ": ", ", ", False, False, True)(value, 0))
 
 
 _json_text = json.JSONEncoder(ensure_ascii=False, default=str).encode
+#: json_text's encoder: stateless without the markers of a circular check, so one serves
+#: every call and thread
+_text_encoder = (_c_make_encoder(None, str, _encode_basestring, None, ": ", ", ", False, False, True)
+                 if _c_make_encoder is not None else None)
 
 
 def only_ints(values: Any) -> bool:

@@ -328,17 +328,20 @@ def _text(value: Any) -> str | None:
         return None
     if isinstance(value, str):
         return value
-    if isinstance(value, dict):
-        for key in ("content", "text", "response_text", "output"):
+    if isinstance(value, dict) and not value.keys().isdisjoint(_TEXT_KEYS):  # (the usual miss in C)
+        for key in _TEXT_KEYS:
             if isinstance(value.get(key), str):
                 return value[key]
     return None
 
 
+_TEXT_KEYS = ("content", "text", "response_text", "output")
+
+
 def chat_argument(value: Any) -> tuple[str, list[dict[str, Any]]] | None:
     """``(argument name, messages)`` when a captured input holds a conversation: an argument
     of :data:`CHAT_KEYS` that is a non-empty list of ``{"role": ...}`` dicts."""
-    if isinstance(value, dict):
+    if isinstance(value, dict) and not value.keys().isdisjoint(CHAT_KEYS):  # (the usual miss in C)
         for key in CHAT_KEYS:
             msgs = value.get(key)
             if isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "role" in m for m in msgs):

@@ -253,7 +253,8 @@ def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Traje
     unplain = conv.unplain
     records = list(state.records)
     root_id = _hex_span(state.root_span_id) if state.root_span_id is not None else None
-    if root_id is None or not any(r.span_id == root_id for r in records):
+    by_id = {r.span_id: r for r in records}
+    if root_id is None or root_id not in by_id:
         # The root never ended (orphan timeout / shutdown / lost): stand in for it.
         if root_id is None:
             root_id = _hex_span(state.trace_id & 0xFFFFFFFFFFFFFFFF or 1)
@@ -262,7 +263,8 @@ def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Traje
         records.append(SpanRecord(span_id=root_id, parent_id=None, name=state.name, kind=state.kind,
                                   start_ns=min(start, state.created_ns), end_ns=max(end, state.created_ns),
                                   status="unset", attributes={"rtrace.partial": True}))
-    spans = _tree_order(records, root_id)
+        by_id[root_id] = records[-1]
+    spans = _tree_order(records, root_id, by_id)
     root = spans[0]
     if root.kind == "span":  # a rollout_context root has no call record
         root.kind = state.kind
@@ -336,6 +338,7 @@ def _number(value: Any) -> float | None:
     return out if math.isfinite(out) else None
 
 
+_INT64 = 2**63
 #: coordinate -> its attribute (``step`` -> ``rl.step``)
 _RL_KEYS = {k: f"rl.{k}" for k in RL_FIELDS}
 
@@ -344,7 +347,11 @@ def coordinates(state: TrajectoryState, settings: Settings,
                 conv: Converter) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The trajectory's RL coordinates, its ``extra`` ones (values converted; secret-looking
     keys redacted), and the ``rl.*`` attributes every span of it carries."""
-    coords = {k: conv(v) for k, v in state.coords.items() if k != "extra"}
+    coords = {}
+    for k, v in state.coords.items():
+        if k != "extra":  # an int, a bool or None is what conv returns for it (the usual ones)
+            cls = type(v)
+            coords[k] = v if (cls is int and -_INT64 <= v < _INT64) or cls is bool or v is None else conv(v)
     extra = conv.convert_named(state.coords.get("extra") or {})
     coords["validate"] = bool(coords.get("validate") or False)
     if settings.experiment is not None:
@@ -352,8 +359,10 @@ def coordinates(state: TrajectoryState, settings: Settings,
     stamp = {}
     for k, v in coords.items():
         key = _RL_KEYS.get(k)
-        if key is not None and attr_ok(v):
-            stamp[key] = v
+        if key is not None:
+            cls = type(v)
+            if cls is str or cls is bool or (cls is int and -_INT64 <= v < _INT64) or attr_ok(v):
+                stamp[key] = v
     if extra:
         stamp.update({f"rl.extra.{k}": v for k, v in extra.items() if attr_ok(v)})
     return coords, extra, stamp
@@ -391,10 +400,10 @@ def _attributes(attrs: Any, conv: Converter) -> dict[str, Any]:
     return {key: conv.attribute(key, value) for key, value in (attrs or {}).items()}
 
 
-def _tree_order(records: list[SpanRecord], root_id: str) -> list[SpanRecord]:
+def _tree_order(records: list[SpanRecord], root_id: str, by_id: dict[str, SpanRecord]) -> list[SpanRecord]:
     """Root first, then depth first with siblings by start time. Spans whose parent is
-    missing (dropped or never ended) are placed under the root."""
-    by_id = {r.span_id: r for r in records}
+    missing (dropped or never ended) are placed under the root. ``by_id``: the records by
+    span id (the last of a duplicated id)."""
     children: dict[str, list[SpanRecord]] = {}
     for r in records:
         span_id = r.span_id

@@ -201,7 +201,7 @@ def tool_arguments(inputs: Any) -> Any:
     nor the agent state), else every argument but the call id."""
     if not isinstance(inputs, dict):
         return {} if inputs is None else inputs
-    for key in ARGUMENT_KEYS:
+    for key in ARGUMENT_KEYS if not inputs.keys().isdisjoint(ARGUMENT_KEYS) else ():
         value = inputs.get(key)
         if isinstance(value, dict):
             return value
@@ -238,12 +238,15 @@ def _response(span: SpanRecord, token2text: bool) -> str:
     return placeholder(_n_tokens(span, span.response_ids, "gen_ai.usage.output_tokens"), token2text)
 
 
+_PROMPT_KEYS = ("prompt", "text", "query", "question")
+
+
 def _prompt_text(span: SpanRecord) -> str | None:
     text = span.attributes.get("rtrace.prompt_text")
     if isinstance(text, str):
         return text
-    if isinstance(span.input, dict):
-        for key in ("prompt", "text", "query", "question"):
+    if isinstance(span.input, dict) and not span.input.keys().isdisjoint(_PROMPT_KEYS):
+        for key in _PROMPT_KEYS:
             if isinstance(span.input.get(key), str):
                 return span.input[key]
     return None
