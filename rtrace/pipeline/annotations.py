@@ -38,7 +38,10 @@ def coord_key(coords: dict[str, Any]) -> Hashable | None:
     step, index = coords.get("step"), coords.get("sample_index")
     if step is None or index is None:
         return None
-    return (bool(coords.get("validate") or False), _plain(step), _plain(index), _plain(coords.get("rollout_n")))
+    n = coords.get("rollout_n")
+    if type(step) is int and type(index) is int and (type(n) is int or n is None):  # _plain's result, at once
+        return (bool(coords.get("validate") or False), step, index, n)
+    return (bool(coords.get("validate") or False), _plain(step), _plain(index), _plain(n))
 
 
 def _plain(value: Any) -> Any:

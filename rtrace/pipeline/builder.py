@@ -168,7 +168,7 @@ class SpanConverter:
             out.output = conv(output)
             if spec.kind == "tool":
                 _tool_attributes(attrs, out.output)
-        if spec.default_name:
+        if spec.default_name and (spec.kind == "tool" or spec.kind == "generation"):
             _display_name(out)
 
     @staticmethod
@@ -188,19 +188,27 @@ class SpanConverter:
         if out.prompt_ids is not None:
             del inputs[prompt_field]
             attrs["gen_ai.usage.input_tokens"] = len(out.prompt_ids)
-        ids = as_id_list(output)
-        if ids is not None:
-            has_output, output = False, None
-        elif output is not None:
+        if type(output) is dict:  # what the general path below does for a dict, in fewer steps
             id_keys = (opts.get("response_field", "response_ids"), "token_ids", "output_ids")
-            ids = as_id_list(_field(output, *id_keys))
-            view = _fields(output) if ids is not None else None
-            if view is not None:  # the ids are kept once, in response_ids
-                output = {k: v for k, v in view.items() if k not in id_keys}
+            key = next((k for k in id_keys if k in output), None)
+            ids = as_id_list(output[key]) if key is not None else None
+            if ids is not None:  # the ids are kept once, in response_ids
+                output = {k: v for k, v in output.items() if k not in id_keys}
+            finish = output["finish_reason"] if "finish_reason" in output else output.get("stop_reason")
+        else:
+            ids = as_id_list(output)
+            if ids is not None:
+                has_output, output = False, None
+            elif output is not None:
+                id_keys = (opts.get("response_field", "response_ids"), "token_ids", "output_ids")
+                ids = as_id_list(_field(output, *id_keys))
+                view = _fields(output) if ids is not None else None
+                if view is not None:  # the ids are kept once, in response_ids
+                    output = {k: v for k, v in view.items() if k not in id_keys}
+            finish = _field(output, "finish_reason", "stop_reason") if output is not None else None
         out.response_ids = ids
         if ids is not None:
             attrs["gen_ai.usage.output_tokens"] = len(ids)
-        finish = _field(output, "finish_reason", "stop_reason") if output is not None else None
         if isinstance(finish, str):
             attrs["gen_ai.response.finish_reasons"] = [finish]
         return has_output, output

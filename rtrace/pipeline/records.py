@@ -64,7 +64,7 @@ def snapshot_args(rec: Any) -> tuple:
     args, lens = rec.args or (), rec.arg_lens
     if lens is None:
         return args
-    return tuple(value if n < 0 else ListSnapshot(value, n) for value, n in zip(args, lens))
+    return tuple([value if n < 0 else ListSnapshot(value, n) for value, n in zip(args, lens)])
 
 
 def start_end(span: SpanRecord) -> tuple[int, int]:

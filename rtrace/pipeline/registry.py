@@ -107,6 +107,12 @@ class TrajectoryRegistry:
     def arrive(self, trace_id: int, span_id: int) -> tuple[TrajectoryState | None, bool]:
         """The state a span of ``trace_id`` belongs to, and whether it is the root (then
         ``state.root_at`` is set)."""
+        state = self._open.get(trace_id)
+        if state is not None and state.root_span_id != span_id:
+            # Not its root as of this read, which is one step under the GIL: a set_root that
+            # moves the root here afterwards finds it as it would after the locked check
+            # below. Only a root's arrival acts (root_at), so only it takes the lock.
+            return state, False
         with self._lock:
             state = self._open.get(trace_id)
             if state is None:

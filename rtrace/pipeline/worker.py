@@ -35,7 +35,7 @@ from .fanout import Fanout
 from .health import NO_REWARD, HealthChecker, finding
 from .messages import build_messages
 from .metrics import StepMetricsTracker
-from .records import TrajectoryState, record_of
+from .records import TrajectoryState
 from .registry import TrajectoryRegistry
 
 __all__ = ["Pipeline", "ProcessorBridge"]
@@ -315,7 +315,8 @@ class Pipeline:
             if state is None:  # ended after its root was assembled
                 _stats.incr("spans_late")
                 continue
-            record = record_of(span, state, span_id)
+            # record_of(span, state, span_id), without the call
+            record = span if getattr(span, "spec", None) is not None else state.captures.pop(span_id, None)
             if len(state.records) >= max_children and not is_root:
                 state.dropped_spans += 1
                 _stats.incr("spans_dropped_trajectory_limit")
