@@ -296,6 +296,13 @@ class Converter:
                 return value  # clean, too short to be redacted, within max_chars (>= 16)
             if len(value) <= self.max_chars:  # the walk's result for a short string
                 return self.bound(self._redact(clean_text(value)))
+        elif cls is ListSnapshot:  # token ids as the call saw them: its slice is a new list already
+            ids = value.value()
+            n = len(ids)
+            if 0 < n and (n + 1) * _CHARS_PER_UNIT <= self.max_chars and only_ints(ids) and (
+                    -_INT_LIMIT < min(ids) and max(ids) < _INT_LIMIT):
+                return ids  # the walk's result (a list of n plain ints: n + 1 units, not measured)
+            value = ids
         self._left = self.max_chars + 2
         self._measure = False
         try:

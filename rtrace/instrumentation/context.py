@@ -127,11 +127,18 @@ def rollout_context(step: int | None = None, sample_index: int | None = None,
         **extra: more coordinates, exported as ``rl.extra.<key>``.
     """
     coords: dict[str, Any] = {}
-    for key, value in (("step", step), ("sample_index", sample_index), ("rollout_n", rollout_n),
-                       ("validate", validate), ("group_id", group_id),
-                       ("policy_version", policy_version)):
-        if value is not None:
-            coords[key] = value
+    if step is not None:
+        coords["step"] = step
+    if sample_index is not None:
+        coords["sample_index"] = sample_index
+    if rollout_n is not None:
+        coords["rollout_n"] = rollout_n
+    if validate is not None:
+        coords["validate"] = validate
+    if group_id is not None:
+        coords["group_id"] = group_id
+    if policy_version is not None:
+        coords["policy_version"] = policy_version
     if extra:
         coords["extra"] = extra
     return RolloutContext(coords, name, trace)

@@ -79,6 +79,7 @@ class RSpan(otel_trace.Span):
         #: both have ``trace_id`` and ``span_id``, which the worker reads without making a
         #: SpanContext (pipeline/builder.py)
         self.parent_ref = parent
+        #: (the worker reads these two as they are: pipeline/builder.py)
         self._attributes = dict(attributes) if attributes else None
         self._events: list[Event] | None = None
         self.status = _UNSET

@@ -106,18 +106,19 @@ class SpanConverter:
         return self._span(span, rec, self.conv)
 
     def _span(self, span: Any, rec: CallRecord | None, conv: Converter) -> SpanRecord:
-        try:  # one of rtrace's own spans: its ids as they are, no SpanContext made
+        try:  # one of rtrace's own spans: its ids as they are (no SpanContext made), its
+            # attribute dict and event list as it keeps them (None when it has none)
             trace_id, span_id, parent = span.trace_id, span.span_id, span.parent_ref
+            attrs, events = span._attributes, span._events
         except AttributeError:  # an SDK span (an application's provider, a segment)
             ctx = span.context
             trace_id, span_id, parent = ctx.trace_id, ctx.span_id, span.parent
+            attrs, events = span.attributes, span.events
         status = span.status
         is_error = status.status_code is _ERROR
         name = span.name
         start = span.start_time or 0
         end = span.end_time or start
-        attrs = span.attributes
-        events = span.events
         attribute = conv.attribute
         out = SpanRecord(
             format(span_id, "016x"),
