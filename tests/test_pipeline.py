@@ -206,6 +206,10 @@ class TestBounds:
         assert traj.partial and traj.step == 4
         assert [s.kind for s in traj.spans] == ["rollout", "tool"]
         assert traj.spans[0].status == "unset" and traj.spans[1].output == 42
+        # the tool span got its rl.* stamp when converted, the stand-in root when made
+        assert [s.attributes.get("rl.step") for s in traj.spans] == [4, 4]
+        assert traj.spans[0].attributes["rtrace.partial"] is True
+        assert list(traj.spans[0].attributes)[:2] == ["rl.step", "rl.sample_index"]
         assert rtrace.stats()["trajectories_partial"] == 1
         ctx.__exit__(None, None, None)
 

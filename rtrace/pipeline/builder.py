@@ -101,11 +101,13 @@ class SpanConverter:
                 _stats.incr(name, n)
         conv.truncated = conv.redacted = conv.errors = 0
 
-    def convert(self, span: Any, rec: CallRecord | None) -> SpanRecord:
-        """One SDK ``ReadableSpan`` (and the call record of its decorated call) as a SpanRecord."""
-        return self._span(span, rec, self.conv)
+    def convert(self, span: Any, rec: CallRecord | None, stamp: dict[str, Any] | None = None) -> SpanRecord:
+        """One SDK ``ReadableSpan`` (and the call record of its decorated call) as a SpanRecord;
+        its attributes start with ``stamp`` (the trajectory's ``rl.*``), when given."""
+        return self._span(span, rec, self.conv, stamp)
 
-    def _span(self, span: Any, rec: CallRecord | None, conv: Converter) -> SpanRecord:
+    def _span(self, span: Any, rec: CallRecord | None, conv: Converter, stamp: dict[str, Any] | None = None
+              ) -> SpanRecord:
         try:  # one of rtrace's own spans: its ids as they are (no SpanContext made), its
             # attribute dict and event list as it keeps them (None when it has none)
             trace_id, span_id, parent = span.trace_id, span.span_id, span.parent_ref
@@ -120,6 +122,16 @@ class SpanConverter:
         start = span.start_time or 0
         end = span.end_time or start
         attribute = conv.attribute
+        if stamp is not None:  # the stamp first, the span's own values over it (as finish() merges)
+            merged = stamp.copy()
+            if attrs:
+                for key, value in attrs.items():
+                    merged[key] = attribute(key, value)
+            attrs = merged
+        elif attrs:
+            attrs = {key: attribute(key, value) for key, value in attrs.items()}
+        else:
+            attrs = {}
         out = SpanRecord(
             format(span_id, "016x"),
             format(parent.span_id, "016x") if parent is not None and parent.trace_id == trace_id else None,
@@ -127,8 +139,7 @@ class SpanConverter:
             # exception text and attributes the application set did not come through a
             # capture: bounded, redacted and made encodable like every captured value
             conv.text(status.description or "") if is_error else None,
-            {key: attribute(key, value) for key, value in attrs.items()} if attrs else {},
-            None, None,
+            attrs, None, None,
             [{"name": e.name, "time_ns": e.timestamp, "attributes": _attributes(e.attributes, conv)}
              for e in events] if events else [])
         if type(name) is not str or type(start) is not int or type(end) is not int or (events and any(
@@ -273,6 +284,8 @@ def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Traje
                                   start_ns=min(start, state.created_ns), end_ns=max(end, state.created_ns),
                                   status="unset", attributes={"rtrace.partial": True}))
         by_id[root_id] = records[-1]
+        if state.coordinates is not None:  # the others were stamped at conversion
+            records[-1].attributes = {**state.coordinates[2], "rtrace.partial": True}
     spans = _tree_order(records, root_id, by_id)
     root = spans[0]
     if root.kind == "span":  # a rollout_context root has no call record
@@ -282,13 +295,14 @@ def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Traje
     # one OTel conversion (exporters/otel) uses to join the process's tree.
     root.parent_id = None
 
-    coords, extra, stamp = coordinates(state, settings, conv)
+    stamped = state.coordinates is not None
+    coords, extra, stamp = state.coordinates if stamped else coordinates(state, settings, conv)
     outcome = conv.convert_named(state.outcome)
     reward = _reward(state.reward, outcome) if state.has_reward else None
     annotations = conv.convert_named({k: v for k, v in state.annotations.items() if k != "reward"})
     if "reward" in state.annotations:
         reward = _reward(state.annotations["reward"], annotations)
-    for span in spans:
+    for span in spans if not stamped else ():
         own = span.attributes
         if own:
             merged = stamp.copy()

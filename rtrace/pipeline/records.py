@@ -100,7 +100,7 @@ class TrajectoryState:
     __slots__ = ("trace_id", "root_span_id", "name", "kind", "coords", "captures", "reward",
                  "has_reward", "outcome", "created", "created_ns", "records", "dropped_spans",
                  "partial", "root_lost", "root_at", "annotations", "remote_parent", "messages", "kept", "health",
-                 "span_ids", "touched", "held_bytes", "plain")
+                 "span_ids", "touched", "held_bytes", "plain", "coordinates")
 
     def __init__(self, trace_id: int, root_span_id: int | None, name: str, kind: str,
                  coords: dict[str, Any]) -> None:
@@ -145,6 +145,10 @@ class TrajectoryState:
         #: plain JSON data (``Converter.unplain``): True lets finish() vouch for it; None
         #: (records made any other way: the collector, log_rollout_batch) or False do not
         self.plain: bool | None = None
+        #: the one-process worker: ``builder.coordinates()`` of this state, made when its
+        #: first span was converted, whose ``rl.*`` stamp every record of it then got at
+        #: conversion (finish() does not stamp them again); None: records made any other way
+        self.coordinates: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] | None = None
 
     def add(self, record: SpanRecord) -> None:
         """Add a converted span to ``records`` (the list is made by the first one)."""

@@ -30,7 +30,7 @@ from .. import _stats
 from ..config import Settings
 from ..trajectory import Trajectory
 from .annotations import Annotation, AnnotationTable, coord_key
-from .builder import SpanConverter, finish, tail_of
+from .builder import SpanConverter, coordinates, finish, tail_of
 from .fanout import Fanout
 from .health import NO_REWARD, HealthChecker, finding
 from .messages import build_messages
@@ -299,7 +299,8 @@ class Pipeline:
         """Convert each span into its trajectory's records; return the trajectories whose
         root arrived. The root is always kept; other spans beyond the cap are dropped."""
         registry = self.registry
-        max_children = self.settings.max_spans_per_trajectory - 1
+        settings = self.settings
+        max_children = settings.max_spans_per_trajectory - 1
         arrived: list[TrajectoryState] = []
         values = conv.conv
         for i, span in enumerate(spans):
@@ -322,8 +323,15 @@ class Pipeline:
                 _stats.incr("spans_dropped_trajectory_limit")
                 continue
             unplain = values.unplain
+            if state.coordinates is None and not state.records:
+                # its first span: the coordinates, and the rl.* stamp each record starts with
+                try:
+                    state.coordinates = coordinates(state, settings, values)
+                except Exception:
+                    pass  # finish() makes them again, and counts the trajectory it cannot build
             try:
-                state.add(conv.convert(span, record))
+                stamp = state.coordinates[2] if state.coordinates is not None else None
+                state.add(conv._span(span, record, values, stamp))
             except Exception:
                 _stats.incr("capture_errors")
                 _stats.warn_once("convert", "rtrace could not convert a span; it is dropped", exc_info=True)
