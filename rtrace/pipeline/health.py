@@ -108,7 +108,7 @@ class _StepMemory:
     __slots__ = ("coords", "groups", "kinds", "full")
 
     def __init__(self) -> None:
-        self.coords: dict[tuple, str] = {}
+        self.coords: dict[tuple, int] = {}
         #: group -> {magnitude class: first reward seen of that class}. The first rollout of
         #: a group to arrive sets its scale: when that one is the outlier, the others are the
         #: ones flagged (the finding still says the group mixes scales)
@@ -248,9 +248,9 @@ class HealthChecker:
         if seen is not None:
             out.append(finding("coordinates", f"same (step {coords.get('step')}, sample_index {index}, rollout_n "
                                               f"{coords.get('rollout_n')}, validate "
-                                              f"{bool(coords.get('validate'))}) as trace {seen}"))
+                                              f"{bool(coords.get('validate'))}) as trace {seen:032x}"))
         elif len(memory.coords) < _PER_STEP:
-            memory.coords[key] = format(trace_id, "032x")
+            memory.coords[key] = trace_id  # (its hex only in a finding)
         elif not memory.full:
             memory.full = True
             _stats.incr("health_steps_too_large")
@@ -318,15 +318,20 @@ class HealthChecker:
                     if not ran and not (turn or {}).get("tool_calls"):
                         traj.health.append(finding("generation", f"turn {k}: tool-call markup in the response but "
                                                                  "no tool ran (a call that failed to parse?)"))
-            answered = {m.get("tool_call_id") for m in traj.messages if isinstance(m, dict) and m.get("role") == "tool"}
+            answered, asked = set(), []  # one pass over the conversation
             for msg in traj.messages:
-                if isinstance(msg, dict) and msg.get("role") == "assistant":
-                    for call in msg.get("tool_calls") or ():
-                        cid = call.get("id") if isinstance(call, dict) else None
-                        if cid is not None and cid not in answered:
-                            name = (call.get("function") or {}).get("name")
-                            traj.health.append(finding("generation", f"tool call {cid} ({name}) has no tool "
-                                                                     "result"))
+                if isinstance(msg, dict):
+                    role = msg.get("role")
+                    if role == "tool":
+                        answered.add(msg.get("tool_call_id"))
+                    elif role == "assistant" and msg.get("tool_calls"):
+                        asked.append(msg["tool_calls"])
+            for tool_calls in asked:
+                for call in tool_calls:
+                    cid = call.get("id") if isinstance(call, dict) else None
+                    if cid is not None and cid not in answered:
+                        name = (call.get("function") or {}).get("name")
+                        traj.health.append(finding("generation", f"tool call {cid} ({name}) has no tool result"))
 
 
 def _structured_calls(span: SpanRecord) -> list[str]:

@@ -362,16 +362,24 @@ def build_messages(traj: Trajectory, token2text: bool = False) -> list[dict[str,
     # start order; a parent before the children that start with it (the sort is stable:
     # ties keep the tree order)
     spans = sorted(traj.spans, key=_start_ns)
-    events = [i for i, s in enumerate(spans) if s.kind == "generation" or s.kind == "tool"]
-    # the last op (any kind but tool) with chat messages opens the conversation
-    first, chat = 0, None
-    for i in range(len(spans) - 1, -1, -1):
-        span = spans[i]
-        if span.kind != "tool" and span.input is not None and (found := chat_argument(span.input)) is not None:
-            first, chat = i, [dict(m) for m in found[1]]
-            break
+    # one pass: the generations and tool calls, and the last op (any kind but tool) with
+    # chat messages, which opens the conversation
+    events: list[int] = []
+    first, found, gen = 0, None, None
+    for i, span in enumerate(spans):
+        kind = span.kind
+        if kind == "tool":
+            events.append(i)
+            continue
+        if kind == "generation":
+            events.append(i)
+            if gen is None:
+                gen = span
+        if span.input is not None and (chat_found := chat_argument(span.input)) is not None:
+            first, found = i, chat_found
+    chat = [dict(m) for m in found[1]] if found is not None else None
     chats = chat is not None
-    if not chats and not any(spans[i].kind == "generation" for i in events):
+    if not chats and gen is None:
         return []
     messages: list[dict[str, Any]] = []
     last_assistant: dict[str, Any] | None = None
@@ -387,7 +395,6 @@ def build_messages(traj: Trajectory, token2text: bool = False) -> list[dict[str,
                 messages.append(reply)
                 last_assistant = reply
     else:
-        gen = next(spans[i] for i in events if spans[i].kind == "generation")
         prompt = _prompt_text(gen)
         if prompt is None and gen.prompt_ids is not None:
             prompt = placeholder(len(gen.prompt_ids), token2text)
