@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from .. import _stats
 from .records import TrajectoryState
@@ -141,11 +141,16 @@ class TrajectoryRegistry:
 
     def remove(self, state: TrajectoryState) -> None:
         """Forget a finished trajectory: spans of its trace that arrive later are late."""
+        self.remove_all((state,))
+
+    def remove_all(self, states: Iterable[TrajectoryState]) -> None:
+        """:meth:`remove` for each of ``states``, under one hold of the lock."""
         with self._lock:
-            if self._open.get(state.trace_id) is state:
-                del self._open[state.trace_id]
-                self.held_bytes -= state.held_bytes
-                self._left(state.trace_id)
+            for state in states:
+                if self._open.get(state.trace_id) is state:
+                    del self._open[state.trace_id]
+                    self.held_bytes -= state.held_bytes
+                    self._left(state.trace_id)
 
     def remember_finished(self, bound: int) -> None:
         """Collector: keep the last ``bound`` trace ids that left the table (finished,

@@ -235,15 +235,16 @@ class Pipeline:
         now = time.monotonic()  # roots arrived during the assembly, after the round's start
         candidates, self._waiting = self._waiting + arrived, []
         ready: list[TrajectoryState] = []
+        settle = not (force or self._flushing or self.settle_s <= 0)
+        table = self.annotations
+        awaits = not force and bool(table.await_keys or table.await_eval_keys)
         for state in candidates:
-            settled = (force or self._flushing or self.settle_s <= 0 or state.root_at is None
-                       or now - state.root_at >= self.settle_s)
-            if settled and (force or self.annotations.ready(state, now)):
+            settled = not settle or state.root_at is None or now - state.root_at >= self.settle_s
+            if settled and (not awaits or table.ready(state, now)):
                 ready.append(state)
             else:
                 self._waiting.append(state)
-        for state in ready:
-            self.registry.remove(state)
+        self.registry.remove_all(ready)
         ready += self._evict()
         if expire:
             ready += self.registry.expire(now, self.settings.orphan_timeout_s, force)
