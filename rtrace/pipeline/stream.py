@@ -17,12 +17,12 @@ import time
 from typing import Any
 
 from .. import _ids, _stats
-from .._serialize import attr_ok
+from .._serialize import attr_ok, vouch
 from ..trajectory import SpanRecord, Trajectory
 from .annotations import Annotation
 from .builder import SpanConverter, _reward, coordinates
-from .records import TrajectoryState, record_of
-from .worker import Pipeline
+from .records import TrajectoryState
+from .worker import _CHUNK, Pipeline
 
 __all__ = ["StreamPipeline", "ANNOTATION_SPAN"]
 
@@ -34,33 +34,62 @@ class StreamPipeline(Pipeline):
     """The worker's pipeline in collector mode (see the module docstring)."""
 
     def _round(self, now: float, expire: bool, force: bool) -> None:
+        """Everything queued when the round starts, :data:`~rtrace.pipeline.worker._CHUNK`
+        spans at a time (each part is sent before the next is read, as in one process)."""
+        left = len(self._queue)
+        while left > _CHUNK:
+            self._part(_CHUNK, now, False, False)
+            left -= _CHUNK
+        self._part(left, now, expire, force)
+
+    def _part(self, n: int, now: float, expire: bool, force: bool) -> None:
         q, pre, anns = self._queue, self._states, self._annotations
-        spans = [q.popleft() for _ in range(len(q))]
+        spans = [q.popleft() for _ in range(n)]
         prebuilt = [pre.popleft() for _ in range(len(pre))]
         annotations = [anns.popleft() for _ in range(len(anns))]
         conv = SpanConverter(self.settings)
+        values = conv.conv
         shells: dict[int, Trajectory] = {}
         stamps: dict[int, dict[str, Any]] = {}
-        for span in spans:
-            ctx = span.context
-            state, is_root = self.registry.arrive(ctx.trace_id, ctx.span_id)
+        unplain: set[int] = set()  # traces with a record that is not plain JSON data
+        for i, span in enumerate(spans):
+            spans[i] = None  # let it go once converted (as Pipeline._assemble)
+            try:  # one of rtrace's own spans: its ids as they are, no SpanContext made
+                trace_id, span_id = span.trace_id, span.span_id
+            except AttributeError:  # an SDK span
+                ctx = span.context
+                trace_id, span_id = ctx.trace_id, ctx.span_id
+            state, is_root = self.registry.arrive(trace_id, span_id)
             if state is None:
                 _stats.incr("spans_late")
                 continue
+            before = values.unplain
             try:
-                record = conv.convert(span, record_of(span, state, ctx.span_id))
-                self._stamp(state, record, is_root, stamps, conv)
+                # record_of(span, state, span_id), without the call
+                record = conv._span(span, span if getattr(span, "spec", None) is not None
+                                    else state.captures.pop(span_id, None), values)
+                if is_root or trace_id not in stamps:  # (_stamp does nothing for the others)
+                    self._stamp(state, record, is_root, stamps, conv)
             except Exception:
                 _stats.incr("capture_errors")
                 _stats.warn_once("convert", "rtrace could not convert a span; it is dropped", exc_info=True)
                 continue
+            if values.unplain != before:
+                unplain.add(trace_id)
             if is_root:
                 self.registry.remove(state)
-            self._shell(shells, state).spans.append(record)
-        for state in prebuilt:  # log_rollout_batch: whole trajectories
+            shell = shells.get(trace_id)
+            if shell is None:
+                shell = self._shell(shells, state)
+            shell.spans.append(record)
+        for state in prebuilt:  # log_rollout_batch: whole trajectories (not vouched for)
             for record in state.records:
                 self._stamp(state, record, record.span_id == format(state.root_span_id, "016x"), stamps, conv)
             self._shell(shells, state).spans.extend(state.records)
+            unplain.add(state.trace_id)
+        for trace_id, shell in shells.items():
+            if trace_id not in unplain:
+                vouch(shell)  # converted values only: the sink may skip its NaN walk (encode_compact)
         if expire:
             # Open trajectories whose root was lost (or, at shutdown, never ended): what
             # arrived is already at the collector, which writes them as partial.
@@ -93,6 +122,8 @@ class StreamPipeline(Pipeline):
             reward = _reward(state.reward, outcome) if state.has_reward else None
             if reward is not None:
                 attrs["rl.reward"] = reward
+                if reward - reward != 0.0:  # NaN or an infinity: not plain JSON (see vouch())
+                    conv.conv.unplain += 1
             attrs.update({f"rl.outcome.{k}": v for k, v in outcome.items() if attr_ok(v)})
             if self.settings.job_id:
                 attrs["rtrace.job_id"] = self.settings.job_id
