@@ -433,3 +433,54 @@ def test_a_vouched_trajectory_is_plain_and_written_as_the_checked_path_writes_it
     by_json_module = jsonl.encode_line(traj)
     assert (line, degraded) == checked
     assert (json.loads(line), degraded) == (json.loads(by_json_module[0]), by_json_module[1])
+
+
+@pytest.mark.parametrize("where", ["output", "reward"])
+@pytest.mark.parametrize("value", [1.5, "ok", [1, {"a": None}], float("nan"), float("inf"), (1, 2), Color.RED],
+                         ids=repr)
+def test_collector_mode_vouches_for_plain_segments_only(value, where, monkeypatch):
+    """Collector mode: the worker vouches for a segment made of converted plain values, and
+    encode_compact then skips its NaN walk. A NaN or an infinity in an output or the
+    reward is not vouched for; what a vouched segment encodes to is what the checked path
+    encodes (the same request bytes)."""
+    pytest.importorskip("orjson")
+    pytest.importorskip("grpc")
+    from rtrace import _serialize
+    from rtrace._serialize import vouched
+    from rtrace.exporters import collector as collector_sink
+    from rtrace.exporters.otel import encode_compact
+    from rtrace.pipeline.otlp_receiver import OtlpReceiver
+
+    seen = []
+    original = collector_sink.CollectorSink.export
+
+    def export(self, trajectories):
+        for traj in trajectories:
+            promised = vouched(traj)
+            request = encode_compact([traj], {}).SerializeToString()
+            traj.__dict__.pop(_serialize._VOUCHED, None)
+            seen.append((traj, promised, request == encode_compact([traj], {}).SerializeToString()))
+        return original(self, trajectories)
+
+    monkeypatch.setattr(collector_sink.CollectorSink, "export", export)
+    receiver = OtlpReceiver(lambda request: None)
+    receiver.start()
+    try:
+        rtrace.configure(exporter="collector", collector_endpoint=f"127.0.0.1:{receiver.port}")
+
+        @rtrace.traced_tool
+        def answer():
+            return value if where == "output" else "ok"
+
+        with rtrace.rollout_context(step=1):
+            answer()
+            rtrace.record_reward(value if where == "reward" else 1.0)
+        assert rtrace.flush(30)
+    finally:
+        rtrace.shutdown()
+        receiver.stop()
+    (traj, promised, same), = seen
+    assert same
+    # a tuple converts to a list, an enum member to its repr, a reward that is not a number
+    # to outcome reward_raw: plain, all of them
+    assert promised is not (isinstance(value, float) and value - value != 0)
