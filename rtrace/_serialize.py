@@ -299,8 +299,7 @@ class Converter:
         elif cls is ListSnapshot:  # token ids as the call saw them: its slice is a new list already
             ids = value.value()
             n = len(ids)
-            if 0 < n and (n + 1) * _CHARS_PER_UNIT <= self.max_chars and only_ints(ids) and (
-                    -_INT_LIMIT < min(ids) and max(ids) < _INT_LIMIT):
+            if 0 < n and (n + 1) * _CHARS_PER_UNIT <= self.max_chars and _plain_ints(ids):
                 return ids  # the walk's result (a list of n plain ints: n + 1 units, not measured)
             value = ids
         self._left = self.max_chars + 2
@@ -453,8 +452,7 @@ class Converter:
         # token ids and other lists of plain ints (an agent loop's prompt_ids): what the
         # walk returns, one unit per element, without a call per element
         n = len(value)
-        if 0 < n < self._left and only_ints(value) and (
-                -_INT_LIMIT < min(value) and max(value) < _INT_LIMIT):  # each step in C
+        if 0 < n < self._left and _plain_ints(value):
             self._spend(n)
             return list(value)
         return self._sequence(value, depth)
@@ -640,6 +638,12 @@ _json_text = json.JSONEncoder(ensure_ascii=False, default=str).encode
 #: every call and thread
 _text_encoder = (_c_make_encoder(None, str, _encode_basestring, None, ": ", ", ", False, False, True)
                  if _c_make_encoder is not None else None)
+
+
+def _plain_ints(values: Any) -> bool:
+    """A non-empty list of exact ints, each within 64 bits: what the walk keeps as it is
+    (each step in C)."""
+    return only_ints(values) and -_INT_LIMIT < min(values) and max(values) < _INT_LIMIT
 
 
 def only_ints(values: Any) -> bool:

@@ -102,12 +102,10 @@ class SpanConverter:
         conv.truncated = conv.redacted = conv.errors = 0
 
     def convert(self, span: Any, rec: CallRecord | None, stamp: dict[str, Any] | None = None) -> SpanRecord:
-        """One SDK ``ReadableSpan`` (and the call record of its decorated call) as a SpanRecord;
-        its attributes start with ``stamp`` (the trajectory's ``rl.*``), when given."""
-        return self._span(span, rec, self.conv, stamp)
-
-    def _span(self, span: Any, rec: CallRecord | None, conv: Converter, stamp: dict[str, Any] | None = None
-              ) -> SpanRecord:
+        """One ended span (rtrace's own, or an SDK ``ReadableSpan``) and the call record of its
+        decorated call as a SpanRecord; its attributes start with ``stamp`` (the
+        trajectory's ``rl.*``), when given."""
+        conv = self.conv
         try:  # one of rtrace's own spans: its ids as they are (no SpanContext made), its
             # attribute dict and event list as it keeps them (None when it has none)
             trace_id, span_id, parent = span.trace_id, span.span_id, span.parent_ref
@@ -302,14 +300,15 @@ def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Traje
     annotations = conv.convert_named({k: v for k, v in state.annotations.items() if k != "reward"})
     if "reward" in state.annotations:
         reward = _reward(state.annotations["reward"], annotations)
-    for span in spans if not stamped else ():
-        own = span.attributes
-        if own:
-            merged = stamp.copy()
-            merged.update(own)  # a span's own value wins (a generation's version)
-            span.attributes = merged
-        else:
-            span.attributes = stamp.copy()
+    if not stamped:  # (the one-process worker stamped each record when it converted it)
+        for span in spans:
+            own = span.attributes
+            if own:
+                merged = stamp.copy()
+                merged.update(own)  # a span's own value wins (a generation's version)
+                span.attributes = merged
+            else:
+                span.attributes = stamp.copy()
     if reward is not None:
         root.attributes["rl.reward"] = reward
     step, version = coords.get("step"), coords.get("policy_version")
@@ -361,7 +360,6 @@ def _number(value: Any) -> float | None:
     return out if math.isfinite(out) else None
 
 
-_INT64 = 2**63
 #: coordinate -> its attribute (``step`` -> ``rl.step``)
 _RL_KEYS = {k: f"rl.{k}" for k in RL_FIELDS}
 
@@ -370,11 +368,7 @@ def coordinates(state: TrajectoryState, settings: Settings,
                 conv: Converter) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The trajectory's RL coordinates, its ``extra`` ones (values converted; secret-looking
     keys redacted), and the ``rl.*`` attributes every span of it carries."""
-    coords = {}
-    for k, v in state.coords.items():
-        if k != "extra":  # an int, a bool or None is what conv returns for it (the usual ones)
-            cls = type(v)
-            coords[k] = v if (cls is int and -_INT64 <= v < _INT64) or cls is bool or v is None else conv(v)
+    coords = {k: conv(v) for k, v in state.coords.items() if k != "extra"}
     extra = conv.convert_named(state.coords.get("extra") or {})
     coords["validate"] = bool(coords.get("validate") or False)
     if settings.experiment is not None:
@@ -382,10 +376,8 @@ def coordinates(state: TrajectoryState, settings: Settings,
     stamp = {}
     for k, v in coords.items():
         key = _RL_KEYS.get(k)
-        if key is not None:
-            cls = type(v)
-            if cls is str or cls is bool or (cls is int and -_INT64 <= v < _INT64) or attr_ok(v):
-                stamp[key] = v
+        if key is not None and attr_ok(v):
+            stamp[key] = v
     if extra:
         stamp.update({f"rl.extra.{k}": v for k, v in extra.items() if attr_ok(v)})
     return coords, extra, stamp

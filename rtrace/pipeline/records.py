@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from .._serialize import ListSnapshot
 from ..trajectory import SpanRecord
 
-__all__ = ["CallSpec", "CallRecord", "TrajectoryState", "snapshot_args", "record_of", "start_end"]
+__all__ = ["CallSpec", "CallRecord", "TrajectoryState", "snapshot_args", "ids_of", "record_of", "start_end"]
 
 
 class CallSpec:
@@ -70,6 +70,16 @@ def snapshot_args(rec: Any) -> tuple:
 def start_end(span: SpanRecord) -> tuple[int, int]:
     """The sort key of spans in start order (ties by end): a key function, not a lambda per sort."""
     return span.start_ns, span.end_ns
+
+
+def ids_of(span: Any) -> tuple[int, int]:
+    """``(trace_id, span_id)`` of an ended span: rtrace's own spans carry them (no
+    SpanContext is made for them), an SDK span has them in its context."""
+    try:
+        return span.trace_id, span.span_id
+    except AttributeError:
+        ctx = span.context
+        return ctx.trace_id, ctx.span_id
 
 
 def record_of(span: Any, state: "TrajectoryState", span_id: int) -> Any:

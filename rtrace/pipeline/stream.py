@@ -21,7 +21,7 @@ from .._serialize import attr_ok, vouch
 from ..trajectory import SpanRecord, Trajectory
 from .annotations import Annotation
 from .builder import SpanConverter, _reward, coordinates
-from .records import TrajectoryState
+from .records import TrajectoryState, ids_of, record_of
 from .worker import _CHUNK, Pipeline
 
 __all__ = ["StreamPipeline", "ANNOTATION_SPAN"]
@@ -54,22 +54,15 @@ class StreamPipeline(Pipeline):
         unplain: set[int] = set()  # traces with a record that is not plain JSON data
         for i, span in enumerate(spans):
             spans[i] = None  # let it go once converted (as Pipeline._assemble)
-            try:  # one of rtrace's own spans: its ids as they are, no SpanContext made
-                trace_id, span_id = span.trace_id, span.span_id
-            except AttributeError:  # an SDK span
-                ctx = span.context
-                trace_id, span_id = ctx.trace_id, ctx.span_id
+            trace_id, span_id = ids_of(span)
             state, is_root = self.registry.arrive(trace_id, span_id)
             if state is None:
                 _stats.incr("spans_late")
                 continue
             before = values.unplain
             try:
-                # record_of(span, state, span_id), without the call
-                record = conv._span(span, span if getattr(span, "spec", None) is not None
-                                    else state.captures.pop(span_id, None), values)
-                if is_root or trace_id not in stamps:  # (_stamp does nothing for the others)
-                    self._stamp(state, record, is_root, stamps, conv)
+                record = conv.convert(span, record_of(span, state, span_id))
+                self._stamp(state, record, is_root, stamps, conv)
             except Exception:
                 _stats.incr("capture_errors")
                 _stats.warn_once("convert", "rtrace could not convert a span; it is dropped", exc_info=True)
@@ -78,10 +71,7 @@ class StreamPipeline(Pipeline):
                 unplain.add(trace_id)
             if is_root:
                 self.registry.remove(state)
-            shell = shells.get(trace_id)
-            if shell is None:
-                shell = self._shell(shells, state)
-            shell.spans.append(record)
+            self._shell(shells, state).spans.append(record)
         for state in prebuilt:  # log_rollout_batch: whole trajectories (not vouched for)
             for record in state.records:
                 self._stamp(state, record, record.span_id == format(state.root_span_id, "016x"), stamps, conv)

@@ -35,7 +35,7 @@ from .fanout import Fanout
 from .health import NO_REWARD, HealthChecker, finding
 from .messages import build_messages
 from .metrics import StepMetricsTracker
-from .records import TrajectoryState
+from .records import TrajectoryState, ids_of, record_of
 from .registry import TrajectoryRegistry
 
 __all__ = ["Pipeline", "ProcessorBridge"]
@@ -308,17 +308,12 @@ class Pipeline:
             # let each span go once converted (it holds what its call saw): a round of
             # thousands of spans would otherwise keep them all for Python's GC to walk
             spans[i] = None
-            try:  # one of rtrace's own spans: its ids as they are, no SpanContext made
-                trace_id, span_id = span.trace_id, span.span_id
-            except AttributeError:  # an SDK span
-                ctx = span.context
-                trace_id, span_id = ctx.trace_id, ctx.span_id
+            trace_id, span_id = ids_of(span)
             state, is_root = registry.arrive(trace_id, span_id)
             if state is None:  # ended after its root was assembled
                 _stats.incr("spans_late")
                 continue
-            # record_of(span, state, span_id), without the call
-            record = span if getattr(span, "spec", None) is not None else state.captures.pop(span_id, None)
+            record = record_of(span, state, span_id)
             if len(state.records) >= max_children and not is_root:
                 state.dropped_spans += 1
                 _stats.incr("spans_dropped_trajectory_limit")
@@ -332,7 +327,7 @@ class Pipeline:
                     pass  # finish() makes them again, and counts the trajectory it cannot build
             try:
                 stamp = state.coordinates[2] if state.coordinates is not None else None
-                state.add(conv._span(span, record, values, stamp))
+                state.add(conv.convert(span, record, stamp))
             except Exception:
                 _stats.incr("capture_errors")
                 _stats.warn_once("convert", "rtrace could not convert a span; it is dropped", exc_info=True)
