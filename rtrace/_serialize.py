@@ -477,12 +477,14 @@ class Converter:
 
     def _mapping(self, items: Iterable[tuple[Any, Any]], depth: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        secret = self._secret_keys
+        secret, texts = self._secret_keys, self._texts
         try:
             for k, v in items:
                 # a short ASCII key or value is what _str / _convert return for it, spent here
-                # without their calls (most keys and many values of RL captures)
-                if type(k) is str and len(k) < 12 and len(k) < self._left and k.isascii():
+                # without their calls (most keys and many values of RL captures); so is a
+                # longer ASCII key that the redaction memo holds as clean (``finish_reason``)
+                if type(k) is str and len(k) < self._left and k.isascii() and (
+                        len(k) < 12 or texts.get(k) == (k, 0)):
                     self._left -= len(k) + 1
                     key = k
                 else:
