@@ -477,3 +477,86 @@ class TestBehindSamplesPerStep:
         assert dropped > 0  # it did fall behind
         assert len(got) + dropped == len(sent)
         assert {t.step for t in got} == set(range(30))
+
+
+# ----------------------------------------------------------------------------- #25: sinks encode while hot
+class TestPrepare:
+    def test_prepare_runs_on_the_worker_thread_and_export_on_the_sinks(self, tmp_path):
+        """Sink.prepare is called on the pipeline's worker thread with each batch before it
+        is queued, export later on the sink's own thread with the same objects; a sink
+        without prepare is not asked."""
+        calls: list[tuple[str, str, list[int]]] = []
+
+        class Preparing(MemorySink):
+            name = "preparing"
+
+            def prepare(self, trajectories):
+                calls.append(("prepare", threading.current_thread().name, [id(t) for t in trajectories]))
+
+            def export(self, trajectories):
+                calls.append(("export", threading.current_thread().name, [id(t) for t in trajectories]))
+                super().export(trajectories)
+
+        sink, plain = Preparing(), MemorySink()
+        rtrace.configure(sinks=[sink, plain])
+        rollouts(5)
+        assert rtrace.flush(10)
+        prepared = [i for what, _, ids in calls if what == "prepare" for i in ids]
+        exported = [i for what, _, ids in calls if what == "export" for i in ids]
+        assert len(exported) == 5 and prepared == exported
+        assert {thread for what, thread, _ in calls if what == "prepare"} == {"rtrace-worker"}
+        assert {thread for what, thread, _ in calls if what == "export"} == {"rtrace-sink-preparing"}
+        assert [id(t) for t in plain.trajectories] == exported  # the same objects, untouched for the other sink
+
+    def test_a_prepare_that_raises_is_counted_and_export_still_writes(self, tmp_path):
+        """prepare failing costs nothing but its own work: counted, logged once, every
+        trajectory exported."""
+        class Broken(MemorySink):
+            name = "broken"
+
+            def prepare(self, trajectories):
+                raise RuntimeError("no")
+
+        sink = Broken()
+        rtrace.configure(sinks=[sink])
+        rollouts(3)
+        assert rtrace.flush(10)
+        assert len(sink.trajectories) == 3
+        assert rtrace.stats()["sink.broken.prepare_errors"] >= 1
+        assert rtrace.stats()["sink.broken.exported"] == 3
+
+    def test_jsonl_lines_encoded_in_prepare_are_exports_lines_and_let_go(self, tmp_path):
+        """The JSONL sink's lines made in prepare (the worker thread) are byte for byte
+        the lines export makes itself; export lets each go once written, and a trajectory
+        prepare could not encode is counted by export as before."""
+        from rtrace.config import load_settings
+        from rtrace.exporters.jsonl import _LINE, encode_line
+
+        memory = MemorySink()
+        rtrace.configure(sinks=[memory])
+        rollouts(4)
+        assert rtrace.flush(10)
+        trajs = memory.trajectories
+        expected = b"".join(encode_line(t)[0] for t in trajs)
+
+        path = tmp_path / "out.jsonl"
+        sink = JsonlSink(load_settings({"jsonl_path": str(path)}, environ={}))
+        sink.prepare(trajs)
+        assert all(_LINE in t.__dict__ for t in trajs)
+        sink.export(trajs)
+        sink.shutdown()
+        assert path.read_bytes() == expected
+        assert not any(_LINE in t.__dict__ for t in trajs)
+
+        class Unencodable:  # what encode_line cannot write, prepared or not
+            def to_dict(self):
+                raise ValueError("no")
+
+        bad = Unencodable()
+        before = rtrace.stats().get("sink.jsonl.unwritable_trajectories", 0)
+        sink = JsonlSink(load_settings({"jsonl_path": str(path)}, environ={}))
+        sink.prepare([bad])
+        sink.export([bad])
+        sink.shutdown()
+        assert rtrace.stats()["sink.jsonl.unwritable_trajectories"] == before + 1
+        assert path.read_bytes() == expected

@@ -64,6 +64,21 @@ class Sink:
         """
         raise NotImplementedError
 
+    def prepare(self, trajectories: Sequence[Trajectory]) -> None:
+        """Optional: CPU work on trajectories about to be queued for this sink (encoding
+        them; never I/O, never a lock another thread holds), called from the pipeline's
+        worker thread as soon as it has built them, while they are in the CPU's caches.
+        :meth:`export` gets the same objects later on the sink's thread, after other work
+        has evicted them: JSONL lines took 3-4x as long to encode there
+        (docs/architecture.md). It must not change the trajectories' data (other sinks
+        read them); it may attach its result for :meth:`export` to find, and export must
+        still do the work for a trajectory without it. Whatever it raises is counted
+        (``sink.<name>.prepare_errors``) and logged once.
+
+        Args:
+            trajectories: the batch, before it is queued.
+        """
+
     def export_step_metrics(self, metrics: Sequence[StepMetrics]) -> None:
         """Optional: write the metrics of finished RL steps (docs/metrics.md), computed by
         the pipeline over the whole job. Called from the sink's thread, in step order.

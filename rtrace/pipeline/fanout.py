@@ -60,6 +60,16 @@ class SinkWorker:
     def _count(self, what: str, n: int) -> None:
         _stats.incr(f"sink.{self.name}.{what}", n)
 
+    def prepare(self, trajectories: list[Trajectory]) -> None:
+        """``sink.prepare`` on the pipeline's thread (:meth:`Sink.prepare`); a failure is
+        counted, and export then does the work."""
+        try:
+            self.sink.prepare(trajectories)
+        except Exception:
+            self._count("prepare_errors", 1)
+            _stats.warn_once(f"sink-prepare-{self.name}", "rtrace sink %r failed in prepare", self.name,
+                             exc_info=True)
+
     def submit(self, batch: list[Trajectory]) -> None:
         """Queue a batch (never blocks). ``batch`` may be queued for other sinks too: it
         is never changed; a full queue makes new lists (:meth:`_thin`)."""
@@ -283,6 +293,8 @@ class Fanout:
     def __init__(self, sinks: Sequence[Sink], batch_size: int, queue_size: int, timeout_s: float) -> None:
         self.batch_size = batch_size
         self.workers = [SinkWorker(sink, queue_size, timeout_s, batch_size) for sink in sinks]
+        #: the sinks that encode on the pipeline's thread, while the trajectories are hot (Sink.prepare)
+        self._preparing = [w for w in self.workers if type(w.sink).prepare is not Sink.prepare]
 
     @property
     def wants_step_metrics(self) -> bool:
@@ -293,6 +305,8 @@ class Fanout:
         return any(getattr(type(w.sink), "export_step_metrics", base) is not base for w in self.workers)
 
     def submit(self, trajectories: list[Trajectory]) -> None:
+        for worker in self._preparing:
+            worker.prepare(trajectories)
         size = self.batch_size
         for i in range(0, len(trajectories), size):
             batch = trajectories[i:i + size]
