@@ -69,7 +69,7 @@ class Sink:
         them; never I/O, never a lock another thread holds), called from the pipeline's
         worker thread as soon as it has built them, while they are in the CPU's caches.
         :meth:`export` gets the same objects later on the sink's thread, after other work
-        has evicted them: JSONL lines took 3-4x as long to encode there
+        has evicted them: JSONL lines took 2-4x as long to encode there
         (docs/architecture.md). It must not change the trajectories' data (other sinks
         read them); it may attach its result for :meth:`export` to find, and export must
         still do the work for a trajectory without it. Whatever it raises is counted

@@ -14,7 +14,7 @@ from converted values only, none of them NaN or kept as it was): 19 instead of 4
 
 Lines are encoded in :meth:`JsonlSink.prepare`, on the pipeline's worker thread right
 after it built the batch (the trajectories are still in the CPU's caches there; on the
-sink's thread the same encoding took 3-4x as long), and :meth:`JsonlSink.export` writes
+sink's thread the same encoding took 2-4x as long), and :meth:`JsonlSink.export` writes
 them; it encodes itself what prepare did not (a trajectory given to ``export`` directly).
 
 Each trajectory is encoded on its own: one that does not encode as it is (a lone
