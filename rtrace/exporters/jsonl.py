@@ -112,7 +112,8 @@ class JsonlSink(Sink):
         for traj in trajectories:
             try:
                 # the line prepare() made, let go of here: other sinks may hold the trajectory longer
-                prepared = traj.__dict__.pop(_LINE, None)
+                own = getattr(traj, "__dict__", None)
+                prepared = own.pop(_LINE, None) if own is not None else None
                 line, was_degraded = prepared if prepared is not None else encode_line(traj)
             except Exception:
                 unwritable += 1
