@@ -481,10 +481,10 @@ class TestBehindSamplesPerStep:
 
 # ----------------------------------------------------------------------------- #25: sinks encode while hot
 class TestPrepare:
-    def test_prepare_runs_on_the_worker_thread_and_export_on_the_sinks(self, tmp_path):
+    def test_prepare_runs_on_the_worker_thread_and_export_on_the_sinks(self):
         """Sink.prepare is called on the pipeline's worker thread with each batch before it
-        is queued, export later on the sink's own thread with the same objects; a sink
-        without prepare is not asked."""
+        is queued, export later on the sink's own thread with the same objects, which a
+        sink without prepare gets too."""
         calls: list[tuple[str, str, list[int]]] = []
 
         class Preparing(MemorySink):
@@ -508,7 +508,7 @@ class TestPrepare:
         assert {thread for what, thread, _ in calls if what == "export"} == {"rtrace-sink-preparing"}
         assert [id(t) for t in plain.trajectories] == exported  # the same objects, untouched for the other sink
 
-    def test_a_prepare_that_raises_is_counted_and_export_still_writes(self, tmp_path):
+    def test_a_prepare_that_raises_is_counted_and_export_still_writes(self):
         """prepare failing costs nothing but its own work: counted, logged once, every
         trajectory exported."""
         class Broken(MemorySink):
@@ -560,3 +560,31 @@ class TestPrepare:
         sink.shutdown()
         assert rtrace.stats()["sink.jsonl.unwritable_trajectories"] == before + 1
         assert path.read_bytes() == expected
+
+    def test_a_sink_that_is_behind_is_not_prepared_for(self):
+        """While a sink's queue is full, the worker does not prepare batches for it (it
+        thins them; its export encodes what it keeps): every trajectory is still written
+        or counted as dropped, and those prepared are among the written."""
+        class SlowPreparing(Gate):
+            name = "slow"
+
+            def __init__(self):
+                super().__init__()
+                self.prepared: list[int] = []
+
+            def prepare(self, trajectories):
+                self.prepared.extend(id(t) for t in trajectories)
+
+        sink = SlowPreparing()
+        rtrace.configure(sinks=[sink], sink_queue_size=1, max_export_batch_size=1, export_interval_s=0.01)
+        rollouts(1, step=0)
+        assert sink.entered.wait(10)  # the sink's thread holds one batch; its queue takes one more
+        for step in range(1, 6):
+            rollouts(1, step=step)
+            wait_for(lambda s=step: rtrace.stats()["trajectories_completed"] == s + 1)
+        sink.release.set()
+        assert rtrace.flush(10) is False  # it dropped some: flush says not everything was written
+        dropped = rtrace.stats()["sink.slow.dropped_trajectories"]
+        assert dropped > 0 and sink.exported + dropped == 6
+        assert len(sink.prepared) == 2  # the batch it was exporting and the one that filled its queue
+        assert set(sink.prepared) <= {id(t) for t in sink.got}

@@ -72,7 +72,8 @@ class Sink:
         has evicted them: JSONL lines took 2-4x as long to encode there
         (docs/architecture.md). It must not change the trajectories' data (other sinks
         read them); it may attach its result for :meth:`export` to find, and export must
-        still do the work for a trajectory without it. Whatever it raises is counted
+        still do the work for a trajectory without it (a sink whose queue is full is not
+        prepared for: it thins what it gets). Whatever it raises is counted
         (``sink.<name>.prepare_errors``) and logged once.
 
         Args:

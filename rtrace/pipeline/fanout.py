@@ -270,6 +270,11 @@ class SinkWorker:
                          "or in-flight trajectories abandoned", self.name, lost)
 
 
+def _implements(sink: Sink, method: str) -> bool:
+    """Does ``sink``'s class override the optional :class:`Sink` method ``method``?"""
+    return getattr(type(sink), method, None) is not getattr(Sink, method)
+
+
 def _sample_only(traj: Trajectory) -> bool:
     """Kept only as part of the step's sample (not for an error or a tail): dropped first."""
     return traj.status != "error" and all(reason == "sampled" for reason in traj.kept)
@@ -294,19 +299,21 @@ class Fanout:
         self.batch_size = batch_size
         self.workers = [SinkWorker(sink, queue_size, timeout_s, batch_size) for sink in sinks]
         #: the sinks that encode on the pipeline's thread, while the trajectories are hot (Sink.prepare)
-        self._preparing = [w for w in self.workers if type(w.sink).prepare is not Sink.prepare]
+        self._preparing = [w for w in self.workers if _implements(w.sink, "prepare")]
 
     @property
     def wants_step_metrics(self) -> bool:
         """Does any sink write step metrics (implements ``export_step_metrics``: trackio,
         MLflow, a sink of the application's)? If none does, the pipeline does not compute
         them (a fifth of the worker's time with a JSONL or OTLP sink alone)."""
-        base = Sink.export_step_metrics
-        return any(getattr(type(w.sink), "export_step_metrics", base) is not base for w in self.workers)
+        return any(_implements(w.sink, "export_step_metrics") for w in self.workers)
 
     def submit(self, trajectories: list[Trajectory]) -> None:
         for worker in self._preparing:
-            worker.prepare(trajectories)
+            # a sink that is behind (its queue full) thins what it gets: encoding it here
+            # would spend the worker's time on trajectories it may drop; its export does it
+            if not worker.queue.full():
+                worker.prepare(trajectories)
         size = self.batch_size
         for i in range(0, len(trajectories), size):
             batch = trajectories[i:i + size]
