@@ -47,7 +47,7 @@ from .fanout import Fanout
 from .otlp_receiver import Backpressure, OtlpReceiver, TlsFiles, attributes, count_spans, spans_of
 from .records import TrajectoryState
 from .sampling import selector_for
-from .stream import ANNOTATION_SPAN
+from .stream import ANNOTATION_SPAN, ANNOTATIONS_ATTR, MESSAGES_ATTR
 from .token2text import Token2Text, check_tokenizer
 from .worker import Pipeline
 
@@ -208,8 +208,21 @@ class CollectorPipeline(Pipeline):
             if "rl.reward" in attrs:
                 state.reward, state.has_reward = attrs["rl.reward"], True
             state.outcome = {k[len("rl.outcome."):]: v for k, v in attrs.items() if k.startswith("rl.outcome.")}
+            if MESSAGES_ATTR in record.attributes or ANNOTATIONS_ATTR in record.attributes:
+                _uncarry(state, record.attributes)
             arrived.append(state)
         state.add(record)
+
+
+def _uncarry(state: TrajectoryState, attrs: dict[str, Any]) -> None:
+    """A prebuilt trajectory's conversation and annotations, carried on its root by the
+    worker (pipeline/stream.py), back on the trajectory and off the span."""
+    messages = _json(attrs.pop(MESSAGES_ATTR, None))
+    if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
+        state.messages = messages
+    annotations = _json(attrs.pop(ANNOTATIONS_ATTR, None))
+    if isinstance(annotations, dict):
+        state.annotations.update(annotations)
 
 
 class _Refused(Exception):

@@ -17,14 +17,14 @@ import time
 from typing import Any
 
 from .. import _ids, _stats
-from .._serialize import attr_ok, vouch
+from .._serialize import attr_ok, json_safe, json_text, vouch
 from ..trajectory import SpanRecord, Trajectory
 from .annotations import Annotation
 from .builder import SpanConverter, _reward, coordinates
 from .records import TrajectoryState, ids_of, record_of
 from .worker import _CHUNK, Pipeline
 
-__all__ = ["StreamPipeline", "ANNOTATION_SPAN"]
+__all__ = ["StreamPipeline", "ANNOTATION_SPAN", "MESSAGES_ATTR", "ANNOTATIONS_ATTR"]
 
 #: Name of the span that carries an annotation to the collector.
 ANNOTATION_SPAN = "rtrace.annotation"
@@ -72,9 +72,13 @@ class StreamPipeline(Pipeline):
             if is_root:
                 self.registry.remove(state)
             self._shell(shells, state).spans.append(record)
-        for state in prebuilt:  # log_rollout_batch: whole trajectories (not vouched for)
+        for state in prebuilt:  # log_rollout_batch, the adapters: whole trajectories (not vouched for)
+            root_id = format(state.root_span_id, "016x")
             for record in state.records:
-                self._stamp(state, record, record.span_id == format(state.root_span_id, "016x"), stamps, conv)
+                is_root = record.span_id == root_id
+                self._stamp(state, record, is_root, stamps, conv)
+                if is_root:
+                    _carry(state, record)
             self._shell(shells, state).spans.extend(state.records)
             unplain.add(state.trace_id)
         for trace_id, shell in shells.items():
@@ -125,6 +129,22 @@ class StreamPipeline(Pipeline):
             shell = shells[state.trace_id] = Trajectory(trace_id=format(state.trace_id, "032x"), name=state.name,
                                                         spans=[])
         return shell
+
+
+#: Root attributes that carry what a prebuilt trajectory holds beside its spans (the
+#: conversation an adapter or ``log_rollout_batch(messages=)`` gave, the annotations it
+#: set): the collector puts them back on the trajectory and off the span (``unpack_carried``).
+MESSAGES_ATTR = "rtrace.carried.messages"
+ANNOTATIONS_ATTR = "rtrace.carried.annotations"
+
+
+def _carry(state: TrajectoryState, root: SpanRecord) -> None:
+    """Put a prebuilt trajectory's conversation and annotations on its root (JSON text),
+    so the collector writes what one process would have written."""
+    if state.messages:
+        root.attributes[MESSAGES_ATTR] = json_text(json_safe(state.messages))
+    if state.annotations:
+        root.attributes[ANNOTATIONS_ATTR] = json_text(json_safe(state.annotations))
 
 
 def _annotation_shell(ann: Annotation) -> Trajectory:

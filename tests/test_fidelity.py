@@ -1,0 +1,107 @@
+"""The same trajectory in every mode: what one process writes, a collector writes too.
+
+Each producer runs twice: in one process (JSONL sink), and as a rollout worker streaming
+to an rtrace collector in this process (``RTRACE_EXPORTER=collector``, the collector
+writing JSONL). The written records are compared field by field, ids and times aside.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import rtrace
+from rtrace.exporters.jsonl import read_jsonl
+from rtrace.instrumentation.turns import Turn, sample_state, submit
+
+pytest.importorskip("grpc")
+
+_IDS_AND_TIMES = ("trace_id", "span_id", "parent_id", "start_ns", "end_ns", "duration_ms")
+
+
+def _normal(traj) -> dict:
+    """A written trajectory without its ids and times (those differ between runs)."""
+    data = traj.to_dict()
+    for key in _IDS_AND_TIMES:
+        data.pop(key, None)
+    for span in data.get("spans", []):
+        for key in _IDS_AND_TIMES:
+            span.pop(key, None)
+    return json.loads(json.dumps(data, sort_keys=True, default=str))
+
+
+def _both_ways(produce, tmp_path, **settings) -> tuple[list[dict], list[dict]]:
+    """``produce()`` in one process, then as a worker of a collector: both outputs."""
+    one = tmp_path / "one.jsonl"
+    rtrace.configure(exporter="jsonl", jsonl_path=str(one), **settings)
+    produce()
+    assert rtrace.flush(30)
+    rtrace.shutdown()
+    through = tmp_path / "collector.jsonl"
+    collector = rtrace.start_collector(exporter="jsonl", jsonl_path=str(through), settle_s=0.2, **settings)
+    try:
+        rtrace.configure(exporter="collector", collector_endpoint=collector.endpoint)
+        produce()
+        assert rtrace.flush(30)
+        rtrace.shutdown()
+        assert collector.flush(30)
+    finally:
+        collector.stop()
+
+    def key(t):
+        return (t["validate"], t["step"], t["sample_index"] if t["sample_index"] is not None else -1,
+                t["rollout_n"] if t["rollout_n"] is not None else -1)
+
+    return (sorted((_normal(t) for t in read_jsonl(one)), key=key),
+            sorted((_normal(t) for t in read_jsonl(through)), key=key))
+
+
+def _batch_with_messages():
+    rtrace.log_rollout_batch(
+        step=1, input_ids=[[1, 2, 3, 10, 11], [1, 2, 3, 12, 13]], prompt_lengths=[3, 3], rewards=[1.0, 0.0],
+        messages=[[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+                  [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "5"}]])
+
+
+def _prebuilt_like_the_adapters():
+    # TRL: the chat messages it was given and the advantage of its private state; SkyRL:
+    # system / user / observation messages; an outcome per reward function
+    states = []
+    for n, (reward, advantage) in enumerate([(1.0, 0.5), (0.0, -0.5)]):
+        st = sample_state({"step": 2, "sample_index": 0, "rollout_n": n, "validate": False, "group_id": "p0",
+                           "policy_version": 1}, [1, 2], [Turn("assistant", [5, 6, 7], finish_reason="stop"),
+                                                          Turn("tool", [8, 9], name="sql"),
+                                                          Turn("assistant", [4], finish_reason="stop")],
+                          reward, outcome={"reward/accuracy": reward})
+        st.annotations["advantage"] = advantage
+        st.messages = [{"role": "system", "content": "You answer in SQL."},
+                       {"role": "user", "content": "How many rows?"},
+                       {"role": "assistant", "content": "SELECT count(*) FROM t"},
+                       {"role": "user", "content": "<observation>3</observation>"},
+                       {"role": "assistant", "content": "3" if reward else "4"}]
+        states.append(st)
+    submit(states)
+
+
+class TestPrebuiltTrajectories:
+    def test_log_rollout_batch_with_messages_is_identical(self, tmp_path):
+        """log_rollout_batch(messages=...): the given conversation arrives through a collector,
+        not one rebuilt from token ids."""
+        one, through = _both_ways(_batch_with_messages, tmp_path)
+        assert len(one) == 2 and one[0]["messages"][1]["content"] == "4"
+        assert through == one
+
+    def test_adapter_messages_and_annotations_are_identical(self, tmp_path):
+        """A prebuilt trajectory's chat messages and annotations (TRL's advantage, SkyRL's
+        observation turns) arrive through a collector as they were."""
+        one, through = _both_ways(_prebuilt_like_the_adapters, tmp_path)
+        assert [t["annotations"] for t in one] == [{"advantage": 0.5}, {"advantage": -0.5}]
+        assert one[0]["messages"][0] == {"role": "system", "content": "You answer in SQL."}
+        assert through == one
+
+    def test_the_carried_fields_do_not_show_as_span_attributes(self, tmp_path):
+        """What the worker carries on the root for the collector is not left on the span."""
+        _, through = _both_ways(_prebuilt_like_the_adapters, tmp_path)
+        for traj in through:
+            assert not [k for s in traj["spans"] for k in s["attributes"] if k.startswith("rtrace.carried.")]
