@@ -14,6 +14,7 @@ import pytest
 import rtrace
 from rtrace.exporters.jsonl import read_jsonl
 from rtrace.instrumentation.turns import Turn, sample_state, submit
+from rtrace.pipeline.sampling import priority
 
 pytest.importorskip("grpc")
 
@@ -105,3 +106,58 @@ class TestPrebuiltTrajectories:
         _, through = _both_ways(_prebuilt_like_the_adapters, tmp_path)
         for traj in through:
             assert not [k for s in traj["spans"] for k in s["attributes"] if k.startswith("rtrace.carried.")]
+
+
+# ----------------------------------------------------------------------------- sampling
+@rtrace.traced_generation
+def _gen(prompt_ids, reply):
+    return {"response_ids": list(reply), "finish_reason": "stop"}
+
+
+@rtrace.traced_tool(tool_name="calculator")
+def _calc(expression):
+    return "4"
+
+
+def _rollouts(n: int, unhealthy=lambda i: False, step: int = 1) -> None:
+    """``n`` rollouts of one step, 6 spans each; those ``unhealthy(i)`` says have an empty reply."""
+    for i in range(n):
+        with rtrace.rollout_context(step=step, sample_index=i, rollout_n=0):
+            _gen([1, 2, 3], [4, 5])
+            _calc("2+2")
+            _gen([1, 2, 3, 4, 5, 6], [7])
+            _calc("3+3")
+            _gen([1, 2, 3, 4, 5, 6, 7, 8], [] if unhealthy(i) else [9])
+            rtrace.record_reward(float(i % 2))
+
+
+def _lowest(indices, k, seed=0):
+    return set(sorted(indices, key=lambda i: priority({"step": 1, "sample_index": i, "rollout_n": 0,
+                                                        "validate": False}, seed, False))[:k])
+
+
+class TestWholeStepSampling:
+    def test_flush_samples_from_the_whole_backlog(self):
+        """3,000 queued rollouts of one step, cap 8 with tail keeping, then flush(): the kept
+        sample is the 8 of lowest priority among all 3,000 (the worker takes its backlog in
+        parts: releasing after the first part sampled from its first ~64), none late."""
+        with rtrace.testing.capture(max_traces_per_step=8, keep_unhealthy=8, export_interval_s=60) as got:
+            _rollouts(3000)
+            trajs, stats = got.trajectories, got.stats()
+        assert {t.sample_index for t in trajs if "sampled" in t.kept} == _lowest(range(3000), 8)
+        assert len(trajs) == 8
+        assert stats.get("trajectories_late_step", 0) == 0
+
+    def test_keep_unhealthy_keeps_n_past_the_cap(self):
+        """200 rollouts, every other one unhealthy, cap 8, keep_unhealthy 8: the 8 sampled, and
+        8 unhealthy ones more that the sample did not keep (the 8 of lowest priority among
+        them), each tagged `unhealthy` only; a sampled unhealthy rollout is `sampled` only."""
+        with rtrace.testing.capture(max_traces_per_step=8, keep_unhealthy=8, export_interval_s=60) as got:
+            _rollouts(200, unhealthy=lambda i: i % 2 == 0)
+            trajs, stats = got.trajectories, got.stats()
+        sampled = {t.sample_index for t in trajs if t.kept == ["sampled"]}
+        tail = {t.sample_index for t in trajs if t.kept == ["unhealthy"]}
+        assert sampled == _lowest(range(200), 8)
+        assert tail == _lowest([i for i in range(0, 200, 2) if i not in sampled], 8)
+        assert len(trajs) == 16 and all(t.health for t in trajs if t.sample_index in tail)
+        assert stats["trajectories_kept_unhealthy"] == 8

@@ -131,8 +131,11 @@ class StepSelector:
       seed). ``groups`` keeps GRPO groups whole (exact when ``cap`` is a multiple of the
       group size); ``prompts`` drops the step from the hash, so the same prompts are kept
       at every step where they recur.
-    * **error**: up to ``keep_errors`` trajectories that ended in error or were truncated;
-    * **unhealthy**: up to ``keep_unhealthy`` trajectories with a rollout-health finding;
+    * **error**: up to ``keep_errors`` trajectories that ended in error or were truncated,
+      past the cap: chosen among those the sample did not keep (a failed trajectory the
+      sample kept is ``sampled`` only);
+    * **unhealthy**: up to ``keep_unhealthy`` trajectories with a rollout-health finding,
+      past the cap in the same way;
     * **best** / **worst**: the ``keep_extremes`` highest and lowest by ``keep_by``;
     * **zero_variance**: up to ``keep_zero_variance`` groups whose rewards are all equal
       (the lowest-priority groups among at most ``2 * keep_zero_variance`` candidates
@@ -198,10 +201,12 @@ class StepSelector:
         if cap and (len(entry.sample) < cap or rank > entry.sample[0][0]):
             self._push(entry, entry.sample, cap, (rank, uid))
         if tail is not None:
+            # The error and unhealthy tails are kept past the cap: up to ``cap`` of their
+            # candidates may end in the sample, so each holds ``cap`` more than it keeps.
             if self.keep_errors and tail.failed:
-                self._push(entry, entry.errors, self.keep_errors, (rank, uid))
+                self._push(entry, entry.errors, self.keep_errors + cap, (rank, uid))
             if self.keep_unhealthy and tail.unhealthy:
-                self._push(entry, entry.unhealthy, self.keep_unhealthy, (rank, uid))
+                self._push(entry, entry.unhealthy, self.keep_unhealthy + cap, (rank, uid))
             if self.keep_extremes and tail.value is not None:
                 self._push(entry, entry.best, self.keep_extremes, ((tail.value, rank), uid))
                 self._push(entry, entry.worst, self.keep_extremes, ((-tail.value, rank), uid))
@@ -276,9 +281,13 @@ class StepSelector:
             if not (force or (later_seen and now - entry.last >= self.linger_s)):
                 continue
             del self._open[key]
-            reasons: dict[int, list[str]] = {}
-            for name, heap in (("sampled", entry.sample), ("error", entry.errors), ("unhealthy", entry.unhealthy),
-                               ("best", entry.best), ("worst", entry.worst)):
+            reasons: dict[int, list[str]] = {uid: ["sampled"] for _, uid in entry.sample}
+            for name, heap, size in (("error", entry.errors, self.keep_errors),
+                                     ("unhealthy", entry.unhealthy, self.keep_unhealthy)):
+                past = [uid for _, uid in sorted(heap, reverse=True) if "sampled" not in reasons.get(uid, ())]
+                for uid in past[:size]:
+                    reasons.setdefault(uid, []).append(name)
+            for name, heap in (("best", entry.best), ("worst", entry.worst)):
                 for _, uid in sorted(heap, reverse=True):
                     reasons.setdefault(uid, []).append(name)
             zero = sorted((g for g in entry.groups.values() if len(g[2]) >= 2), key=lambda g: g[0])

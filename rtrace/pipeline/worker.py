@@ -83,8 +83,10 @@ _CHUNK = 384
 class Pipeline:
     """Collects the spans of registered trajectories and exports them from a worker thread."""
 
-    #: True while a flush is being served (the collector releases what it holds)
-    _flushing = False
+    #: True during the round that serves a flush request: its last part releases what the
+    #: selector holds and settle times are skipped (a round that was already running when
+    #: flush() was called does not: the rest of the backlog is in the next round)
+    _serving_flush = False
     #: a step's metrics wait this long after its last trajectory once a later step began
     metrics_linger_s = 1.0
     #: refuse new trajectories once shutdown starts (one process: the hot path may still
@@ -191,6 +193,7 @@ class Pipeline:
                     stopping = self._stopping
                 now = time.monotonic()
                 expire = stopping or now - last_expiry > min(1.0, self.settings.orphan_timeout_s)
+                self._serving_flush = bool(requests)
                 try:
                     self._round(now, expire, stopping)
                 except Exception:
@@ -216,13 +219,15 @@ class Pipeline:
         q = self._queue
         left = len(q)
         while left > _CHUNK:
-            self._chunk(now, False, False, _CHUNK)
+            self._chunk(now, False, False, _CHUNK, last=False)
             left -= _CHUNK
             now = time.monotonic()
         self._chunk(now, expire, force, left)
 
-    def _chunk(self, now: float, expire: bool, force: bool, n: int) -> None:
-        """One part of a round: the next ``n`` spans, and what finished with them."""
+    def _chunk(self, now: float, expire: bool, force: bool, n: int, last: bool = True) -> None:
+        """One part of a round: the next ``n`` spans, and what finished with them. Only the
+        round's ``last`` part may release a step's selection at a flush: a step is sampled
+        from its whole backlog, not from the first part of it."""
         q, pre, anns = self._queue, self._states, self._annotations
         spans = [q.popleft() for _ in range(n)]
         prebuilt = [pre.popleft() for _ in range(len(pre))]
@@ -235,7 +240,7 @@ class Pipeline:
         now = time.monotonic()  # roots arrived during the assembly, after the round's start
         candidates, self._waiting = self._waiting + arrived, []
         ready: list[TrajectoryState] = []
-        settle = not (force or self._flushing or self.settle_s <= 0)
+        settle = not (force or self._serving_flush or self.settle_s <= 0)
         table = self.annotations
         awaits = not force and bool(table.await_keys or table.await_eval_keys)
         for state in candidates:
@@ -257,7 +262,7 @@ class Pipeline:
                     _stats.incr("health_errors")
                     _stats.warn_once("health", "rtrace could not run the health checks on a trajectory",
                                      exc_info=True)
-        ready = self._select(ready, now, force)
+        ready = self._select(ready, now, force, last)
         if ready:
             self._export(ready, conv)
         conv.count()
@@ -274,9 +279,11 @@ class Pipeline:
         """The selector sampled ``state`` out: its annotations are then dropped cheaply."""
         self.annotations.remember(coord_key(state.coords), state.trace_id, "sampled_out")
 
-    def _select(self, states: list[TrajectoryState], now: float, force: bool) -> list[TrajectoryState]:
+    def _select(self, states: list[TrajectoryState], now: float, force: bool,
+                last: bool = True) -> list[TrajectoryState]:
         """Which finished trajectories go to the sinks now: all of them when sampling was
-        decided at their start, else what the selector keeps (and releases)."""
+        decided at their start, else what the selector keeps (and releases: at a flush or
+        stop only in a round's ``last`` part)."""
         selector = self.selector
         if selector is None:
             s = self.settings
@@ -293,7 +300,7 @@ class Pipeline:
             except Exception:
                 _stats.incr("trajectories_select_failed")
                 _stats.warn_once("select", "rtrace could not sample a trajectory; it is dropped", exc_info=True)
-        out.extend(selector.release(now, force or self._flushing))
+        out.extend(selector.release(now, last and (force or self._serving_flush)))
         return out
 
     def _assemble(self, spans: list[ReadableSpan], conv: SpanConverter) -> list[TrajectoryState]:
@@ -401,15 +408,11 @@ class Pipeline:
         if not self._worker.is_alive():
             return False
         done, markers = threading.Event(), []
-        self._flushing = True  # releases what the selector holds, skips settle times
-        try:
-            with self._cond:
-                self._flush_requests.append((done, markers))
-                self._cond.notify()
-            if not done.wait(max(0.0, deadline - time.monotonic())):
-                return False
-        finally:
-            self._flushing = False
+        with self._cond:  # the round that serves it releases what the selector holds
+            self._flush_requests.append((done, markers))
+            self._cond.notify()
+        if not done.wait(max(0.0, deadline - time.monotonic())):
+            return False
         ok = True
         for marker in markers:
             if marker is None or not marker.wait(max(0.0, deadline - time.monotonic())) or not marker.ok:
