@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--max-rate", action="append", default=[], metavar="[CHECK=]RATE",
                         help="threshold of --check: RATE for every check (default 0: any finding fails) or "
                              "CHECK=RATE for one, e.g. --max-rate token_continuity=0.01; repeatable")
+    report.add_argument("--require-reward", action="store_true",
+                        help="with --check: fail when no rollout of the run recorded a reward (by default a note: "
+                             "a job that computes rewards elsewhere, as veRL's agent loops by default)")
     report.add_argument("--max-chars", type=_positive, default=None,
                         help="the page cuts message contents to this many characters (default 4000)")
     return parser
@@ -191,10 +194,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "report":
         from .report import MAX_CHARS, run
 
-        if args.max_rate and not args.check:
-            parser.error("--max-rate is a threshold of --check: add --check")
+        if (args.max_rate or args.require_reward) and not args.check:
+            parser.error("--max-rate and --require-reward are options of --check: add --check")
         return run(args.paths, sys.stdout, args.html, health_check=args.check, max_rates=args.max_rate,
-                   max_chars=args.max_chars or MAX_CHARS)
+                   max_chars=args.max_chars or MAX_CHARS, require_reward=args.require_reward)
     parser.print_help()
     return 0 if args.command is None else 2
 

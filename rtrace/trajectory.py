@@ -161,6 +161,11 @@ class Trajectory:
     #: rollout-health findings, ``{"check": ..., "detail": ...}`` each; empty when healthy
     #: (docs/health.md). None: not checked (health checks off, or a file written before them).
     health: list[dict[str, str]] | None = None
+    #: the health checks that ran on it (a check needs what it checks: ``retokenization`` a
+    #: tokenizer; a segment gets no reward, staleness or coordinates checks). None: unknown
+    #: (no check ran, or a file written before this field): a report then says "not run" of
+    #: a check only when it knows.
+    health_checks: list[str] | None = None
 
     # ------------------------------------------------------------------ derived
     @property
@@ -290,6 +295,7 @@ class Trajectory:
             "num_tool_calls": kinds.count("tool"),
             "messages": self.messages,
             "health": self.health,
+            "health_checks": self.health_checks,
             "spans": [s.to_dict() for s in spans],
         }
 
@@ -320,6 +326,7 @@ class Trajectory:
             dropped_spans=int(data.get("dropped_spans", 0)),
             messages=data.get("messages") or [],
             health=data.get("health"),
+            health_checks=data.get("health_checks"),
         )
 
 

@@ -198,7 +198,9 @@ def health_job(worker: int) -> None:
                                             policy_version=step - (2 if p == 4 else 0)):
                     gen([1, 2, 3])
                     gen([1, 2, 3, 7, 8] if (p + r) % 3 else [1, 2, 9])  # a continuity break
-                    if (p + r + step) % 4:
+                    # each worker's first rollout has a reward: until the run has one, a missing
+                    # reward is counted, not flagged (and arrival order across workers varies)
+                    if (p + r + step + 1) % 4:
                         rtrace.record_reward(float(r))
         if step == 1 and worker == 1:
             with rtrace.rollout_context(step=1, sample_index=0, rollout_n=0, group_id="p0", policy_version=1):

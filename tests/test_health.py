@@ -67,15 +67,27 @@ class TestTokenContinuity:
                                                      "response at token 4 of 6 (expected id 5, got 9)")]
         assert f[(1, 1, 0)] == []
 
-    def test_a_dropped_final_stop_token_is_not_a_break(self):
-        """A loop that drops the reply's final token (its end-of-turn) to continue the same assistant
-        message, as SkyRL's single-turn mode does, re-tokenizes nothing; dropping another token is."""
-        with health_of() as got:
-            rollout([([1, 2, 3], [4, 5, 99], "stop"), ([1, 2, 3, 4, 5, 6], [8], "stop")], index=0)
-            rollout([([1, 2, 3], [4, 5, 99], "stop"), ([1, 2, 3, 4, 99, 6], [8], "stop")], index=1)
+    def test_a_dropped_final_stop_token_is_not_a_break(self, tok):
+        """A loop that drops the reply's final end-of-turn token (a special one: <|im_end|> = 2) to
+        continue the same assistant message, as SkyRL's single-turn mode does, re-tokenizes
+        nothing; dropping another token is."""
+        with health_of(tokenizer=tok) as got:
+            rollout([([1, 2, 3], [40, 50, 2], "stop"), ([1, 2, 3, 40, 50, 60], [8], "stop")], index=0)
+            rollout([([1, 2, 3], [40, 50, 2], "stop"), ([1, 2, 3, 40, 2, 60], [8], "stop")], index=1)
         f = findings(got.trajectories)
         assert f[(1, 0, 0)] == []
         assert [c for c, _ in f[(1, 1, 0)]] == ["token_continuity"]
+
+    @pytest.mark.parametrize("with_tokenizer", [True, False])
+    def test_a_replaced_last_content_token_is_a_break(self, tok, with_tokenizer):
+        """The reply's last token is a content token (12), and the next prompt has another in its
+        place (a reply cut at a stop string, re-rendered with the end token): a break, with or
+        without a tokenizer (without one no token is exempt)."""
+        with health_of(tokenizer=tok if with_tokenizer else None) as got:
+            rollout([([1, 2, 3], [10, 11, 12], "stop"), ([1, 2, 3, 10, 11, 2, 99], [8], "stop")])
+        ((check, detail),) = findings(got.trajectories)[(1, 0, 0)]
+        assert check == "token_continuity" and detail.startswith(
+            "turn 2: its prompt does not continue turn 1's prompt + response at token 5 of 6 (expected id 12, got 2)")
 
     def test_with_a_tokenizer_the_text_at_the_break_is_shown(self, tok):
         """With token2text, the finding shows the decoded text on both sides of the break."""
@@ -120,15 +132,56 @@ class TestRetokenization:
 
 class TestReward:
     def test_missing_and_non_finite_rewards(self):
-        """No reward by export, and a NaN reward, are flagged; a reward of 0.0 is not."""
+        """Once the run has rewards: no reward by export, a reward recorded as None, and a NaN
+        reward are flagged; a reward of 0.0 is not."""
         with health_of() as got:
+            rollout(HEALTHY, index=2, reward=0.0)
             rollout(HEALTHY, index=0, reward=None)
             rollout(HEALTHY, index=1, reward=float("nan"))
-            rollout(HEALTHY, index=2, reward=0.0)
-        f = findings(got.trajectories)
+            with rtrace.rollout_context(step=1, sample_index=3, rollout_n=0):
+                gen([1, 2, 3], [4])
+                rtrace.record_reward(None)  # a reward function that could not parse the answer
+            trajs = got.trajectories
+        f = findings(trajs)
         assert f[(1, 0, 0)] == [("reward", "no reward recorded or annotated by the time it was written")]
         assert f[(1, 1, 0)] == [("reward", "reward is nan")]
         assert f[(1, 2, 0)] == []
+        assert f[(1, 3, 0)] == [("reward", "the reward was recorded as None (a reward function that could not "
+                                           "score?)")]
+
+    def test_a_run_without_any_reward_is_said_once(self):
+        """A job that records no reward at all (veRL's agent loops by default): no per-rollout
+        finding, one counter per trajectory and one log line; a reward recorded as None is
+        still a finding, also with keep_unhealthy (kept for it, with the finding)."""
+        with health_of(max_traces_per_step=1, keep_unhealthy=4, sample_seed=1) as got:
+            for i in range(6):
+                rollout(HEALTHY, index=i, reward=None)
+            with rtrace.rollout_context(step=1, sample_index=9, rollout_n=0):
+                gen([1, 2, 3], [4])
+                rtrace.record_reward(None)
+            trajs, stats = got.trajectories, got.stats()
+        by_index = {t.sample_index: t for t in trajs}
+        assert [f["check"] for f in by_index[9].health] == ["reward"] and "unhealthy" in by_index[9].kept
+        assert all(t.health == [] for i, t in by_index.items() if i != 9)
+        assert stats["health_reward_never_recorded"] == 6
+
+    @pytest.mark.parametrize("kind", ["numpy", "torch"])
+    def test_numpy_and_torch_scalars_are_their_values(self, kind):
+        """An np.bool_ (or 0-d bool tensor) reward among floats is a bool among numbers; np.int64
+        (or 0-d tensor) step and policy_version make a staleness finding like Python ints."""
+        if kind == "numpy":
+            np = pytest.importorskip("numpy")
+            scalar, flag = np.int64, np.bool_
+        else:
+            torch = pytest.importorskip("torch")
+            scalar, flag = torch.tensor, lambda v: torch.tensor(v)
+        with health_of() as got:
+            for n, r in enumerate([0.5, 1.0, flag(True)]):
+                rollout(HEALTHY, step=scalar(5), index=scalar(0), n=n, reward=r, version=scalar(1), group_id="g")
+        f = findings(got.trajectories)
+        assert [c for c, _ in f[(5, 0, 2)]] == ["reward", "staleness"]
+        assert f[(5, 0, 2)][0][1].startswith("reward True is a bool in group 'g'")
+        assert f[(5, 0, 0)] == [("staleness", "step 5 - policy_version 1 = 4 > 1 (RTRACE_HEALTH_MAX_STALENESS)")]
 
     def test_an_annotated_reward_counts(self):
         """A reward annotated by the trainer (awaited) is a reward."""
@@ -147,18 +200,32 @@ class TestReward:
             [(f["check"], f["detail"]) for f in traj.health]
 
     def test_a_reward_on_another_scale_than_its_group(self):
-        """In a group scored 0/1, a rollout scored 87 is flagged; 0.5 and 5 (one order of
-        magnitude) are not, and neither is another group scored 0-100."""
+        """In a group scored 0/1, a rollout scored 87 is flagged; 0.5 and 5 are not, and neither
+        is another group scored 0-100."""
         with health_of() as got:
             for n, r in enumerate((0.0, 1.0, 87.0, 0.5, 5.0)):
                 rollout(HEALTHY, index=0, n=n, reward=r, group_id="g0")
             for n, r in enumerate((10.0, 90.0)):
                 rollout(HEALTHY, index=1, n=n, reward=r, group_id="g1")
         f = findings(got.trajectories)
-        assert f[(1, 0, 2)] == [("reward", "reward 87.0 is on another scale than reward 0.0 of its group 'g0' (two "
-                                           "or more orders of magnitude apart)")]
+        assert f[(1, 0, 2)] == [("reward", "reward 87.0 is on another scale than reward 1.0 of its group 'g0' (a "
+                                           "0-1 score and one above 10)")]
         assert [f[(1, 0, n)] for n in (0, 1, 3, 4)] == [[], [], [], []]
         assert f[(1, 1, 0)] == f[(1, 1, 1)] == []
+
+    @pytest.mark.parametrize("rewards", [
+        (1.0, 6.0, 10.0),            # a 1-10 judge
+        (0.0, 40.0, 75.0, 100.0),    # a 0-100 judge, 0 written first
+        (100.0, 0.0, 40.0, 75.0),    # the same, 100 first
+        (-1.0, 0.0, 1.0, 0.5),       # a signed 0/1 score
+        (0.0, 0.0, 0.0, 0.0),        # all failed
+    ])
+    def test_a_consistent_reward_scale_is_not_mixed(self, rewards):
+        """A consistent reward function is never called mixed, whatever comes first."""
+        with health_of() as got:
+            for n, r in enumerate(rewards):
+                rollout(HEALTHY, index=0, n=n, reward=r, group_id="g")
+        assert all(v == [] for v in findings(got.trajectories).values())
 
 
 class TestGeneration:
@@ -303,8 +370,8 @@ class TestWhereItShows:
         and says so (health None, no rates)."""
         sink = MetricsSink()
         with health_of(sinks=[sink], health_checks="reward,staleness") as got:
-            rollout(HEALTHY, index=0, reward=None)
             rollout(HEALTHY, index=1)
+            rollout(HEALTHY, index=0, reward=None)
         (m,) = sink.metrics
         rates = {k: v for k, v in m.values.items() if "/health/" in k}
         assert rates == {"rollout/health/reward_rate": 0.5, "rollout/health/staleness_rate": 0.0}
@@ -318,8 +385,9 @@ class TestWhereItShows:
         """The trackio header has `health` (searchable text), MLflow the `health` tag (failed
         checks, comma list), the OTLP root `rtrace.health.checks` and `rtrace.health`."""
         with health_of() as got:
+            rollout(HEALTHY, step=4, version=4)  # the run has a reward: a rollout without one is a finding
             rollout(HEALTHY, step=5, version=1, reward=None)
-        (traj,) = got.trajectories
+        (traj,) = [t for t in got.trajectories if t.step == 5]
         assert [f["check"] for f in traj.health] == ["reward", "staleness"]
         meta = trace_metadata(traj)
         assert meta["health"] == ("reward: no reward recorded or annotated by the time it was written; staleness: "
@@ -336,9 +404,10 @@ class TestWhereItShows:
         from rtrace.exporters.jsonl import read_jsonl
 
         rtrace.configure(exporter="jsonl", jsonl_path=str(jsonl_path), health_checks="all")
+        rollout(HEALTHY, index=1)
         rollout(HEALTHY, reward=None)
         assert rtrace.flush(30)
-        (traj,) = read_jsonl(jsonl_path)
+        (traj,) = [t for t in read_jsonl(jsonl_path) if t.sample_index == 0]
         assert traj.health == [{"check": "reward", "detail": "no reward recorded or annotated by the time it was "
                                                               "written"}]
 
@@ -450,3 +519,79 @@ class TestRoundTwoFindings:
         (t,) = got.trajectories
         assert t.reward == 0.25
         assert [c for c, _ in findings([t])[(1, 0, 0)]] == []
+
+
+class TestToolCallsMatched:
+    """Audit round 3: tool results matched by the tool spans too, every parsed call without
+    a run flagged (a loop that runs only the first of parallel calls)."""
+
+    @staticmethod
+    def _calls(*ids):
+        return [{"id": cid, "type": "function", "function": {"name": name, "arguments": "{}"}} for cid, name in ids]
+
+    def test_a_tool_message_without_tool_call_id_answers_its_call(self):
+        """The conversation's tool messages omit tool_call_id (Qwen and Hermes templates allow
+        it): the call is answered by position, or by the tool span that ran it (its
+        gen_ai.tool.call.id) when the conversation has no tool message at all; a call that
+        neither answers is still flagged."""
+        calls = self._calls(("c1", "calculator"))
+
+        @rtrace.traced_generation
+        def chat(messages, reply):
+            return {"response_ids": [4, 5], "finish_reason": "stop", "content": reply}
+
+        @rtrace.traced_tool(tool_name="calculator")
+        def calculator(tool_call_id, expression):
+            return "4"
+
+        user = {"role": "user", "content": "2+2?"}
+        asked = {"role": "assistant", "content": "", "tool_calls": calls}
+        with health_of() as got:
+            for index, (tool_msgs, run) in enumerate([([{"role": "tool", "content": "4"}], True),  # by position
+                                                      ([], True),                                   # by the span
+                                                      ([], False)]):                                # unanswered
+                with rtrace.rollout_context(step=1, sample_index=index, rollout_n=0):
+                    if run:
+                        calculator("c1", "2+2")
+                    chat([user, asked, *tool_msgs], "4")
+                    rtrace.record_reward(1.0)
+        f = findings(got.trajectories)
+        assert f[(1, 0, 0)] == f[(1, 1, 0)] == []
+        assert f[(1, 2, 0)] == [("generation", "tool call c1 (calculator) has no tool result")]
+
+    def test_a_dropped_parallel_call_is_flagged(self):
+        """Two parallel calls, one run: flagged with the one not run, from the generation's own
+        tool_calls and from a tool parser's output (veRL's extract_tool_calls returns
+        [text, calls]); both run: nothing."""
+        @rtrace.traced_generation
+        def chat(prompt_ids, calls):
+            out = {"response_ids": [4, 5], "finish_reason": "tool_calls", "content": ""}
+            if calls:
+                out["tool_calls"] = calls
+            else:  # the calls are in the text, for the parser
+                out["content"] = '<tool_call>{"name": "calculator"}</tool_call><tool_call>{"name": "search"}</tool_call>'
+            return out
+
+        @rtrace.traced(kind="chain", name="HermesToolParser.extract_tool_calls")
+        def extract_tool_calls(responses_ids):
+            return ["", [{"name": "calculator", "arguments": "{}"}, {"name": "search", "arguments": "{}"}]]
+
+        @rtrace.traced_tool(tool_name="search")
+        def search(tool_call_id, query):
+            return "found"
+
+        with health_of() as got:
+            for index, (own, ran) in enumerate([(True, 1), (True, 2), (False, 1), (False, 2)]):
+                with rtrace.rollout_context(step=1, sample_index=index, rollout_n=0):
+                    chat([1, 2, 3], self._calls(("c1", "calculator"), ("c2", "search")) if own else None)
+                    if not own:
+                        extract_tool_calls([4, 5])
+                    calc("2+2")
+                    if ran == 2:
+                        search("c2", "x")
+                    gen([1, 2, 3, 4, 5, 6, 7], [8], "stop")
+                    rtrace.record_reward(1.0)
+        f = findings(got.trajectories)
+        assert f[(1, 0, 0)] == [("generation", "turn 1: the model called 2 tools but 1 ran; not run: search (c2)")]
+        assert f[(1, 2, 0)] == [("generation", "turn 1: the model called 2 tools but 1 ran; not run: search")]
+        assert f[(1, 1, 0)] == f[(1, 3, 0)] == []

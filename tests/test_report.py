@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+import rtrace
 from rtrace.pipeline.metrics import StepStats
 from rtrace.pipeline.sampling import StepSelector, prompt_key
 from rtrace.report import plots
@@ -317,7 +318,7 @@ class TestHealth:
         assert one.returncode == 1 and "step 3: FAIL retokenization 1/12 = 8.33% > 0.05" in one.stdout
         assert "token_continuity" not in one.stdout.split("health check FAILED")[1]
         alone = _report(*paths, "--max-rate", "0.1", check=False)  # a threshold without --check checks nothing
-        assert alone.returncode == 2 and "--max-rate is a threshold of --check" in alone.stderr
+        assert alone.returncode == 2 and "--max-rate and --require-reward are options of --check" in alone.stderr
         bad = _report("--check", *paths, "--max-rate", "nope=0.1", check=False)
         assert bad.returncode == 2 and "unknown check 'nope'" in bad.stdout
         old = tmp_path / "old.jsonl"  # written before the health checks: no `health` key
@@ -325,6 +326,36 @@ class TestHealth:
                                for line in Path(paths[0]).read_text().splitlines()))
         none = _report("--check", old, check=False)
         assert none.returncode == 3 and "nothing was checked" in none.stdout
+
+    def test_checks_that_never_ran_and_a_run_without_rewards(self, tmp_path):
+        """Default checks (retokenization off) on a run that records no reward: the check lists
+        retokenization as "not run" (never a 0% rate) and says once that no rollout has a
+        reward, passing; --require-reward fails on it."""
+        import io
+
+        from rtrace.report import run
+
+        path = tmp_path / "t.jsonl"
+        rtrace.configure(exporter="jsonl", jsonl_path=str(path))
+
+        @rtrace.traced_generation
+        def gen(prompt_ids):
+            return {"response_ids": [4, 5], "finish_reason": "stop"}
+
+        for i in range(4):
+            with rtrace.rollout_context(step=1, sample_index=i, rollout_n=0):
+                gen([1, 2, 3])
+        assert rtrace.flush(30)
+        (h,) = step_health(read_records([str(path)])[0])
+        assert "health/retokenization_rate" not in h.rates() and h.not_run() == ["retokenization"]
+        out = io.StringIO()
+        assert run([str(path)], out, health_check=True) == 0
+        text = out.getvalue()
+        assert "step 1: ok (4 checked; not run: retokenization)" in text
+        assert "reward: no rollout of the run recorded a reward" in text and text.endswith("health check passed\n")
+        out = io.StringIO()
+        assert run([str(path)], out, health_check=True, require_reward=True) == 1
+        assert "  the run: no rollout recorded a reward (--require-reward)" in out.getvalue()
 
     def test_exit_codes_are_in_the_help(self):
         out = _report("--help").stdout

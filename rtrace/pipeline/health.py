@@ -11,20 +11,28 @@ when healthy); docs/health.md explains each check, its causes in real trainers a
 Checks (:data:`CHECKS`; all but ``retokenization`` on by default, ``RTRACE_HEALTH_CHECKS``):
 
 * ``token_continuity``: in a token-in-token-out loop, turn k+1's prompt ids start with
-  turn k's prompt ids + response ids (its final stop token may be left out: loops that
-  continue one assistant message drop it); a break means the conversation was re-tokenized
+  turn k's prompt ids + response ids (its final token may be left out when the tokenizer
+  says it is a special one, an end-of-turn: loops that continue one assistant message drop
+  it; without a tokenizer no token is exempt); a break means the conversation was re-tokenized
   (chat template re-rendered, special tokens stripped) and the trainer's log-probs are
   not those of what was sampled. The turn and first differing position are reported,
   with the decoded text around it when a tokenizer is set.
 * ``retokenization`` (off by default: one ``encode`` per generation): decoding a
   response and encoding the text again does not give back its ids.
-* ``reward``: none recorded or annotated by export; not finite; given to a trajectory
-  whose last generation is empty; two orders of magnitude off the other rewards of its
-  GRPO group (one rollout scored 0/1, another 0-100).
+* ``reward``: none recorded or annotated by export (while no rollout of the run has one,
+  this is said once for the run, not per rollout: ``health_reward_never_recorded``);
+  recorded as None; not finite; given to a trajectory whose last generation is empty; on
+  another scale than its GRPO group (a non-zero reward within [-1, 1] and one of magnitude
+  20 or more times larger and above 10: one rollout scored 0/1, another 0-100); a bool
+  among numbers.
 * ``generation``: an empty response; ids that decode to no text, or text without ids; a
   truncated final turn (finish reason ``length``); tool-call markup in a response after
-  which no tool ran (a call that failed to parse); an assistant tool call without a tool
-  result; a tool whose result is empty.
+  which no tool ran (a call that failed to parse); a parsed tool call (the generation's
+  own ``tool_calls``, or a tool parser's output) that no tool ran, each one, also when
+  others of the same turn ran (a loop that runs only the first of parallel calls); an
+  assistant tool call without a tool result (by ``tool_call_id``, by position when the
+  tool messages carry none, or by a tool span's ``gen_ai.tool.call.id``); a tool whose
+  result is empty.
 * ``staleness``: ``step - policy_version`` above ``RTRACE_HEALTH_MAX_STALENESS`` (the value
   is on every root that has both, as ``rl.staleness``).
 * ``coordinates``: two trajectories of one step with the same ``(sample_index,
@@ -35,6 +43,10 @@ Checks (:data:`CHECKS`; all but ``retokenization`` on by default, ``RTRACE_HEALT
 A *segment* (the part of a trajectory another process ran, written on its own in one
 process; the collector joins them) is checked for continuity and generations only: its
 reward and coordinates are those of the driver's part.
+
+Numpy and torch scalars (``np.int64`` steps, an ``np.bool_`` reward) are read as the
+Python values they hold in every check. Each checked trajectory lists the checks that ran
+on it (``Trajectory.health_checks``), so a report can say "not run" of the others.
 
 Two phases, because of what each needs: :meth:`HealthChecker.check_state` runs on a
 finished trajectory's converted spans before the per-step selection (so
@@ -75,6 +87,13 @@ TOOL_MARKUP = re.compile(r"<tool_call>|<\|python_tag\|>|\[TOOL_CALLS\]|<ï½œtoolâ
 #: The reward check's finding for a trajectory written without a reward. The worker drops
 #: it when the reward came while the sample held the trajectory (worker.Pipeline._export).
 NO_REWARD = "no reward recorded or annotated by the time it was written"
+#: The reward check's finding for a reward recorded as None (a reward function that could
+#: not score the answer): never dropped, the trajectory has no usable reward.
+NONE_REWARD = "the reward was recorded as None (a reward function that could not score?)"
+#: A non-zero reward within [-1, 1] and one at least this many times larger (and above
+#: :data:`_LARGE`) in one group: two scales (0/1 and 0-100) mixed.
+_SCALE_RATIO = 20.0
+_LARGE = 10.0
 
 
 def finding(check: str, detail: str) -> dict[str, str]:
@@ -90,6 +109,24 @@ def _gens(records: Iterable[SpanRecord]) -> list[SpanRecord]:
     return sorted([r for r in records if r.kind == "generation"], key=start_end)
 
 
+_PY = frozenset((int, float, bool, str, type(None)))
+
+
+def py(value: Any) -> Any:
+    """A numpy or torch scalar (``np.int64``, ``np.bool_``, a 0-d tensor) as the Python value
+    it holds; anything else as it is. Trainers hand such values everywhere: a check must
+    read ``np.int64(5)`` as 5 and ``np.bool_(True)`` as True."""
+    if type(value) in _PY:
+        return value
+    item = getattr(value, "item", None)
+    if item is not None and getattr(value, "shape", None) == ():
+        try:
+            return item()
+        except Exception:  # a tensor on a device that cannot be read here
+            return value
+    return value
+
+
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or value is None:
         return None
@@ -99,9 +136,15 @@ def _number(value: Any) -> float | None:
         return None
 
 
-def _magnitude(x: float) -> int:
-    """0 for |x| <= 1, else the number of digits before the point (10 -> 2, 87 -> 2)."""
-    return 0 if abs(x) <= 1 else int(math.floor(math.log10(abs(x)))) + 1
+def _scale(x: float) -> str | None:
+    """``unit`` for a non-zero reward within [-1, 1], ``large`` above :data:`_LARGE`, else
+    None: 0 belongs to every scale, and 1 < |x| <= 10 to both a 1-10 judge and a 0-100 one."""
+    a = abs(x)
+    if a == 0.0:
+        return None
+    if a <= 1.0:
+        return "unit"
+    return "large" if a > _LARGE else None
 
 
 class _StepMemory:
@@ -109,10 +152,11 @@ class _StepMemory:
 
     def __init__(self) -> None:
         self.coords: dict[tuple, int] = {}
-        #: group -> {magnitude class: first reward seen of that class}. The first rollout of
-        #: a group to arrive sets its scale: when that one is the outlier, the others are the
-        #: ones flagged (the finding still says the group mixes scales)
-        self.groups: dict[Any, dict[int, float]] = {}
+        #: group -> (scale, the reward that set it): the first reward of a group with a scale
+        #: (:func:`_scale`) sets the group's; one on the other scale is flagged and does not
+        #: change it (when the first was the outlier, the others are the ones flagged: the
+        #: finding still says the group mixes scales)
+        self.groups: dict[Any, tuple[str, float]] = {}
         #: group -> the kind of its first reward ("bool" or "number")
         self.kinds: dict[Any, str] = {}
         self.full = False
@@ -133,6 +177,12 @@ class HealthChecker:
         self.max_staleness = max_staleness
         self.tokenizer = tokenizer
         self._steps: OrderedDict[tuple[bool, Any], _StepMemory] = OrderedDict()
+        #: a rollout of this run had a reward: from then on, a trajectory without one is a finding
+        self._rewarded = False
+        #: (tokenizer, its special ids) of the last tokenizer asked
+        self._special: tuple[Any, frozenset[int]] = (None, frozenset())
+        self._ran = tuple(c for c in CHECKS if c in self.checks)
+        self._ran_segment = tuple(c for c in self._ran if c in ("token_continuity", "generation", "retokenization"))
 
     # ------------------------------------------------------------------ phase 1
     def check_state(self, state: Any) -> None:
@@ -159,9 +209,9 @@ class HealthChecker:
             # reward and coordinates belong to the driver's part, written on its own
             return
         if "reward" in on:
-            reward = state.annotations["reward"] if "reward" in state.annotations else (
-                state.reward if state.has_reward else None)
-            self._reward(reward, gens, coords, out)
+            recorded = "reward" in state.annotations or state.has_reward
+            reward = py(state.annotations["reward"] if "reward" in state.annotations else state.reward)
+            self._reward(reward, recorded, gens, coords, out)
         if "staleness" in on:
             stale = _staleness(coords)
             if stale is not None and stale > self.max_staleness:
@@ -177,10 +227,13 @@ class HealthChecker:
             if prev is not None and gen.prompt_ids is not None:
                 expected = prev.prompt_ids + prev.response_ids
                 got = gen.prompt_ids
-                # A loop may drop the reply's final stop token to continue the same assistant
-                # message (SkyRL's single-turn mode): nothing sampled is then re-tokenized.
+                # A loop may drop the reply's final end-of-turn token to continue the same
+                # assistant message (SkyRL's single-turn mode): nothing sampled is then
+                # re-tokenized. Only a special token may go: a content token left out or
+                # replaced (a reply cut at a stop string, re-rendered) is a break.
                 if got[:len(expected)] != expected and not (
-                        prev.response_ids and got[:len(expected) - 1] == expected[:-1]):
+                        prev.response_ids and got[:len(expected) - 1] == expected[:-1]
+                        and self._is_special(expected[-1])):
                     pos = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected),
                                                                                                    len(got)))
                     want = expected[pos] if pos < len(expected) else None
@@ -205,10 +258,31 @@ class HealthChecker:
                 name = rec.attributes.get("gen_ai.tool.name") or rec.name
                 out.append(finding("generation", f"tool {name}: empty result"))
 
-    def _reward(self, reward: Any, gens: list[SpanRecord], coords: dict[str, Any], out: list) -> None:
+    def _is_special(self, token: int) -> bool:
+        """True when the tokenizer (if any) says ``token`` is a special one (an end of turn)."""
+        tok = self.tokenizer()
+        if tok is None:
+            return False
+        if self._special[0] is not tok:
+            self._special = (tok, _special_ids(tok))
+        return token in self._special[1]
+
+    def _reward(self, reward: Any, recorded: bool, gens: list[SpanRecord], coords: dict[str, Any],
+                out: list) -> None:
         if reward is None:
-            out.append(finding("reward", NO_REWARD))
+            if recorded:
+                out.append(finding("reward", NONE_REWARD))
+            elif self._rewarded:
+                out.append(finding("reward", NO_REWARD))
+            else:
+                # No rollout of the run has a reward so far (a job that computes none, as
+                # veRL's agent loops by default): said once for the run, not per rollout.
+                _stats.incr("health_reward_never_recorded")
+                _stats.warn_once("health-no-reward", "rtrace: no rollout of this run has recorded a reward "
+                                 "(rtrace.record_reward / annotate reward=...): the reward check does not flag "
+                                 "each rollout until one has (counted in health_reward_never_recorded)")
             return
+        self._rewarded = True
         group = group_key(coords)
         memory = self._memory(coords) if group is not None else None
         if isinstance(reward, (int, float)):  # a bool too
@@ -229,21 +303,24 @@ class HealthChecker:
             out.append(finding("reward", f"reward {value!r} given to a trajectory whose last generation is empty"))
         if memory is None:
             return
-        classes = memory.groups.setdefault(group, {})
-        mine = _magnitude(value)
-        for other_class, other in classes.items():
-            if abs(other_class - mine) >= 2:
-                out.append(finding("reward", f"reward {value!r} is on another scale than reward {other!r} of its "
-                                             f"group {group!r} (two or more orders of magnitude apart)"))
-                return  # an outlier does not set its group's scale
-        classes.setdefault(mine, value)
+        mine = _scale(value)
+        if mine is None:
+            return
+        scale = memory.groups.get(group)
+        if scale is None:
+            memory.groups[group] = (mine, value)
+        elif scale[0] != mine:
+            small, large = (abs(value), abs(scale[1])) if mine == "unit" else (abs(scale[1]), abs(value))
+            if large >= _SCALE_RATIO * small:
+                out.append(finding("reward", f"reward {value!r} is on another scale than reward {scale[1]!r} of its "
+                                             f"group {group!r} (a 0-1 score and one above {_LARGE:g})"))
 
     def _duplicate(self, coords: dict[str, Any], trace_id: int, out: list) -> None:
-        index = coords.get("sample_index")
+        index = py(coords.get("sample_index"))
         if index is None:
             return
         memory = self._memory(coords)
-        key = (index, coords.get("rollout_n"))
+        key = (index, py(coords.get("rollout_n")))
         seen = memory.coords.get(key)
         if seen is not None:
             out.append(finding("coordinates", f"same (step {coords.get('step')}, sample_index {index}, rollout_n "
@@ -256,13 +333,21 @@ class HealthChecker:
             _stats.incr("health_steps_too_large")
 
     def _memory(self, coords: dict[str, Any]) -> _StepMemory:
-        key = (bool(coords.get("validate")), coords.get("step"))
+        key = (bool(py(coords.get("validate"))), py(coords.get("step")))
         memory = self._steps.get(key)
         if memory is None:
             memory = self._steps[key] = _StepMemory()
             if len(self._steps) > _STEPS_KEPT:
                 self._steps.popitem(last=False)
         return memory
+
+    def ran(self, traj: Trajectory) -> list[str]:
+        """The checks that ran on ``traj`` (after both phases): a segment has no reward,
+        staleness or coordinates checks, retokenization needs a tokenizer."""
+        names = self._ran_segment if traj.spans and traj.spans[0].kind == "segment" else self._ran
+        if "retokenization" in names and self.tokenizer() is None:
+            return [n for n in names if n != "retokenization"]
+        return list(names)
 
     # ------------------------------------------------------------------ phase 2
     def check_ids(self, trajectories: list[Trajectory]) -> None:
@@ -304,58 +389,116 @@ class HealthChecker:
                 elif n == 0 and text:
                     traj.health.append(finding("generation", f"turn {k}: text ({len(text)} chars) without "
                                                              "response token ids"))
-                ran = False
+                ran: list[SpanRecord] = []
                 for later in order[pos + 1:]:
                     if later.kind == "generation":
                         break
-                    ran = ran or later.kind == "tool"
+                    if later.kind == "tool":
+                        ran.append(later)
+                    elif not calls:
+                        calls = _parsed_calls(later)  # a tool parser's output (veRL's extract_tool_calls)
                 if calls and not ran:
-                    names = ", ".join(sorted({c for c in calls if c})) or "?"
+                    names = ", ".join(sorted({c[0] for c in calls if c[0]})) or "?"
                     traj.health.append(finding("generation", f"turn {k}: the model called {len(calls)} tool(s) "
                                                              f"({names}) but no tool ran"))
-                elif text and TOOL_MARKUP.search(text):
+                elif len(calls) > len(ran):
+                    missing = _not_run(calls, ran)
+                    traj.health.append(finding("generation", f"turn {k}: the model called {len(calls)} tools but "
+                                                             f"{len(ran)} ran; not run: {', '.join(missing)}"))
+                elif not calls and text and TOOL_MARKUP.search(text):
                     turn = traj.turn_of(span)
                     if not ran and not (turn or {}).get("tool_calls"):
                         traj.health.append(finding("generation", f"turn {k}: tool-call markup in the response but "
                                                                  "no tool ran (a call that failed to parse?)"))
-            answered, asked = set(), []  # one pass over the conversation
-            for msg in traj.messages:
-                if isinstance(msg, dict):
-                    role = msg.get("role")
-                    if role == "tool":
-                        answered.add(msg.get("tool_call_id"))
-                    elif role == "assistant" and msg.get("tool_calls"):
-                        asked.append(msg["tool_calls"])
-            for tool_calls in asked:
-                for call in tool_calls:
-                    cid = call.get("id") if isinstance(call, dict) else None
-                    if cid is not None and cid not in answered:
-                        name = (call.get("function") or {}).get("name")
-                        traj.health.append(finding("generation", f"tool call {cid} ({name}) has no tool result"))
+            for cid, name in _unanswered(traj):
+                traj.health.append(finding("generation", f"tool call {cid} ({name}) has no tool result"))
 
 
-def _structured_calls(span: SpanRecord) -> list[str]:
-    """The names of the tool calls a generation returned already parsed (an OpenAI-style
-    ``tool_calls`` list in its output or its ``message``); empty when none."""
+def _unanswered(traj: Trajectory) -> list[tuple[Any, Any]]:
+    """The assistant tool calls of the conversation that no tool answered: a tool message
+    answers by its ``tool_call_id``, or, without one (Qwen and Hermes templates allow
+    it), the first unanswered call before it; a tool span answers its
+    ``gen_ai.tool.call.id``."""
+    ran = {s.attributes.get("gen_ai.tool.call.id") for s in traj.spans if s.kind == "tool"}
+    pending: list[dict[str, Any]] = []  # calls of the conversation so far not yet answered
+    for msg in traj.messages:  # one pass over the conversation
+        if not isinstance(msg, dict):
+            continue
+        role = msg.get("role")
+        if role == "assistant" and isinstance(msg.get("tool_calls"), list):
+            pending.extend(c for c in msg["tool_calls"] if isinstance(c, dict))
+        elif role == "tool" and pending:
+            cid = msg.get("tool_call_id")
+            at = next((i for i, c in enumerate(pending) if c.get("id") == cid), None) if cid is not None else 0
+            if at is not None:
+                del pending[at]
+    return [(c.get("id"), (c.get("function") or {}).get("name")) for c in pending
+            if c.get("id") is not None and c.get("id") not in ran]
+
+
+def _not_run(calls: list[tuple[str, Any]], ran: list[SpanRecord]) -> list[str]:
+    """The parsed calls no tool span ran: by call id where both sides have one, else by
+    tool name (each run answers one call of its name), else the last ones."""
+    left = list(ran)
+    missing = []
+    for name, cid in calls:
+        hit = next((i for i, s in enumerate(left) if cid is not None
+                    and s.attributes.get("gen_ai.tool.call.id") == cid), None)
+        if hit is None:
+            hit = next((i for i, s in enumerate(left) if name and (s.attributes.get("gen_ai.tool.name") or s.name)
+                        == name), None)
+        if hit is None and not name and left:
+            hit = 0
+        if hit is None:
+            missing.append(f"{name or '?'}" + (f" ({cid})" if cid is not None else ""))
+        else:
+            del left[hit]
+    return missing or [f"{len(calls) - len(ran)} of them"]
+
+
+def _structured_calls(span: SpanRecord) -> list[tuple[str, Any]]:
+    """``(name, id)`` of the tool calls a generation returned already parsed (an
+    OpenAI-style ``tool_calls`` list in its output or its ``message``); empty when none."""
     out = span.output
     if not isinstance(out, dict):
         return []
     calls = out.get("tool_calls")
     if calls is None and isinstance(out.get("message"), dict):
         calls = out["message"].get("tool_calls")
+    return _calls(calls)
+
+
+def _parsed_calls(span: SpanRecord) -> list[tuple[str, Any]]:
+    """``(name, id)`` of the calls a tool parser returned, when ``span`` is one (not a
+    generation or a tool): its output a list of ``{"name", "arguments"}`` calls, or
+    ``[text, calls]`` (veRL's ``extract_tool_calls``)."""
+    if span.kind in ("generation", "tool"):
+        return []
+    out = span.output
+    if isinstance(out, list) and len(out) == 2 and isinstance(out[0], str) and isinstance(out[1], list):
+        out = out[1]
+    if not isinstance(out, list) or not out or not all(isinstance(c, dict) and "name" in c and "arguments" in c
+                                                       or isinstance(c, dict) and "function" in c for c in out):
+        return []
+    return _calls(out)
+
+
+def _calls(calls: Any) -> list[tuple[str, Any]]:
     if not isinstance(calls, list):
         return []
-    names = []
+    out = []
     for call in calls:
-        fn = call.get("function") if isinstance(call, dict) else None
-        name = (fn.get("name") if isinstance(fn, dict) else None) or (call.get("name") if isinstance(call, dict)
-                                                                      else None)
-        names.append(name if isinstance(name, str) else "")
-    return names
+        if not isinstance(call, dict):
+            out.append(("", None))
+            continue
+        fn = call.get("function")
+        name = (fn.get("name") if isinstance(fn, dict) else None) or call.get("name")
+        out.append((name if isinstance(name, str) else "", call.get("id")))
+    return out
 
 
 def _staleness(coords: dict[str, Any]) -> int | None:
-    step, version = coords.get("step"), coords.get("policy_version")
+    step, version = py(coords.get("step")), py(coords.get("policy_version"))
     if isinstance(step, int) and isinstance(version, int) and not isinstance(step, bool) \
             and not isinstance(version, bool):
         return step - version
@@ -365,6 +508,23 @@ def _staleness(coords: dict[str, Any]) -> int | None:
 def staleness(coords: dict[str, Any]) -> int | None:
     """``step - policy_version`` when both are integers (``rl.staleness`` on the root)."""
     return _staleness(coords)
+
+
+def _special_ids(tok: Any) -> frozenset[int]:
+    """The ids a tokenizer marks special: ``all_special_ids`` (eos, pad ...), and added
+    tokens flagged special (chat templates' end-of-turn tokens: ``<|im_end|>``, ``<|eot_id|>``)."""
+    ids: set[int] = set()
+    try:
+        ids.update(int(i) for i in (getattr(tok, "all_special_ids", None) or ()))
+        eos = getattr(tok, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        added = getattr(tok, "added_tokens_decoder", None)
+        if isinstance(added, dict):
+            ids.update(int(i) for i, t in added.items() if getattr(t, "special", False))
+    except Exception:
+        _stats.incr("health_errors")
+    return frozenset(ids)
 
 
 def _decode(tok: Any, ids: list[int]) -> str:

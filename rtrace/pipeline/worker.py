@@ -349,7 +349,7 @@ class Pipeline:
         for state in states:
             # annotations that came while it was held (collector: the job-wide sample)
             self.annotations.arrived(state)
-            if state.health and ("reward" in state.annotations or state.has_reward):
+            if state.health and state.annotations.get("reward", state.reward) is not None:
                 # the reward came while the selector held it: the check ran before
                 state.health = [f for f in state.health if f != finding("reward", NO_REWARD)]
             try:
@@ -378,6 +378,8 @@ class Pipeline:
                 _stats.warn_once("messages", "rtrace could not build messages", exc_info=True)
         if health is not None:
             self._step(health.check_text, out, "health")  # with the decoded text and the conversation
+            for traj in out:
+                traj.health_checks = health.ran(traj)
         _stats.incr("trajectories_completed", len(out))
         self.fanout.submit(out)
         if self.metrics is not None:

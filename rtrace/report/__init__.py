@@ -42,7 +42,8 @@ def write_report(paths: Sequence[str], out: TextIO, html_path: str | None = None
 
 
 def run(paths: Sequence[str], out: TextIO, html_path: str | None = None, health_check: bool = False,
-        max_rates: Sequence[str] = (), max_chars: int = MAX_CHARS, max_messages: int = MAX_MESSAGES) -> int:
+        max_rates: Sequence[str] = (), max_chars: int = MAX_CHARS, max_messages: int = MAX_MESSAGES,
+        require_reward: bool = False) -> int:
     """The ``rtrace report`` command; returns its exit code. With ``health_check``, prints
     the health check instead of the table (the page is still written with ``html_path``)."""
     try:
@@ -58,7 +59,7 @@ def run(paths: Sequence[str], out: TextIO, html_path: str | None = None, health_
         except OSError as exc:
             out.write(f"rtrace report: cannot write {html_path}: {exc.strerror or exc}\n")
             return USAGE
-    return check(records, max_rates, out) if health_check else 0
+    return check(records, max_rates, out, require_reward) if health_check else 0
 
 
 def _table(records, notes, paths, out: TextIO) -> None:

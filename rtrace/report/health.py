@@ -9,9 +9,15 @@ failing / trajectories of the step's sample that carry ``health`` (the step metr
 trajectories, :func:`~rtrace.pipeline.metrics.in_sample`). The findings listed are every
 trajectory's, those kept for the tail included.
 
+A check that ran on none of a step's trajectories (off, or without what it needs: a
+tokenizer for ``retokenization``; each trajectory lists its ``health_checks``) is "not
+run" for that step, never a rate of 0. When no rollout of the run has a reward, the reward
+check says so once (a note) and fails only with ``--require-reward``.
+
 Exit codes of ``rtrace report --check`` (:data:`EXIT_CODES`): 0 every rate is within its
-threshold; 1 some rate is above it; 2 the command is wrong (a bad ``--max-rate``, a file
-that cannot be read); 3 no trajectory carries health (nothing was checked).
+threshold; 1 some rate is above it (or, with ``--require-reward``, no rollout has a
+reward); 2 the command is wrong (a bad ``--max-rate``, a file that cannot be read); 3 no
+trajectory carries health (nothing was checked).
 """
 
 from __future__ import annotations
@@ -49,14 +55,22 @@ class StepHealth:
     failing: dict[str, int] = field(default_factory=dict)
     #: ``(record index, check, detail)`` of every finding of the step, sample or not
     findings: list[tuple[int, str, str]] = field(default_factory=list)
+    #: the checks that ran on some trajectory of the step; None: unknown (files written
+    #: before trajectories listed them: every check is taken to have run)
+    ran: set[str] | None = None
 
     def rates(self) -> dict[str, float]:
-        """``health/<check>_rate`` for the known checks and any other found; empty when
+        """``health/<check>_rate`` for the checks that ran and any other found; empty when
         nothing of the step was checked."""
         if not self.checked:
             return {}
-        names = list(CHECKS) + sorted(set(self.failing) - set(CHECKS))
+        names = [c for c in CHECKS if self.ran is None or c in self.ran]
+        names += sorted(set(self.failing) - set(names))
         return {f"health/{name}_rate": self.failing.get(name, 0) / self.checked for name in names}
+
+    def not_run(self) -> list[str]:
+        """The known checks that ran on none of the step's trajectories (empty when unknown)."""
+        return [] if self.ran is None else [c for c in CHECKS if c not in self.ran and c not in self.failing]
 
 
 def step_health(records: Sequence[Record]) -> list[StepHealth]:
@@ -71,6 +85,9 @@ def step_health(records: Sequence[Record]) -> list[StepHealth]:
                 h.unknown += sampled
                 continue
             h.checked += sampled
+            ran = rec.traj.health_checks
+            if ran is not None:
+                h.ran = set(ran) if h.ran is None else h.ran | set(ran)
             for name in sorted({f["check"] for f in rec.health}):
                 if sampled:
                     h.failing[name] = h.failing.get(name, 0) + 1
@@ -106,15 +123,25 @@ def parse_max_rates(specs: Iterable[str], known: Iterable[str] = ()) -> tuple[fl
     return default, per_check
 
 
+def _reward_ran(steps: Sequence[StepHealth]) -> bool:
+    return any(h.checked and (h.ran is None or "reward" in h.ran) for h in steps)
+
+
+def _rewarded(rec: Record) -> bool:
+    traj = rec.traj
+    return traj.reward is not None or traj.annotations.get("reward") is not None
+
+
 def step_label(validate: bool, step: int | None) -> str:
     """``step 3``, ``validation step 3``, ``no step`` ..."""
     name = "no step" if step is None else f"step {step}"
     return f"validation {name}" if validate else name
 
 
-def check(records: Sequence[Record], specs: Sequence[str], out: TextIO) -> int:
+def check(records: Sequence[Record], specs: Sequence[str], out: TextIO, require_reward: bool = False) -> int:
     """``rtrace report --check``: print each step's health rates against the thresholds and
-    what failed; return the exit code (:data:`EXIT_CODES`)."""
+    what failed; return the exit code (:data:`EXIT_CODES`). ``require_reward``: fail when
+    no rollout of the run has a reward (else that is a note)."""
     steps = step_health(records)
     found = {name for h in steps for name in h.failing} | {c for h in steps for _, c, _ in h.findings}
     try:
@@ -149,12 +176,25 @@ def check(records: Sequence[Record], specs: Sequence[str], out: TextIO) -> int:
             if bad:
                 example = next(((i, d) for i, c, d in h.findings if c == check_name), None)
                 failures.append((label, name, rate, limit, h.failing.get(check_name, 0), h.checked, example))
-        out.write(f"{label}: {'; '.join(parts) if parts else 'ok'} ({h.checked} checked)\n")
+        skipped = h.not_run()
+        out.write(f"{label}: {'; '.join(parts) if parts else 'ok'} ({h.checked} checked"
+                  + (f"; not run: {', '.join(skipped)}" if skipped else "") + ")\n")
+    if _reward_ran(steps) and not any(_rewarded(rec) for rec in records):
+        out.write("reward: no rollout of the run recorded a reward (rtrace.record_reward / annotate reward=...): "
+                  + ("FAIL (--require-reward)" if require_reward else "a note, not a failure (--require-reward "
+                                                                         "fails on it)") + "\n")
+        if require_reward:
+            failures.append(None)
     if not failures:
         out.write("health check passed\n")
         return OK
-    out.write(f"health check FAILED: {len(failures)} rate(s) above their threshold\n")
-    for label, name, rate, limit, count, total, example in failures:
+    out.write(f"health check FAILED: {len(failures)} rate(s) above their threshold\n" if None not in failures
+              else f"health check FAILED: {len(failures) - 1} rate(s) above their threshold, and no reward\n")
+    for failure in failures:
+        if failure is None:
+            out.write("  the run: no rollout recorded a reward (--require-reward)\n")
+            continue
+        label, name, rate, limit, count, total, example = failure
         line = f"  {label}: {name} = {rate:.4g} > {limit:g} ({count} of {total})"
         if example is not None:
             i, detail = example
