@@ -342,6 +342,16 @@ class TestDefaultDemoPolicy:
         assert any(t.reward == 1.0 and t.outcome["forced_tool_calls"] == 0 and t.outcome["policy_tool_calls"] >= 1
                    for t in trajs)
 
+    def test_the_demo_is_a_token_in_token_out_loop(self, default_demo):
+        """rtrace's showcase passes its own checks: its loop extends the prompt ids with the ids
+        the model sampled and the template's ids after them (never re-rendering the chat), so
+        no trajectory has a token_continuity finding, on multi-turn trajectories the check ran on."""
+        _, _, trajs = default_demo
+        multi = [t for t in trajs if t.num_turns >= 2]
+        assert len(multi) >= len(trajs) // 2
+        assert all("token_continuity" in t.health_checks for t in multi)
+        assert [(t.trace_id, f) for t in trajs for f in t.health if f["check"] == "token_continuity"] == []
+
     def test_rewards_vary_within_groups_and_across_steps(self, default_demo):
         """At least one GRPO group (the rollouts of one prompt) has rewards with non-zero
         variance, and the mean training reward is not the same at every step."""

@@ -1,9 +1,16 @@
 """The demo's agent: an async ``ToolAgentLoop`` with a calculator and a lookup tool.
 
-One episode, as in veRL's ToolAgentLoop or any ReAct-style rollout worker::
+One episode, as in veRL's ToolAgentLoop (token in, token out)::
 
-    render chat -> generate -> parse <tool_call> blocks -> run the tools concurrently
-    -> append the tool results -> render chat -> generate ... (up to max_turns)
+    render the chat once -> generate -> parse <tool_call> blocks -> run the tools
+    concurrently -> prompt ids + the model's own response ids + the tool results' ids
+    -> generate ... (up to max_turns)
+
+Each turn's prompt is the previous prompt, the exact ids the model sampled, then the ids
+of what the template adds after them (the tool results and the next assistant header):
+the conversation is never re-rendered and re-tokenized between turns, so the trainer would
+score exactly what was sampled (rtrace's ``token_continuity`` check finds the loops that
+re-render; this one passes it).
 
 then the reward function scores the final answer. It is instrumented with rtrace's
 public API only: ``@rtrace.traced_rollout`` on the loop, ``@rtrace.traced_generation``
@@ -243,9 +250,9 @@ class ToolAgentLoop:
         tool_calls = forced = written = 0
         text, finish = "", "stop"
         turn = 0
+        prompt_ids = self._render(messages)  # once: later turns extend these ids
         while turn < self.max_turns:
             turn += 1
-            prompt_ids = self._render(messages)
             out = await self.generate(messages, prompt_ids, seed=seed * 1000 + turn, temperature=temperature)
             finish = out["finish_reason"]
             text = self.tokenizer.decode(out["response_ids"], skip_special_tokens=True)
@@ -261,7 +268,9 @@ class ToolAgentLoop:
                 break
             results = await asyncio.gather(*(self._call_tool(c) for c in calls))
             tool_calls += len(calls)
+            before = list(messages)
             messages.extend(tool_message(c, r) for c, r in zip(calls, results))
+            prompt_ids = prompt_ids + self._closed(out["response_ids"]) + self._continuation(before, messages)
         return {"answer": text, "turns": turn, "tool_calls": tool_calls, "forced_tool_calls": forced,
                 "policy_tool_calls": written, "finish_reason": finish}
 
@@ -286,6 +295,24 @@ class ToolAgentLoop:
 
     def _render(self, messages: list[dict[str, Any]]) -> list[int]:
         return render_prompt(self.tokenizer, messages)
+
+    def _closed(self, response_ids: list[int]) -> list[int]:
+        """The model's own ids, with the end-of-turn token added when generation was cut
+        before it (the template closes every assistant turn)."""
+        end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        return list(response_ids) if response_ids and response_ids[-1] == end else list(response_ids) + [end]
+
+    def _continuation(self, before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[int]:
+        """The ids the chat template adds after the assistant turn that ends ``before``:
+        ``after``'s rendering past ``before``'s (the newline after the end-of-turn token,
+        the tool results, the next assistant header), encoded alone: the model's own ids
+        before them are kept as sampled."""
+        done = self.tokenizer.apply_chat_template(before, tokenize=False)
+        text = self.tokenizer.apply_chat_template(after, add_generation_prompt=True, tokenize=False)
+        if not (text.startswith(done) and done.endswith("<|im_end|>\n")):
+            raise ValueError("the chat template does not render the conversation as a prefix of its continuation")
+        # from the template's newline after <|im_end|> on (the model's ids end at <|im_end|>)
+        return self.tokenizer(text[len(done) - 1:], add_special_tokens=False)["input_ids"]
 
     def _parse_tool_calls(self, text: str) -> list[dict[str, Any]]:
         """Well-formed ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks
