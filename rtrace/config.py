@@ -153,7 +153,8 @@ def _str_list(raw: Any) -> tuple[str, ...]:
 
 #: The rollout-health checks (rtrace/pipeline/health.py; kept here so config imports nothing
 #: of the pipeline): all but ``retokenization`` are on by default.
-HEALTH_CHECKS = ("token_continuity", "retokenization", "reward", "generation", "staleness", "coordinates")
+HEALTH_CHECKS = ("token_continuity", "retokenization", "reward", "generation", "staleness", "coordinates",
+                 "logprob_mismatch", "token_arrays")
 
 
 def _health_checks(raw: Any) -> tuple[str, ...]:
@@ -384,6 +385,9 @@ PARAMS: tuple[Param, ...] = (
     Param("keep_unhealthy", "RTRACE_KEEP_UNHEALTHY", _int(0), 0, "an integer >= 0",
           "Per step, keep up to this many trajectories with a rollout-health finding (docs/health.md), past the "
           "cap.", type="int"),
+    Param("keep_mismatch", "RTRACE_KEEP_MISMATCH", _int(0), 0, "an integer >= 0",
+          "Per step, keep up to this many trajectories with the largest train-inference logprob mismatch (k3, "
+          "docs/token-values.md), past the cap.", type="int"),
     Param("keep_by", "RTRACE_KEEP_BY", _str, "reward", "`reward` or an annotation key",
           "The value best / worst trajectories are chosen by.", type="str"),
     Param("keep_zero_variance_groups", "RTRACE_KEEP_ZERO_VARIANCE_GROUPS", _int(0), 0, "an integer >= 0",
@@ -396,6 +400,15 @@ PARAMS: tuple[Param, ...] = (
           "Default: all but retokenization (one tokenizer encode per generation).", type="tuple[str, ...]"),
     Param("health_max_staleness", "RTRACE_HEALTH_MAX_STALENESS", _int(0), 1, "an integer >= 0",
           "The `staleness` check reports trajectories whose step - policy_version is above this.", type="int"),
+    Param("mismatch_ratio", "RTRACE_MISMATCH_RATIO", _float(1.0, 1e6), 1.05, "a number >= 1",
+          "The `logprob_mismatch` check counts a token as off when its sampler/trainer probability ratio leaves "
+          "[1/ratio, ratio] (NeMo-RL's 1.05).", type="float"),
+    Param("mismatch_max_fraction", "RTRACE_MISMATCH_MAX_FRACTION", _float(0.0, 1.0), 0.05, "a number from 0 to 1",
+          "The `logprob_mismatch` check reports a trajectory when more than this share of its loss-masked tokens "
+          "is off.", type="float"),
+    Param("mismatch_max_k3", "RTRACE_MISMATCH_MAX_K3", _float(0.0, 1e6), 0.01, "a number >= 0",
+          "The `logprob_mismatch` check reports a trajectory whose k3 estimate of KL(sampler || trainer) is above "
+          "this.", type="float"),
     Param("step_linger_s", "RTRACE_STEP_LINGER_S", _float(0.0), 10.0, _SEC.format(0),
           "Once a later step has begun, a step stays open this long after its last trajectory (workers run "
           "steps out of phase) before its job-wide sample and step metrics are written; flush() writes at "
@@ -551,7 +564,8 @@ class _SettingsBase:
         keeping or prompt sampling under a cap); the collector always does."""
         capped = self.max_traces_per_step is not None or self.max_val_traces_per_step is not None  # type: ignore[attr-defined]
         tail = (self.keep_errors or self.keep_extremes or self.keep_zero_variance_groups  # type: ignore[attr-defined]
-                or self.sample_prompts or (self.keep_unhealthy and self.health_checks))  # type: ignore[attr-defined]
+                or self.sample_prompts or (self.keep_unhealthy and self.health_checks)  # type: ignore[attr-defined]
+                or (self.keep_mismatch and "logprob_mismatch" in self.health_checks))  # type: ignore[attr-defined]
         return bool(capped and tail)
 
     @property

@@ -9,6 +9,7 @@ schema (``docs/jsonl-schema.md``) and ``Trajectory.from_dict()`` reads it back.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -77,6 +78,11 @@ class SpanRecord:
     #: unless ``token2text_keep_ids`` is set.
     prompt_ids: list[int] | None = None
     response_ids: list[int] | None = None
+    #: Per-token values of a generation, each aligned with its ``response_ids``: the
+    #: sampler's ``logprob``, the trainer's arrays (``old_logprob``, ``advantage``,
+    #: ``loss_mask`` ...). float32 arrays in the pipeline; lists of numbers (6 significant
+    #: digits, None where not finite) in JSON (docs/token-values.md). None: none.
+    token_values: dict[str, Any] | None = None
 
     @property
     def duration_ms(self) -> float:
@@ -103,6 +109,8 @@ class SpanRecord:
             out["prompt_ids"] = self.prompt_ids
         if self.response_ids is not None:
             out["response_ids"] = self.response_ids
+        if self.token_values:
+            out["token_values"] = {name: token_list(v) for name, v in self.token_values.items()}
         return out
 
     @classmethod
@@ -122,6 +130,7 @@ class SpanRecord:
             events=data.get("events") or [],
             prompt_ids=data.get("prompt_ids"),
             response_ids=data.get("response_ids"),
+            token_values=data.get("token_values"),
         )
 
 
@@ -328,6 +337,31 @@ class Trajectory:
             health=data.get("health"),
             health_checks=data.get("health_checks"),
         )
+
+
+#: Significant digits of a per-token value in JSON (float32 holds about 7).
+TOKEN_DIGITS = 6
+
+
+def token_list(values: Any) -> list[Any]:
+    """Per-token values as a JSON list: numbers rounded to :data:`TOKEN_DIGITS` significant
+    digits (so each is written short), None where a value is not finite."""
+    if hasattr(values, "dtype"):  # a numpy array: rounded in one pass
+        import numpy as np
+
+        a = values.astype(np.float64)
+        finite = np.isfinite(a)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            exp = TOKEN_DIGITS - 1 - np.floor(np.log10(np.abs(np.where(finite & (a != 0), a, 1.0))))
+            # an integer divided by an exact power of ten reads back as the short decimal
+            small = np.round(a * 10.0 ** np.maximum(exp, 0)) / 10.0 ** np.maximum(exp, 0)
+            rounded = np.where(exp >= 0, small, np.round(a / 10.0 ** -np.minimum(exp, 0)) * 10.0 ** -np.minimum(exp, 0))
+        out = rounded.tolist()
+        if not finite.all():
+            out = [v if ok else None for v, ok in zip(out, finite.tolist())]
+        return out
+    return [float(f"{v:.{TOKEN_DIGITS}g}") if isinstance(v, (int, float)) and math.isfinite(v) else None
+            for v in values]
 
 
 def _text(value: Any) -> str | None:

@@ -8,6 +8,7 @@ writing JSONL). The written records are compared field by field, ids and times a
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -29,7 +30,9 @@ def _normal(traj) -> dict:
     for span in data.get("spans", []):
         for key in _IDS_AND_TIMES:
             span.pop(key, None)
-    return json.loads(json.dumps(data, sort_keys=True, default=str))
+    # a tool call's id made from its span's id (call_<8 hex>) is an id too
+    text = re.sub(r'"call_[0-9a-f]{8}"', '"call_*"', json.dumps(data, sort_keys=True, default=str))
+    return json.loads(text)
 
 
 def _both_ways(produce, tmp_path, **settings) -> tuple[list[dict], list[dict]]:

@@ -49,7 +49,7 @@ import json
 from typing import Any, Callable, Iterable, Mapping
 
 from .._serialize import attr_ok, fast_json, json_default, plain_json, strict_json, truncate, vouched
-from ..trajectory import SpanRecord, Trajectory
+from ..trajectory import SpanRecord, Trajectory, token_list
 
 __all__ = ["encode_compact", "RECORD_ATTR", "to_readable_spans", "to_otlp_request", "to_otlp_protos", "otlp_spans",
            "attribute_value", "attributes", "any_value", "set_any_value", "bounded", "json_text", "utf8",
@@ -361,6 +361,8 @@ def encode_compact(trajectories: Iterable[Trajectory], resource_attributes: Mapp
                 record["prompt_ids"] = rec.prompt_ids[:max_value_chars]
             if rec.response_ids is not None:
                 record["response_ids"] = rec.response_ids[:max_value_chars]
+            if rec.token_values:
+                record["token_values"] = {k: token_list(v) for k, v in rec.token_values.items()}
             text = to_json(record)  # UTF-8 bytes, valid: protobuf takes them for a string
             if text is None:
                 try:

@@ -17,6 +17,7 @@ from .. import _stats
 from .._serialize import array_to_python
 from ..pipeline import annotations
 from ..pipeline.annotations import Annotation, coord_key
+from ..pipeline.tokens import TokenBatch, TokenRow
 from . import _state
 
 __all__ = ["annotate", "annotate_batch"]
@@ -56,7 +57,8 @@ def annotate(step: Any = None, sample_index: Any = None, rollout_n: Any = None, 
     target([Annotation(key, tid, {k: _scalar(v) for k, v in values.items()})])
 
 
-def annotate_batch(step: Any, sample_index: Any, rollout_n: Any, validate: Any = False, **columns: Any) -> int:
+def annotate_batch(step: Any, sample_index: Any, rollout_n: Any, validate: Any = False, *, token_mask: Any = None,
+                   token_lengths: Any = None, **columns: Any) -> int:
     """Attach per-trajectory columns from the trainer's tensors or lists, in one call.
 
     ``rtrace.annotate_batch(step=3, sample_index=idx, rollout_n=n, reward=r, advantage=a)``:
@@ -64,6 +66,15 @@ def annotate_batch(step: Any, sample_index: Any, rollout_n: Any, validate: Any =
     and ``validate`` one value or ``[B]``; every column is ``[B]`` (a tensor is copied
     to the CPU once). Row ``i`` annotates the trajectory ``(step[i], sample_index[i],
     rollout_n[i])``; rows may come in any order.
+
+    A ``[B, T]`` column (a 2-D tensor or array, or a list of lists, ragged or padded) is a
+    per-token array over each trajectory's response tokens (``old_logprob=``,
+    ``advantage=``, ``loss_mask=``, ``entropy=``, any name; docs/token-values.md):
+    ``token_mask`` (``[B, T]``, the attention / response-padding mask) says which
+    positions are real, or ``token_lengths`` (``[B]``) how many are; without either, every
+    position of a row is. This thread keeps references only (a CUDA tensor gets its copy to
+    the CPU queued on the current stream, never waited for here); rtrace's worker reads
+    them, and drops the rows of trajectories that are not kept.
 
     Returns:
         How many annotations were sent (0 when tracing is off).
@@ -76,18 +87,48 @@ def annotate_batch(step: Any, sample_index: Any, rollout_n: Any, validate: Any =
     rollouts = _column(rollout_n, "rollout_n", size)
     steps = _column(step, "step", size)
     flags = _column(validate, "validate", size)
-    cols = {name: _column(value, name, size, scalar_ok=False) for name, value in columns.items()}
+    per_token = {name: value for name, value in columns.items() if _is_matrix(value)}
+    for name, value in per_token.items():
+        rows = _n_rows(value)
+        if rows != size:
+            raise ValueError(f"annotate_batch: {name} has {rows} rows; sample_index has {size}")
+    for name, value in (("token_mask", token_mask), ("token_lengths", token_lengths)):
+        if value is not None and _n_rows(value) != size:
+            raise ValueError(f"annotate_batch: {name} has {_n_rows(value)} rows; sample_index has {size}")
+    cols = {name: _column(value, name, size, scalar_ok=False) for name, value in columns.items()
+            if name not in per_token}
     target = _target()
-    if target is None or not cols:
+    if target is None or not (cols or per_token):
         return 0
+    tokens = TokenBatch(per_token, token_mask, token_lengths) if per_token else None
     batch = []
     for i in range(size):
         key = coord_key({"step": steps[i], "sample_index": index[i], "rollout_n": rollouts[i],
                          "validate": bool(flags[i])})
-        batch.append(Annotation(key, None, {name: _scalar(col[i]) for name, col in cols.items()}))
+        values = {name: _scalar(col[i]) for name, col in cols.items()}
+        if tokens is not None:
+            for name in per_token:
+                values[name] = TokenRow(tokens, i, name)
+        batch.append(Annotation(key, None, values))
     _stats.incr("annotations_sent", len(batch))
     target(batch)
     return len(batch)
+
+
+def _is_matrix(value: Any) -> bool:
+    """A ``[B, T]`` column: a 2-D tensor or array, or a list of sequences."""
+    ndim = getattr(value, "ndim", None)
+    if ndim is not None:
+        if ndim > 2:
+            raise ValueError(f"annotate_batch: a column of {ndim} dimensions (1: per trajectory, 2: per token)")
+        return ndim == 2
+    return isinstance(value, (list, tuple)) and bool(value) and all(
+        isinstance(v, (list, tuple)) or getattr(v, "ndim", 0) == 1 for v in value)
+
+
+def _n_rows(value: Any) -> int:
+    shape = getattr(value, "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) else len(value)
 
 
 def _column(value: Any, name: str, size: int | None, scalar_ok: bool = True) -> list[Any]:

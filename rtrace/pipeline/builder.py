@@ -22,6 +22,7 @@ from ..config import Settings
 from ..trajectory import RL_FIELDS, SpanRecord, Trajectory
 from .messages import tool_result
 from .records import CallRecord, TrajectoryState, snapshot_args, start_end
+from .tokens import LOGPROB_KEYS, SAMPLER, TOKEN_PROBLEM, sampler_logprobs
 
 __all__ = ["SpanConverter", "finish", "coordinates", "tail_of", "as_id_list"]
 
@@ -216,6 +217,16 @@ class SpanConverter:
                 if view is not None:  # the ids are kept once, in response_ids
                     output = {k: v for k, v in view.items() if k not in id_keys}
             finish = _field(output, "finish_reason", "stop_reason") if output is not None else None
+        if ids is not None and type(output) is dict and not output.keys().isdisjoint(LOGPROB_KEYS):
+            # the sampler's per-token logprobs: a float32 array beside the ids, not JSON
+            key, values = sampler_logprobs(output)
+            output = {k: v for k, v in output.items() if k != key}
+            if values is not None and len(values) == len(ids):
+                out.token_values = {SAMPLER: values}
+            else:  # said by the token_arrays check (pipeline/health.py), never misaligned
+                _stats.incr("token_arrays_unreadable" if values is None else "token_arrays_misaligned")
+                attrs[TOKEN_PROBLEM] = (f"{key}: not a list of numbers" if values is None else
+                                        f"{key} has {len(values)} values for {len(ids)} response tokens")
         out.response_ids = ids
         if ids is not None:
             attrs["gen_ai.usage.output_tokens"] = len(ids)
@@ -346,7 +357,7 @@ def tail_of(state: TrajectoryState, keep_by: str) -> Any:
             failed = True
     reward = _number(state.annotations.get("reward", state.reward if state.has_reward else None))
     value = reward if keep_by == "reward" else _number(state.annotations.get(keep_by))
-    return Tail(failed, value, reward, bool(state.health))
+    return Tail(failed, value, reward, bool(state.health), _number(state.annotations.get("logprob_mismatch_k3")))
 
 
 def _number(value: Any) -> float | None:

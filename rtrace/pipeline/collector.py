@@ -49,6 +49,7 @@ from .records import TrajectoryState
 from .sampling import selector_for
 from .stream import ANNOTATION_SPAN, ANNOTATIONS_ATTR, MESSAGES_ATTR
 from .token2text import Token2Text, check_tokenizer
+from .tokens import TOKENS_KEY, TokenBatch, TokenRow, as_float32
 from .worker import Pipeline
 
 __all__ = ["Collector", "start_collector", "unpack", "is_loopback", "tune_gc"]
@@ -350,10 +351,13 @@ def _json(text: Any) -> Any:
 def _record(span: Any, attrs: dict[str, Any], packed: dict[str, Any] | None) -> SpanRecord:
     """A SpanRecord from an OTLP span: rtrace's compact form (``packed``), else the full
     attribute form of the one OTel conversion (``rtrace.kind``, ``rtrace.input`` ...)."""
+    token_values = None
     if packed is not None:
         get = packed.get
         kind, inp, out = get("kind", "span"), get("input"), get("output")
         prompt_ids, response_ids = get("prompt_ids"), get("response_ids")
+        if "token_values" in packed:
+            token_values = _token_values(packed["token_values"])
         if type(kind) is not str:
             raise _Refused("record")
     else:
@@ -376,7 +380,20 @@ def _record(span: Any, attrs: dict[str, Any], packed: dict[str, Any] | None) -> 
         span.start_time_unix_nano, span.end_time_unix_nano, outcome, error, attrs, inp, out,
         [{"name": e.name, "time_ns": e.time_unix_nano, "attributes": attributes(e.attributes)}
          for e in events] if events else [],
-        _ids(prompt_ids), _ids(response_ids))
+        _ids(prompt_ids), _ids(response_ids), token_values)
+
+
+def _token_values(data: Any) -> dict[str, Any] | None:
+    """A worker's per-token values (JSON lists, None where not finite) as float32 arrays."""
+    if not isinstance(data, dict):
+        raise _Refused("record")
+    out = {}
+    for name, values in data.items():
+        arr = as_float32([float("nan") if v is None else v for v in values]) if isinstance(values, list) else None
+        if arr is None:
+            raise _Refused("record")
+        out[name] = arr
+    return out or None
 
 
 def _ids(value: Any) -> list | None:
@@ -395,11 +412,16 @@ def _annotation(attrs: dict[str, Any]) -> Annotation:
     not a JSON object of at most :data:`MAX_ANNOTATION_CHARS`, or a trace id that is not
     32 hex digits (not all zero)."""
     text = attrs.get("rtrace.annotation.values")
-    if not isinstance(text, str) or len(text) > MAX_ANNOTATION_CHARS:
+    # per-token rows are bounded by the span size limit only (a 4k-token row is ~40 kB)
+    if not isinstance(text, str) or (len(text) > MAX_ANNOTATION_CHARS and TOKENS_KEY not in text):
         raise _Refused("annotation")
     values = _json(text)
     if not isinstance(values, dict):
         raise _Refused("annotation")
+    for key, value in values.items():
+        if isinstance(value, dict) and TOKENS_KEY in value:  # a trainer's per-token row (pipeline/stream.py)
+            row = _token_values({key: value[TOKENS_KEY]})
+            values[key] = TokenRow(TokenBatch({key: [row[key]]}), 0, key) if row else None
     trace_hex = attrs.get("rtrace.annotation.trace_id")
     trace_id = None
     if trace_hex is not None:

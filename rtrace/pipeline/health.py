@@ -35,6 +35,15 @@ Checks (:data:`CHECKS`; all but ``retokenization`` on by default, ``RTRACE_HEALT
   result is empty.
 * ``staleness``: ``step - policy_version`` above ``RTRACE_HEALTH_MAX_STALENESS`` (the value
   is on every root that has both, as ``rl.staleness``).
+* ``logprob_mismatch``: the sampler's per-token logprobs against the trainer's
+  (``old_logprob``) over the loss-masked tokens (pipeline/tokens.py): a finding when the
+  share of tokens whose probability ratio leaves [1/``RTRACE_MISMATCH_RATIO``, ratio] is
+  above ``RTRACE_MISMATCH_MAX_FRACTION``, or k3 above ``RTRACE_MISMATCH_MAX_K3``, naming the
+  worst token; every trajectory with both arrays gets ``logprob_mismatch_k1`` / ``_k3`` /
+  ``_max`` / ``_frac`` among its annotations (step metrics, ``RTRACE_KEEP_MISMATCH``).
+* ``token_arrays``: per-token values that cannot be laid on the tokens: a row of another
+  length than the response, values that are not finite, a mask that selects nothing, a
+  tensor that cannot be read.
 * ``coordinates``: two trajectories of one step with the same ``(sample_index,
   rollout_n, validate)``; and, when the step is done, groups with more or fewer rollouts
   than the step's usual group size (in the step metrics and the step's rollouts table:
@@ -67,6 +76,7 @@ from .. import _stats
 from ..config import HEALTH_CHECKS
 from ..trajectory import SpanRecord, Trajectory, response_text
 from .records import start_end
+from .tokens import TOKEN_PROBLEM, Mismatch, mismatch
 
 __all__ = ["CHECKS", "DEFAULT_CHECKS", "HealthChecker", "finding", "group_key"]
 
@@ -172,9 +182,12 @@ class HealthChecker:
     """
 
     def __init__(self, checks: Iterable[str], max_staleness: int = 1,
-                 tokenizer: Callable[[], Any] = lambda: None) -> None:
+                 tokenizer: Callable[[], Any] = lambda: None,
+                 mismatch: tuple[float, float, float] = (1.05, 0.05, 0.01)) -> None:
         self.checks = frozenset(checks)
         self.max_staleness = max_staleness
+        #: the logprob_mismatch check's (ratio, max fraction of tokens off, max k3)
+        self.mismatch = mismatch
         self.tokenizer = tokenizer
         self._steps: OrderedDict[tuple[bool, Any], _StepMemory] = OrderedDict()
         #: a rollout of this run had a reward: from then on, a trajectory without one is a finding
@@ -182,7 +195,8 @@ class HealthChecker:
         #: (tokenizer, its special ids) of the last tokenizer asked
         self._special: tuple[Any, frozenset[int]] = (None, frozenset())
         self._ran = tuple(c for c in CHECKS if c in self.checks)
-        self._ran_segment = tuple(c for c in self._ran if c in ("token_continuity", "generation", "retokenization"))
+        self._ran_segment = tuple(c for c in self._ran if c in ("token_continuity", "generation", "retokenization",
+                                                                 "logprob_mismatch", "token_arrays"))
 
     # ------------------------------------------------------------------ phase 1
     def check_state(self, state: Any) -> None:
@@ -203,6 +217,8 @@ class HealthChecker:
             self._continuity(gens, out)
         if "generation" in on:
             self._generation(records, gens, out)
+        if any(g.token_values or TOKEN_PROBLEM in g.attributes for g in gens):
+            self._tokens(gens, state.annotations, out)
         coords = state.coords
         if state.kind == "segment":
             # the part of a trajectory that ran in another process (rtrace.extract): its
@@ -257,6 +273,26 @@ class HealthChecker:
             if rec.kind == "tool" and rec.status != "error" and rec.input is not None and rec.output in (None, ""):
                 name = rec.attributes.get("gen_ai.tool.name") or rec.name
                 out.append(finding("generation", f"tool {name}: empty result"))
+
+    def _tokens(self, gens: list[SpanRecord], annotations: dict[str, Any], out: list) -> None:
+        """token_arrays (what could not be laid on the tokens) and logprob_mismatch."""
+        for k, gen in enumerate(gens, 1):
+            problem = gen.attributes.pop(TOKEN_PROBLEM, None)
+            if problem is not None and "token_arrays" in self.checks:
+                out.append(finding("token_arrays", f"turn {k}: {problem}: left out"))
+        if "logprob_mismatch" not in self.checks:
+            return
+        m = mismatch(gens, self.mismatch[0])
+        if isinstance(m, str):
+            if "token_arrays" in self.checks:
+                out.append(finding("token_arrays", m))
+            return
+        if m is None:
+            return
+        annotations.update(m.values())
+        _, max_frac, max_k3 = self.mismatch
+        if m.frac > max_frac or m.k3 > max_k3:
+            out.append(finding("logprob_mismatch", _mismatch_detail(m, self.mismatch)))
 
     def _is_special(self, token: int) -> bool:
         """True when the tokenizer (if any) says ``token`` is a special one (an end of turn)."""
@@ -508,6 +544,15 @@ def _staleness(coords: dict[str, Any]) -> int | None:
 def staleness(coords: dict[str, Any]) -> int | None:
     """``step - policy_version`` when both are integers (``rl.staleness`` on the root)."""
     return _staleness(coords)
+
+
+def _mismatch_detail(m: Mismatch, limits: tuple[float, float, float]) -> str:
+    ratio, max_frac, max_k3 = limits
+    turn, pos, token, s, t = m.worst
+    tok = f" (id {token})" if token is not None else ""
+    return (f"{m.frac:.1%} of {m.tokens} tokens outside [1/{ratio:g}, {ratio:g}] (max {max_frac:g}), k3 {m.k3:.3g} "
+            f"(max {max_k3:g}), k1 {m.k1:.3g}; worst: turn {turn}, token {pos}{tok}: sampler logprob {s:.4g}, "
+            f"trainer {t:.4g} (|Δ| {abs(t - s):.3g})")
 
 
 def _special_ids(tok: Any) -> frozenset[int]:

@@ -173,6 +173,8 @@ class StepStats:
     truncated: int = 0
     partial: int = 0
     durations: list[float] = field(default_factory=list)
+    #: the per-rollout train-inference mismatch values (pipeline/tokens.py), for their p90
+    mismatch: dict[str, list[float]] = field(default_factory=dict)
     time_generation: float = 0.0
     time_tool: float = 0.0
     slowest: tuple[float, str] = (-1.0, "")
@@ -197,6 +199,10 @@ class StepStats:
         for key, value in traj.annotations.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 self.keys.setdefault(key, _Moments()).add(float(value))
+                if key.startswith("logprob_mismatch_"):
+                    values = self.mismatch.setdefault(key, [])
+                    if len(values) < _MAX_DURATIONS:
+                        values.append(float(value))
         truncated = False
         for span in traj.spans:
             attrs = span.attributes
@@ -238,6 +244,9 @@ class StepStats:
             self.keys.setdefault(key, _Moments()).merge(m)
         for g, rewards in o.groups.items():
             self.groups.setdefault(g, []).extend(rewards)
+        for key, values in o.mismatch.items():
+            mine = self.mismatch.setdefault(key, [])
+            mine.extend(values[: max(0, _MAX_DURATIONS - len(mine))])
         for name in ("turns", "tool_calls", "tokens_in", "tokens_out", "errors", "truncated", "partial"):
             setattr(self, name, getattr(self, name) + getattr(o, name))
         self.finish.update(o.finish)
@@ -271,6 +280,8 @@ class StepStats:
             out["reward_non_finite"] = self.reward_non_finite
         for key in sorted(self.keys):
             self.keys[key].into(out, key)
+            if key in self.mismatch:
+                out[f"{key}_p90"] = _percentile(sorted(self.mismatch[key]), 0.9)
         multi = [rs for rs in self.groups.values() if len(rs) >= 2]
         if multi:
             out["zero_variance_groups_frac"] = sum(1 for rs in multi if max(rs) == min(rs)) / len(multi)

@@ -108,9 +108,10 @@ class PreSampler:
 class Tail:
     """What a finished trajectory tells the selector besides its coordinates."""
 
-    __slots__ = ("failed", "value", "reward", "unhealthy")
+    __slots__ = ("failed", "value", "reward", "unhealthy", "mismatch")
 
-    def __init__(self, failed: bool, value: float | None, reward: float | None, unhealthy: bool = False) -> None:
+    def __init__(self, failed: bool, value: float | None, reward: float | None, unhealthy: bool = False,
+                 mismatch: float | None = None) -> None:
         #: ended in error or was truncated (a generation stopped by ``length``)
         self.failed = failed
         #: the value best / worst are chosen by (``keep_by``: the reward or an annotation)
@@ -119,6 +120,8 @@ class Tail:
         self.reward = reward
         #: has a rollout-health finding (pipeline/health.py)
         self.unhealthy = unhealthy
+        #: its train-inference logprob mismatch (k3; pipeline/tokens.py), when measured
+        self.mismatch = mismatch
 
 
 class StepSelector:
@@ -136,6 +139,8 @@ class StepSelector:
       sample kept is ``sampled`` only);
     * **unhealthy**: up to ``keep_unhealthy`` trajectories with a rollout-health finding,
       past the cap in the same way;
+    * **mismatch**: the ``keep_mismatch`` trajectories with the largest train-inference
+      logprob mismatch (k3), past the cap in the same way;
     * **best** / **worst**: the ``keep_extremes`` highest and lowest by ``keep_by``;
     * **zero_variance**: up to ``keep_zero_variance`` groups whose rewards are all equal
       (the lowest-priority groups among at most ``2 * keep_zero_variance`` candidates
@@ -150,13 +155,15 @@ class StepSelector:
 
     def __init__(self, cap: int | None, val_cap: int | None, groups: bool, seed: int, linger_s: float,
                  on_drop: Any = None, keep_errors: int = 0, keep_extremes: int = 0,
-                 keep_zero_variance: int = 0, prompts: bool = False, keep_unhealthy: int = 0) -> None:
+                 keep_zero_variance: int = 0, prompts: bool = False, keep_unhealthy: int = 0,
+                 keep_mismatch: int = 0) -> None:
         #: called with each item sampled out (the collector remembers it for annotations)
         self.on_drop = on_drop or (lambda item: None)
         self.caps = {False: cap, True: val_cap}
         self.groups, self.seed, self.linger_s, self.prompts = groups, seed, linger_s, prompts
         self.keep_errors, self.keep_extremes, self.keep_zero_variance = keep_errors, keep_extremes, keep_zero_variance
         self.keep_unhealthy = keep_unhealthy
+        self.keep_mismatch = keep_mismatch
         self._open: dict[tuple[bool, Any], _Step] = {}
         self._released: OrderedDict[tuple[bool, Any], int] = OrderedDict()
         self._latest: dict[bool, Any] = {}
@@ -207,6 +214,8 @@ class StepSelector:
                 self._push(entry, entry.errors, self.keep_errors + cap, (rank, uid))
             if self.keep_unhealthy and tail.unhealthy:
                 self._push(entry, entry.unhealthy, self.keep_unhealthy + cap, (rank, uid))
+            if self.keep_mismatch and tail.mismatch is not None:
+                self._push(entry, entry.mismatch, self.keep_mismatch + cap, ((tail.mismatch, rank), uid))
             if self.keep_extremes and tail.value is not None:
                 self._push(entry, entry.best, self.keep_extremes, ((tail.value, rank), uid))
                 self._push(entry, entry.worst, self.keep_extremes, ((-tail.value, rank), uid))
@@ -283,7 +292,8 @@ class StepSelector:
             del self._open[key]
             reasons: dict[int, list[str]] = {uid: ["sampled"] for _, uid in entry.sample}
             for name, heap, size in (("error", entry.errors, self.keep_errors),
-                                     ("unhealthy", entry.unhealthy, self.keep_unhealthy)):
+                                     ("unhealthy", entry.unhealthy, self.keep_unhealthy),
+                                     ("mismatch", entry.mismatch, self.keep_mismatch)):
                 past = [uid for _, uid in sorted(heap, reverse=True) if "sampled" not in reasons.get(uid, ())]
                 for uid in past[:size]:
                     reasons.setdefault(uid, []).append(name)
@@ -317,12 +327,13 @@ class StepSelector:
 class _Step:
     """What the selector holds for one (validate, step)."""
 
-    __slots__ = ("sample", "errors", "unhealthy", "best", "worst", "groups", "broken", "items", "last")
+    __slots__ = ("sample", "errors", "unhealthy", "mismatch", "best", "worst", "groups", "broken", "items", "last")
 
     def __init__(self) -> None:
         self.sample: list = []
         self.errors: list = []
         self.unhealthy: list = []
+        self.mismatch: list = []
         self.best: list = []
         self.worst: list = []
         #: zero-variance candidates: group -> [priority, reward, [uids]]
@@ -339,7 +350,8 @@ def selector_for(settings: Any, linger_s: float, on_drop: Any = None) -> StepSel
                         linger_s, on_drop=on_drop, keep_errors=settings.keep_errors,
                         keep_extremes=settings.keep_extremes, keep_zero_variance=settings.keep_zero_variance_groups,
                         prompts=settings.sample_prompts,
-                        keep_unhealthy=settings.keep_unhealthy if settings.health_checks else 0)
+                        keep_unhealthy=settings.keep_unhealthy if settings.health_checks else 0,
+                        keep_mismatch=settings.keep_mismatch if "logprob_mismatch" in settings.health_checks else 0)
 
 
 def _plain_num(value: Any) -> float:

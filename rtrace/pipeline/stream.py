@@ -22,6 +22,7 @@ from ..trajectory import SpanRecord, Trajectory
 from .annotations import Annotation
 from .builder import SpanConverter, _reward, coordinates
 from .records import TrajectoryState, ids_of, record_of
+from .tokens import wire_values
 from .worker import _CHUNK, Pipeline
 
 __all__ = ["StreamPipeline", "ANNOTATION_SPAN", "MESSAGES_ATTR", "ANNOTATIONS_ATTR"]
@@ -149,7 +150,7 @@ def _carry(state: TrajectoryState, root: SpanRecord) -> None:
 
 def _annotation_shell(ann: Annotation) -> Trajectory:
     """An annotation as a one-span segment (its own trace, or the target's when known)."""
-    attrs: dict[str, Any] = {"rtrace.annotation.values": json.dumps(ann.values, default=str)}
+    attrs: dict[str, Any] = {"rtrace.annotation.values": json.dumps(wire_values(ann.values), default=str)}
     if ann.key is not None:
         validate, step, index, rollout = ann.key
         attrs.update({"rl.validate": validate, "rl.step": step, "rl.sample_index": index})

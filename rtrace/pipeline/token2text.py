@@ -43,6 +43,9 @@ RESPONSE_TEXT = "rtrace.response_text"
 #: this turn (a retry prompt, a user message), when no tool ran between them: its prompt
 #: ids continue the previous prompt + response with these tokens.
 INSERTED_TEXT = "rtrace.inserted_text"
+#: On a generation with per-token values (pipeline/tokens.py): each response token's own
+#: text, in order (one entry per id), for views that colour tokens by a value.
+RESPONSE_TOKENS = "rtrace.response_tokens"
 
 
 
@@ -166,6 +169,9 @@ class Token2Text:
                                  "rtrace.set_tokenizer(tok), configure(tokenizer=...) or set RTRACE_TOKENIZER; "
                                  "trajectories keep their token ids")
             else:
+                pieces = [span for span in responses if span.token_values]
+                if pieces:  # each token alone, before the id lists are dropped
+                    self._pieces(tok, pieces)
                 if inserted:  # before the id lists are dropped
                     for (span, _), text in zip(inserted, self._decode_all(tok, [ids for _, ids in inserted])):
                         if isinstance(text, str) and text.strip():
@@ -188,6 +194,18 @@ class Token2Text:
             if not self.keep_ids:
                 setattr(span, field, None)
         _stats.incr("token2text_decoded", decoded)
+
+    def _pieces(self, tok: Any, spans: list[SpanRecord]) -> None:
+        """:data:`RESPONSE_TOKENS` of each span: one ``batch_decode`` of every token alone."""
+        singles = [[t] for span in spans for t in span.response_ids]
+        texts = self._decode_all(tok, singles)
+        at = 0
+        for span in spans:
+            n = len(span.response_ids)
+            got = texts[at:at + n]
+            at += n
+            if all(isinstance(t, str) for t in got):
+                span.attributes[RESPONSE_TOKENS] = got
 
     def _outputs(self, tok: Any, outputs: list[tuple[dict[str, Any], str, list[int]]]) -> None:
         """The text of ids in outputs, next to them (one ``batch_decode`` for all of them)."""

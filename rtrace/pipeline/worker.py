@@ -37,6 +37,7 @@ from .messages import build_messages
 from .metrics import StepMetricsTracker
 from .records import TrajectoryState, ids_of, record_of
 from .registry import TrajectoryRegistry
+from .tokens import attach as attach_tokens, has_rows
 
 __all__ = ["Pipeline", "ProcessorBridge"]
 
@@ -115,7 +116,9 @@ class Pipeline:
         self.selector: Any = None
         #: rollout-health checks (None: RTRACE_HEALTH_CHECKS=none)
         self.health: HealthChecker | None = HealthChecker(
-            settings.health_checks, settings.health_max_staleness, health_tokenizer) if settings.health_checks else None
+            settings.health_checks, settings.health_max_staleness, health_tokenizer,
+            (settings.mismatch_ratio, settings.mismatch_max_fraction, settings.mismatch_max_k3)
+        ) if settings.health_checks else None
         self._max_queue = settings.max_queue_size
         self._wake_at = max(1, min(2048, self._max_queue // 2))
         self._queue: collections.deque[ReadableSpan] = collections.deque()
@@ -254,6 +257,9 @@ class Pipeline:
         if expire:
             ready += self.registry.expire(now, self.settings.orphan_timeout_s, force)
             self.annotations.expire(now)
+        for state in ready:  # the trainer's per-token rows onto the generations (pipeline/tokens.py)
+            if state.annotations and has_rows(state.annotations):
+                self._attach_tokens(state)
         if self.health is not None:  # before the selection: it may keep unhealthy ones
             for state in ready:
                 try:
@@ -270,6 +276,18 @@ class Pipeline:
             rows = self.metrics.due(time.monotonic())
             if rows:
                 self.fanout.submit_metrics(rows)
+
+    def _attach_tokens(self, state: TrajectoryState) -> None:
+        try:
+            problems = attach_tokens(state.records, state.annotations)
+        except Exception:
+            _stats.incr("token_arrays_errors")
+            _stats.warn_once("tokens", "rtrace could not attach per-token values to a trajectory", exc_info=True)
+            return
+        if problems:
+            _stats.incr("token_arrays_problems", len(problems))
+            if self.health is not None and "token_arrays" in self.health.checks:
+                state.health = list(state.health) + [finding("token_arrays", p) for p in problems]
 
     def _evict(self) -> list[TrajectoryState]:
         """Trajectories removed from the registry to make room (the collector), as partial."""

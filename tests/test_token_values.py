@@ -1,0 +1,298 @@
+"""Per-token values: the sampler's logprobs and the trainer's arrays on each generation's
+tokens, the logprob_mismatch check, the bad inputs it must say, and what the trainer's
+thread does (nothing but keep references)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import threading
+import weakref
+
+import pytest
+
+import rtrace
+import rtrace.testing
+from rtrace.exporters.jsonl import read_jsonl
+
+np = pytest.importorskip("numpy")
+
+
+@rtrace.traced_generation
+def gen(prompt_ids, reply, logprobs=None):
+    out = {"response_ids": list(reply), "finish_reason": "stop"}
+    if logprobs is not None:
+        out["logprobs"] = logprobs
+    return out
+
+
+@rtrace.traced_tool(tool_name="calculator")
+def calc(expression):
+    return "4"
+
+
+# two turns: prompt [1, 2, 3]; reply [4, 5]; tool tokens [6, 7]; reply [8, 9, 10]
+SAMPLER = [[-0.1, -0.2], [-0.3, -0.4, -0.5]]
+RESPONSE = [-0.1, -0.2, 0.0, 0.0, -0.3, -0.4, -0.5]  # the trainer's row: tool tokens included
+LOSS = [1, 1, 0, 0, 1, 1, 1]
+
+
+def rollout(index, sampler=SAMPLER, step=1):
+    with rtrace.rollout_context(step=step, sample_index=index, rollout_n=0):
+        gen([1, 2, 3], [4, 5], sampler[0])
+        calc("2+2")
+        gen([1, 2, 3, 4, 5, 6, 7], [8, 9, 10], sampler[1])
+        rtrace.record_reward(1.0)
+
+
+def values_of(traj):
+    return [g.token_values for g in traj.spans_of_kind("generation")]
+
+
+class TestSampler:
+    def test_a_generations_logprobs_are_its_per_token_logprob(self, tmp_path):
+        """logprobs in a generation's output (a list, or OpenAI's content form) become its
+        float32 `logprob` array, aligned with its response ids, out of its output; JSONL
+        writes them as numbers of 6 significant digits."""
+        @rtrace.traced_generation
+        def openai_style(prompt_ids):
+            return {"response_ids": [4, 5], "finish_reason": "stop",
+                    "logprobs": {"content": [{"token": "a", "logprob": -0.123456789}, {"token": "b", "logprob": -2.0}]}}
+
+        path = tmp_path / "t.jsonl"
+        rtrace.configure(exporter="jsonl", jsonl_path=str(path))
+        rollout(0)
+        with rtrace.rollout_context(step=1, sample_index=1, rollout_n=0):
+            openai_style([1, 2])
+        assert rtrace.flush(30)
+        lines = {json.loads(line)["sample_index"]: json.loads(line) for line in path.read_text().splitlines()}
+        gens = [s for s in lines[0]["spans"] if s["kind"] == "generation"]
+        assert [g["token_values"] for g in gens] == [{"logprob": [-0.1, -0.2]}, {"logprob": [-0.3, -0.4, -0.5]}]
+        assert all("logprobs" not in (g["output"] or {}) for g in gens)
+        (g,) = [s for s in lines[1]["spans"] if s["kind"] == "generation"]
+        assert g["token_values"] == {"logprob": [-0.123457, -2.0]}
+        back = read_jsonl(path)
+        assert [v for t in back for v in values_of(t) if t.sample_index == 1] == [{"logprob": [-0.123457, -2.0]}]
+
+    def test_logprobs_of_another_length_are_left_out_and_said(self):
+        """A sampler's list of 3 logprobs for 2 response ids is not laid on the tokens: a
+        token_arrays finding says so."""
+        with rtrace.testing.capture() as got:
+            rollout(0, sampler=[[-0.1, -0.2, -0.3], [-0.3, -0.4, -0.5]])
+            (t,) = got.trajectories
+        assert values_of(t)[0] is None
+        assert {"check": "token_arrays", "detail": "turn 1: logprobs has 3 values for 2 response tokens: left out"} \
+            in t.health
+
+
+class TestTrainerArrays:
+    @pytest.mark.parametrize("form", ["padded+mask", "padded+lengths", "ragged"])
+    def test_rows_are_cut_into_the_generations(self, form):
+        """A [B, T] column joins each trajectory's response (tool tokens included) and is cut
+        into its generations: padded with token_mask or token_lengths, or ragged lists."""
+        torch = pytest.importorskip("torch")
+        rows = [[v + i for v in RESPONSE] for i in range(3)]
+        with rtrace.testing.capture(await_annotations="advantage", annotation_timeout_s=30) as got:
+            for i in range(3):
+                rollout(i)
+            kw = {}
+            if form == "ragged":
+                adv = rows
+            else:
+                adv = torch.tensor([r + [9.0, 9.0] for r in rows])
+                if form == "padded+mask":
+                    kw["token_mask"] = torch.tensor([[1] * 7 + [0, 0]] * 3)
+                else:
+                    kw["token_lengths"] = [7, 7, 7]
+            assert rtrace.annotate_batch(step=1, sample_index=[2, 0, 1], rollout_n=[0, 0, 0],
+                                         advantage=[adv[i] for i in (2, 0, 1)] if form == "ragged" else adv[[2, 0, 1]],
+                                         **kw) == 3
+            trajs = {t.sample_index: t for t in got.trajectories}
+        for i, t in trajs.items():
+            first, second = values_of(t)
+            assert first["advantage"].tolist() == pytest.approx([v + i for v in RESPONSE[:2]])
+            assert second["advantage"].tolist() == pytest.approx([v + i for v in RESPONSE[4:]])
+            assert t.health == [] and "advantage" not in t.annotations
+
+    def test_the_trainers_thread_keeps_references_only(self):
+        """annotate_batch reads no per-token value on the caller's thread: the column is read
+        on rtrace's worker thread, and let go once read (the trainer's tensor is not kept)."""
+        torch = pytest.importorskip("torch")
+        readers: list[str] = []
+
+        class Watched(torch.Tensor):
+            def numpy(self, *a, **k):
+                readers.append(threading.current_thread().name)
+                return super().numpy(*a, **k)
+
+            def to(self, *a, **k):
+                readers.append(threading.current_thread().name)
+                return super().to(*a, **k)
+
+        def annotate():
+            column = torch.tensor([RESPONSE]).as_subclass(Watched)
+            rtrace.annotate_batch(step=1, sample_index=[0], rollout_n=[0], old_logprob=column)
+            return weakref.ref(column)
+
+        with rtrace.testing.capture(await_annotations="old_logprob", annotation_timeout_s=30) as got:
+            rollout(0)
+            ref = annotate()
+            assert readers == []
+            (t,) = got.trajectories
+        assert readers and set(readers) == {"rtrace-worker"}
+        gc.collect()
+        assert ref() is None
+
+    def test_rows_of_sampled_out_trajectories_are_let_go(self):
+        """Cap 1 with tail keeping: the other trajectories' arrays are dropped with them; the
+        trainer's batch is not kept once every row was read."""
+        with rtrace.testing.capture(max_traces_per_step=1, keep_errors=1, await_annotations="advantage",
+                                    annotation_timeout_s=30) as got:
+            for i in range(4):
+                rollout(i)
+            adv = np.array([RESPONSE] * 4, dtype=np.float32)
+            ref = weakref.ref(adv)
+            rtrace.annotate_batch(step=1, sample_index=[0, 1, 2, 3], rollout_n=[0] * 4, advantage=adv)
+            del adv
+            trajs = got.trajectories
+        assert len(trajs) == 1 and values_of(trajs[0])[0]["advantage"].tolist() == pytest.approx(RESPONSE[:2])
+        gc.collect()
+        assert ref() is None
+
+
+class TestBadInput:
+    def _one(self, **columns):
+        with rtrace.testing.capture(await_annotations=",".join(c for c in columns if c.startswith("x")) or
+                                    "old_logprob", annotation_timeout_s=30) as got:
+            rollout(0)
+            rtrace.annotate_batch(step=1, sample_index=[0], rollout_n=[0], **columns)
+            (t,) = got.trajectories
+        return t
+
+    def test_a_row_of_another_length_is_not_laid_on(self):
+        t = self._one(old_logprob=[RESPONSE + [0.0]])
+        assert all(v is None or "old_logprob" not in v for v in values_of(t))
+        assert {"check": "token_arrays", "detail": "old_logprob has 8 values for a response of 7 tokens: not "
+                                                   "attached"} in t.health
+
+    def test_values_that_are_not_finite_are_said(self):
+        row = list(RESPONSE)
+        row[1] = math.nan
+        t = self._one(old_logprob=[row])
+        assert {"check": "token_arrays", "detail": "old_logprob: 1 of 7 values are NaN or infinite"} in t.health
+
+    def test_a_mask_that_selects_nothing_is_said(self):
+        t = self._one(old_logprob=[RESPONSE], loss_mask=[[0] * 7])
+        assert {"check": "token_arrays", "detail": "the loss mask selects no token with both logprobs"} in t.health
+        assert "logprob_mismatch_k3" not in t.annotations
+
+    def test_a_column_of_another_batch_size_raises(self):
+        with rtrace.testing.capture():
+            with pytest.raises(ValueError, match="old_logprob has 2 rows; sample_index has 1"):
+                rtrace.annotate_batch(step=1, sample_index=[0], rollout_n=[0], old_logprob=[RESPONSE, RESPONSE])
+
+
+class TestMismatch:
+    def test_equal_logprobs_no_finding_and_a_perturbation_found_at_its_token(self):
+        """The trainer's logprobs equal the sampler's: k1 = k3 = 0, no finding. One token
+        changed by -2.6 (turn 2, token 1, id 9): found there, with k3 and the share off."""
+        with rtrace.testing.capture(await_annotations="old_logprob", annotation_timeout_s=30) as got:
+            rollout(0)
+            rollout(1)
+            bad = list(RESPONSE)
+            bad[5] = -3.0
+            rtrace.annotate_batch(step=1, sample_index=[0, 1], rollout_n=[0, 0], old_logprob=[RESPONSE, bad],
+                                  loss_mask=[LOSS, LOSS])
+            trajs = {t.sample_index: t for t in got.trajectories}
+        same, off = trajs[0], trajs[1]
+        assert same.health == [] and same.annotations["logprob_mismatch_k3"] == 0.0
+        assert same.annotations["logprob_mismatch_frac"] == 0.0
+        ((check, detail),) = [(f["check"], f["detail"]) for f in off.health]
+        assert check == "logprob_mismatch"
+        assert detail.startswith("20.0% of 5 tokens outside [1/1.05, 1.05] (max 0.05), k3 0.335")
+        assert detail.endswith("worst: turn 2, token 1 (id 9): sampler logprob -0.4, trainer -3 (|Δ| 2.6)")
+        d = 2.6
+        assert off.annotations["logprob_mismatch_k3"] == pytest.approx((math.exp(-d) - 1 + d) / 5, rel=1e-5)
+        assert off.annotations["logprob_mismatch_k1"] == pytest.approx(d / 5, rel=1e-5)
+        assert off.annotations["logprob_mismatch_max"] == pytest.approx(d, rel=1e-5)
+
+    def test_the_loss_mask_decides_which_tokens_count(self):
+        """A mismatch on a token the loss mask leaves out does not count."""
+        with rtrace.testing.capture(await_annotations="old_logprob", annotation_timeout_s=30) as got:
+            rollout(0)
+            bad = list(RESPONSE)
+            bad[5] = -3.0
+            rtrace.annotate_batch(step=1, sample_index=[0], rollout_n=[0], old_logprob=[bad],
+                                  loss_mask=[[1, 1, 0, 0, 1, 0, 1]])
+            (t,) = got.trajectories
+        assert t.health == [] and t.annotations["logprob_mismatch_max"] == 0.0
+
+    def test_keep_mismatch_keeps_the_worst_past_the_cap_and_step_metrics(self):
+        """Cap 2, keep_mismatch 2: the sample and the two worst by k3 among the others;
+        the step metrics have the mismatch's mean, p90 and max."""
+        sink_metrics = []
+
+        class Metrics(rtrace.Sink):
+            name = "metrics"
+
+            def export(self, trajectories):
+                pass
+
+            def export_step_metrics(self, metrics):
+                sink_metrics.extend(metrics)
+
+        with rtrace.testing.capture(max_traces_per_step=2, keep_mismatch=2, sample_seed=3,
+                                    await_annotations="old_logprob", annotation_timeout_s=30,
+                                    sinks=[Metrics(None)]) as got:
+            rows = []
+            for i in range(10):
+                rollout(i)
+                row = list(RESPONSE)
+                row[5] = -0.4 - 0.1 * i  # rollout i is off by 0.1 * i at one token
+                rows.append(row)
+            rtrace.annotate_batch(step=1, sample_index=list(range(10)), rollout_n=[0] * 10, old_logprob=rows)
+            trajs = got.trajectories
+        tail = sorted(t.sample_index for t in trajs if t.kept == ["mismatch"])
+        sampled = [t.sample_index for t in trajs if "sampled" in t.kept]
+        assert len(sampled) == 2 and tail == sorted([i for i in range(9, -1, -1) if i not in sampled][:2])
+        (m,) = sink_metrics
+        assert {"rollout/logprob_mismatch_k3_mean", "rollout/logprob_mismatch_k3_p90",
+                "rollout/logprob_mismatch_k3_max"} <= set(m.values)
+
+
+class TestEveryMode:
+    def test_through_a_collector_both_ways(self, tmp_path, monkeypatch):
+        """Through a collector: a worker's sampler logprobs travel with its spans, and the
+        trainer's rows from a process without the collector travel as annotation spans:
+        the written trajectories equal one process's."""
+        pytest.importorskip("grpc")
+        from rtrace.pipeline import annotations
+        from tests.test_fidelity import _both_ways
+
+        def produce():
+            rollout(0)
+            bad = list(RESPONSE)
+            bad[5] = -3.0
+            monkeypatch.setattr(annotations, "local_target", None)  # as from another process: over OTLP
+            rtrace.annotate_batch(step=1, sample_index=[0], rollout_n=[0], old_logprob=[bad])
+            monkeypatch.undo()
+
+        one, through = _both_ways(produce, tmp_path, await_annotations="old_logprob", annotation_timeout_s=30)
+        assert [f["check"] for f in one[0]["health"]] == ["logprob_mismatch"]
+        assert through == one
+
+
+def test_token_texts_for_the_views(tok):
+    """With token2text, a generation with per-token values gets each response token's own
+    text (rtrace.response_tokens), one per id, for views that colour tokens."""
+    ids = tok.encode("The answer is 4.", add_special_tokens=False)
+    with rtrace.testing.capture(token2text=True, tokenizer=tok) as got:
+        with rtrace.rollout_context(step=1, sample_index=0, rollout_n=0):
+            gen([1, 2], ids, [-0.5] * len(ids))
+            gen([1, 2, 3], [7])
+        (t,) = got.trajectories
+    first, second = t.spans_of_kind("generation")
+    pieces = first.attributes["rtrace.response_tokens"]
+    assert len(pieces) == len(ids) and "".join(pieces) == "The answer is 4."
+    assert "rtrace.response_tokens" not in second.attributes
