@@ -283,6 +283,30 @@ class TestEveryMode:
         assert through == one
 
 
+def test_trackio_keeps_them_compact_with_the_summary_in_the_header(trackio_mod):
+    """trackio: each generation's values as one base64 float32 field of its metadata (read
+    back exactly as float32), the mismatch values in the trace header."""
+    import uuid
+
+    from trackio.sqlite_storage import SQLiteStorage
+
+    from rtrace.trajectory import TOKEN_ENCODING, read_token_field
+
+    project = f"tv-{uuid.uuid4().hex[:8]}"
+    rtrace.configure(exporter="trackio", project=project, experiment="tv", await_annotations="old_logprob",
+                     annotation_timeout_s=30)
+    rollout(0)
+    rtrace.annotate_batch(step=1, sample_index=[0], rollout_n=[0], old_logprob=[RESPONSE])
+    assert rtrace.flush(60)
+    (trace,) = SQLiteStorage.get_traces(project, run="tv")
+    assert trace["metadata"]["logprob_mismatch_k3"] == 0.0
+    gens = [s for s in trace["spans"] if s["kind"] == "generation"]
+    fields = [g["metadata"]["rtrace.token_values"] for g in gens]
+    assert [f["encoding"] for f in fields] == [TOKEN_ENCODING] * 2
+    assert read_token_field(fields[1]) == {
+        "logprob": np.float32(SAMPLER[1]).tolist(), "old_logprob": np.float32(RESPONSE[4:]).tolist()}
+
+
 def test_token_texts_for_the_views(tok):
     """With token2text, a generation with per-token values gets each response token's own
     text (rtrace.response_tokens), one per id, for views that colour tokens."""

@@ -42,7 +42,7 @@ from typing import Any, Sequence
 from .. import _stats
 from .._serialize import finite_or_str
 from ..config import ConfigError, Settings
-from ..trajectory import SpanRecord, StepMetrics, Trajectory, chat_argument, response_text
+from ..trajectory import SpanRecord, StepMetrics, Trajectory, chat_argument, response_text, token_field
 from . import _trackio_private
 from .base import PartialExport, Sink
 
@@ -197,6 +197,8 @@ def span_dict(span: SpanRecord, traj: Trajectory | None = None) -> dict[str, Any
         meta["rtrace.prompt_ids"] = span.prompt_ids
     if span.response_ids is not None:
         meta["rtrace.response_ids"] = span.response_ids
+    if span.token_values:  # compact (base64 float32), not a number per token in SQLite's JSON
+        meta["rtrace.token_values"] = token_field(span.token_values)
     if traj is not None and span is traj.spans[0]:
         inputs, outputs = _root_io(traj, span)
     elif span.kind == "generation":

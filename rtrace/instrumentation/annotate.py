@@ -107,8 +107,9 @@ def annotate_batch(step: Any, sample_index: Any, rollout_n: Any, validate: Any =
                          "validate": bool(flags[i])})
         values = {name: _scalar(col[i]) for name, col in cols.items()}
         if tokens is not None:
+            row = TokenRow(tokens, i)
             for name in per_token:
-                values[name] = TokenRow(tokens, i, name)
+                values[name] = row
         batch.append(Annotation(key, None, values))
     _stats.incr("annotations_sent", len(batch))
     target(batch)

@@ -421,7 +421,7 @@ def _annotation(attrs: dict[str, Any]) -> Annotation:
     for key, value in values.items():
         if isinstance(value, dict) and TOKENS_KEY in value:  # a trainer's per-token row (pipeline/stream.py)
             row = _token_values({key: value[TOKENS_KEY]})
-            values[key] = TokenRow(TokenBatch({key: [row[key]]}), 0, key) if row else None
+            values[key] = TokenRow(TokenBatch({key: [row[key]]}), 0) if row else None
     trace_hex = attrs.get("rtrace.annotation.trace_id")
     trace_id = None
     if trace_hex is not None:

@@ -195,22 +195,24 @@ TOKENS_KEY = "rtrace.tokens"
 
 
 class TokenRow:
-    """One trajectory's row of a :class:`TokenBatch` column: the value of its annotation."""
+    """One trajectory's row of a :class:`TokenBatch`: the value of each of its per-token
+    annotations (one object for all of the batch's names: the annotation's key names the
+    column)."""
 
-    __slots__ = ("batch", "index", "name")
+    __slots__ = ("batch", "index")
 
-    def __init__(self, batch: TokenBatch, index: int, name: str) -> None:
-        self.batch, self.index, self.name = batch, index, name
+    def __init__(self, batch: TokenBatch, index: int) -> None:
+        self.batch, self.index = batch, index
 
-    def values(self) -> tuple[Any, str | None]:
-        """``(float32 row, None)`` or ``(None, why)``."""
+    def values(self, name: str) -> tuple[Any, str | None]:
+        """``(float32 row of column name, None)`` or ``(None, why)``."""
         rows, error = self.batch.rows()
         if rows is None:
             return None, error
-        return rows[self.name][self.index], None
+        return rows[name][self.index], None
 
     def __repr__(self) -> str:  # what a sink that does not know per-token values shows
-        return f"<per-token {self.name}>"
+        return "<per-token values>"
 
 
 def wire_values(values: dict[str, Any]) -> dict[str, Any]:
@@ -224,7 +226,7 @@ def wire_values(values: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for key, value in values.items():
         if type(value) is TokenRow:
-            row, _ = value.values()
+            row, _ = value.values(key)
             value = {TOKENS_KEY: token_list(row)} if row is not None else None
         out[key] = value
     return out
@@ -280,7 +282,7 @@ def attach(records: Sequence[SpanRecord], annotations: dict[str, Any]) -> list[s
                 "captured, or turns that do not continue each other): not attached"]
     gens, total = layout
     for name, row in sorted(rows.items()):
-        values, error = row.values()
+        values, error = row.values(name)
         if values is None:
             problems.append(f"{name}: not readable ({error})")
             continue
