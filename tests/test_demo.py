@@ -154,7 +154,7 @@ class TestDemoTrackio:
             assert spans[0]["input"] == t["messages"][:2]
             assert spans[0]["output"]["answer"] == t["messages"][4]["content"]
             assert spans[0]["output"]["reward"] == meta["reward"]
-            verdict = f"{'correct' if meta['reward'] == 1.0 else 'wrong'} reward={meta['reward']!r}"
+            verdict = f"{'✓ correct' if meta['reward'] == 1.0 else '✗ wrong'} reward={meta['reward']!r}"
             assert meta["status"] == (f"[val] {verdict}" if meta.get("validate") else verdict)
             if t["key"] == "rollout/traces":  # the trainer's advantage, in the header
                 assert isinstance(meta["advantage"], float)

@@ -207,7 +207,7 @@ class TestStepMetrics:
         assert rtrace.flush(30)
         (m,) = sink.rows
         assert list(m.rows[0]) == ["step", "group", "sample_index", "rollout_n", "reward", "advantage", "outcome",
-                                   "health", "answer", "turns", "tool_calls", "tokens_in", "tokens_out", "finish_reason",
+                                   "health", "prompt", "answer", "turns", "tool_calls", "tokens_in", "tokens_out", "finish_reason",
                                    "latency_ms", "kept", "note", "trace_id"]
         shown = [(r["group"], r["rollout_n"]) for r in m.rows[:5]]
         assert shown == sorted(shown) and len(set(shown)) == 5  # 5 of the 6, by group then rollout
@@ -237,6 +237,7 @@ class TestStepMetrics:
         (m,) = sink.rows
         (row,) = m.rows
         answer = row.pop("answer")
+        assert row.pop("prompt") == "[4 tokens, not decoded: set RTRACE_TOKEN2TEXT]"  # the first turn's prompt
         assert row == {"step": 3, "group": "prompt-2", "sample_index": 2, "rollout_n": 1, "reward": 0.0,
                        "outcome": "truncated", "health": "generation", "turns": 2, "tool_calls": 1, "tokens_in": 12,
                        "tokens_out": 6, "finish_reason": "length", "latency_ms": round(t.duration_ms, 1), "kept": "",

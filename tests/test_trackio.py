@@ -167,7 +167,7 @@ class TestRoundTrip:
             ("group_id", "g17"), ("policy_version", 4), ("outcome.correct", True),
             ("duration_ms", round(total, 1)), ("generation_ms", round(gen, 1)), ("tool_ms", round(tool, 1)),
             ("num_turns", 3), ("num_tool_calls", 2), ("finish_reason", "stop"), ("prompt_tokens", 20 + 30 + 40),
-            ("response_tokens", 3 + 4 + 2), ("experiment", "run-1"), ("status", "correct reward=1.0")]
+            ("response_tokens", 3 + 4 + 2), ("experiment", "run-1"), ("status", "✓ correct reward=1.0")]
         # the list previews the first assistant message: a tool-call turn shows its call
         assert [m["content"] for m in got["messages"] if m["role"] == "assistant"] == [
             'Let me compute 17*3.', 'Let me compute 51+1.', "The answer is 52."]
@@ -207,9 +207,9 @@ class TestRoundTrip:
         assert (val["step"], val["metadata"]["validate"], val["metadata"]["reward"]) == (2, True, 0.5)
         # told apart in trackio's trace list, whose Status column shows metadata["status"]: the
         # verdict and the reward ...
-        assert val["metadata"]["status"] == "[val] correct reward=0.5"
+        assert val["metadata"]["status"] == "[val] ✓ correct reward=0.5"
         assert sorted(t["metadata"]["status"] for t in traces_of(project, "steps") if t["id"] != val["id"]) == [
-            f"correct reward={float(i)!r}" for i in (0, 0, 1, 1, 2, 2)]
+            f"✓ correct reward={float(i)!r}" for i in (0, 0, 1, 1, 2, 2)]
         assert [t["metadata"]["sample_index"] for t in traces_of(project, "steps", search="reward=2.0")] == [2, 2]
         # ... and found by the list's search box (trackio searches metadata values)
         assert [t["id"] for t in traces_of(project, "steps", search="[val]")] == [val["id"]]
@@ -325,7 +325,7 @@ class TestWhatAPersonSees:
             "outcome.correct", "advantage", "annotations.step", "kept", "duration_ms", "generation_ms",
             "tool_ms", "num_turns", "num_tool_calls", "extra.dataset", "status", "partial", "error", "dropped_spans"]
         assert {k: by_id["e" * 32][k] for k in ("advantage", "annotations.step", "kept", "status", "error")} == {
-            "advantage": 0.4, "annotations.step": 9, "kept": "best,error", "status": "[val] error reward=0.5",
+            "advantage": 0.4, "annotations.step": 9, "kept": "best,error", "status": "[val] ✗ error reward=0.5",
             "error": "Timeout: too slow"}
         assert by_id["e" * 32]["policy_version"] is None  # the first keys are always there
         assert list(by_id["f" * 32]) == [
@@ -429,7 +429,7 @@ class TestBadValues:
         assert (span["start_time"], span["end_time"]) == ("2001-09-09T01:46:40.123456Z", "2001-09-09T01:46:41.123456Z")
         assert span["duration_ms"] == 1000.0
         assert got["metadata"]["reward"] == math.inf and got["metadata"]["outcome.t"] == [None, 1.5]
-        assert (got["metadata"]["status"], got["metadata"]["error"]) == ("error reward=inf", "boom")
+        assert (got["metadata"]["status"], got["metadata"]["error"]) == ("✗ error reward=inf", "boom")
         assert got["messages"] == [{"role": "user", "content": ["tu", "ple"]}]
         assert logs_with(project, "hand", "rollout/error_rate") == [{"step": 1, "rollout/error_rate": 1.0}]
 

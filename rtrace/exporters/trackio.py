@@ -240,13 +240,21 @@ _LATER = frozenset({"kept", "trace_id", "validate", "health", "duration_ms", "ge
 VAL_MARK = "[val]"
 
 
+#: A mark before each verdict: trackio colours a status pill red only when it is exactly
+#: ``error`` (every other status is green), so a wrong answer is told apart by its mark.
+VERDICT_MARKS = {"correct": "✓", "wrong": "✗", "truncated": "⚠", "partial": "⚠", "error": "✗"}
+
+
 def status_text(traj: Trajectory) -> str:
     """What trackio's Status column shows (and its search matches): :data:`VAL_MARK` for a
     validation trajectory, the verdict (``correct``, ``wrong``, ``truncated``, ``error``,
-    ``partial``, ``ok``; :meth:`Trajectory.verdict`) and the reward, e.g. ``wrong reward=0.0``
-    or ``[val] correct reward=1.0``."""
+    ``partial``, ``ok``; :meth:`Trajectory.verdict`) after its mark (:data:`VERDICT_MARKS`)
+    and the reward, e.g. ``✗ wrong reward=0.0`` or ``[val] ✓ correct reward=1.0``."""
     parts = [VAL_MARK] if traj.validate else []
-    parts.append(traj.verdict())
+    verdict = traj.verdict()
+    if verdict in VERDICT_MARKS:
+        parts.append(VERDICT_MARKS[verdict])
+    parts.append(verdict)
     if traj.reward is not None:
         parts.append(f"reward={traj.reward!r}")
     return " ".join(parts)

@@ -48,11 +48,15 @@ _MAX_DURATIONS = 200_000  # per step: exact percentiles up to this many trajecto
 #: The rollouts table's columns, in order; each numeric annotation (``advantage`` ...)
 #: follows ``reward`` as a column of its own. ``outcome`` is the trajectory's verdict
 #: (``correct``, ``wrong``, ``truncated``, ``error``, ``partial``, ``ok``); ``note`` marks
-#: the step's slowest trajectory; ``answer`` is the final answer, at most
-#: :data:`ANSWER_CHARS` characters.
-TABLE_COLUMNS = ("step", "group", "sample_index", "rollout_n", "reward", "outcome", "health", "answer", "turns",
-                 "tool_calls", "tokens_in", "tokens_out", "finish_reason", "latency_ms", "kept", "note", "trace_id")
+#: the step's slowest trajectory; ``prompt`` is the task (the first user message, else the
+#: first message) and ``answer`` the final answer, each at most :data:`ANSWER_CHARS`
+#: characters. Annotation values are rounded to :data:`TABLE_DIGITS` significant digits
+#: (an advantage of -0.7071067811865476 reads -0.7071).
+TABLE_COLUMNS = ("step", "group", "sample_index", "rollout_n", "reward", "outcome", "health", "prompt", "answer",
+                 "turns", "tool_calls", "tokens_in", "tokens_out", "finish_reason", "latency_ms", "kept", "note",
+                 "trace_id")
 ANSWER_CHARS = 300
+TABLE_DIGITS = 4
 
 
 def table_row(traj: Trajectory) -> dict[str, Any]:
@@ -64,6 +68,8 @@ def table_row(traj: Trajectory) -> dict[str, Any]:
             tokens_out += _int(span.attributes.get("gen_ai.usage.output_tokens"))
     final = traj.final_answer()
     answer = final.get("content") if final is not None else None
+    task = traj.task_messages()
+    prompt = task[-1].get("content") if task and isinstance(task[-1], dict) else None
     row: dict[str, Any] = {
         "step": traj.step, "group": traj.group_id if traj.group_id is not None else traj.sample_index,
         "sample_index": traj.sample_index, "rollout_n": traj.rollout_n, "reward": traj.reward,
@@ -73,12 +79,18 @@ def table_row(traj: Trajectory) -> dict[str, Any]:
         "tokens_in": tokens_in, "tokens_out": tokens_out, "finish_reason": traj.finish_reason,
         "latency_ms": round(traj.duration_ms, 1), "kept": ",".join(traj.kept), "note": "",
         "trace_id": traj.trace_id,
+        "prompt": truncate(prompt, ANSWER_CHARS) if isinstance(prompt, str) else None,
         "answer": truncate(answer, ANSWER_CHARS) if isinstance(answer, str) else None,
     }
     for key, value in traj.annotations.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in row:
-            row[key] = value
+            row[key] = _short(value)
     return row
+
+
+def _short(value: float) -> float:
+    """A float with :data:`TABLE_DIGITS` significant digits (ints and non-finite values as they are)."""
+    return float(f"{value:.{TABLE_DIGITS}g}") if isinstance(value, float) and math.isfinite(value) else value
 
 
 def _table(rows: list[dict[str, Any]], left_out: int, slowest: str,

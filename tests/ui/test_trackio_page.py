@@ -146,7 +146,7 @@ def _panes(detail) -> tuple[str, str]:
 
 
 def _verdict(r: dict) -> str:
-    text = f"{'correct' if r['correct'] else 'wrong'} reward={1.0 if r['correct'] else 0.0!r}"
+    text = f"{'✓ correct' if r['correct'] else '✗ wrong'} reward={1.0 if r['correct'] else 0.0!r}"
     return f"[val] {text}" if r["validate"] else text
 
 
