@@ -35,6 +35,18 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def config_error(command: str, exc: Exception, flags: dict[str, tuple[str, object]]) -> str:
+    """The message of a bad setting for ``rtrace COMMAND``: a flag the user gave is named as
+    the flag (``--exporter``), not as the environment variable behind it. ``flags`` maps a
+    setting's name to ``(flag, the value given or None)``."""
+    setting = getattr(exc, "setting", None)
+    flag, given = flags.get(setting, (None, None)) if setting else (None, None)
+    if flag is not None and given is not None:
+        named = f"{flag} {given}" if flag.startswith("--") else f"{flag}={given}"
+        return f"rtrace {command}: {named}: {exc.problem}; accepted values: {exc.accepted}"  # type: ignore[attr-defined]
+    return f"rtrace {command}: {exc}"
+
+
 def _exit_codes() -> list[tuple[int, str]]:
     from .report.health import EXIT_CODES
 
@@ -130,16 +142,36 @@ def _collect(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from . import _setup
+    from .config import ConfigError
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    collector = _setup.start_collector(host=args.host, port=args.port, http_port=args.http_port,
-                                       exporter=args.exporter, project=args.project, experiment=args.experiment,
-                                       max_traces_per_step=args.max_traces_per_step, flush_on_sigterm=False,
-                                       collector_tls_cert=args.tls_cert, collector_tls_key=args.tls_key,
-                                       collector_tls_client_ca=args.tls_client_ca, collector_tls_ca=args.tls_ca)
+    try:
+        collector = _start(args)
+    except ConfigError as exc:
+        flags = {"exporter": ("--exporter", args.exporter), "max_traces_per_step": ("--max-traces-per-step",
+                                                                                     args.max_traces_per_step),
+                 "project": ("--project", args.project), "experiment": ("--experiment", args.experiment),
+                 "collector_tls_cert": ("--tls-cert", args.tls_cert), "collector_tls_key": ("--tls-key", args.tls_key),
+                 "collector_tls_client_ca": ("--tls-client-ca", args.tls_client_ca),
+                 "collector_tls_ca": ("--tls-ca", args.tls_ca)}
+        sys.stderr.write(config_error("collect", exc, flags) + "\n")
+        return 2
+    return _serve_collector(collector, args, stop)
+
+
+def _start(args: argparse.Namespace):
+    from . import _setup
+
+    return _setup.start_collector(host=args.host, port=args.port, http_port=args.http_port,
+                                  exporter=args.exporter, project=args.project, experiment=args.experiment,
+                                  max_traces_per_step=args.max_traces_per_step, flush_on_sigterm=False,
+                                  collector_tls_cert=args.tls_cert, collector_tls_key=args.tls_key,
+                                  collector_tls_client_ca=args.tls_client_ca, collector_tls_ca=args.tls_ca)
+
+
+def _serve_collector(collector, args: argparse.Namespace, stop) -> int:
     from .pipeline.collector import tune_gc
 
     tune_gc()  # this process is the collector's alone

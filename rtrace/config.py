@@ -50,7 +50,15 @@ DEFAULT_REDACT_KEYS = (
 
 
 class ConfigError(ValueError):
-    """A setting has a value rtrace cannot accept; the message names the variable."""
+    """A setting has a value rtrace cannot accept; the message names the variable.
+
+    ``setting``, ``problem`` and ``accepted`` (when known) let a command line name its own
+    flag instead (``rtrace demo --exporter``)."""
+
+    def __init__(self, message: str, setting: str | None = None, problem: str | None = None,
+                 accepted: str | None = None) -> None:
+        super().__init__(message)
+        self.setting, self.problem, self.accepted = setting, problem, accepted
 
 
 # ----------------------------------------------------------------------------- parsers
@@ -598,7 +606,8 @@ def _parse(param: Param, raw: Any, source: str) -> Any:
     except ValueError as exc:
         where = param.env if source == "env" else f"configure({param.name}=...)"
         env = f" (env {param.env})" if source != "env" and param.env else ""
-        raise ConfigError(f"{where}{env}: {exc}; accepted values: {param.accepted}") from None
+        raise ConfigError(f"{where}{env}: {exc}; accepted values: {param.accepted}", param.name, str(exc),
+                          param.accepted) from None
 
 
 def unknown_env(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:

@@ -117,6 +117,9 @@ class TestDemoTrackio:
         assert re.search(rf"trackio:  TRACKIO_DIR={re.escape(str(out / 'trackio'))} (\S*/)?trackio show "
                          r"--project rtrace-demo\n", proc.stdout)
         assert f"rtrace: {STEPS * PROMPTS * ROLLOUTS + VAL} trajectories written to trackio" in proc.stdout
+        # trackio's own banner, whose `trackio show` lacks TRACKIO_DIR and opens "No projects", is not shown
+        assert "trackio show --project" not in proc.stdout.replace("trackio show --project rtrace-demo\n", "", 1)
+        assert "* View dashboard" not in proc.stdout and "* Trackio project initialized" not in proc.stdout
 
     def test_traces_readable_from_trackio_storage(self, trackio_demo):
         """trackio's storage holds one trace per rollout (training under rollout/traces,
@@ -275,6 +278,19 @@ class TestDemoJsonlMlflow:
         assert run["metrics"] == {"rollout/trajectories": [[s, PROMPTS * ROLLOUTS] for s in range(1, STEPS + 1)],
                                   "eval/trajectories": [[STEPS, VAL]]}
         assert f"http://127.0.0.1:5000/#/experiments/{run['experiment_id']}/runs/{run['run_id']}" in proc.stdout
+
+
+def test_kept_counts_what_reached_the_sinks(tmp_path):
+    """With a cap, the table's `kept` is what the sinks got per step (here 1 of 4), not the
+    rollouts traced; the JSONL hint gives the report command."""
+    proc = run_demo(tmp_path, "--exporter", "jsonl", "--max-traces-per-step", "1")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("step"))
+    assert lines[header + 2].split()[:4] == ["1", "train", str(PROMPTS * ROLLOUTS), "1"]
+    written = read_jsonl(tmp_path / "traces.jsonl")
+    assert sum(not t.validate for t in written) == 1
+    assert re.search(rf"(\S*/)?rtrace report {re.escape(str(tmp_path / 'traces.jsonl'))} --html ", proc.stdout)
 
 
 def test_bad_exporter_is_a_clear_error(tmp_path):

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 import rtrace
+from rtrace.cli import config_error
 from rtrace.config import load_settings
 
 __all__ = ["DemoOptions", "RolloutResult", "run_demo", "DEFAULT_EXPORTER"]
@@ -100,9 +101,55 @@ class _Row:
     step: int
     split: str
     results: list[RolloutResult] = field(default_factory=list)
+    #: trajectories of the step that reached the sinks (the table's ``kept``)
+    written: int = 0
 
 
 # ----------------------------------------------------------------------------- wiring
+
+
+class _Written(rtrace.Sink):
+    """Counts the trajectories that reached the sinks, per (validate, step): the table's
+    ``kept`` column (a cap keeps fewer than the rollouts traced)."""
+
+    name = "demo-count"
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.counts: dict[tuple[bool, Any], int] = {}
+
+    def export(self, trajectories: Sequence[Any]) -> None:
+        for t in trajectories:
+            key = (bool(t.validate), t.step)
+            self.counts[key] = self.counts.get(key, 0) + 1
+
+
+class _TrackioBanner:
+    """The demo's stdout without trackio's own banner. trackio prints, when the sink opens
+    its run, how to open the dashboard without the demo's TRACKIO_DIR: a command that shows
+    "No projects" in another shell. The demo prints the one command that works."""
+
+    DROPPED = ("* Trackio project initialized", "* Trackio metrics logged to", "* View dashboard by running",
+               "trackio show --project", "* or by running in Python: trackio.show", "* Created new run",
+               "* Resumed existing run", "* Run finished. Uploading logs", "* psutil detected")
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self._line = ""
+
+    def write(self, text: str) -> int:
+        self._line += text
+        while "\n" in self._line:
+            line, self._line = self._line.split("\n", 1)
+            if not any(mark in line for mark in self.DROPPED):
+                self.stream.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
 
 
 def _resolve_exporter(opts: DemoOptions) -> str:
@@ -139,6 +186,8 @@ def _configure(opts: DemoOptions, exporter: str, out_dir: Path, tokenizer: Any) 
         if not os.environ.get("MLFLOW_TRACKING_URI"):  # the run's artifacts (its tables) beside the database
             where["mlflow_artifacts"] = (out_dir / "mlflow-artifacts").as_uri()
         kwargs["mlflow_tracking_uri"] = where["mlflow_uri"]
+    where["written"] = _Written()
+    kwargs["sinks"] = [where["written"]]
     settings = rtrace.configure(**kwargs)
     where["otlp_endpoint"] = settings.otlp_traces_endpoint or settings.otlp_endpoint
     if "mlflow" in names:
@@ -194,6 +243,9 @@ def open_commands(where: dict[str, Any]) -> list[str]:
                          "in Python: mlflow.search_traces(filter_string=\"tags.step = '1'\")")
         elif name == "jsonl":
             lines.append(f"jsonl:    {where['jsonl_path']}   (one trajectory per line, schema rtrace.trajectory/1)")
+            page = str(Path(where["jsonl_path"]).with_name("report.html"))
+            lines.append(f"          {_command('rtrace')} report {q(where['jsonl_path'])} --html {q(page)}   "
+                         "(the step table here, and a page: GRPO groups side by side, failures, health)")
         elif name == "otlp":
             lines.append(f"otlp:     sent to {where['otlp_endpoint'] or 'http://localhost:4318'}; open your "
                          "collector's UI (Jaeger: http://localhost:16686, see docker-compose.yml)")
@@ -356,7 +408,7 @@ def format_table(rows: Sequence[_Row]) -> str:
     for row in rows:
         rs = row.results
         n = max(len(rs), 1)
-        lines.append((str(row.step), row.split, str(len(rs)), str(sum(r.traced for r in rs)),
+        lines.append((str(row.step), row.split, str(len(rs)), str(row.written),
                       f"{sum(r.reward for r in rs) / n:.2f}", f"{sum(r.turns for r in rs) / n:.2f}",
                       str(sum(r.tool_calls for r in rs)), f"{sum(r.latency_ms for r in rs) / n:.0f} ms"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -401,10 +453,14 @@ def run_demo(opts: DemoOptions, out: TextIO | None = None, err: TextIO | None = 
     out_dir = Path(opts.out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     exporter = _resolve_exporter(opts)
+    flags = {"exporter": ("--exporter", opts.exporter) if opts.exporter else ("RTRACE_EXPORTER", exporter),
+             "max_traces_per_step": ("--max-traces-per-step",
+                                                                                opts.max_traces_per_step),
+             "project": ("--project", opts.project)}
     try:  # fail on a bad --exporter / RTRACE_* value now, not after building the model
         load_settings({"exporter": exporter, "max_traces_per_step": opts.max_traces_per_step})
     except rtrace.ConfigError as exc:
-        err.write(f"rtrace demo: {exc}\n")
+        err.write(config_error("demo", exc, flags) + "\n")
         return 2
 
     err.write("rtrace demo: loading the tiny trained Qwen2 policy (offline, CPU)...\n")
@@ -416,13 +472,16 @@ def run_demo(opts: DemoOptions, out: TextIO | None = None, err: TextIO | None = 
     try:
         where = _configure(opts, exporter, out_dir, policy.tokenizer)
     except rtrace.ConfigError as exc:
-        err.write(f"rtrace demo: {exc}\n")
+        err.write(config_error("demo", exc, flags) + "\n")
         policy.close()
         return 2
     err.write(f"rtrace demo: {opts.steps} steps x {opts.prompts} prompts x {opts.rollouts} rollouts, "
               f"max {opts.max_turns} turns, exporter={exporter}\n")
     agent = ToolAgentLoop(policy, max_turns=opts.max_turns)
     start = time.perf_counter()
+    stdout = sys.stdout
+    if "trackio" in where["names"]:
+        sys.stdout = _TrackioBanner(stdout)  # type: ignore[assignment]
     try:
         rows = asyncio.run(_run_all(opts, agent, err))
     finally:
@@ -430,7 +489,10 @@ def run_demo(opts: DemoOptions, out: TextIO | None = None, err: TextIO | None = 
         rtrace.shutdown()
         _end_mlflow_run(where)
         policy.close()
+        sys.stdout = stdout
     elapsed = time.perf_counter() - start
+    for row in rows:
+        row.written = where["written"].counts.get((row.split == "val", row.step), 0)
 
     stats = rtrace.stats()
     out.write("\n" + format_table(rows) + "\n\n")

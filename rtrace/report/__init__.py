@@ -20,6 +20,9 @@ from typing import Sequence, TextIO
 
 from .data import MAX_CHARS, MAX_MESSAGES
 from .health import EXIT_CODES, USAGE, check
+
+#: ``rtrace report`` (without --check) on files that hold no trajectory
+EMPTY = 1
 from .load import ReportInputError, read_records
 from .table import COLUMNS, format_table, step_table
 
@@ -51,6 +54,12 @@ def run(paths: Sequence[str], out: TextIO, html_path: str | None = None, health_
     except ReportInputError as exc:
         out.write(f"rtrace report: {exc}\n")
         return USAGE
+    if not records and not health_check:
+        for note in notes:
+            out.write(f"note: {note}\n")
+        out.write(f"rtrace report: no trajectory in {', '.join(map(str, paths))} (nothing written yet? the run "
+                  "writes JSONL with RTRACE_EXPORTER=jsonl, to RTRACE_JSONL_PATH)\n")
+        return EMPTY
     if not health_check:
         _table(records, notes, paths, out)
     if html_path:
