@@ -86,7 +86,8 @@ test-ui: $(STAMP)
 
 # The seed trainers' adapters against their real packages (tests/frameworks, issue #21), each in
 # its own venv built here: torch pinned to the CPU wheel on disk first, so no dependency pulls a
-# CUDA build. TRL: trl 1.16.0 (transformers 5) with trackio.
+# CUDA build. TRL: trl 1.16.0 (transformers 5) with trackio. Every venv has rtrace's otlp extra: each
+# adapter is also run through a collector (RTRACE_EXPORTER=collector) and compared with one process.
 TRL_VENV ?= .venv-trl
 TRL_STAMP := $(TRL_VENV)/.rtrace-installed
 
@@ -95,7 +96,7 @@ $(TRL_STAMP): pyproject.toml constraints-dev.txt
 	$(TRL_VENV)/bin/python -m pip install $(PIP_QUIET) --upgrade pip
 	$(TRL_VENV)/bin/python -m pip install $(PIP_QUIET) torch==2.13.0
 	$(TRL_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt "trl==1.16.0"
-	$(TRL_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt -e ".[trackio,test]"
+	$(TRL_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt -e ".[trackio,otlp,test]"
 	touch $(TRL_STAMP)
 
 # SkyRL: skyrl-train 0.3.1 declares Python >= 3.12, but the CPU torch wheel on disk is for 3.11; it
@@ -130,7 +131,7 @@ $(AREAL_STAMP): pyproject.toml constraints-dev.txt
 	$(AREAL_VENV)/bin/python -m pip install $(PIP_QUIET) torch==2.13.0
 	$(AREAL_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt $(AREAL_DEPS)
 	$(AREAL_VENV)/bin/python -m pip install $(PIP_QUIET) --no-deps areal==1.0.4
-	$(AREAL_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt -e ".[test]"
+	$(AREAL_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt -e ".[otlp,test]"
 	touch $(AREAL_STAMP)
 
 test-frameworks: $(TRL_STAMP) $(SKYRL_STAMP) $(AREAL_STAMP)

@@ -24,7 +24,7 @@ from .builder import SpanConverter, _reward, coordinates
 from .records import TrajectoryState, ids_of, record_of
 from .worker import _CHUNK, Pipeline
 
-__all__ = ["StreamPipeline", "ANNOTATION_SPAN", "MESSAGES_ATTR", "ANNOTATIONS_ATTR"]
+__all__ = ["StreamPipeline", "ANNOTATION_SPAN", "MESSAGES_ATTR", "ANNOTATIONS_ATTR", "TOKENIZER_ATTR"]
 
 #: Name of the span that carries an annotation to the collector.
 ANNOTATION_SPAN = "rtrace.annotation"
@@ -32,6 +32,10 @@ ANNOTATION_SPAN = "rtrace.annotation"
 
 class StreamPipeline(Pipeline):
     """The worker's pipeline in collector mode (see the module docstring)."""
+
+    #: the name or local path of the tokenizer a trainer adapter handed in (None: none);
+    #: set by rtrace._setup, stamped on each root for the collector to load
+    tokenizer_name: Any = staticmethod(lambda: None)
 
     def _round(self, now: float, expire: bool, force: bool) -> None:
         """Everything queued when the round starts, :data:`~rtrace.pipeline.worker._CHUNK`
@@ -121,6 +125,9 @@ class StreamPipeline(Pipeline):
             attrs.update({f"rl.outcome.{k}": v for k, v in outcome.items() if attr_ok(v)})
             if self.settings.job_id:
                 attrs["rtrace.job_id"] = self.settings.job_id
+            name = self.tokenizer_name()
+            if name:
+                attrs[TOKENIZER_ATTR] = name
 
     @staticmethod
     def _shell(shells: dict[int, Trajectory], state: TrajectoryState) -> Trajectory:
@@ -136,6 +143,10 @@ class StreamPipeline(Pipeline):
 #: set): the collector puts them back on the trajectory and off the span (``unpack_carried``).
 MESSAGES_ATTR = "rtrace.carried.messages"
 ANNOTATIONS_ATTR = "rtrace.carried.annotations"
+#: Root attribute naming the trainer's tokenizer (its ``name_or_path``) when a trainer
+#: adapter handed one in: the collector, with no tokenizer of its own, loads it (offline)
+#: for token2text, and takes the attribute off the span.
+TOKENIZER_ATTR = "rtrace.carried.tokenizer"
 
 
 def _carry(state: TrajectoryState, root: SpanRecord) -> None:
