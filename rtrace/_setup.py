@@ -405,13 +405,13 @@ def offer_tokenizer(tokenizer: Any) -> bool:
     when it has no tokenizer of its own (docs/token2text.md).
 
     Never raises (an adapter must not break training): an object that cannot decode is
-    ignored, counted in ``token2text_tokenizer_refused``. Returns True when it was taken.
+    ignored, counted in ``token2text_tokenizer_refused``; a name is ignored (loading it
+    would be I/O on the trainer's thread). Returns True when it was taken.
     """
     global _offered, _tokenizer
-    if tokenizer is None or tokenizer is _offered:
-        return False  # adapters offer at every batch: the same object costs one check
-    if isinstance(tokenizer, str) or not (callable(getattr(tokenizer, "batch_decode", None))
-                                          or callable(getattr(tokenizer, "decode", None))):
+    if tokenizer is None or tokenizer is _offered or isinstance(tokenizer, str):
+        return False  # adapters offer at every batch: the same object costs one check; a name is not loaded here
+    if not (callable(getattr(tokenizer, "batch_decode", None)) or callable(getattr(tokenizer, "decode", None))):
         _stats.incr("token2text_tokenizer_refused")
         _stats.warn_once("offer-tokenizer", "rtrace: a trainer's tokenizer (%s) has neither batch_decode nor "
                          "decode; token2text does not use it", type(tokenizer).__name__)
