@@ -31,9 +31,13 @@ pytestmark = pytest.mark.integration
 
 GOLD = "SELECT name FROM items WHERE price > 5 ORDER BY name"
 WRONG = "SELECT name FROM items ORDER BY name"
+#: a query of one row: skyrl-gym's SQL tool returns rows as a frozenset, in an order that
+#: changes with the process's string hash seed; one row reads the same in every process
+ONE_ROW = "SELECT name FROM items WHERE price > 20"
 #: instance -> what the scripted model does: "right" (a query, then the right solution),
-#: "wrong" (a query, then a wrong solution), "long" (rambles until the length limit)
-SCRIPT = {"q0": "right", "q1": "wrong", "q2": "long", "q3": "right", "q4": "wrong"}
+#: "wrong" (a query, then a wrong solution), "long" (rambles until the length limit),
+#: "one" (a query of one row, then the right solution)
+SCRIPT = {"q0": "right", "q1": "wrong", "q2": "long", "q3": "right", "q4": "wrong", "q5": "one", "q6": "one"}
 MAX_TOKENS = 48
 
 
@@ -102,9 +106,9 @@ class ScriptedEngine:
                 reply = self.tok.decode(reply_ids)
             else:
                 if turn == 1:
-                    reply = f"<think>Look at the prices.</think><sql>{GOLD}</sql>"
+                    reply = f"<think>Look at the prices.</think><sql>{ONE_ROW if mode == 'one' else GOLD}</sql>"
                 else:
-                    reply = f"<think>That is it.</think><solution>{GOLD if mode == 'right' else WRONG}</solution>"
+                    reply = f"<think>That is it.</think><solution>{WRONG if mode == 'wrong' else GOLD}</solution>"
                 reply_ids = self.tok(reply, add_special_tokens=False)["input_ids"] + [self.eos]
                 stop = "stop"
             out["responses"].append(reply)
@@ -384,7 +388,8 @@ def test_the_doc_s_ray_form_through_a_collector_writes_what_one_process_writes(t
 
     tok_dir = tmp_path / "tokenizer"
     tok.save_pretrained(tok_dir)
-    batches = [batch(["q0", "q1", "q2"], 2, 21, "train"), batch(["q3", "q4"], 1, 21, "eval")]
+    # (instances whose SQL tool output reads the same in every process: see ONE_ROW)
+    batches = [batch(["q5", "q6", "q2"], 2, 21, "train"), batch(["q5", "q2"], 1, 21, "eval")]
 
     one = tmp_path / "one.jsonl"
     rtrace.configure(exporter="jsonl", jsonl_path=str(one), export_interval_s=0.05)
@@ -415,7 +420,9 @@ def test_the_doc_s_ray_form_through_a_collector_writes_what_one_process_writes(t
 
     a = sorted((_normal(t) for t in read_jsonl(one)), key=key)
     b = sorted((_normal(t) for t in read_jsonl(through)), key=key)
-    assert len(a) == 8
+    for t in b:  # an id too: the job's (collector.env's RTRACE_JOB_ID), which one process has not
+        assert t["spans"][0]["attributes"].pop("rtrace.job_id") == collector.job_id
+    assert len(a) == 8 and a[0]["reward"] == 1.0
     assert [m["role"] for m in a[0]["messages"]] == ["system", "user", "assistant", "user", "assistant"]
     assert all(s["attributes"].get("rtrace.response_text") for t in a for s in t["spans"] if s["kind"] != "rollout")
     assert b == a
