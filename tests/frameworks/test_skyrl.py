@@ -402,8 +402,13 @@ def test_the_doc_s_ray_form_through_a_collector_writes_what_one_process_writes(t
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     monkeypatch.setenv("PYTHONPATH", root)  # Ray's workers import this module (inherited, not in env_vars)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import shutil
+    import tempfile
+
+    # (a session directory of its own: /tmp/ray is shared with every other Ray on the machine)
+    ray_dir = tempfile.mkdtemp(prefix="rt-ray-")
     try:
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, _temp_dir=ray_dir,
                  runtime_env={"worker_process_setup_hook": "rtrace.compat.skyrl.install", "env_vars": collector.env})
         try:
             got = ray.get(ray.remote(generate_all).remote(str(db_root), str(tok_dir), batches), timeout=300)
@@ -413,6 +418,7 @@ def test_the_doc_s_ray_form_through_a_collector_writes_what_one_process_writes(t
         stats = collector.stats()
     finally:
         collector.stop()
+        shutil.rmtree(ray_dir, ignore_errors=True)
     assert got == expected  # SkyRL did the same thing both times
 
     def key(t):
