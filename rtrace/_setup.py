@@ -430,11 +430,12 @@ def _auto_tokenizer() -> Any:
 
 def _offered_name() -> str | None:
     """In collector mode, the name or local path of the tokenizer a trainer adapter offered
-    (for the collector to load), or None (none offered, or one made in code)."""
+    (for the collector to load): ``""`` for one made in code (no name, but the collector
+    then knows a trainer gave one), None when none was offered."""
     if _offered is None:
         return None
     name = getattr(_tokenizer, "name_or_path", None)
-    return name if isinstance(name, str) and name else None
+    return name if isinstance(name, str) else ""
 
 
 # ----------------------------------------------------------------------------- fork and SIGTERM

@@ -482,3 +482,11 @@ class TestCollectorLoadsTheWorkersTokenizer:
         t = self._run(tmp_path, AutoTokenizer.from_pretrained(str(tmp_path / "tokenizer")), token2text=False)
         assert "rtrace.response_text" not in t.spans_of_kind("generation")[0].attributes
         assert not [k for s in t.spans for k in s.attributes if k.startswith("rtrace.carried.")]
+
+    def test_a_tokenizer_made_in_code_with_the_collector_s_own(self, tmp_path, tok):
+        """A worker's trainer tokenizer without a name (made in code) cannot be loaded, but tells
+        the collector a trainer gave one: token2text unset, the collector decodes with its own."""
+        pytest.importorskip("grpc")
+        t = self._run(tmp_path, RecordingTokenizer(tok), tokenizer=tok)
+        assert "rtrace.response_text" in t.spans_of_kind("generation")[0].attributes
+        assert rtrace.stats().get("token2text_tokenizer_unloadable", 0) == 0

@@ -452,6 +452,8 @@ class Collector:
         self._trainer_tokenizer = trainer_tokenizer or (lambda: None)
         self._named: Any = None
         self._names_tried: set[str] = set()
+        #: a worker's root said its trainer handed in a tokenizer (named or not)
+        self._workers_offered = False
         # token2text on (True), off (False), or unset (None): on once a trainer handed in a tokenizer
         post = [Token2Text(self._decoder if settings.token2text else self._auto_decoder,
                            settings.token2text_skip_special_tokens, settings.token2text_keep_ids,
@@ -534,16 +536,20 @@ class Collector:
     def _auto_decoder(self) -> Any:
         """token2text unset: decode only once a trainer handed in a tokenizer (here or in a
         worker), with the collector's own if it has one."""
-        trainer = self._trainer_tokenizer() or self._named
-        return (self._tokenizer or trainer) if trainer is not None else None
+        if self._workers_offered or self._trainer_tokenizer() is not None:
+            return self._decoder()
+        return None
 
     def _tokenizer_named(self, name: Any) -> None:
         """A worker's trainer tokenizer, by name or local path (collector worker thread):
         loaded once, offline, when the collector decodes and has none of its own.
         A name that cannot be loaded is counted (``token2text_tokenizer_unloadable``)."""
-        if (self._named is not None or self._tokenizer is not None or self.settings.token2text is False
-                or not isinstance(name, str) or name in self._names_tried or len(self._names_tried) >= 8):
+        if self.settings.token2text is False or not isinstance(name, str):
             return
+        self._workers_offered = True
+        if (not name or self._named is not None or self._tokenizer is not None or name in self._names_tried
+                or len(self._names_tried) >= 8):
+            return  # made in code (no name), or nothing to load
         self._names_tried.add(name)
         try:
             self._named = load_tokenizer(name)

@@ -126,7 +126,7 @@ class StreamPipeline(Pipeline):
             if self.settings.job_id:
                 attrs["rtrace.job_id"] = self.settings.job_id
             name = self.tokenizer_name()
-            if name:
+            if name is not None:
                 attrs[TOKENIZER_ATTR] = name
 
     @staticmethod
@@ -143,9 +143,10 @@ class StreamPipeline(Pipeline):
 #: set): the collector puts them back on the trajectory and off the span (``unpack_carried``).
 MESSAGES_ATTR = "rtrace.carried.messages"
 ANNOTATIONS_ATTR = "rtrace.carried.annotations"
-#: Root attribute naming the trainer's tokenizer (its ``name_or_path``) when a trainer
-#: adapter handed one in: the collector, with no tokenizer of its own, loads it (offline)
-#: for token2text, and takes the attribute off the span.
+#: Root attribute naming the trainer's tokenizer (its ``name_or_path``; ``""`` for one made
+#: in code) when a trainer adapter handed one in: the collector decodes then (token2text
+#: unset), with a tokenizer of its own or else this one, loaded offline; it takes the
+#: attribute off the span.
 TOKENIZER_ATTR = "rtrace.carried.tokenizer"
 
 
