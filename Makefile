@@ -86,7 +86,8 @@ test-ui: $(STAMP)
 
 # The seed trainers' adapters against their real packages (tests/frameworks, issue #21), each in
 # its own venv built here: torch pinned to the CPU wheel on disk first, so no dependency pulls a
-# CUDA build. TRL: trl 1.16.0 (transformers 5) with trackio.
+# CUDA build. TRL: trl 1.16.0 (transformers 5) with trackio. Every venv has rtrace's otlp extra: each
+# adapter is also run through a collector (RTRACE_EXPORTER=collector) and compared with one process.
 TRL_VENV ?= .venv-trl
 TRL_STAMP := $(TRL_VENV)/.rtrace-installed
 
@@ -95,12 +96,13 @@ $(TRL_STAMP): pyproject.toml constraints-dev.txt
 	$(TRL_VENV)/bin/python -m pip install $(PIP_QUIET) --upgrade pip
 	$(TRL_VENV)/bin/python -m pip install $(PIP_QUIET) torch==2.13.0
 	$(TRL_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt "trl==1.16.0"
-	$(TRL_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt -e ".[trackio,test]"
+	$(TRL_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt -e ".[trackio,otlp,test]"
 	touch $(TRL_STAMP)
 
 # SkyRL: skyrl-train 0.3.1 declares Python >= 3.12, but the CPU torch wheel on disk is for 3.11; it
 # runs on 3.11: installed --no-deps --ignore-requires-python, its dependencies listed here
-# (transformers < 5, as it asks; skyrl-gym 0.4.0 for the text2sql environment).
+# (transformers < 5, as it asks; skyrl-gym 0.4.0 for the text2sql environment). Its test starts a
+# local Ray (the doc's worker_process_setup_hook form): pytest-rerunfailures for Ray's start-up timeout.
 SKYRL_VENV ?= .venv-skyrl
 SKYRL_STAMP := $(SKYRL_VENV)/.rtrace-installed
 SKYRL_DEPS := "transformers>=4.51,<5" skyrl-gym==0.4.0 loguru omegaconf hydra-core==1.3.2 jaxtyping ray==2.51.1 \
@@ -112,7 +114,7 @@ $(SKYRL_STAMP): pyproject.toml constraints-dev.txt
 	$(SKYRL_VENV)/bin/python -m pip install $(PIP_QUIET) torch==2.13.0
 	$(SKYRL_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt $(SKYRL_DEPS)
 	$(SKYRL_VENV)/bin/python -m pip install $(PIP_QUIET) --no-deps --ignore-requires-python skyrl-train==0.3.1
-	$(SKYRL_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt -e ".[otlp,test]"
+	$(SKYRL_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt -e ".[otlp,test]" pytest-rerunfailures
 	touch $(SKYRL_STAMP)
 
 # AReaL: areal 1.0.4 declares torch < 2.11 (its resolver would fetch a CUDA build) and ~80
@@ -130,12 +132,12 @@ $(AREAL_STAMP): pyproject.toml constraints-dev.txt
 	$(AREAL_VENV)/bin/python -m pip install $(PIP_QUIET) torch==2.13.0
 	$(AREAL_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt $(AREAL_DEPS)
 	$(AREAL_VENV)/bin/python -m pip install $(PIP_QUIET) --no-deps areal==1.0.4
-	$(AREAL_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt -e ".[test]"
+	$(AREAL_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt -e ".[otlp,test]"
 	touch $(AREAL_STAMP)
 
 test-frameworks: $(TRL_STAMP) $(SKYRL_STAMP) $(AREAL_STAMP)
 	HF_HUB_OFFLINE=1 $(TRL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/frameworks/test_trl.py
-	HF_HUB_OFFLINE=1 $(SKYRL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/frameworks/test_skyrl.py
+	HF_HUB_OFFLINE=1 $(SKYRL_VENV)/bin/python -m pytest -q -p no:cacheprovider $(RAY_RERUN) tests/frameworks/test_skyrl.py
 	HF_HUB_OFFLINE=1 AREAL_SPMD_MODE=1 $(AREAL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/frameworks/test_areal.py
 
 # rtrace's veRL shim against the real verl (tests/verl); `make test` skips those tests without verl.

@@ -21,7 +21,7 @@ from .config import ConfigError, Settings, load_settings, unknown_env
 from .instrumentation import _state
 
 __all__ = ["configure", "flush", "shutdown", "stats", "is_enabled", "current_settings", "set_tokenizer",
-           "get_tokenizer", "start_collector"]
+           "get_tokenizer", "offer_tokenizer", "start_collector"]
 
 _lock = threading.RLock()
 _pipeline: Any = None
@@ -39,6 +39,9 @@ _bridges: dict[int, Any] = {}
 _OWN = 0
 #: the tokenizer token2text decodes with (configure(tokenizer=...) or set_tokenizer())
 _tokenizer: Any = None
+#: the trainer's tokenizer a trainer adapter (rtrace.compat) handed in (offer_tokenizer):
+#: with token2text unset, rtrace decodes once there is one
+_offered: Any = None
 _sigterm_installed = False
 
 
@@ -109,9 +112,14 @@ def _build(settings: Settings) -> tuple[tuple[Any, Any], Any]:
             # Collector mode: spans stream to the job's collector, which decodes and writes.
             from .pipeline.stream import StreamPipeline
 
-            return (StreamPipeline(settings, fanout), _tracer(settings)), tokenizer
-        post = [Token2Text(get_tokenizer, settings.token2text_skip_special_tokens, settings.token2text_keep_ids)] \
-            if settings.token2text else []
+            stream = StreamPipeline(settings, fanout)
+            stream.tokenizer_name = _offered_name  # the collector may load it (docs/token2text.md)
+            return (stream, _tracer(settings)), tokenizer
+        # token2text: on (True), off (False), or unset (None): on once a trainer adapter
+        # handed in its tokenizer (offer_tokenizer), silently nothing until then
+        post = [Token2Text(get_tokenizer if settings.token2text else _auto_tokenizer,
+                           settings.token2text_skip_special_tokens, settings.token2text_keep_ids,
+                           required=bool(settings.token2text))] if settings.token2text is not False else []
         from .pipeline.worker import Pipeline
 
         return (Pipeline(settings, fanout, post, health_tokenizer=get_tokenizer), _tracer(settings)), tokenizer
@@ -351,7 +359,8 @@ def start_collector(*, host: str = "127.0.0.1", port: int = 0, http_port: int | 
     """
     from .pipeline.collector import start_collector as start
 
-    return start(host=host, port=port, http_port=http_port, settle_s=settle_s, **settings)
+    return start(host=host, port=port, http_port=http_port, settle_s=settle_s, trainer_tokenizer=_auto_tokenizer,
+                 **settings)
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -367,8 +376,9 @@ def set_tokenizer(tokenizer: Any) -> None:
         TypeError: the object has neither ``batch_decode`` nor ``decode``.
         ConfigError: a name or path that cannot be loaded.
 
-    Decoding happens only when token2text is on (``configure(token2text=True)`` or
-    ``RTRACE_TOKEN2TEXT=1``), in rtrace's worker thread (the collector's in collector mode).
+    Decoding happens when token2text is on (``configure(token2text=True)`` or
+    ``RTRACE_TOKEN2TEXT=1``), or unset while a trainer adapter handed in its tokenizer
+    (:func:`offer_tokenizer`), in rtrace's worker thread (the collector's in collector mode).
     """
     global _tokenizer
     from .pipeline.token2text import check_tokenizer
@@ -382,6 +392,50 @@ def set_tokenizer(tokenizer: Any) -> None:
 def get_tokenizer() -> Any:
     """The tokenizer set by :func:`set_tokenizer` / ``configure(tokenizer=...)``, or None."""
     return _tokenizer
+
+
+def offer_tokenizer(tokenizer: Any) -> bool:
+    """A trainer adapter (``rtrace.compat``) hands in its trainer's tokenizer.
+
+    It becomes the tokenizer token2text decodes with unless one is set already (the
+    user's wins), and with ``token2text`` unset rtrace decodes from then on: the one-line
+    adapters write readable text without ``RTRACE_TOKEN2TEXT``. ``token2text=False`` (or
+    ``RTRACE_TOKEN2TEXT=0``) still turns decoding off. In collector mode the worker tells
+    the collector the tokenizer's ``name_or_path`` and the collector loads it (offline)
+    when it has no tokenizer of its own (docs/token2text.md).
+
+    Never raises (an adapter must not break training): an object that cannot decode is
+    ignored, counted in ``token2text_tokenizer_refused``; a name is ignored (loading it
+    would be I/O on the trainer's thread). Returns True when it was taken.
+    """
+    global _offered, _tokenizer
+    if tokenizer is None or tokenizer is _offered or isinstance(tokenizer, str):
+        return False  # adapters offer at every batch: the same object costs one check; a name is not loaded here
+    if not (callable(getattr(tokenizer, "batch_decode", None)) or callable(getattr(tokenizer, "decode", None))):
+        _stats.incr("token2text_tokenizer_refused")
+        _stats.warn_once("offer-tokenizer", "rtrace: a trainer's tokenizer (%s) has neither batch_decode nor "
+                         "decode; token2text does not use it", type(tokenizer).__name__)
+        return False
+    _offered = tokenizer
+    if _tokenizer is None:
+        _tokenizer = tokenizer
+    return True
+
+
+def _auto_tokenizer() -> Any:
+    """What token2text decodes with when it is unset: the tokenizer in force, once a
+    trainer adapter offered one; else None (no decoding)."""
+    return _tokenizer if _offered is not None else None
+
+
+def _offered_name() -> str | None:
+    """In collector mode, the name or local path of the tokenizer a trainer adapter offered
+    (for the collector to load): ``""`` for one made in code (no name, but the collector
+    then knows a trainer gave one), None when none was offered."""
+    if _offered is None:
+        return None
+    name = getattr(_tokenizer, "name_or_path", None)
+    return name if isinstance(name, str) else ""
 
 
 # ----------------------------------------------------------------------------- fork and SIGTERM

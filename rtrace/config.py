@@ -362,9 +362,10 @@ PARAMS: tuple[Param, ...] = (
           "trackio project / MLflow experiment the trajectories go to.", type="str"),
     Param("experiment", "RTRACE_EXPERIMENT", _str, None, "a non-empty name",
           "Run name (trackio run, MLflow run name); stamped as `rl.experiment` on every span.", type="str | None"),
-    Param("token2text", "RTRACE_TOKEN2TEXT", _bool, False, "true/false (1/0, yes/no, on/off)",
+    Param("token2text", "RTRACE_TOKEN2TEXT", _bool, None, "true/false (1/0, yes/no, on/off)",
           "Decode captured prompt/response token ids to text in the exporter thread (the collector's, "
-          "in collector mode).", type="bool"),
+          "in collector mode). Unset: decode when a trainer adapter (rtrace.compat) handed rtrace its "
+          "tokenizer; false: never.", type="bool | None"),
     Param("tokenizer", "RTRACE_TOKENIZER", _tokenizer, None,
           "a tokenizer object, or a tokenizer name / local path for AutoTokenizer",
           "Tokenizer for token2text (objects only through configure() or set_tokenizer())."),

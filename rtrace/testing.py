@@ -76,6 +76,7 @@ def reset() -> None:
     _state.set_runtime(_state.UNSET)
     _stats.reset()
     _setup._tokenizer = None
+    _setup._offered = None
     _setup._fork_kwargs = None
 
 

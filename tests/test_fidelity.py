@@ -27,6 +27,8 @@ def _normal(traj) -> dict:
     data = traj.to_dict()
     for key in _IDS_AND_TIMES:
         data.pop(key, None)
+    if data.get("spans"):
+        data["spans"][0]["attributes"].pop("rtrace.job_id", None)  # the collector's job, on its roots only
     for span in data.get("spans", []):
         for key in _IDS_AND_TIMES:
             span.pop(key, None)

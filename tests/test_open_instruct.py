@@ -44,7 +44,9 @@ class TestTheRealNames:
         path = ROOT / "rtrace" / "compat" / "open_instruct.py"
         assert attributes_read(path, "result") <= set(NAMES["classes"]["GenerationResult"])
         assert attributes_read(path, "batch") <= set(NAMES["classes"]["Batch"])
-        assert {"responses", "masks", "finish_reasons"} <= attributes_read(path, "result")
+        assert attributes_read(path, "info") <= set(NAMES["classes"]["RequestInfo"])
+        assert {"responses", "masks", "finish_reasons", "reward_scores", "model_step", "index",
+                "request_info"} <= attributes_read(path, "result")
 
     def test_the_wrapped_function_and_its_callers(self):
         """accumulate_inference_batches takes training_step (8th), both callers look it up at call
@@ -59,7 +61,42 @@ class TestTheRealNames:
         for name in _open_instruct_private.PRIVATE_NAMES:
             module, _, attr = name.partition(":")
             if module.startswith("open_instruct"):
-                assert attr in NAMES["functions"], name
+                assert attr in NAMES["functions"] or attr in NAMES["data_loader_imports"], name
+        # the arguments the adapter reads, by name
+        assert {"tokenizer", "training_step"} <= set(params)
+        assert {"result", "dataset"} <= set(NAMES["functions"]["process_group"])
+
+    def test_filtered_groups_are_dropped_where_the_adapter_looks(self):
+        """accumulate_inference_batches calls process_group as a module global (the wrapped one is
+        called), and process_group returns None only for a zero-std group under
+        filter_zero_std_samples, which is on by default."""
+        assert NAMES["calls"]["accumulate_inference_batches"]["calls"] == ["process_group"]
+        assert NAMES["process_group_returns_none_if"] == [
+            "filter_zero_std_samples and np.std(result.reward_scores) == 0"]
+        assert NAMES["defaults"]["StreamingDataLoaderConfig.filter_zero_std_samples"] == "True"
+
+    def test_a_tool_s_output_has_loss_mask_1_without_mask_tool_use(self):
+        """The loss mask says nothing of authorship without mask_tool_use (on by default)."""
+        assert NAMES["tool_output_masks"] == ["masks = [0 if mask_tool_use else 1] * len(tokens)"]
+        assert NAMES["defaults"]["StreamingDataLoaderConfig.mask_tool_use"] == "True"
+
+    def test_the_doc_s_ray_init_keeps_open_instruct_s_own(self):
+        """docs/frameworks/open-instruct.md's ray.init is grpo_fast.main's, key for key (its
+        env_vars forwarding the environment, .git/ excluded), plus the setup hook; the
+        collector's variables go into os.environ before it, and open-instruct excludes none of them."""
+        doc = (ROOT / "docs" / "frameworks" / "open-instruct.md").read_text()
+        code = doc.split("```python\n")[2].split("```")[0]
+        tree = ast.parse(code)
+        (init,) = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == "ray.init"]
+        (env,) = [k.value for k in init.keywords if k.arg == "runtime_env"]
+        ours = {ast.unparse(k): ast.unparse(v) for k, v in zip(env.keys, env.values)}
+        theirs = NAMES["ray_init_runtime_env"]
+        assert {k: ours[k] for k in theirs} == theirs
+        assert set(ours) - set(theirs) == {"'worker_process_setup_hook'"}
+        assert ours["'worker_process_setup_hook'"] == "'rtrace.compat.open_instruct.install'"
+        update = code.index("os.environ.update(collector.env)")
+        assert update < code.index("ray.init(")
+        assert not any(v.startswith("'RTRACE") for v in ast.literal_eval(NAMES["excluded_env_vars"][0]))
 
     @pytest.mark.skipif(not os.environ.get("OPEN_INSTRUCT_DIR"), reason="set OPEN_INSTRUCT_DIR to an open-instruct "
                         "checkout to read the names again")
@@ -104,47 +141,173 @@ class TestLogBatch:
         assert [(t.step, t.sample_index, t.rollout_n, t.group_id, t.policy_version, t.reward) for t in trajs] == [
             (5, 0, 0, "7", 4, 1.0), (5, 0, 1, "7", 4, 0.0), (5, 1, 0, "3", 3, 1.0), (5, 1, 1, "3", 4, 0.0)]
         tool = trajs[1]
-        assert [(s.attributes["rtrace.role"], s.response_ids) for s in tool.spans[1:]] == [
-            ("assistant", [12, 13]), ("tool", [20, 21]), ("assistant", [14, 2])]
+        assert [(s.attributes["rtrace.role"], s.response_ids, s.attributes["rl.loss_tokens"]) for s in tool.spans[1:]] \
+            == [("assistant", [12, 13], 2), ("tool", [20, 21], 0), ("assistant", [14, 2], 2)]
         assert tool.spans[1].prompt_ids == [1, 2] and tool.finish_reason == "stop"
         assert trajs[3].finish_reason == "length" and trajs[3].verdict() == "truncated"
+
+    def test_a_loss_mask_of_1s_over_a_tool_call_is_not_read_as_the_model_s(self):
+        """mask_tool_use=False: the tool's output has mask 1 like the model's tokens. A response in
+        which a tool ran and whose mask is all 1s is one turn of role unknown (not the model's);
+        one in which no tool ran is the model's."""
+        result, batch = step_data()
+        result.masks[1] = [1] * 6  # what open-instruct writes with mask_tool_use=False
+        with rtrace.testing.capture() as got:
+            open_instruct.log_batch(result, batch, step=5)
+            trajs = sorted(got.trajectories, key=lambda t: (t.sample_index, t.rollout_n))
+        tool = trajs[1]
+        (turn,) = tool.spans[1:]
+        assert (turn.kind, turn.attributes["rtrace.role"], turn.response_ids) == (
+            "generation", "unknown", [12, 13, 20, 21, 14, 2])
+        assert turn.attributes["rl.loss_tokens"] == 6 and "gen_ai.usage.output_tokens" not in turn.attributes
+        assert [m["role"] for m in tool.messages] == ["user", "unknown"]
+        assert tool.final_answer() is None  # nothing is shown as the model's answer
+        assert [s.attributes["rtrace.role"] for s in trajs[0].spans[1:]] == ["assistant"]
+
+
+FAKE = """
+def accumulate_inference_batches({accumulate}):
+    # as open-instruct's: each prompt's result through process_group (a module global), the kept
+    # groups made into one GenerationResult and Batch; (None, None, None, None) when all are filtered
+    groups = []
+    for result in inference_results_Q:
+        group = process_group(result=result, generation_config=generation_config, tokenizer=tokenizer,
+                              dataset=dataset, max_possible_score=max_possible_score,
+                              no_resampling_pass_rate=no_resampling_pass_rate, iter_dataloader=iter_dataloader,
+                              filter_zero_std_samples=filter_zero_std_samples, replenish_prompts=replenish_prompts,
+                              param_prompt_Q=param_prompt_Q, base_env_config=base_env_config,
+                              ground_truth_overrides=ground_truth_overrides)
+        if group is not None:
+            groups.append(group)
+    if not groups:
+        return None, None, None, None
+    return COMBINE(groups) + ({{}}, None)
+
+
+def process_group({process_group}):
+    query = dataset[result.index][INPUT_IDS_PROMPT_KEY]
+    scores = result.reward_scores
+    if filter_zero_std_samples and max(scores) == min(scores):
+        return None
+    return result, query
+"""
+
+
+def per_prompt(index, responses, masks, scores, finish, calls, model_step=4):
+    """One prompt's GenerationResult, as a vLLM actor sends it."""
+    n = len(responses)
+    return real_shape("GenerationResult", responses=responses, masks=masks, finish_reasons=finish,
+                      request_info=real_shape("RequestInfo", num_calls=calls, tool_outputs=[""] * n),
+                      index=index, prompt_id=f"0_{index}", reward_scores=scores, model_step=model_step)
+
+
+def combine(groups):
+    """make_batch_from_groups's shape: one GenerationResult and a Batch for the kept groups."""
+    results = [g[0] for g in groups]
+    result = real_shape("GenerationResult", responses=[r for g in results for r in g.responses],
+                        masks=[m for g in results for m in g.masks],
+                        finish_reasons=[f for g in results for f in g.finish_reasons],
+                        request_info=real_shape("RequestInfo",
+                                                num_calls=[c for g in results for c in g.request_info.num_calls]),
+                        index=None, prompt_id=results[0].prompt_id)
+    batch = real_shape("Batch", queries=[q for r, q in groups for _ in r.responses],
+                       indices=[r.index for r, _ in groups for _ in r.responses],
+                       scores=[s for r, _ in groups for s in r.reward_scores],
+                       model_steps=[r.model_step for r, _ in groups for _ in r.responses])
+    return result, batch
+
+
+DATASET = {7: {"input_ids_prompt": [1, 2]}, 3: {"input_ids_prompt": [5, 6]}, 9: {"input_ids_prompt": [8, 8, 8]}}
+
+
+def queue():
+    """A step's results: prompt 7 mixed (1, 0; its second sample called a tool), prompt 3 all
+    solved, prompt 9 all failed (the second cut by the length limit)."""
+    return [per_prompt(7, [[10, 11, 2], [12, 13, 20, 21, 14, 2]], [[1, 1, 1], [1, 1, 0, 0, 1, 1]], [1.0, 0.0],
+                       ["stop", "stop"], [0, 1]),
+            per_prompt(3, [[15, 2], [16, 2]], [[1, 1], [1, 1]], [1.0, 1.0], ["stop", "stop"], [0, 0], model_step=3),
+            per_prompt(9, [[17, 18, 2], [19, 19, 19]], [[1, 1, 1], [1, 1, 1]], [0.0, 0.0], ["stop", "length"], [0, 0])]
 
 
 class TestInstall:
     @pytest.fixture
     def data_loader(self, monkeypatch):
-        """``open_instruct.data_loader`` with accumulate_inference_batches of the real signature (the
-        names file), returning what the real one returns: (result, batch, metrics, stats)."""
-        params = NAMES["functions"]["accumulate_inference_batches"]
-        ns: dict = {}
-        exec(f"def accumulate_inference_batches({', '.join(params)}):\n    return DATA, DATA_BATCH, {{}}, None\n", ns)
+        """``open_instruct.data_loader`` with accumulate_inference_batches and process_group of the
+        real signatures (the names file), working as the real ones do for what the adapter sees."""
         module = types.ModuleType("open_instruct.data_loader")
-        ns["accumulate_inference_batches"].__globals__["DATA"], ns["accumulate_inference_batches"].__globals__[
-            "DATA_BATCH"] = step_data()
-        module.accumulate_inference_batches = ns["accumulate_inference_batches"]
+        module.COMBINE, module.INPUT_IDS_PROMPT_KEY = combine, "input_ids_prompt"
+        sig = {name: ", ".join(f"{p}=None" for p in NAMES["functions"][name])
+               for name in ("accumulate_inference_batches", "process_group")}
+        # the functions' globals are the module's: what install() patches is what they call
+        exec(FAKE.format(accumulate=sig["accumulate_inference_batches"], process_group=sig["process_group"]),
+             module.__dict__)
         package = types.ModuleType("open_instruct")
         package.data_loader = module
         monkeypatch.setitem(sys.modules, "open_instruct", package)
         monkeypatch.setitem(sys.modules, "open_instruct.data_loader", module)
+        assert open_instruct.install() and open_instruct.install()  # idempotent
         return module
 
-    def test_training_and_evaluation_calls(self, data_loader):
-        """The data preparation loop's call (training_step as a keyword) gives training trajectories
-        of that step; maybe_evaluate's gives validation ones; what open-instruct gets back is
-        unchanged."""
-        assert open_instruct.install() and open_instruct.install()  # idempotent
-        n = len(inspect.signature(data_loader.accumulate_inference_batches.__wrapped__).parameters)
-        args = [None] * n
+    @staticmethod
+    def calls(module, tok, training_step, eval_step):
+        """The two calls open-instruct makes: the data preparation loop's (keywords, 0-based
+        training_step, filter_zero_std_samples on) and maybe_evaluate's (its step, no filter)."""
+        out = module.accumulate_inference_batches(queue(), None, num_prompts=3, model_dims=None, tokenizer=tok,
+                                                  dataset=DATASET, training_step=training_step,
+                                                  filter_zero_std_samples=True, replenish_prompts=True)
 
         def maybe_evaluate():
-            return data_loader.accumulate_inference_batches(*args[:7], 9, *args[8:])
+            return module.accumulate_inference_batches(queue(), None, num_prompts=3, model_dims=None,
+                                                       tokenizer=tok, dataset=DATASET, base_env_config=None,
+                                                       timeout=0.01, active_sampling=False,
+                                                       filter_zero_std_samples=False, replenish_prompts=False,
+                                                       max_possible_score=1.0, training_step=eval_step)
 
+        return out, maybe_evaluate()
+
+    def test_training_and_evaluation_calls(self, data_loader, tok):
+        """The data preparation loop's call (0-based training_step 8) gives training trajectories of
+        the trainer's step 9; maybe_evaluate's at the trainer's step 9 gives validation ones of step
+        9; what open-instruct gets back is unchanged; the text is decoded with the tokenizer
+        argument (token2text not set)."""
         with rtrace.testing.capture() as got:
-            kwargs = dict(zip(NAMES["functions"]["accumulate_inference_batches"], args))
-            kwargs["training_step"] = 8
-            out = data_loader.accumulate_inference_batches(**kwargs)
-            out_eval = maybe_evaluate()
+            out, out_eval = self.calls(data_loader, tok, 8, 9)
             trajs = got.trajectories
-        assert out[0] is out_eval[0] and out[0].responses[0] == [10, 11, 2]
-        assert sorted({(t.step, t.validate) for t in trajs}) == [(8, False), (9, True)]
-        assert len(trajs) == 8
+        assert [len(o[0].responses) for o in (out, out_eval)] == [2, 6]  # the filter dropped 2 groups
+        assert out[0].responses[0] == [10, 11, 2]
+        assert sorted({(t.step, t.validate) for t in trajs}) == [(9, False), (9, True)]
+        assert len(trajs) == 12
+        for t in trajs:
+            for span in t.spans_of_kind("generation"):
+                assert span.attributes["rtrace.response_text"] == tok.decode(span.response_ids or [], skip_special_tokens=True) \
+                    or span.response_ids is None
+
+    def test_filtered_groups_are_traced_and_marked(self, data_loader, tok):
+        """filter_zero_std_samples drops the all-solved and all-failed groups inside the call: they
+        are traced all the same, at the step, with their scores, prompts and model steps, marked
+        extra.filtered = zero_std; the kept group and the evaluation are not marked."""
+        with rtrace.testing.capture() as got:
+            self.calls(data_loader, tok, 11, 12)
+            trajs = got.trajectories
+        train = sorted((t for t in trajs if not t.validate), key=lambda t: (t.sample_index, t.rollout_n))
+        assert [(t.step, t.group_id, t.rollout_n, t.reward, t.policy_version, t.extra.get("filtered"))
+                for t in train] == [(12, "7", 0, 1.0, 4, None), (12, "7", 1, 0.0, 4, None),
+                                    (12, "3", 0, 1.0, 3, "zero_std"), (12, "3", 1, 1.0, 3, "zero_std"),
+                                    (12, "9", 0, 0.0, 4, "zero_std"), (12, "9", 1, 0.0, 4, "zero_std")]
+        solved = train[2]
+        assert solved.spans[1].attributes["rtrace.prompt_text"] == tok.decode([5, 6], skip_special_tokens=True)
+        assert train[5].finish_reason == "length"
+        assert not any(t.extra.get("filtered") for t in trajs if t.validate)
+        assert len([t for t in trajs if t.validate]) == 6
+
+    def test_one_process_and_collector_write_the_same(self, data_loader, tok, tmp_path):
+        """The same calls, in one process and through rtrace.start_collector: the same records,
+        field by field (ids and times aside), filtered groups and decoded text included."""
+        pytest.importorskip("grpc")
+        from tests.test_fidelity import _both_ways
+
+        one, through = _both_ways(lambda: self.calls(data_loader, tok, 20, 21), tmp_path)
+        assert len(one) == 12 and sum(1 for t in one if t["extra"].get("filtered")) == 4
+        assert all(s["attributes"].get("rtrace.response_text") is not None for t in one for s in t["spans"]
+                   if s["kind"] == "generation")
+        assert through == one

@@ -371,3 +371,122 @@ def test_a_turn_the_loop_inserted_between_generations_is_in_the_conversation(tmp
                              {"role": "assistant", "content": "It is 5."},
                              {"role": "user", "content": "Wrong, try again."},
                              {"role": "assistant", "content": "It is 4."}]
+
+
+# ---------------------------------------------------------------------- the trainer's tokenizer (issue 31)
+def _batch(step=1):
+    rtrace.log_rollout_batch([[1, 2, 3, 10, 11, 12]], prompt_lengths=[3], rewards=[1.0], step=step)
+
+
+class TestTrainerTokenizer:
+    """token2text unset decodes once a trainer adapter offered its tokenizer; false never does."""
+
+    @pytest.mark.parametrize("token2text, offer, user, decoded", [
+        (None, True, False, True),     # the adapters' case: the switch alone writes text
+        (None, False, False, False),   # no adapter: nothing, as before
+        (None, False, True, False),    # a tokenizer of your own still needs token2text=True
+        (False, True, False, False),   # turned off explicitly: an adapter's tokenizer changes nothing
+        (True, True, False, True),
+    ])
+    def test_who_decides(self, tmp_path, tok, token2text, offer, user, decoded):
+        path = tmp_path / "t.jsonl"
+        rtrace.configure(exporter="jsonl", jsonl_path=str(path), token2text=token2text, export_interval_s=60)
+        if user:
+            rtrace.set_tokenizer(tok)
+        if offer:
+            assert token2text_offer(tok)
+        _batch()
+        (t,) = _read(path)
+        gen = t.spans_of_kind("generation")[0]
+        if decoded:
+            assert gen.attributes["rtrace.response_text"] == tok.decode([10, 11, 12], skip_special_tokens=True)
+            assert t.messages[-1]["content"] == gen.attributes["rtrace.response_text"]
+        else:
+            assert "rtrace.response_text" not in gen.attributes and gen.response_ids == [10, 11, 12]
+        assert rtrace.stats().get("token2text_no_tokenizer", 0) == 0  # unset: no warning, no counter
+
+    def test_from_the_environment_too(self, tmp_path, tok, monkeypatch):
+        """RTRACE_TOKEN2TEXT=0 is explicit: an adapter's tokenizer does not turn decoding on."""
+        monkeypatch.setenv("RTRACE_TOKEN2TEXT", "0")
+        path = tmp_path / "t.jsonl"
+        rtrace.configure(exporter="jsonl", jsonl_path=str(path), export_interval_s=60)
+        assert rtrace.current_settings().token2text is False
+        token2text_offer(tok)
+        _batch()
+        (t,) = _read(path)
+        assert "rtrace.response_text" not in t.spans_of_kind("generation")[0].attributes
+
+    def test_the_user_s_tokenizer_wins(self, tok):
+        """An adapter's tokenizer does not replace one set by the user; one that cannot decode is
+        refused and counted, a name is ignored (no I/O on the trainer's thread)."""
+        mine = RecordingTokenizer(tok)
+        rtrace.set_tokenizer(mine)
+        assert token2text_offer(tok) and token2text.get_tokenizer() is mine
+        assert not token2text_offer(object()) and rtrace.stats()["token2text_tokenizer_refused"] == 1
+        assert not token2text_offer("Qwen/Qwen2.5-7B-Instruct")
+
+
+def token2text_offer(tokenizer):
+    return token2text.offer_tokenizer(tokenizer)
+
+
+class TestCollectorLoadsTheWorkersTokenizer:
+    """In collector mode the worker names its trainer's tokenizer on each root; a collector with
+    none of its own loads it (offline) and decodes; the name never reaches the sinks."""
+
+    @staticmethod
+    def _run(tmp_path, worker_tok, **collector_settings):
+        from rtrace.pipeline.collector import start_collector  # no in-process trainer tokenizer: the name route
+
+        out = tmp_path / "collector.jsonl"
+        collector = start_collector(exporter="jsonl", jsonl_path=str(out), settle_s=0.1, **collector_settings)
+        try:
+            rtrace.configure(exporter="collector", collector_endpoint=collector.endpoint, export_interval_s=0.05)
+            token2text_offer(worker_tok)
+            _batch()
+            assert rtrace.flush(30)
+            rtrace.shutdown()
+            assert collector.flush(30)
+        finally:
+            collector.stop()
+        (t,) = read_jsonl(out)
+        return t
+
+    def test_by_name(self, tmp_path, tok):
+        pytest.importorskip("grpc")
+        from transformers import AutoTokenizer
+
+        tok.save_pretrained(tmp_path / "tokenizer")
+        named = AutoTokenizer.from_pretrained(str(tmp_path / "tokenizer"))
+        t = self._run(tmp_path, named)
+        gen = t.spans_of_kind("generation")[0]
+        assert gen.attributes["rtrace.response_text"] == tok.decode([10, 11, 12], skip_special_tokens=True)
+        assert not [k for s in t.spans for k in s.attributes if k.startswith("rtrace.carried.")]
+
+    def test_a_name_it_cannot_load_is_counted(self, tmp_path, tok):
+        pytest.importorskip("grpc")
+        pytest.importorskip("transformers")
+
+        class Elsewhere(RecordingTokenizer):
+            name_or_path = str(tmp_path / "on-another-node")
+
+        t = self._run(tmp_path, Elsewhere(tok))
+        assert "rtrace.response_text" not in t.spans_of_kind("generation")[0].attributes
+        assert rtrace.stats()["token2text_tokenizer_unloadable"] == 1
+
+    def test_not_when_turned_off(self, tmp_path, tok):
+        pytest.importorskip("grpc")
+        from transformers import AutoTokenizer
+
+        tok.save_pretrained(tmp_path / "tokenizer")
+        t = self._run(tmp_path, AutoTokenizer.from_pretrained(str(tmp_path / "tokenizer")), token2text=False)
+        assert "rtrace.response_text" not in t.spans_of_kind("generation")[0].attributes
+        assert not [k for s in t.spans for k in s.attributes if k.startswith("rtrace.carried.")]
+
+    def test_a_tokenizer_made_in_code_with_the_collector_s_own(self, tmp_path, tok):
+        """A worker's trainer tokenizer without a name (made in code) cannot be loaded, but tells
+        the collector a trainer gave one: token2text unset, the collector decodes with its own."""
+        pytest.importorskip("grpc")
+        t = self._run(tmp_path, RecordingTokenizer(tok), tokenizer=tok)
+        assert "rtrace.response_text" in t.spans_of_kind("generation")[0].attributes
+        assert rtrace.stats().get("token2text_tokenizer_unloadable", 0) == 0

@@ -2,10 +2,13 @@
 
 TRL's ``GRPOTrainer`` (1.16) gives a ``TrainerCallback`` no view of its completions: the
 callback events carry the model, the tokenizer, the optimizer and the dataloaders, never
-the trainer, and the completions, per-function rewards and advantages exist only inside
-``GRPOTrainer._generate_and_score_completions`` and its ``_logs`` buffer. So
-:class:`rtrace.compat.trl.RTraceCallback` finds its trainer once, at ``on_init_end``, and
-wraps that one method *on that instance*. Nothing else in rtrace touches a TRL private
+the trainer, and the completions and per-function rewards exist only inside
+``GRPOTrainer._generate_and_score_completions`` (which returns the token ids and the
+advantages) and the ``_calculate_rewards`` it calls (given the prompts and completions,
+returning every function's score). So :class:`rtrace.compat.trl.RTraceCallback` finds its
+trainer once, at ``on_init_end``, and wraps those two methods *on that instance*. Not
+``_logs``, the completions table's buffer: its deques hold ``generation_batch_size``
+entries, fewer than an evaluation batch larger than the generation batch. Nothing else in rtrace touches a TRL private
 name (``tests/test_private_apis.py`` checks the compat modules for it), and the canary
 test in ``tests/frameworks/test_trl.py`` checks each name of :data:`PRIVATE_NAMES`
 against the installed TRL.
@@ -18,16 +21,15 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
-__all__ = ["PRIVATE_NAMES", "find_trainer", "wrap_scoring", "scoring_logs", "process_index", "num_processes",
-           "eos_token_ids"]
+__all__ = ["PRIVATE_NAMES", "find_trainer", "wrap_scoring", "process_index", "num_processes", "eos_token_ids"]
 
 PRIVATE_NAMES = (
     # The method that generates, scores and computes advantages of a generation batch
     # (training and evaluation); its return value holds the local token ids.
     "trl.trainer.grpo_trainer:GRPOTrainer._generate_and_score_completions",
-    # What it appended to its log buffer: prompts, completions, per-function rewards and
-    # the advantages, gathered across processes (instance attribute).
-    "trl.trainer.grpo_trainer:GRPOTrainer._logs",
+    # What it calls to score a batch: (inputs, prompts, completions, completion_ids) of this
+    # process in, every reward function's score for the batch gathered across processes out.
+    "trl.trainer.grpo_trainer:GRPOTrainer._calculate_rewards",
     # The stop tokens of a completion (instance attribute).
     "trl.trainer.grpo_trainer:GRPOTrainer.eos_token_ids",
     # Python's frame API, to find the trainer that calls on_init_end.
@@ -54,10 +56,15 @@ def find_trainer(cls: type, depth: int = 12) -> Any:
     return None
 
 
-def wrap_scoring(trainer: Any, after: Callable[[Any, Any, Any], None]) -> bool:
-    """Wrap ``trainer._generate_and_score_completions`` (on the instance only) so that
-    ``after(trainer, inputs, output)`` runs after each call; False when TRL has no such
-    method. ``after`` must not raise into TRL (the callback catches everything).
+def wrap_scoring(trainer: Any, after: Callable[[Any, Any, Any, dict[str, Any]], None]) -> bool:
+    """Wrap ``trainer._generate_and_score_completions`` and ``trainer._calculate_rewards``
+    (on the instance only) so that ``after(trainer, inputs, output, scored)`` runs after
+    each batch; ``scored`` holds what the batch's ``_calculate_rewards`` call saw and
+    returned: ``prompts`` and ``completions`` (this process's, TRL's own objects: text or
+    chat messages) and ``rewards`` (a ``[gathered batch, reward functions]`` tensor, NaN
+    where a function returned None); empty when TRL did not call it. False when TRL has
+    no ``_generate_and_score_completions``. ``after`` must not raise into TRL (the
+    callback catches everything).
 
     Why private: the one place where a batch's completions, rewards and advantages are
     all known; TRL has no hook there.
@@ -65,34 +72,30 @@ def wrap_scoring(trainer: Any, after: Callable[[Any, Any, Any], None]) -> bool:
     original = getattr(trainer, "_generate_and_score_completions", None)
     if original is None or getattr(original, "__rtrace_wrapped__", False):
         return original is not None
+    seen: dict[str, Any] = {}
+    rewards_fn = getattr(trainer, "_calculate_rewards", None)
+    if rewards_fn is not None and not getattr(rewards_fn, "__rtrace_wrapped__", False):
+        def calculated(*args: Any, **kwargs: Any) -> Any:
+            out = rewards_fn(*args, **kwargs)
+            seen["prompts"] = args[1] if len(args) > 1 else kwargs.get("prompts")
+            seen["completions"] = args[2] if len(args) > 2 else kwargs.get("completions")
+            seen["rewards"] = out
+            return out
+
+        calculated.__rtrace_wrapped__ = True  # type: ignore[attr-defined]
+        trainer._calculate_rewards = calculated
 
     def scored(inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.clear()
         output = original(inputs, *args, **kwargs)
-        after(trainer, inputs, output)
+        got = dict(seen)
+        seen.clear()  # no reference to the batch is kept past it
+        after(trainer, inputs, output, got)
         return output
 
     scored.__rtrace_wrapped__ = True  # type: ignore[attr-defined]
     trainer._generate_and_score_completions = scored
     return True
-
-
-def scoring_logs(trainer: Any, n: int) -> dict[str, Any]:
-    """The last ``n`` entries the latest scoring appended to ``trainer._logs``: prompts,
-    completions, ``rewards`` (reward function name -> values) and ``advantages``, in the
-    order of the gathered batch (every process's samples, process by process).
-
-    Why private: ``_logs`` is the trainer's completion-table buffer (a deque per column,
-    bounded by the generation batch size).
-    """
-    logs = trainer._logs
-
-    def tail(values: Any) -> list[Any]:
-        values = list(values)
-        return values[len(values) - n:] if n <= len(values) else [None] * (n - len(values)) + values
-
-    return {"prompt": tail(logs["prompt"]), "completion": tail(logs["completion"]),
-            "advantages": tail(logs["advantages"]),
-            "rewards": {name: tail(values) for name, values in logs["rewards"].items()}}
 
 
 def process_index(trainer: Any) -> int:

@@ -11,8 +11,9 @@ training and evaluation; single-turn (``RLVRWorkflow``) or multi-turn
 (``MultiTurnWorkflow``, agents) — becomes one trajectory, and each ``engine.agenerate``
 inside it a generation span with real times: the prompt ids the engine received, the
 output ids, the stop reason, the weight version of the output tokens. The reward is the
-one the episode returns (its ``rewards``); token2text decodes the ids in rtrace's worker,
-and a prompt the loop extends between generations (MultiTurnWorkflow's retry message) is a
+one the episode returns (its ``rewards``); token2text decodes the ids in rtrace's worker
+with the workflow's tokenizer (or the request's), which ``install()`` hands to rtrace
+(unless ``RTRACE_TOKEN2TEXT=0``), and a prompt the loop extends between generations (MultiTurnWorkflow's retry message) is a
 message of the conversation.
 
 Coordinates (docs/frameworks/areal.md):
@@ -95,6 +96,9 @@ def _instrument(workflow: Any) -> None:
     target = _areal_private.member_workflow(workflow) if found and isinstance(workflow, found[1]) else workflow
     if getattr(target, _MARK, False):
         return
+    # the workflow's tokenizer (RLVRWorkflow, MultiTurnWorkflow keep theirs): token2text
+    # decodes with it unless turned off (docs/token2text.md)
+    _setup.offer_tokenizer(getattr(target, "tokenizer", None))
     original = target.arun_episode
 
     def arun_episode(engine: Any, data: Any, *args: Any, **kwargs: Any) -> Any:
@@ -197,6 +201,7 @@ def _wrap_agenerate(original: Callable) -> Callable:
 
         if not _setup.is_enabled() or not current_coordinates():
             return await original(self, req, *args, **kwargs)  # outside an episode: not traced
+        _setup.offer_tokenizer(getattr(req, "tokenizer", None))  # a workflow without .tokenizer: the request's
         gen = _Generation(lambda: original(self, req, *args, **kwargs))
         await gen.run(list(req.input_ids))
         return gen.resp

@@ -11,7 +11,9 @@ each engine call is a generation span (its prompt ids, the ids it returned, its 
 reason, its real start and end), each ``env.step`` a tool span named after the
 environment (the observation's ids and text, the step reward, its real time). The
 reward, the stop reason and the loss mask are SkyRL's own output's; the conversation is
-the prompt's messages, the model's replies and the environment's observations.
+the prompt's messages, the model's replies and the environment's observations. The
+generator's tokenizer is handed to rtrace: token2text decodes the ids unless
+``RTRACE_TOKEN2TEXT=0``.
 
 Coordinates come from the input batch: ``step`` = ``batch_metadata.global_step``,
 ``validate`` = ``batch_metadata.training_phase == "eval"``, ``group_id`` = the
@@ -98,6 +100,8 @@ def _wrap_generate(original: Callable) -> Callable:
             _skyrl_private.wrap_client(self, _wrap_engine_generate)
         except Exception:
             _stats.incr("internal_errors")
+        # the generator's tokenizer: token2text decodes with it unless turned off (docs/token2text.md)
+        _setup.offer_tokenizer(getattr(self, "tokenizer", None))
         batch = _Batch()
         token = _BATCH.set(batch)
         try:

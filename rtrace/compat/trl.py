@@ -9,11 +9,14 @@
 
 Every completion TRL generates — training and evaluation — becomes one trajectory: the
 prompt and completion token ids (decoded in rtrace's worker with the trainer's
-tokenizer), each tool turn when TRL runs tools (its ``tool_mask``), why it stopped
+tokenizer, which the callback hands to rtrace: unless ``RTRACE_TOKEN2TEXT=0``), each tool turn when TRL runs tools (its ``tool_mask``), why it stopped
 (``stop``, or ``length`` for a completion cut at ``max_completion_length``), the reward
 TRL trains on (each reward function's score weighted and summed) with every function's
 own score as ``outcome.reward/<name>``, and the advantage TRL computed
-(``annotations.advantage``). Coordinates (docs/frameworks/trl.md):
+(``annotations.advantage``), each read where it is whole for the batch (an evaluation
+batch may be larger than the generation batch that bounds TRL's completions table); a
+value TRL did not give is listed in the root's ``rtrace.missing`` and counted
+(``trl_values_missing``). Coordinates (docs/frameworks/trl.md):
 
 * ``step``: the optimizer step the generation batch is made for (``global_step + 1`` when
   it is generated; with ``steps_per_generation`` / ``num_iterations`` > 1 one batch feeds
@@ -90,8 +93,8 @@ class RTraceCallback(TrainerCallback):  # type: ignore[misc,valid-type]
         # after HF's own callbacks opened their runs (trackio.init runs in on_train_begin)
         if not _setup.is_enabled():
             _setup.configure(**self._defaults(args))
-        if processing_class is not None and _setup.get_tokenizer() is None:
-            _setup.set_tokenizer(getattr(processing_class, "tokenizer", processing_class))
+        if processing_class is not None:  # token2text decodes with it unless turned off (docs/token2text.md)
+            _setup.offer_tokenizer(getattr(processing_class, "tokenizer", processing_class))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         _setup.flush(30)  # the step's trajectories and summaries, into the run while it is open
@@ -122,20 +125,19 @@ class RTraceCallback(TrainerCallback):  # type: ignore[misc,valid-type]
             run_name = getattr(args, "run_name", None)
             if run_name:
                 settings["experiment"] = run_name
-        settings.setdefault("token2text", True)
         return settings
 
     # ------------------------------------------------------------------ one scored batch
-    def _scored(self, trainer: Any, inputs: Any, output: Any) -> None:
+    def _scored(self, trainer: Any, inputs: Any, output: Any, scored: dict[str, Any]) -> None:
         """After TRL scored a generation batch: its completions as trajectories. Never
         raises into TRL (counted, logged once)."""
         try:
-            self._log(trainer, inputs, output)
+            self._log(trainer, inputs, output, scored)
         except Exception:
             _stats.incr("internal_errors")
             _stats.warn_once("trl-log", "rtrace.compat.trl could not trace a batch of completions", exc_info=True)
 
-    def _log(self, trainer: Any, inputs: Any, output: Any) -> None:
+    def _log(self, trainer: Any, inputs: Any, output: Any, scored: dict[str, Any]) -> None:
         if not _setup.is_enabled():
             return
         validate = not trainer.model.training
@@ -145,11 +147,13 @@ class RTraceCallback(TrainerCallback):  # type: ignore[misc,valid-type]
         local = len(inputs)
         world = _trl_private.num_processes(trainer)
         rank = _trl_private.process_index(trainer)
-        logs = _trl_private.scoring_logs(trainer, local * world)
-        mine = slice(rank * local, (rank + 1) * local)  # this process's part of the gathered batch
-        prompts, completions = logs["prompt"][mine], logs["completion"][mine]
-        advantages = logs["advantages"][mine]
-        scores = {name: values[mine] for name, values in logs["rewards"].items()}
+        # Every value is read where it is whole for this batch: the prompts and completions
+        # _calculate_rewards was given (this process's), its scores (the gathered batch: this
+        # process's rows from rank * local), the advantages TRL returns (this process's).
+        prompts = _local(scored.get("prompts"), local) or _local([_get(x, "prompt") for x in inputs], local)
+        completions = _local(scored.get("completions"), local)
+        table = _table(scored.get("rewards"), local * world)
+        advantages = _local(_tolist(output.get("advantages") if isinstance(output, dict) else None), local)
         weights = [float(w) for w in trainer.reward_weights.tolist()]
         names = list(trainer.reward_func_names)
 
@@ -166,26 +170,75 @@ class RTraceCallback(TrainerCallback):  # type: ignore[misc,valid-type]
         states = []
         for j in range(local):
             i = rank * local + j  # index in the gathered batch: groups are consecutive there
-            prompt_hash = _prompt_id(prompts[j])
+            prompt = prompts[j] if prompts is not None else None
+            prompt_hash = _prompt_id(prompt) if prompt is not None else None  # never an id made from None
             coords: dict[str, Any] = {"step": step, "sample_index": offset + i // group_size,
                                       "rollout_n": i % group_size, "validate": validate,
                                       "group_id": prompt_hash, "policy_version": int(state.global_step),
-                                      "extra": {"prompt_id": prompt_hash}}
+                                      "extra": {"prompt_id": prompt_hash} if prompt_hash is not None else {}}
             if not admit(coords):
                 continue
-            per_func = {n: scores[n][j] if n in scores else None for n in names}
-            reward = _weighted(per_func, names, weights)
+            missing = []
+            if table is not None:
+                per_func = {n: table[i][k] if k < len(table[i]) else None for k, n in enumerate(names)}
+                reward = _weighted(per_func, names, weights)
+                outcome = {f"reward/{n}": _plain(v) for n, v in per_func.items()}
+            else:
+                reward, outcome = None, {}
+                missing.append("reward")
+            advantage = advantages[j] if advantages is not None else None
+            if advantage is None:
+                missing.append("advantage")
+            if prompt_hash is None:
+                missing.append("prompt")
             prompt_ids, turns = _turns(rows, j, eos, max_len)
-            outcome = {f"reward/{n}": _plain(v) for n, v in per_func.items()}
+            root = {"rtrace.source": "tensor_batch", "rtrace.trainer": "trl"}
+            if missing:
+                # what TRL did not let us read for this completion, said on the trajectory and counted
+                root[MISSING_ATTR] = missing
+                _stats.incr("trl_values_missing")
             st = sample_state(coords, prompt_ids, turns, reward, name="grpo_completion", outcome=outcome,
-                              root_attributes={"rtrace.source": "tensor_batch", "rtrace.trainer": "trl"})
-            if advantages[j] is not None:
-                st.annotations["advantage"] = float(advantages[j])
-            conversation = _chat(prompts[j], completions[j])
+                              root_attributes=root)
+            if advantage is not None:
+                st.annotations["advantage"] = float(advantage)
+            conversation = _chat(prompt, completions[j] if completions is not None else None)
             if conversation is not None:
                 st.messages = conversation
             states.append(st)
         submit(states)
+
+
+#: Root attribute listing what TRL did not let rtrace read for a completion (``reward``,
+#: ``advantage``, ``prompt``); each such trajectory is counted in ``trl_values_missing``.
+MISSING_ATTR = "rtrace.missing"
+
+
+def _get(item: Any, key: str) -> Any:
+    return item.get(key) if isinstance(item, dict) else None
+
+
+def _tolist(value: Any) -> Any:
+    if value is None:
+        return None
+    if hasattr(value, "detach"):
+        value = value.detach().cpu()
+    return value.tolist() if hasattr(value, "tolist") else list(value)
+
+
+def _local(values: Any, n: int) -> list[Any] | None:
+    """``values`` when they are one per local sample (else None: not usable)."""
+    if values is None:
+        return None
+    values = list(values)
+    return values if len(values) == n else None
+
+
+def _table(rewards: Any, n: int) -> list[list[Any]] | None:
+    """The gathered ``[n, reward functions]`` scores as lists (None: not usable)."""
+    rows = _tolist(rewards)
+    if not isinstance(rows, list) or len(rows) != n or not all(isinstance(r, list) for r in rows):
+        return None
+    return rows
 
 
 def _rows(output: Any) -> dict[str, list]:

@@ -38,7 +38,7 @@ from . import _state
 __all__ = ["Turn", "sample_state", "submit", "admit", "PromptIndex", "SEGMENT_NS"]
 
 SEGMENT_NS = 1_000  # synthetic duration of one turn span
-ROLES = ("assistant", "tool", "user")
+ROLES = ("assistant", "tool", "user", "unknown")
 
 
 class Turn(NamedTuple):
@@ -46,7 +46,12 @@ class Turn(NamedTuple):
 
     Attributes:
         role: ``assistant`` (the policy wrote these tokens), ``tool`` or ``user`` (the
-            environment inserted them: a tool's output, a retry prompt, template glue).
+            environment inserted them: a tool's output, a retry prompt, template glue), or
+            ``unknown``: the policy's tokens and perhaps the environment's, the trainer
+            keeping nothing that says which (a loss mask of all 1s over a response in which
+            a tool ran). An ``unknown`` turn is a generation span with ``rtrace.role`` =
+            ``unknown`` (its tokens counted in ``rtrace.tokens``, not as output tokens), and a
+            message of role ``unknown``.
         ids: its token ids.
         version: the policy version that wrote it (assistant turns).
         finish_reason: why the generation stopped (``stop``, ``length`` ...).
@@ -131,18 +136,20 @@ def sample_state(coords: dict[str, Any], prompt: list[int] | None, turns: Sequen
             stop = start + SEGMENT_NS
         end = max(end, stop)
         assistant = turn.role == "assistant"
+        unknown = turn.role == "unknown"  # the policy began it: a generation, its authorship unknown
         attrs: dict[str, Any] = {"rtrace.role": turn.role}
         n_ids = len(turn.ids) if turn.ids is not None else None
         span = SpanRecord(span_id=_span_id(), parent_id=root_id,
-                          name="generation" if assistant else (turn.name or "observation"),
-                          kind="generation" if assistant else "tool", start_ns=start, end_ns=stop, attributes=attrs)
+                          name="generation" if assistant else "response" if unknown else (turn.name or "observation"),
+                          kind="generation" if assistant or unknown else "tool", start_ns=start, end_ns=stop,
+                          attributes=attrs)
         if turn.loss_tokens is not None:
             attrs["rl.loss_tokens"] = turn.loss_tokens
-        if assistant:
+        if assistant or unknown:
             attrs["gen_ai.operation.name"] = "chat"
             attrs["gen_ai.usage.input_tokens"] = context
             if n_ids is not None:
-                attrs["gen_ai.usage.output_tokens"] = n_ids
+                attrs["gen_ai.usage.output_tokens" if assistant else "rtrace.tokens"] = n_ids
             if turn.finish_reason is not None:
                 attrs["gen_ai.response.finish_reasons"] = [str(turn.finish_reason)]
             if turn.version is not None:

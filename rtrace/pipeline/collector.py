@@ -47,8 +47,8 @@ from .fanout import Fanout
 from .otlp_receiver import Backpressure, OtlpReceiver, TlsFiles, attributes, count_spans, spans_of
 from .records import TrajectoryState
 from .sampling import selector_for
-from .stream import ANNOTATION_SPAN, ANNOTATIONS_ATTR, MESSAGES_ATTR
-from .token2text import Token2Text, check_tokenizer
+from .stream import ANNOTATION_SPAN, ANNOTATIONS_ATTR, MESSAGES_ATTR, TOKENIZER_ATTR
+from .token2text import Token2Text, check_tokenizer, load_tokenizer
 from .tokens import TOKENS_KEY, TokenBatch, TokenRow, as_float32
 from .worker import Pipeline
 
@@ -70,6 +70,8 @@ class CollectorPipeline(Pipeline):
     """The assembly of :class:`Pipeline`, over spans that arrive as OTLP protos."""
 
     refuse_new_at_shutdown = False
+    #: called with the tokenizer name a worker's root carries (TOKENIZER_ATTR); the Collector sets it
+    on_tokenizer_name: Any = staticmethod(lambda name: None)
 
     def __init__(self, settings: Settings, fanout: Fanout, postprocessors: list, settle_s: float,
                  health_tokenizer: Any = lambda: None) -> None:
@@ -211,6 +213,9 @@ class CollectorPipeline(Pipeline):
             state.outcome = {k[len("rl.outcome."):]: v for k, v in attrs.items() if k.startswith("rl.outcome.")}
             if MESSAGES_ATTR in record.attributes or ANNOTATIONS_ATTR in record.attributes:
                 _uncarry(state, record.attributes)
+            tokenizer = record.attributes.pop(TOKENIZER_ATTR, None)
+            if tokenizer is not None:
+                self.on_tokenizer_name(tokenizer)
             arrived.append(state)
         state.add(record)
 
@@ -448,7 +453,7 @@ class Collector:
     """
 
     def __init__(self, settings: Settings, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None,
-                 settle_s: float = 2.0) -> None:
+                 settle_s: float = 2.0, trainer_tokenizer: Any = None) -> None:
         from ..exporters import create_sink
 
         names = [n for n in settings.exporter if n != "collector"]
@@ -464,8 +469,17 @@ class Collector:
             if callable(ensure_run):
                 self.mlflow_run_id = ensure_run(settings.experiment, {"rtrace.job_id": self.job_id})
         self._tokenizer = check_tokenizer(settings.tokenizer) if settings.tokenizer is not None else None
-        post = [Token2Text(lambda: self._tokenizer, settings.token2text_skip_special_tokens,
-                           settings.token2text_keep_ids)] if settings.token2text else []
+        #: the tokenizer a trainer adapter handed in, in this process (rtrace._setup); and one
+        #: loaded by the name workers' roots carry (their trainer's tokenizer), tried once per name
+        self._trainer_tokenizer = trainer_tokenizer or (lambda: None)
+        self._named: Any = None
+        self._names_tried: set[str] = set()
+        #: a worker's root said its trainer handed in a tokenizer (named or not)
+        self._workers_offered = False
+        # token2text on (True), off (False), or unset (None): on once a trainer handed in a tokenizer
+        post = [Token2Text(self._decoder if settings.token2text else self._auto_decoder,
+                           settings.token2text_skip_special_tokens, settings.token2text_keep_ids,
+                           required=bool(settings.token2text))] if settings.token2text is not False else []
         fanout = Fanout(sinks, settings.max_export_batch_size, settings.sink_queue_size, settings.sink_timeout_s)
         #: the bearer token workers must send (generated when binding beyond loopback)
         self.token: str | None = settings.collector_token or None
@@ -481,7 +495,8 @@ class Collector:
                          "network in clear text (RTRACE_COLLECTOR_TLS_CERT / RTRACE_COLLECTOR_TLS_KEY)", host)
         tls = TlsFiles(settings.collector_tls_cert, settings.collector_tls_key, settings.collector_tls_client_ca) \
             if settings.collector_tls_cert is not None else None
-        self.pipeline = CollectorPipeline(settings, fanout, post, settle_s, lambda: self._tokenizer)
+        self.pipeline = CollectorPipeline(settings, fanout, post, settle_s, self._decoder)
+        self.pipeline.on_tokenizer_name = self._tokenizer_named
         self.receiver = OtlpReceiver(self.pipeline.on_request, host=host, port=port, http_port=http_port,
                                      token=self.token, tls=tls)
         try:
@@ -533,6 +548,37 @@ class Collector:
     def set_tokenizer(self, tokenizer: Any) -> None:
         """The tokenizer token2text decodes with, in the collector."""
         self._tokenizer = check_tokenizer(tokenizer)
+
+    # ------------------------------------------------------------------ token2text's tokenizer
+    def _decoder(self) -> Any:
+        """token2text on: the collector's own tokenizer, else a trainer's (this process's, or
+        the one workers named)."""
+        return self._tokenizer or self._trainer_tokenizer() or self._named
+
+    def _auto_decoder(self) -> Any:
+        """token2text unset: decode only once a trainer handed in a tokenizer (here or in a
+        worker), with the collector's own if it has one."""
+        if self._workers_offered or self._trainer_tokenizer() is not None:
+            return self._decoder()
+        return None
+
+    def _tokenizer_named(self, name: Any) -> None:
+        """A worker's trainer tokenizer, by name or local path (collector worker thread):
+        loaded once, offline, when the collector decodes and has none of its own.
+        A name that cannot be loaded is counted (``token2text_tokenizer_unloadable``)."""
+        if self.settings.token2text is False or not isinstance(name, str):
+            return
+        self._workers_offered = True
+        if (not name or self._named is not None or self._tokenizer is not None or name in self._names_tried
+                or len(self._names_tried) >= 8):
+            return  # made in code (no name), or nothing to load
+        self._names_tried.add(name)
+        try:
+            self._named = load_tokenizer(name)
+        except ConfigError as exc:
+            _stats.incr("token2text_tokenizer_unloadable")
+            _stats.warn_once("collector-tokenizer", "rtrace collector: cannot load the workers' tokenizer %r "
+                             "(%s); hand one to start_collector(tokenizer=...)", name, exc)
 
     def annotate(self, annotations: list[Annotation]) -> None:
         self.pipeline.annotate(annotations)
@@ -599,7 +645,7 @@ def is_loopback(host: str) -> bool:
 
 
 def start_collector(*, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None,
-                    settle_s: float = 2.0, **settings: Any) -> Collector:
+                    settle_s: float = 2.0, trainer_tokenizer: Any = None, **settings: Any) -> Collector:
     """Start an rtrace collector in this process (its own threads, no subprocess).
 
     ``settings`` are those of ``rtrace.configure`` (``exporter="trackio,mlflow"``,
@@ -614,6 +660,8 @@ def start_collector(*, host: str = "127.0.0.1", port: int = 0, http_port: int | 
         http_port: also serve OTLP/HTTP ``/v1/traces`` there (0: a free port).
         settle_s: how long a trajectory waits after its root arrived, for spans of other
             processes still in flight.
+        trainer_tokenizer: returns the tokenizer a trainer adapter handed in, in this
+            process (``rtrace.start_collector`` passes rtrace's), or None.
 
     Returns:
         The running :class:`Collector` (also a context manager: ``stop()`` on exit).
@@ -621,6 +669,7 @@ def start_collector(*, host: str = "127.0.0.1", port: int = 0, http_port: int | 
     Raises:
         ConfigError: a bad setting, or no sink.
     """
-    collector = Collector(load_settings(settings), host=host, port=port, http_port=http_port, settle_s=settle_s)
+    collector = Collector(load_settings(settings), host=host, port=port, http_port=http_port, settle_s=settle_s,
+                          trainer_tokenizer=trainer_tokenizer)
     _annotations.local_target = collector.annotate
     return collector

@@ -25,7 +25,7 @@ from .records import TrajectoryState, ids_of, record_of
 from .tokens import wire_values
 from .worker import _CHUNK, Pipeline
 
-__all__ = ["StreamPipeline", "ANNOTATION_SPAN", "MESSAGES_ATTR", "ANNOTATIONS_ATTR"]
+__all__ = ["StreamPipeline", "ANNOTATION_SPAN", "MESSAGES_ATTR", "ANNOTATIONS_ATTR", "TOKENIZER_ATTR"]
 
 #: Name of the span that carries an annotation to the collector.
 ANNOTATION_SPAN = "rtrace.annotation"
@@ -33,6 +33,10 @@ ANNOTATION_SPAN = "rtrace.annotation"
 
 class StreamPipeline(Pipeline):
     """The worker's pipeline in collector mode (see the module docstring)."""
+
+    #: the name or local path of the tokenizer a trainer adapter handed in (None: none);
+    #: set by rtrace._setup, stamped on each root for the collector to load
+    tokenizer_name: Any = staticmethod(lambda: None)
 
     def _round(self, now: float, expire: bool, force: bool) -> None:
         """Everything queued when the round starts, :data:`~rtrace.pipeline.worker._CHUNK`
@@ -122,6 +126,9 @@ class StreamPipeline(Pipeline):
             attrs.update({f"rl.outcome.{k}": v for k, v in outcome.items() if attr_ok(v)})
             if self.settings.job_id:
                 attrs["rtrace.job_id"] = self.settings.job_id
+            name = self.tokenizer_name()
+            if name is not None:
+                attrs[TOKENIZER_ATTR] = name
 
     @staticmethod
     def _shell(shells: dict[int, Trajectory], state: TrajectoryState) -> Trajectory:
@@ -137,6 +144,11 @@ class StreamPipeline(Pipeline):
 #: set): the collector puts them back on the trajectory and off the span (``unpack_carried``).
 MESSAGES_ATTR = "rtrace.carried.messages"
 ANNOTATIONS_ATTR = "rtrace.carried.annotations"
+#: Root attribute naming the trainer's tokenizer (its ``name_or_path``; ``""`` for one made
+#: in code) when a trainer adapter handed one in: the collector decodes then (token2text
+#: unset), with a tokenizer of its own or else this one, loaded offline; it takes the
+#: attribute off the span.
+TOKENIZER_ATTR = "rtrace.carried.tokenizer"
 
 
 def _carry(state: TrajectoryState, root: SpanRecord) -> None:

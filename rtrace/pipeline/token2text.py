@@ -136,18 +136,25 @@ class Token2Text:
     Args:
         skip_special_tokens: passed to ``batch_decode``.
         keep_ids: keep ``prompt_ids`` / ``response_ids`` on the spans after decoding.
+        required: token2text was turned on (``token2text=True``): a batch with ids and no
+            tokenizer is counted and warned about. False for the default (``token2text``
+            unset): decode only when ``tokenizer()`` gives one (a trainer adapter handed
+            it in), else do nothing, at the cost of one call per batch.
     """
 
     def __init__(self, tokenizer: Callable[[], Any], skip_special_tokens: bool = True,
-                 keep_ids: bool = False) -> None:
+                 keep_ids: bool = False, required: bool = True) -> None:
         #: returns the tokenizer to decode with (read at each batch: it may be set later)
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.keep_ids = keep_ids
+        self.required = required
         self._takes_kwarg: dict[int, bool] = {}  # id(tokenizer) -> accepts skip_special_tokens
 
     def __call__(self, trajectories: list[Trajectory]) -> None:
         """Decode every span's ids in place: one ``batch_decode`` per field for the batch."""
+        if not self.required and self.tokenizer() is None:
+            return  # token2text unset and no trainer's tokenizer: nothing to do, not even a walk
         prompts: list[SpanRecord] = []
         responses: list[SpanRecord] = []
         outputs: list[tuple[dict[str, Any], str, list[int]]] = []

@@ -101,6 +101,7 @@ class Pipeline:
     def __init__(self, settings: Settings, fanout: Fanout, postprocessors: Sequence[Postprocessor] = (),
                  health_tokenizer: Callable[[], Any] = lambda: None) -> None:
         self.settings = settings
+        self._tokenizer = health_tokenizer
         self.registry = TrajectoryRegistry(settings.max_open_trajectories, settings.max_spans_per_trajectory)
         self.fanout = fanout
         self.postprocessors = list(postprocessors)
@@ -386,11 +387,13 @@ class Pipeline:
             except Exception:
                 _stats.incr("postprocess_errors")
                 _stats.warn_once(f"post-{post!r}", "rtrace postprocessor %r failed", post, exc_info=True)
+        t2t = self.settings.token2text  # unset: decoding once a trainer's adapter handed in its tokenizer
+        decoding = bool(t2t) or (t2t is None and self._tokenizer() is not None)
         for traj in out:
             if traj.messages:
                 continue
             try:
-                traj.messages = build_messages(traj, self.settings.token2text)
+                traj.messages = build_messages(traj, decoding)
             except Exception:
                 _stats.incr("messages_errors")
                 _stats.warn_once("messages", "rtrace could not build messages", exc_info=True)

@@ -26,7 +26,11 @@ CLASSES = [("open_instruct/data_types.py", "GenerationResult"), ("open_instruct/
            ("open_instruct/data_types.py", "PromptRequest"), ("open_instruct/model_utils.py", "Batch")]
 FUNCTIONS = [("open_instruct/data_loader.py", "accumulate_inference_batches"),
              ("open_instruct/grpo_utils.py", "maybe_evaluate"),
-             ("open_instruct/data_loader.py", "DataPreparationActor._data_preparation_loop")]
+             ("open_instruct/data_loader.py", "DataPreparationActor._data_preparation_loop"),
+             ("open_instruct/data_loader.py", "process_group")]
+#: dataclass fields whose defaults the docs state: (file, class, field)
+DEFAULTS = [("open_instruct/data_loader.py", "StreamingDataLoaderConfig", "filter_zero_std_samples"),
+            ("open_instruct/data_loader.py", "StreamingDataLoaderConfig", "mask_tool_use")]
 
 
 def _fields(tree: ast.Module, name: str) -> list[str]:
@@ -46,10 +50,20 @@ def _function(tree: ast.Module, dotted: str) -> ast.FunctionDef:
     return node
 
 
+def _default(tree: ast.Module, cls: str, name: str) -> str:
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for s in node.body:
+                if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name) and s.target.id == name:
+                    return ast.unparse(s.value) if s.value is not None else ""
+    raise KeyError(f"{cls}.{name}")
+
+
 def extract(root: Path) -> dict:
-    out: dict = {"classes": {}, "functions": {}, "calls": {}}
+    out: dict = {"classes": {}, "functions": {}, "calls": {}, "defaults": {}}
     trees = {}
-    for path, _ in CLASSES + FUNCTIONS:
+    for path, *_ in CLASSES + FUNCTIONS + DEFAULTS + [("open_instruct/grpo_fast.py", "main"),
+                                                      ("open_instruct/vllm_utils.py", "process_tool_tokens")]:
         if path not in trees:
             trees[path] = ast.parse((root / path).read_text())
     for path, name in CLASSES:
@@ -60,11 +74,33 @@ def extract(root: Path) -> dict:
         out["functions"][dotted] = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
         # how accumulate_inference_batches is called there, and what the loop reads
         calls = sorted({ast.unparse(n.func) for n in ast.walk(fn) if isinstance(n, ast.Call)
-                        and ast.unparse(n.func).endswith("accumulate_inference_batches")})
+                        and ast.unparse(n.func).endswith(("accumulate_inference_batches", "process_group"))})
         attrs = sorted({ast.unparse(n) for n in ast.walk(fn) if isinstance(n, ast.Attribute)
                         and ast.unparse(n).startswith(("self.training_step", "self.config.num_samples_per_prompt"))})
         if calls or attrs:
             out["calls"][dotted] = {"calls": calls, "attributes": attrs}
+        if dotted == "process_group":  # the conditions under which it returns None (drops the group)
+            out["process_group_returns_none_if"] = sorted(
+                ast.unparse(n.test) for n in ast.walk(fn) if isinstance(n, ast.If) and any(
+                    isinstance(r, ast.Return) and isinstance(r.value, ast.Constant) and r.value.value is None
+                    for r in n.body))
+    for path, cls, name in DEFAULTS:
+        out["defaults"][f"{cls}.{name}"] = _default(trees[path], cls, name)
+    # the dataset keys the data loader module imports (INPUT_IDS_PROMPT_KEY: process_group's query)
+    out["data_loader_imports"] = sorted({a.asname or a.name for n in trees["open_instruct/data_loader.py"].body
+                                         if isinstance(n, ast.ImportFrom)
+                                         and n.module == "open_instruct.dataset_transformation" for a in n.names})
+    # grpo_fast.main's ray.init: the runtime_env keys and how env_vars is built
+    main = _function(trees["open_instruct/grpo_fast.py"], "main")
+    (init,) = [n for n in ast.walk(main) if isinstance(n, ast.Call) and ast.unparse(n.func) == "ray.init"]
+    (env,) = [k.value for k in init.keywords if k.arg == "runtime_env"]
+    out["ray_init_runtime_env"] = {ast.unparse(k): ast.unparse(v) for k, v in zip(env.keys, env.values)}
+    out["excluded_env_vars"] = [ast.unparse(n.value) for n in trees["open_instruct/grpo_fast.py"].body
+                                if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "EXCLUDED_ENV_VARS"]
+    # the loss mask a tool's output gets (vllm_utils.process_tool_tokens)
+    tool = _function(trees["open_instruct/vllm_utils.py"], "process_tool_tokens")
+    out["tool_output_masks"] = [ast.unparse(n) for n in ast.walk(tool) if isinstance(n, ast.Assign)
+                                and ast.unparse(n.targets[0]) == "masks"]
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                                 check=True).stdout.strip()

@@ -249,3 +249,70 @@ def test_patched_names_exist():
             if part == "workflow" and obj is GroupedRolloutWorkflow:
                 obj = GroupedRolloutWorkflow(object(), 2, None)
             obj = getattr(obj, part)
+
+
+# ----------------------------------------------------------------------------- issue 31
+
+
+def test_the_switch_alone_writes_readable_text(server, tok, tmp_path, monkeypatch):
+    """RTRACE_EXPORTER=jsonl and install(), nothing else: the workflow's tokenizer is handed to
+    rtrace, every message is text (no "[17 tokens, not decoded ...]"); RTRACE_TOKEN2TEXT=0 still
+    turns decoding off."""
+    assert rtrace.compat.areal.install()
+    for setting in (None, "0"):
+        path = tmp_path / f"t{setting}.jsonl"
+        monkeypatch.setenv("RTRACE_EXPORTER", "jsonl")
+        monkeypatch.setenv("RTRACE_JSONL_PATH", str(path))
+        if setting is not None:
+            monkeypatch.setenv("RTRACE_TOKEN2TEXT", setting)
+        eng = engine(server)
+        eng.set_version(3)
+        eng.rollout_batch(items(2, prefix="T"), workflow=rlvr(tok))
+        eng.destroy()
+        assert rtrace.flush(30)
+        rtrace.shutdown()
+        trajs = read_jsonl(path)
+        assert len(trajs) == 2
+        for t in trajs:
+            if setting is None:
+                assert t.messages[-1] == {"role": "assistant", "content": WRONG}
+                assert not any("not decoded" in m["content"] for m in t.messages)
+            else:
+                assert "not decoded" in t.messages[-1]["content"]
+        from rtrace.testing import reset
+
+        reset()  # the tokenizer handed in by the first run is forgotten
+
+
+def test_one_process_and_collector_write_the_same(server, tok, tmp_path):
+    """The job both ways — JSONL in this process, and through rtrace.start_collector
+    (RTRACE_EXPORTER=collector) — writes the same records, field by field (ids and times aside):
+    groups, evaluation, the multi-turn retry, rewards, decoded text."""
+    from tests.test_fidelity import _normal  # needs grpc: the otlp extra
+
+    assert rtrace.compat.areal.install()
+
+    def run():
+        job(server, tok)
+        assert rtrace.flush(30)
+        rtrace.shutdown()
+
+    one = tmp_path / "one.jsonl"
+    rtrace.configure(exporter="jsonl", jsonl_path=str(one), export_interval_s=0.05)
+    run()
+    through = tmp_path / "collector.jsonl"
+    collector = rtrace.start_collector(exporter="jsonl", jsonl_path=str(through), settle_s=0.2)
+    try:
+        rtrace.configure(exporter="collector", collector_endpoint=collector.endpoint, export_interval_s=0.05)
+        run()
+        assert collector.flush(30)
+    finally:
+        collector.stop()
+
+    def key(t):  # what the episode was, not when it ran (AReaL runs a step's tasks concurrently)
+        return (t["validate"], t["step"], t["sample_index"], t["rollout_n"], json.dumps(t["messages"]))
+
+    a = sorted((_normal(t) for t in read_jsonl(one)), key=key)
+    b = sorted((_normal(t) for t in read_jsonl(through)), key=key)
+    assert len(a) == 18 and not any("not decoded" in m["content"] for t in a for m in t["messages"])
+    assert b == a

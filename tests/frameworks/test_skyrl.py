@@ -31,9 +31,13 @@ pytestmark = pytest.mark.integration
 
 GOLD = "SELECT name FROM items WHERE price > 5 ORDER BY name"
 WRONG = "SELECT name FROM items ORDER BY name"
+#: a query of one row: skyrl-gym's SQL tool returns rows as a frozenset, in an order that
+#: changes with the process's string hash seed; one row reads the same in every process
+ONE_ROW = "SELECT name FROM items WHERE price > 20"
 #: instance -> what the scripted model does: "right" (a query, then the right solution),
-#: "wrong" (a query, then a wrong solution), "long" (rambles until the length limit)
-SCRIPT = {"q0": "right", "q1": "wrong", "q2": "long", "q3": "right", "q4": "wrong"}
+#: "wrong" (a query, then a wrong solution), "long" (rambles until the length limit),
+#: "one" (a query of one row, then the right solution)
+SCRIPT = {"q0": "right", "q1": "wrong", "q2": "long", "q3": "right", "q4": "wrong", "q5": "one", "q6": "one"}
 MAX_TOKENS = 48
 
 
@@ -102,9 +106,9 @@ class ScriptedEngine:
                 reply = self.tok.decode(reply_ids)
             else:
                 if turn == 1:
-                    reply = f"<think>Look at the prices.</think><sql>{GOLD}</sql>"
+                    reply = f"<think>Look at the prices.</think><sql>{ONE_ROW if mode == 'one' else GOLD}</sql>"
                 else:
-                    reply = f"<think>That is it.</think><solution>{GOLD if mode == 'right' else WRONG}</solution>"
+                    reply = f"<think>That is it.</think><solution>{WRONG if mode == 'wrong' else GOLD}</solution>"
                 reply_ids = self.tok(reply, add_special_tokens=False)["input_ids"] + [self.eos]
                 stop = "stop"
             out["responses"].append(reply)
@@ -333,3 +337,99 @@ def test_evaluation_with_several_samples_over_several_batches(tmp_path, tok, db_
     assert got == sorted([("q3", 0, r) for r in range(6)] + [("q4", 1, r) for r in range(3)]
                          + [("q1", 2, r) for r in range(3)])
     assert len({(t.sample_index, t.rollout_n) for t in trajs}) == len(trajs) == 12
+
+
+# ----------------------------------------------------------------------------- issue 31
+
+
+def test_text_is_decoded_with_the_generator_s_tokenizer_by_default(tmp_path, tok, db_root, monkeypatch):
+    """install() and RTRACE_EXPORTER alone (no token2text, no set_tokenizer): the generator's
+    tokenizer is handed to rtrace, the spans carry decoded text; RTRACE_TOKEN2TEXT=0 keeps ids only."""
+    gen = generator(config(db_root), tok)
+    b = batch(["q0"], 1, 1, "train")
+    for setting, decoded in ((None, True), ("0", False)):
+        if setting is not None:
+            monkeypatch.setenv("RTRACE_TOKEN2TEXT", setting)
+        path = tmp_path / f"t{setting}.jsonl"
+        rtrace.configure(exporter="jsonl", jsonl_path=str(path), export_interval_s=0.05)
+        run(gen, b)
+        assert rtrace.flush(30)
+        rtrace.shutdown()
+        (t,) = read_jsonl(path)
+        first = t.spans_of_kind("generation")[0]
+        if decoded:
+            assert first.attributes["rtrace.response_text"] == f"<think>Look at the prices.</think><sql>{GOLD}</sql>"
+            assert "book" in t.spans_of_kind("tool")[0].attributes["rtrace.response_text"]
+        else:
+            assert "rtrace.response_text" not in first.attributes and first.response_ids
+
+
+def generate_all(db_root, tok_dir, batches):
+    """What the trainer's process does (a Ray worker in the doc's form): the generator with the
+    tokenizer loaded from ``tok_dir``, every batch generated; rtrace flushed (Ray runs no atexit)."""
+    from transformers import AutoTokenizer
+
+    gen = generator(config(db_root), AutoTokenizer.from_pretrained(tok_dir))
+    outputs = [plain(run(gen, b)) for b in batches]
+    rtrace.flush(30)
+    return outputs
+
+
+def test_the_doc_s_ray_form_through_a_collector_writes_what_one_process_writes(tmp_path, tok, db_root,
+                                                                               monkeypatch):
+    """docs/frameworks/skyrl.md's form: ray.init(runtime_env={"worker_process_setup_hook":
+    "rtrace.compat.skyrl.install", "env_vars": collector.env}), the generator in a Ray worker:
+    the collector writes, field by field (ids and times aside), what one process writes —
+    SkyRL's system / user / observation messages, coordinates, rewards, and the text decoded
+    with the trainer's tokenizer, which the collector loaded by the name the worker sent."""
+    ray = pytest.importorskip("ray")
+    from rtrace.testing import reset
+    from tests.test_fidelity import _normal
+
+    tok_dir = tmp_path / "tokenizer"
+    tok.save_pretrained(tok_dir)
+    # (instances whose SQL tool output reads the same in every process: see ONE_ROW)
+    batches = [batch(["q5", "q6", "q2"], 2, 21, "train"), batch(["q5", "q2"], 1, 21, "eval")]
+
+    one = tmp_path / "one.jsonl"
+    rtrace.configure(exporter="jsonl", jsonl_path=str(one), export_interval_s=0.05)
+    expected = generate_all(str(db_root), str(tok_dir), batches)
+    assert rtrace.flush(30)
+    reset()  # nothing of the first run (its tokenizer) is left in this process
+
+    through = tmp_path / "collector.jsonl"
+    collector = rtrace.start_collector(exporter="jsonl", jsonl_path=str(through), settle_s=0.2)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.setenv("PYTHONPATH", root)  # Ray's workers import this module (inherited, not in env_vars)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import shutil
+    import tempfile
+
+    # (a session directory of its own: /tmp/ray is shared with every other Ray on the machine)
+    ray_dir = tempfile.mkdtemp(prefix="rt-ray-")
+    try:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, _temp_dir=ray_dir,
+                 runtime_env={"worker_process_setup_hook": "rtrace.compat.skyrl.install", "env_vars": collector.env})
+        try:
+            got = ray.get(ray.remote(generate_all).remote(str(db_root), str(tok_dir), batches), timeout=300)
+        finally:
+            ray.shutdown()
+        assert collector.flush(30)
+        stats = collector.stats()
+    finally:
+        collector.stop()
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    assert got == expected  # SkyRL did the same thing both times
+
+    def key(t):
+        return (t["validate"], t["step"], t["sample_index"], t["rollout_n"])
+
+    a = sorted((_normal(t) for t in read_jsonl(one)), key=key)
+    b = sorted((_normal(t) for t in read_jsonl(through)), key=key)
+    for t in b:  # an id too: the job's (collector.env's RTRACE_JOB_ID), which one process has not
+        assert t["spans"][0]["attributes"].pop("rtrace.job_id") == collector.job_id
+    assert len(a) == 8 and a[0]["reward"] == 1.0
+    assert [m["role"] for m in a[0]["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+    assert all(s["attributes"].get("rtrace.response_text") for t in a for s in t["spans"] if s["kind"] != "rollout")
+    assert b == a
+    assert stats.get("token2text_tokenizer_unloadable", 0) == 0

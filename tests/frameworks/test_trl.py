@@ -65,23 +65,25 @@ def brevity(completions, **kwargs):
     return [-len(c[0]["content"]) / 100 for c in completions]
 
 
-def dataset():
+def dataset(questions=QUESTIONS):
     from datasets import Dataset
 
     return Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)}
-                              for a, b in QUESTIONS])
+                              for a, b in questions])
 
 
-def train(tmp_path, tok, callbacks, run_name, report_to="trackio"):
+def train(tmp_path, tok, callbacks, run_name, report_to="trackio", eval_questions=QUESTIONS, **overrides):
     from trl import GRPOConfig, GRPOTrainer
 
-    args = GRPOConfig(output_dir=str(tmp_path / run_name), per_device_train_batch_size=4, num_generations=2,
-                      max_completion_length=8, max_steps=2, logging_steps=1, report_to=report_to, use_cpu=True,
-                      bf16=False, seed=0, log_completions=True, save_strategy="no", steps_per_generation=2,
-                      project=PROJECT, run_name=run_name, eval_strategy="steps", eval_steps=2,
-                      per_device_eval_batch_size=4, num_generations_eval=2, reward_weights=[1.0, 0.5])
-    trainer = GRPOTrainer(model=tiny_model(tok), reward_funcs=[correct, brevity], args=args,
-                          train_dataset=dataset(), eval_dataset=dataset(), processing_class=tok, callbacks=callbacks)
+    config = dict(output_dir=str(tmp_path / run_name), per_device_train_batch_size=4, num_generations=2,
+                  max_completion_length=8, max_steps=2, logging_steps=1, report_to=report_to, use_cpu=True,
+                  bf16=False, seed=0, log_completions=True, save_strategy="no", steps_per_generation=2,
+                  project=PROJECT, run_name=run_name, eval_strategy="steps", eval_steps=2,
+                  per_device_eval_batch_size=4, num_generations_eval=2, reward_weights=[1.0, 0.5])
+    config.update(overrides)
+    trainer = GRPOTrainer(model=tiny_model(tok), reward_funcs=[correct, brevity], args=GRPOConfig(**config),
+                          train_dataset=dataset(), eval_dataset=dataset(eval_questions), processing_class=tok,
+                          callbacks=callbacks)
     trainer.train()
     return trainer
 
@@ -219,7 +221,103 @@ def test_sinks_follow_report_to(tmp_path, monkeypatch, report_to, exporter):
     monkeypatch.delenv("RTRACE_EXPERIMENT", raising=False)
     args = GRPOConfig(output_dir=str(tmp_path / "out"), run_name="run-7", report_to=report_to, use_cpu=True)
     got = RTraceCallback()._defaults(args)
-    expected = {"exporter": exporter, "experiment": "run-7", "token2text": True}
+    expected = {"exporter": exporter, "experiment": "run-7"}  # token2text: unset, decodes with TRL's tokenizer
     if exporter == "jsonl":
         expected["jsonl_path"] = os.path.join(str(tmp_path / "out"), "rtrace_traces.jsonl")
     assert {k: v for k, v in got.items() if k != "project"} == expected
+
+
+# ----------------------------------------------------------------------------- issue 31
+
+
+EVAL_QUESTIONS = [(1, 1), (2, 2), (3, 4), (5, 5), (8, 1), (9, 3)]
+
+
+def test_an_evaluation_batch_larger_than_the_generation_batch(tmp_path):
+    """per_device_eval_batch_size=6 with a generation batch of 4 (TRL's completions table keeps 4
+    rows): every evaluation completion has its reward, each function's score, its advantage and
+    TRL's chat messages, and each prompt its own group id. The values are checked against the
+    reward functions applied to the completion itself, and TRL's advantage formula per group."""
+    from rtrace.demo import build_tokenizer
+
+    tok = build_tokenizer()
+    path = tmp_path / "t.jsonl"
+    train(tmp_path, tok, [RTraceCallback(exporter="jsonl", jsonl_path=str(path))], "big-eval", report_to="none",
+          eval_questions=EVAL_QUESTIONS, per_device_train_batch_size=2, per_device_eval_batch_size=6)
+    assert rtrace.flush(60)
+    stats = rtrace.stats()
+    rtrace.shutdown()
+    evals = [t for t in read_jsonl(path) if t.validate]
+    assert len(evals) == 12  # 6 prompts x 2, in two batches of 6
+    groups = {}
+    for t in evals:
+        question = t.messages[0]["content"]
+        answer = t.final_answer()["content"]
+        a, b = next((a, b) for a, b in EVAL_QUESTIONS if question == f"What is {a} + {b}?")
+        expected = {"reward/correct": 1.0 if str(a + b) in answer else 0.0, "reward/brevity": -len(answer) / 100}
+        assert t.outcome == pytest.approx(expected), t.messages
+        assert t.reward == pytest.approx(expected["reward/correct"] + 0.5 * expected["reward/brevity"])
+        assert isinstance(t.annotations.get("advantage"), float)
+        assert "rtrace.missing" not in t.root.attributes
+        groups.setdefault(t.group_id, []).append(t)
+    # one group id per prompt, never one shared by two prompts
+    assert len(groups) == 6 and all(len(g) == 2 for g in groups.values())
+    assert all(len({t.messages[0]["content"] for t in g}) == 1 for g in groups.values())
+    for g in groups.values():  # TRL's advantage: (r - group mean) / (group std + 1e-4)
+        rewards = torch.tensor([t.reward for t in g])
+        expected = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+        assert [t.annotations["advantage"] for t in g] == pytest.approx(expected.tolist(), abs=1e-5)
+    assert stats.get("trl_values_missing", 0) == 0
+
+
+def test_token2text_off_is_respected(tmp_path, monkeypatch):
+    """The callback hands TRL's tokenizer to rtrace and token2text decodes by default (the other
+    tests read rtrace.response_text); RTRACE_TOKEN2TEXT=0 turns that off: ids, no text."""
+    from rtrace.demo import build_tokenizer
+
+    monkeypatch.setenv("RTRACE_TOKEN2TEXT", "0")
+    path = tmp_path / "t.jsonl"
+    train(tmp_path, build_tokenizer(), [RTraceCallback(exporter="jsonl", jsonl_path=str(path))], "no-text",
+          report_to="none", max_steps=1, eval_strategy="no")
+    assert rtrace.flush(60)
+    rtrace.shutdown()
+    trajs = read_jsonl(path)
+    assert len(trajs) == 8
+    for t in trajs:
+        (gen,) = t.spans_of_kind("generation")
+        assert "rtrace.response_text" not in gen.attributes and gen.response_ids
+
+
+def test_one_process_and_collector_write_the_same(tmp_path):
+    """Both ways, field by field (ids and times aside): the callback writing JSONL in this
+    process, and streaming to rtrace.start_collector (RTRACE_EXPORTER=collector): the same
+    trajectories, TRL's chat messages, rewards, advantages and decoded text."""
+    from rtrace.demo import build_tokenizer
+
+    from tests.test_fidelity import _normal  # needs grpc: the otlp extra
+
+    tok = build_tokenizer()
+
+    def run(where, **settings):
+        train(tmp_path / where, tok, [RTraceCallback(**settings)], "both", report_to="none")
+        assert rtrace.flush(60)
+        rtrace.shutdown()
+
+    one = tmp_path / "one.jsonl"
+    run("one", exporter="jsonl", jsonl_path=str(one))
+    through = tmp_path / "collector.jsonl"
+    collector = rtrace.start_collector(exporter="jsonl", jsonl_path=str(through), settle_s=0.2)
+    try:
+        run("two", exporter="collector", collector_endpoint=collector.endpoint)
+        assert collector.flush(30)
+    finally:
+        collector.stop()
+
+    def key(t):
+        return (t["validate"], t["step"], t["sample_index"], t["rollout_n"])
+
+    a = sorted((_normal(t) for t in read_jsonl(one)), key=key)
+    b = sorted((_normal(t) for t in read_jsonl(through)), key=key)
+    assert len(a) == 16 and all(t["annotations"].get("advantage") is not None for t in a)
+    assert all(s["attributes"].get("rtrace.response_text") for t in a for s in t["spans"] if s["kind"] == "generation")
+    assert b == a

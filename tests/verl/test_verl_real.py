@@ -496,3 +496,73 @@ class TestHealth:
         assert finding["detail"] == (f"turn 2: its prompt does not continue turn 1's prompt + response at token {pos} "
                                      f"of {len(expected)} (expected id {expected[pos]}, got {second.prompt_ids[pos]})")
         assert pos > len(first.prompt_ids)  # inside what the model wrote, not in the prompt
+
+
+# ----------------------------------------------------------------------------- both ways (issue 31)
+
+
+class TestOneProcessAndCollector:
+    async def test_the_same_records_both_ways(self, model_dir, tool_config, tokenizer, tmp_path, monkeypatch):
+        """veRL's ToolAgentLoop traced in one process (trace.backend=jsonl), then in a worker
+        whose environment is collector.env streaming to rtrace.start_collector (which decodes
+        with the driver's tokenizer, as docs/frameworks/verl.md sets it up): the same records,
+        field by field (ids, times and the collector's rtrace.job_id aside), op tree, tool
+        results, conversation and decoded text included."""
+        pytest.importorskip("grpc")
+        from tests.test_fidelity import _normal
+
+        async def run():
+            worker, _ = worker_for(model_dir, tool_config, tokenizer, trace_overrides())
+            await worker.generate_sequences(app.make_batch([0, 1], n=2, step=3))
+            assert rtrace.flush(20)
+            rtrace.shutdown()
+            RolloutTraceConfig.reset()
+
+        await run()
+        one = read_jsonl(tmp_path / "verl.jsonl")
+        through = tmp_path / "collector.jsonl"
+        collector = rtrace.start_collector(exporter="jsonl", jsonl_path=str(through), project=app.PROJECT,
+                                           experiment=app.EXPERIMENT, settle_s=0.2, token2text=True,
+                                           tokenizer=tokenizer)
+        try:
+            for key, value in collector.env.items():
+                monkeypatch.setenv(key, value)
+            monkeypatch.setenv("RTRACE_JSONL_PATH", str(tmp_path / "worker.jsonl"))
+            await run()
+            assert collector.flush(30)
+        finally:
+            collector.stop()
+        assert not (tmp_path / "worker.jsonl").exists()  # the worker streamed, it did not write
+
+        def key(t):
+            return (t["validate"], t["step"], t["sample_index"], t["rollout_n"])
+
+        a = sorted((_normal(t) for t in one), key=key)
+        b = sorted((_normal(t) for t in read_jsonl(through)), key=key)
+        for t in b:
+            assert t["spans"][0]["attributes"].pop("rtrace.job_id") == collector.job_id
+        assert len(a) == 4 and all(g["attributes"].get("rtrace.response_text") for t in a for g in t["spans"]
+                                   if g["kind"] == "generation")
+        for t in a + b:
+            _scrub_ids_and_times(t)
+        assert b == a
+
+
+def _scrub_ids_and_times(traj: dict) -> None:
+    """The ids and timings veRL makes per run (request and tool instance uuids, its timing
+    metrics) and the tool-call ids derived from span ids, taken out of a normalised record:
+    each call id must still pair its assistant turn with its tool message."""
+    for span in traj["spans"]:
+        if isinstance(span.get("input"), dict):
+            span["input"].pop("request_id", None)
+            span["input"].pop("instance_id", None)
+        if isinstance(span.get("output"), dict) and isinstance(span["output"].get("metrics"), dict):
+            span["output"]["metrics"] = sorted(span["output"]["metrics"])  # the names, not the seconds
+    calls = [c["id"] for m in traj["messages"] for c in m.get("tool_calls", [])]
+    answered = [m["tool_call_id"] for m in traj["messages"] if m["role"] == "tool"]
+    assert calls == answered
+    for m in traj["messages"]:
+        for c in m.get("tool_calls", []):
+            c["id"] = "call"
+        if "tool_call_id" in m:
+            m["tool_call_id"] = "call"
