@@ -25,7 +25,7 @@ from .._serialize import fast_json, json_default, json_safe, plain_json, vouched
 from ..trajectory import Trajectory
 from .schema import SPANS, TRAJECTORIES, TABLES, cached_schema
 
-__all__ = ["encode", "encode_safely", "to_trajectories", "partition_of", "COORD_ATTRS", "json_text"]
+__all__ = ["encode", "encode_safely", "rows_of", "tables", "Rows", "to_trajectories", "partition_of", "COORD_ATTRS", "json_text"]
 
 #: span attributes that are columns of the spans table (not repeated in its maps)
 COORD_ATTRS = {"rl.step": "step", "rl.validate": "validate", "rl.sample_index": "sample_index",
@@ -157,73 +157,71 @@ def _events(events: list) -> list:
             if isinstance(e, dict) else {"name": _str(e), "time": None, "attributes": None} for e in events]
 
 
-def _rows(trajs: Sequence[Trajectory], run: str) -> tuple[list[tuple], list[tuple], list[Any]]:
-    """One tuple per trajectory and per span, in the tables' column order (the messages
-    column apart: given as they are, see :func:`_messages_column`)."""
-    trows: list[tuple] = []
+#: One trajectory's rows: (its trajectories row, its spans rows, its messages as given).
+Rows = tuple
+
+
+def rows_of(traj: Trajectory, run: str) -> Rows:
+    """A trajectory's row and its spans' rows, in the tables' column order (the messages
+    column apart: given as they are, see :func:`_messages_column`). Pure Python, no Arrow:
+    the sink computes it on the pipeline's thread (``Sink.prepare``)."""
     srows: list[tuple] = []
-    messages: list[Any] = []
-    for traj in trajs:
-        validate, step = partition_of(traj)
-        sample_index, rollout_n = _int(traj.sample_index), _int(traj.rollout_n)
-        group_id = _str(traj.group_id)
-        policy_version = _int(traj.policy_version)
-        trace_id = traj.trace_id
-        spans = traj.spans
-        dumps = _plain_text if vouched(traj) else json_text
-        turns = tools = tokens_in = tokens_out = gen_ns = tool_ns = end = 0
-        truncated = False
-        for span in spans:
-            attrs = span.attributes
-            kind = span.kind
-            start_ns, end_ns = span.start_ns, span.end_ns
-            if end_ns > end:
-                end = end_ns
-            reasons = attrs.get("gen_ai.response.finish_reasons")
-            t_in = attrs.get("gen_ai.usage.input_tokens")
-            t_out = attrs.get("gen_ai.usage.output_tokens")
-            t_in = t_in if type(t_in) is int else None
-            t_out = t_out if type(t_out) is int else None
-            if reasons is not None:
-                reasons = [r if type(r) is str else _str(r) for r in (
-                    reasons if isinstance(reasons, (list, tuple)) else (reasons,))]
-            if kind == "generation":
-                turns += 1
-                gen_ns += end_ns - start_ns
-                tokens_in += t_in or 0
-                tokens_out += t_out or 0
-                if reasons and "length" in reasons:
-                    truncated = True
-            elif kind == "tool":
-                tools += 1
-                tool_ns += end_ns - start_ns
-            num, flag, text, other = _maps(attrs, _SKIP)
-            srows.append((
-                run, trace_id, span.span_id, span.parent_id, span.name, kind, start_ns, end_ns,
-                (end_ns - start_ns) / 1e6, span.status, _str(span.error),
-                step, validate, sample_index, rollout_n, group_id, policy_version,
-                _str(attrs.get("gen_ai.request.model")), _str(attrs.get("gen_ai.tool.name")),
-                _str(attrs.get("gen_ai.tool.call.id")), t_in, t_out, reasons,
-                num, flag, text, other, dumps(span.input), dumps(span.output),
-                _events(span.events) if span.events else [], span.prompt_ids, span.response_ids))
-        root_start = spans[0].start_ns if spans else 0
-        group = traj.group_id if traj.group_id is not None else traj.sample_index
-        kept = [k if type(k) is str else str(k) for k in traj.kept]
-        task, answer = _task_answer(traj.messages)
-        messages.append(traj.messages)
-        extra = _maps(traj.extra)
-        outcome = _maps(traj.outcome)
-        ann = _maps(traj.annotations)
-        root_attrs = spans[0].attributes if spans else {}
-        trows.append((
-            run, trace_id, traj.name, step, validate, sample_index, rollout_n, group_id, policy_version,
-            _str(traj.experiment), None if group is None else str(group), _finite(traj.reward),
-            _finite(traj.annotations.get("advantage")), traj.verdict(), traj.status, _str(traj.error),
-            bool(traj.partial), traj.finish_reason, truncated, kept, not kept or "sampled" in kept,
-            _health(traj.health), turns, tools, len(spans), int(traj.dropped_spans), tokens_in, tokens_out,
-            root_start, end, (end - root_start) / 1e6, gen_ns / 1e6, tool_ns / 1e6, task, answer, None,
-            *extra, *outcome, *ann, _str(root_attrs.get("rtrace.job_id"))))
-    return trows, srows, messages
+    validate, step = partition_of(traj)
+    sample_index, rollout_n = _int(traj.sample_index), _int(traj.rollout_n)
+    group_id = _str(traj.group_id)
+    policy_version = _int(traj.policy_version)
+    trace_id = traj.trace_id
+    spans = traj.spans
+    dumps = _plain_text if vouched(traj) else json_text
+    turns = tools = tokens_in = tokens_out = gen_ns = tool_ns = end = 0
+    truncated = False
+    for span in spans:
+        attrs = span.attributes
+        kind = span.kind
+        start_ns, end_ns = span.start_ns, span.end_ns
+        if end_ns > end:
+            end = end_ns
+        reasons = attrs.get("gen_ai.response.finish_reasons")
+        t_in = attrs.get("gen_ai.usage.input_tokens")
+        t_out = attrs.get("gen_ai.usage.output_tokens")
+        t_in = t_in if type(t_in) is int else None
+        t_out = t_out if type(t_out) is int else None
+        if reasons is not None:
+            reasons = [r if type(r) is str else _str(r) for r in (
+                reasons if isinstance(reasons, (list, tuple)) else (reasons,))]
+        if kind == "generation":
+            turns += 1
+            gen_ns += end_ns - start_ns
+            tokens_in += t_in or 0
+            tokens_out += t_out or 0
+            if reasons and "length" in reasons:
+                truncated = True
+        elif kind == "tool":
+            tools += 1
+            tool_ns += end_ns - start_ns
+        num, flag, text, other = _maps(attrs, _SKIP)
+        srows.append((
+            run, trace_id, span.span_id, span.parent_id, span.name, kind, start_ns, end_ns,
+            (end_ns - start_ns) / 1e6, span.status, _str(span.error),
+            step, validate, sample_index, rollout_n, group_id, policy_version,
+            _str(attrs.get("gen_ai.request.model")), _str(attrs.get("gen_ai.tool.name")),
+            _str(attrs.get("gen_ai.tool.call.id")), t_in, t_out, reasons,
+            num, flag, text, other, dumps(span.input), dumps(span.output),
+            _events(span.events) if span.events else [], span.prompt_ids, span.response_ids))
+    root_start = spans[0].start_ns if spans else 0
+    group = traj.group_id if traj.group_id is not None else traj.sample_index
+    kept = [k if type(k) is str else str(k) for k in traj.kept]
+    task, answer = _task_answer(traj.messages)
+    root_attrs = spans[0].attributes if spans else {}
+    trow = (
+        run, trace_id, traj.name, step, validate, sample_index, rollout_n, group_id, policy_version,
+        _str(traj.experiment), None if group is None else str(group), _finite(traj.reward),
+        _finite(traj.annotations.get("advantage")), traj.verdict(), traj.status, _str(traj.error),
+        bool(traj.partial), traj.finish_reason, truncated, kept, not kept or "sampled" in kept,
+        _health(traj.health), turns, tools, len(spans), int(traj.dropped_spans), tokens_in, tokens_out,
+        root_start, end, (end - root_start) / 1e6, gen_ns / 1e6, tool_ns / 1e6, task, answer, None,
+        *_maps(traj.extra), *_maps(traj.outcome), *_maps(traj.annotations), _str(root_attrs.get("rtrace.job_id")))
+    return trow, srows, traj.messages
 
 
 _MESSAGES_AT = [name for name, _, _ in TABLES[TRAJECTORIES]].index("messages")
@@ -252,14 +250,23 @@ def _table(rows: list[tuple], table: str, messages: list[Any] | None = None) -> 
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
+def tables(rows: Sequence[Rows]) -> tuple[pa.Table, pa.Table]:
+    """The trajectories and spans tables of trajectories' :func:`rows_of`.
+
+    Raises:
+        Exception: a value Arrow cannot take (see :func:`encode_safely`).
+    """
+    return (_table([r[0] for r in rows], TRAJECTORIES, [r[2] for r in rows]),
+            _table([s for r in rows for s in r[1]], SPANS))
+
+
 def encode(trajs: Sequence[Trajectory], run: str) -> tuple[pa.Table, pa.Table]:
     """The trajectories and spans tables of a batch.
 
     Raises:
         Exception: a value Arrow cannot take (see :func:`encode_safely`).
     """
-    trows, srows, messages = _rows(trajs, run)
-    return _table(trows, TRAJECTORIES, messages), _table(srows, SPANS)
+    return tables([rows_of(t, run) for t in trajs])
 
 
 def encode_safely(trajs: Sequence[Trajectory], run: str) -> tuple[pa.Table, pa.Table, int, int]:
