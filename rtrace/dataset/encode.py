@@ -65,9 +65,11 @@ def _str(value: Any) -> str | None:
     return json_text(value) if isinstance(value, (list, dict)) else str(value)
 
 
-def _maps(d: dict[str, Any] | None, skip: dict[str, str] | None = None) -> tuple[list, list, list, list]:
-    num: list = []
+def _maps(d: dict[str, Any] | None, skip: dict[str, str] | None = None) -> tuple[list, list, list, list, list]:
+    """A dict split by value type: (bool, int, double, str, json) ``(key, value)`` lists."""
     flag: list = []
+    ints: list = []
+    num: list = []
     text: list = []
     other: list = []
     if d:
@@ -75,21 +77,28 @@ def _maps(d: dict[str, Any] | None, skip: dict[str, str] | None = None) -> tuple
             if skip is not None and key in skip:
                 continue
             kind = type(value)
-            if kind is float or kind is int:
-                num.append((key, value))
-            elif kind is str:
+            if kind is str:
                 text.append((key, value))
+            elif kind is int:
+                if -(1 << 63) <= value < (1 << 63):
+                    ints.append((key, value))
+                else:
+                    other.append((key, str(value)))
+            elif kind is float:
+                num.append((key, value))
             elif kind is bool:
                 flag.append((key, value))
             elif isinstance(value, bool):
                 flag.append((key, bool(value)))
-            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            elif isinstance(value, int) and -(1 << 63) <= value < (1 << 63):
+                ints.append((key, int(value)))
+            elif isinstance(value, float):
                 num.append((key, float(value)))
             elif isinstance(value, str):
                 text.append((key, str(value)))
             else:
                 other.append((key, json_text(value)))
-    return num, flag, text, other
+    return flag, ints, num, text, other
 
 
 def _tool_calls(calls: Any) -> list | None:
@@ -199,14 +208,14 @@ def rows_of(traj: Trajectory, run: str) -> Rows:
         elif kind == "tool":
             tools += 1
             tool_ns += end_ns - start_ns
-        num, flag, text, other = _maps(attrs, _SKIP)
+        maps = _maps(attrs, _SKIP)
         srows.append((
             run, trace_id, span.span_id, span.parent_id, span.name, kind, start_ns, end_ns,
             (end_ns - start_ns) / 1e6, span.status, _str(span.error),
             step, validate, sample_index, rollout_n, group_id, policy_version,
             _str(attrs.get("gen_ai.request.model")), _str(attrs.get("gen_ai.tool.name")),
             _str(attrs.get("gen_ai.tool.call.id")), t_in, t_out, reasons,
-            num, flag, text, other, dumps(span.input), dumps(span.output),
+            *maps, dumps(span.input), dumps(span.output),
             _events(span.events) if span.events else [], span.prompt_ids, span.response_ids))
     root_start = spans[0].start_ns if spans else 0
     group = traj.group_id if traj.group_id is not None else traj.sample_index
@@ -303,7 +312,7 @@ def encode_safely(trajs: Sequence[Trajectory], run: str) -> tuple[pa.Table, pa.T
 # ----------------------------------------------------------------------------- back to Trajectory
 def _unmap(row: dict[str, Any], name: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for kind in ("num", "bool", "str"):
+    for kind in ("bool", "int", "double", "str"):
         for key, value in row.get(f"{name}_{kind}") or ():
             out[key] = value
     for key, value in row.get(f"{name}_json") or ():
@@ -351,13 +360,35 @@ def to_trajectories(traj_rows: Iterable[dict[str, Any]], span_rows: Iterable[dic
     out = []
     for r in traj_rows:
         out.append(Trajectory(
-            trace_id=r["trace_id"], name=r["name"], spans=by_trace.get(r["trace_id"], []), step=r["step"],
+            trace_id=r["trace_id"], name=r["name"], spans=_tree_order(by_trace.get(r["trace_id"], [])), step=r["step"],
             sample_index=r["sample_index"], rollout_n=r["rollout_n"], validate=bool(r["validate"]),
             experiment=r["experiment"], group_id=r["group_id"], policy_version=r["policy_version"],
             extra=_unmap(r, "extra"), reward=r["reward"], outcome=_unmap(r, "outcome"),
             annotations=_unmap(r, "annotations"), kept=list(r["kept"] or []), status=r["status"] or "ok",
             error=r["error"], partial=bool(r["partial"]), dropped_spans=r["dropped_spans"] or 0,
             messages=[_message_back(m) for m in r["messages"] or ()], health=r["health"]))
+    return out
+
+
+def _tree_order(spans: list) -> list:
+    """Root first, then each span's children by start time, depth first, as the pipeline
+    orders them; spans whose parent is missing (dropped) follow, each with its subtree."""
+    if len(spans) < 2:
+        return spans
+    ids = {s.span_id for s in spans}
+    tops = sorted((s for s in spans if s.parent_id is None or s.parent_id not in ids),
+                  key=lambda s: (s.parent_id is not None, s.start_ns))
+    children: dict[str, list] = {}
+    for s in spans:
+        if s.parent_id is not None and s.parent_id in ids:
+            children.setdefault(s.parent_id, []).append(s)
+    out: list = []
+    for top in tops:
+        stack = [top]
+        while stack:
+            span = stack.pop()
+            out.append(span)
+            stack.extend(sorted(children.get(span.span_id, ()), key=lambda s: s.start_ns, reverse=True))
     return out
 
 

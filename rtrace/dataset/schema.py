@@ -8,9 +8,9 @@ this module and to what the sink writes.
 
 Open-ended keys (``extra`` coordinates, ``record_reward`` outcome keywords, annotations,
 span attributes) are typed maps, as Jaeger's ClickHouse schema keeps attributes: one map
-per value type (``<name>_num`` DOUBLE, ``<name>_bool`` BOOLEAN, ``<name>_str`` VARCHAR,
-``<name>_json`` VARCHAR holding JSON for lists, dicts and nulls). So ``outcome_bool['correct']``
-and ``annotations_num['advantage'] > 0`` need no cast, and every file of every run has the
+per value type (``<name>_bool`` BOOLEAN, ``<name>_int`` BIGINT, ``<name>_double`` DOUBLE,
+``<name>_str`` VARCHAR, ``<name>_json`` VARCHAR holding JSON for lists, dicts and nulls). So
+``outcome_bool['correct']`` and ``annotations_double['advantage'] > 0`` need no cast, and every file of every run has the
 same columns: a key that appears in the middle of a run (an annotation that validation
 steps never get) changes no schema, so every engine reads a whole run without merging
 schemas. The values readers ask for most have columns of their own (``reward``,
@@ -41,8 +41,11 @@ SCHEMA_KEY = "rtrace.schema"
 TRAJECTORIES = "trajectories"
 SPANS = "spans"
 
-#: The suffixes of a typed map, and their value types.
-MAP_KINDS = (("num", pa.float64()), ("bool", pa.bool_()), ("str", pa.string()), ("json", pa.string()))
+#: The suffixes of a typed map, and their value types (Jaeger's split: ints apart from doubles).
+MAP_KINDS = (("bool", pa.bool_()), ("int", pa.int64()), ("double", pa.float64()), ("str", pa.string()),
+             ("json", pa.string()))
+_KIND_TEXT = {"bool": "boolean", "int": "integer", "double": "floating-point", "str": "string",
+              "json": "other (lists, dicts, nulls: JSON text)"}
 
 _TS = pa.timestamp("ns", tz="UTC")
 _HEALTH = pa.list_(pa.struct([("check", pa.string()), ("detail", pa.string())]))
@@ -54,8 +57,7 @@ _EVENTS = pa.list_(pa.struct([("name", pa.string()), ("time", _TS), ("attributes
 
 
 def _maps(name: str, what: str) -> list[tuple[str, pa.DataType, str]]:
-    return [(f"{name}_{kind}", pa.map_(pa.string(), vtype),
-             f"{what}: the {'number' if kind == 'num' else 'boolean' if kind == 'bool' else 'string' if kind == 'str' else 'JSON text of the other'} values, by key")
+    return [(f"{name}_{kind}", pa.map_(pa.string(), vtype), f"{what}: the {_KIND_TEXT[kind]} values, by key")
             for kind, vtype in MAP_KINDS]
 
 
