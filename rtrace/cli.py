@@ -120,7 +120,70 @@ def build_parser() -> argparse.ArgumentParser:
                              "CHECK=RATE for one, e.g. --max-rate token_continuity=0.01; repeatable")
     report.add_argument("--max-chars", type=_positive, default=None,
                         help="the page cuts message contents to this many characters (default 4000)")
+    query = sub.add_parser(
+        "query", help="run SQL (DuckDB) over a run's dataset written by the parquet exporter",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run one SQL query over the views `trajectories` and `spans` of a run's dataset "
+                    "(RTRACE_EXPORTER=parquet; docs/dataset.md) and print the result.",
+        epilog="examples:\n"
+               "  rtrace query rtrace_dataset/run-7 \"SELECT step, avg(reward) FROM trajectories GROUP BY step "
+               "ORDER BY step\"\n"
+               "  rtrace query rtrace_dataset/run-7 \"SELECT trace_id, reward FROM trajectories WHERE step = $step "
+               "ORDER BY reward LIMIT 5\" --param step=3")
+    query.add_argument("path", help="the run's dataset: a folder or a URL (s3://bucket/prefix/run)")
+    query.add_argument("sql", help="the query; views: trajectories, spans")
+    query.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                       help="a $NAME parameter (a number when it parses as one, else text); repeatable")
+    query.add_argument("--format", choices=("table", "csv", "jsonl"), default="table",
+                       help="output: an aligned table (default), CSV, or one JSON object per row")
+    query.add_argument("--max-rows", type=_positive, default=200,
+                       help="rows the table shows (default 200; csv and jsonl print every row)")
     return parser
+
+
+def _param(text: str) -> tuple[str, object]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise ValueError(f"--param {text!r}: expected NAME=VALUE")
+    for kind in (int, float):
+        try:
+            return name.strip(), kind(value)
+        except ValueError:
+            pass
+    return name.strip(), value
+
+
+def _query(args: argparse.Namespace) -> int:
+    import csv
+    import json
+
+    from .dataset.reader import DatasetError, open_run
+
+    try:
+        params = dict(_param(p) for p in args.param) or None
+        run = open_run(args.path)
+        rel = run.sql(args.sql, params)
+    except (DatasetError, ValueError, OSError, ImportError) as exc:
+        sys.stderr.write(f"rtrace query: {exc}\n")
+        return 2
+    except Exception as exc:  # a DuckDB error: the SQL is wrong
+        sys.stderr.write(f"rtrace query: {type(exc).__name__}: {exc}\n")
+        return 2
+    if rel is None:  # a statement without a result (SET ...)
+        return 0
+    if args.format == "table":
+        rel.show(max_rows=args.max_rows, max_width=10_000)
+        return 0
+    columns = rel.columns
+    rows = rel.fetchall()
+    if args.format == "csv":
+        writer = csv.writer(sys.stdout)
+        writer.writerow(columns)
+        writer.writerows(rows)
+    else:
+        for row in rows:
+            sys.stdout.write(json.dumps(dict(zip(columns, row)), default=str, ensure_ascii=False) + "\n")
+    return 0
 
 
 def _collect(args: argparse.Namespace) -> int:
@@ -188,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
     if args.command == "collect":
         return _collect(args)
+    if args.command == "query":
+        return _query(args)
     if args.command == "report":
         from .report import MAX_CHARS, run
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["open_run", "Run", "DatasetError", "SchemaVersionError", "list_runs", "vacuum"]
+__all__ = ["open_run", "Run", "DatasetError", "SchemaVersionError", "list_runs", "vacuum", "hf_load_kwargs"]
 
 
 def __getattr__(name: str) -> Any:  # the reader imports duckdb: only when asked for

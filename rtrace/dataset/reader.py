@@ -33,7 +33,8 @@ from .. import _stats
 from .layout import FileName, Store, open_store, parse_name, parse_partition
 from .schema import MAJOR, SPANS, TRAJECTORIES, VERSION, arrow_schema
 
-__all__ = ["open_run", "Run", "DatasetError", "SchemaVersionError", "Skipped", "list_runs", "vacuum"]
+__all__ = ["open_run", "Run", "DatasetError", "SchemaVersionError", "Skipped", "list_runs", "vacuum",
+           "hf_load_kwargs"]
 
 logger = logging.getLogger("rtrace")
 
@@ -366,3 +367,15 @@ def vacuum(path: str | os.PathLike) -> list[str]:
                     deleted.append(os.path.relpath(full, run.root))
     return deleted
 
+
+
+def hf_load_kwargs(table: str = TRAJECTORIES) -> dict[str, Any]:
+    """Keyword arguments for ``datasets.load_dataset("parquet", data_files=..., **kwargs)``:
+    the table's columns without the typed maps, and their features. Hugging Face
+    ``datasets`` has no map type (it fails on the file's schema otherwise); read the maps
+    with DuckDB, polars or pandas."""
+    import datasets
+    import pyarrow as pa
+
+    fields = [f for f in arrow_schema(table) if not pa.types.is_map(f.type)]
+    return {"columns": [f.name for f in fields], "features": datasets.Features.from_arrow_schema(pa.schema(fields))}
