@@ -156,7 +156,9 @@ class DatasetWriter:
     def _compact_due(self, now: float) -> None:
         for part in list(self._parts.values()):
             small = self._mergeable(part)
-            if len(small) >= self.compact_files or (len(small) >= 2 and now - part.last_write >= self.idle_s):
+            # new (unmerged) files count: a merged file is rewritten once per compact_files new ones
+            fresh = sum(1 for f, _ in small if f.first == f.last)
+            if fresh >= self.compact_files or (len(small) >= 2 and now - part.last_write >= self.idle_s):
                 self._compact(part, small)
 
     def _mergeable(self, part: _Partition) -> list[tuple[FileName, int]]:
