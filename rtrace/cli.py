@@ -102,15 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
                          help="also write the worker environment here, mode 0600 (with a token: default "
                               "rtrace-collector.env; the token is never printed)")
     report = sub.add_parser(
-        "report", help="a step at a glance from JSONL trajectory files: a table, a static HTML page, a health check",
+        "report", help="a step at a glance from JSONL trajectory files or a run's dataset: a table, a static HTML "
+                       "page, a health check",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Print the per-step table (reward, turns, tokens, errors, latency...) of one or more JSONL "
-                    "files written by rtrace's jsonl sink (several workers' files merge exactly). --html writes "
+                    "files written by rtrace's jsonl sink (several workers' files merge exactly), or of a run's "
+                    "dataset written by the parquet sink (a folder or URL; computed by DuckDB). --html writes "
                     "one self-contained page that shows a step: metrics and histograms, GRPO groups side by side, "
                     "failures, a prompt across steps, latency ranking, rollout health, conversations "
                     "(docs/report.md).",
         epilog="--check exit codes:\n" + "\n".join(f"  {code}  {meaning}" for code, meaning in _exit_codes()))
-    report.add_argument("paths", nargs="+", help="JSONL files")
+    report.add_argument("paths", nargs="+", help="JSONL files, or one run's dataset (a folder or URL)")
     report.add_argument("--html", default=None, metavar="PAGE", help="also write the step viewer page here")
     report.add_argument("--check", action="store_true",
                         help="check the rollout health rates (health/<check>_rate per step) instead of printing "
