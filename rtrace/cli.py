@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=_positive, default=48,
                       help="tokens generated per turn (default 48; a tool call takes 20-45)")
     demo.add_argument("--exporter", default=None,
-                      help="comma list of trackio, mlflow, jsonl, otlp, console "
+                      help="comma list of trackio, mlflow, jsonl, parquet, otlp, console "
                            "(default: $RTRACE_EXPORTER, else trackio in a local folder)")
     demo.add_argument("--project", default=None,
                       help="trackio project / MLflow experiment (default: $RTRACE_PROJECT, else rtrace-demo)")
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "for workers (RTRACE_EXPORTER=collector, RTRACE_COLLECTOR_ENDPOINT, ...) and runs until "
                      "SIGINT/SIGTERM, then writes what it holds. Other settings come from RTRACE_* variables."))
     collect.add_argument("--exporter", default=None,
-                         help="comma list of trackio, mlflow, jsonl, otlp, console (default: $RTRACE_EXPORTER)")
+                         help="comma list of trackio, mlflow, jsonl, parquet, otlp, console (default: $RTRACE_EXPORTER)")
     collect.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     collect.add_argument("--port", type=_non_negative, default=4317, help="OTLP/gRPC port (default 4317; 0: any)")
     collect.add_argument("--http-port", type=_non_negative, default=None, help="also serve OTLP/HTTP on this port")
