@@ -260,7 +260,8 @@ class Store:
         if self.local:
             return Store(os.path.join(self.root, name))
         sub = Store.__new__(Store)
-        sub.root, sub.local, sub.fs = f"{self.root.rstrip('/')}/{name}", False, self.fs
+        head, sep, query = self.root.partition("?")  # s3://bucket/prefix?endpoint_override=...: options stay last
+        sub.root, sub.local, sub.fs = f"{head.rstrip('/')}/{name}{sep}{query}", False, self.fs
         sub.base, sub.object_store = f"{self.base.rstrip('/')}/{name}", self.object_store
         return sub
 
