@@ -7,7 +7,8 @@ durable when ``write`` returns; a failure (a full disk, a revoked bucket) loses 
 batch's open files and nothing written before.
 
 Compaction keeps a step a small set of files: a writer merges *its own* files of a
-partition into one (``<writer>-<first>-<last>``) when it has ``compact_files`` of them, when
+partition (numbered from one count per writer) into one (``<writer>-<first>-<last>``, which
+covers every number of that writer from first to last in that folder) when it has ``compact_files`` of them, when
 the partition has had no new file for ``idle_s`` seconds, and at shutdown; a merged file
 stops growing at ``target_bytes`` (the next merge starts a new one). The merged file is
 renamed into place before its inputs are deleted, and readers skip a file whose numbers a
@@ -46,7 +47,6 @@ ROW_GROUP_ROWS = 65536
 class _Partition:
     validate: bool
     step: int | None
-    next_seq: int = 0
     #: this writer's live files: (name, bytes of both tables)
     files: list[tuple[FileName, int]] = field(default_factory=list)
     last_write: float = 0.0
@@ -73,6 +73,11 @@ class DatasetWriter:
         self.target_bytes = target_bytes
         self.prefix = stats_prefix
         self._parts: dict[tuple[bool, int | None], _Partition] = {}
+        #: the number of the writer's next file: one count for all partitions, so a partition's
+        #: entry can be forgotten once it is merged and idle (its numbers are never drawn again)
+        self._next_seq = 0
+        #: the partitions with two files or more to merge (checked after each write)
+        self._pending: set[tuple[bool, int | None]] = set()
         self._lock = threading.Lock()  # write / compact / close may come from two threads (flush, shutdown)
 
     def _count(self, what: str, n: int = 1) -> None:
@@ -106,8 +111,8 @@ class DatasetWriter:
         part = self._parts.get(key)
         if part is None:
             part = self._parts[key] = _Partition(*key)
-        name = FileName(self.writer_id, part.next_seq, part.next_seq)
-        part.next_seq += 1  # never reused, even if this write fails: no name is written twice
+        name = FileName(self.writer_id, self._next_seq, self._next_seq)
+        self._next_seq += 1  # never reused, even if this write fails: no name is written twice
         try:
             size = self._write_pair(part, name, ttable, stable)
         except Exception as exc:
@@ -119,6 +124,8 @@ class DatasetWriter:
         part.files.append((name, size))
         part.last_write = time.monotonic()
         result.written += ttable.num_rows
+        if len(part.files) >= 2:
+            self._pending.add(key)
 
     def _encode(self, trajs: list[Trajectory], rows: list[Any]) -> tuple[pa.Table, pa.Table, int, int]:
         try:
@@ -154,8 +161,12 @@ class DatasetWriter:
 
     # ----------------------------------------------------------------- compaction
     def _compact_due(self, now: float) -> None:
-        for part in list(self._parts.values()):
+        for key in list(self._pending):
+            part = self._parts[key]
             small = self._mergeable(part)
+            if len(small) < 2:
+                self._pending.discard(key)
+                continue
             # new (unmerged) files count: a merged file is rewritten once per compact_files new ones
             fresh = sum(1 for f, _ in small if f.first == f.last)
             if fresh >= self.compact_files or (len(small) >= 2 and now - part.last_write >= self.idle_s):
@@ -175,12 +186,18 @@ class DatasetWriter:
         idle for ``idle_s``, or with ``compact_files`` of them)."""
         with self._lock:
             if idle_only:
-                self._compact_due(time.monotonic())
+                now = time.monotonic()
+                self._compact_due(now)
+                # forget the partitions done with (one file, idle): the table stays as small as the
+                # steps in flight; a late trajectory of one starts a new file beside the merged one
+                for key, part in list(self._parts.items()):
+                    if len(part.files) <= 1 and now - part.last_write >= self.idle_s:
+                        del self._parts[key]
                 return
-            for part in list(self._parts.values()):
-                small = self._mergeable(part)
+            for key in list(self._pending):
+                small = self._mergeable(self._parts[key])
                 if len(small) >= 2:
-                    self._compact(part, small)
+                    self._compact(self._parts[key], small)
 
     def _compact(self, part: _Partition, files: list[tuple[FileName, int]]) -> None:
         names = [f for f, _ in files]
@@ -201,6 +218,7 @@ class DatasetWriter:
             return
         # the merged file is in place: the inputs are now duplicates readers skip; delete them
         part.files = [f for f in part.files if f[0] not in names] + [(merged, size)]  # the inputs were a suffix
+        self._pending.discard((part.validate, part.step))
         for name in names:
             for table in (TRAJECTORIES, SPANS):
                 try:
