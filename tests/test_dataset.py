@@ -195,11 +195,13 @@ class TestCompaction:
 
     def test_a_full_merged_file_is_not_rewritten(self, tmp_path):
         """A merged file at target_bytes stays; the next merge starts a new one (bounded rewrite)."""
-        blob = 200_000  # incompressible: a file's size is its data's, not the footer's
+        blob = 200_000  # hardly compressible: a file's size is its data's, not the footer's
         probe = self._writer(tmp_path / "probe")
         probe.write(self._trajs(1, 2, blob=blob))
-        one_file = sum(size for _, size in probe._parts[(False, 1)].files)
-        w = self._writer(tmp_path, compact_files=2, target_bytes=int(one_file * 1.5))
+        probe.write(self._trajs(1, 2, start=2, blob=blob))
+        probe.close()
+        [(_, merged_size)] = probe._parts[(False, 1)].files  # what two batches merge into
+        w = self._writer(tmp_path, compact_files=2, target_bytes=int(merged_size * 0.9))
         for k in range(4):
             w.write(self._trajs(1, 2, start=2 * k, blob=blob))
         w.close()

@@ -209,10 +209,9 @@ def rows_of(traj: Trajectory, run: str) -> Rows:
             tools += 1
             tool_ns += end_ns - start_ns
         maps = _maps(attrs, _SKIP)
-        srows.append((
-            run, trace_id, span.span_id, span.parent_id, span.name, kind, start_ns, end_ns,
+        srows.append((  # the columns of SPANS but the trajectory's own (_FROM_TRAJECTORY: taken in Arrow)
+            span.span_id, span.parent_id, span.name, kind, start_ns, end_ns,
             (end_ns - start_ns) / 1e6, span.status, _str(span.error),
-            step, validate, sample_index, rollout_n, group_id, policy_version,
             _str(attrs.get("gen_ai.request.model")), _str(attrs.get("gen_ai.tool.name")),
             _str(attrs.get("gen_ai.tool.call.id")), t_in, t_out, reasons,
             *maps, dumps(span.input), dumps(span.output),
@@ -247,16 +246,31 @@ def _messages_column(messages: list[Any], dtype: pa.DataType) -> pa.Array:
                         type=dtype)
 
 
-def _table(rows: list[tuple], table: str, messages: list[Any] | None = None) -> pa.Table:
-    schema = cached_schema(table)
+#: spans columns that are their trajectory's: not in a span's row, taken from the
+#: trajectories table in Arrow (one C++ ``take`` instead of a Python value per span)
+_FROM_TRAJECTORY = ("run", "trace_id", "step", "validate", "sample_index", "rollout_n", "group_id", "policy_version")
+
+
+def _trajectories_table(rows: list[tuple], messages: list[Any]) -> pa.Table:
+    schema = cached_schema(TRAJECTORIES)
     columns = list(zip(*rows)) if rows else [() for _ in schema]
     arrays = []
     for i, f in enumerate(schema):
-        if messages is not None and i == _MESSAGES_AT:
+        if i == _MESSAGES_AT:
             arrays.append(_messages_column(messages, f.type))
         else:
             arrays.append(pa.array(columns[i], type=f.type))
     return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _spans_table(rows: list[tuple], owners: pa.Array, trajectories: pa.Table) -> pa.Table:
+    schema = cached_schema(SPANS)
+    own = [f for f in schema if f.name not in _FROM_TRAJECTORY]
+    columns = list(zip(*rows)) if rows else [() for _ in own]
+    built = {f.name: pa.array(col, type=f.type) for f, col in zip(own, columns)}
+    for name in _FROM_TRAJECTORY:
+        built[name] = trajectories.column(name).take(owners)
+    return pa.Table.from_arrays([built[f.name] for f in schema], schema=schema)
 
 
 def tables(rows: Sequence[Rows]) -> tuple[pa.Table, pa.Table]:
@@ -265,8 +279,9 @@ def tables(rows: Sequence[Rows]) -> tuple[pa.Table, pa.Table]:
     Raises:
         Exception: a value Arrow cannot take (see :func:`encode_safely`).
     """
-    return (_table([r[0] for r in rows], TRAJECTORIES, [r[2] for r in rows]),
-            _table([s for r in rows for s in r[1]], SPANS))
+    trajectories = _trajectories_table([r[0] for r in rows], [r[2] for r in rows])
+    owners = pa.array([i for i, r in enumerate(rows) for _ in r[1]], type=pa.int32())
+    return trajectories, _spans_table([s for r in rows for s in r[1]], owners, trajectories)
 
 
 def encode(trajs: Sequence[Trajectory], run: str) -> tuple[pa.Table, pa.Table]:
@@ -304,7 +319,8 @@ def encode_safely(trajs: Sequence[Trajectory], run: str) -> tuple[pa.Table, pa.T
         except Exception:
             unwritable += 1
     if not tables:
-        return _table([], TRAJECTORIES, []), _table([], SPANS), degraded, unwritable
+        t, s = tables([])
+        return t, s, degraded, unwritable
     return (pa.concat_tables([a for a, _ in tables]), pa.concat_tables([b for _, b in tables]), degraded,
             unwritable)
 
