@@ -182,8 +182,8 @@ class TestCompaction:
 
     def test_files_of_a_partition_merge_at_compact_files(self, tmp_path):
         """At compact_files new files a partition is merged into <writer>-<first>-<last>; the next
-        compact_files new files merge into it."""
-        w = self._writer(tmp_path, compact_files=3)
+        compact_files new files merge into it. (No cache: every merge reads its files back.)"""
+        w = self._writer(tmp_path, compact_files=3, cache_bytes=0)
         for k in range(7):
             w.write(self._trajs(1, 2, start=2 * k))
         names = sorted(os.listdir(tmp_path / "trajectories/train/step=1"))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -74,7 +75,8 @@ class DatasetWriter:
     """Writes batches of trajectories into one run's dataset (``store``)."""
 
     def __init__(self, store: Store, run: str, compact_files: int = 8, idle_s: float = 30.0,
-                 target_bytes: int = 256 * 1024 * 1024, stats_prefix: str = "sink.parquet") -> None:
+                 target_bytes: int = 256 * 1024 * 1024, stats_prefix: str = "sink.parquet",
+                 cache_bytes: int = 64 * 1024 * 1024) -> None:
         self.store = store
         self.run = run
         self.writer_id = os.urandom(8).hex()
@@ -88,6 +90,11 @@ class DatasetWriter:
         self._next_seq = 0
         #: the partitions with two files or more to merge (checked after each write)
         self._pending: set[tuple[bool, int | None]] = set()
+        #: the Arrow tables of the latest files written, so a merge re-reads none of them:
+        #: (partition, name) -> (trajectories, spans), at most cache_bytes of Arrow data
+        self._cache: OrderedDict[tuple[tuple[bool, int | None], FileName], tuple[pa.Table, pa.Table]] = OrderedDict()
+        self._cache_bytes = 0
+        self.cache_limit = cache_bytes
         self._lock = threading.Lock()  # write / compact / close may come from two threads (flush, shutdown)
 
     def _count(self, what: str, n: int = 1) -> None:
@@ -134,6 +141,7 @@ class DatasetWriter:
         part.files.append((name, size))
         part.last_write = time.monotonic()
         result.written += ttable.num_rows
+        self._remember(key, name, ttable, stable)
         if len(part.files) >= 2:
             self._pending.add(key)
 
@@ -171,6 +179,29 @@ class DatasetWriter:
         table = table.replace_schema_metadata(metadata)
         pq.write_table(table, out, row_group_size=ROW_GROUP_ROWS, compression=codec, use_dictionary=DICTIONARY[name],
                        write_statistics=STATISTICS[name])
+
+    def _remember(self, key: tuple[bool, int | None], name: FileName, ttable: pa.Table, stable: pa.Table) -> None:
+        self._cache[(key, name)] = (ttable, stable)
+        self._cache_bytes += ttable.nbytes + stable.nbytes
+        while self._cache_bytes > self.cache_limit and self._cache:
+            _, (t, s) = self._cache.popitem(last=False)
+            self._cache_bytes -= t.nbytes + s.nbytes
+
+    def _forget(self, key: tuple[bool, int | None], name: FileName) -> None:
+        tables = self._cache.pop((key, name), None)
+        if tables is not None:
+            self._cache_bytes -= tables[0].nbytes + tables[1].nbytes
+
+    def _read(self, key: tuple[bool, int | None], name: FileName, table: str) -> pa.Table:
+        """A file of this writer: from the cache, else read back (one file, no dataset discovery)."""
+        cached = self._cache.get((key, name))
+        if cached is not None:
+            return cached[0] if table == TRAJECTORIES else cached[1]
+        rel = f"{partition_dir(table, *key)}/{name}"
+        if self.store.local:
+            return pq.ParquetFile(self.store.path(rel)).read()
+        with self.store.arrow_fs().open_input_file(self.store.path(rel)) as f:
+            return pq.ParquetFile(f).read()
 
     # ----------------------------------------------------------------- compaction
     def _compact_due(self, now: float) -> None:
@@ -215,13 +246,14 @@ class DatasetWriter:
     def _compact(self, part: _Partition, files: list[tuple[FileName, int]]) -> None:
         names = [f for f, _ in files]
         merged = FileName(self.writer_id, names[0].first, names[-1].last)
+        key = (part.validate, part.step)
         try:
             tables = {}
             for table in (TRAJECTORIES, SPANS):
-                folder = partition_dir(table, part.validate, part.step)
-                parts = [pq.read_table(self.store.path(f"{folder}/{n}"), filesystem=self.store.arrow_fs())
-                         for n in names]
-                tables[table] = pa.concat_tables(parts, promote_options="none")
+                parts = [self._read(key, n, table) for n in names]
+                # the metadata of the files read back says who wrote them: the merged file says it anew
+                tables[table] = pa.concat_tables([t.replace_schema_metadata(parts[0].schema.metadata) for t in parts],
+                                                 promote_options="none")
             size = self._write_pair(part, merged, tables[TRAJECTORIES], tables[SPANS])
         except Exception as exc:
             self._count("compaction_errors")
@@ -231,7 +263,11 @@ class DatasetWriter:
             return
         # the merged file is in place: the inputs are now duplicates readers skip; delete them
         part.files = [f for f in part.files if f[0] not in names] + [(merged, size)]  # the inputs were a suffix
-        self._pending.discard((part.validate, part.step))
+        self._pending.discard(key)
+        for name in names:
+            self._forget(key, name)
+        if size < self.target_bytes:  # the next merge of this partition takes it again
+            self._remember(key, merged, tables[TRAJECTORIES], tables[SPANS])
         for name in names:
             for table in (TRAJECTORIES, SPANS):
                 try:
