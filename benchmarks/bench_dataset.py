@@ -53,8 +53,9 @@ def rss_mb() -> float:
 
 
 # ----------------------------------------------------------------------------- (a)
-def sender(endpoint, worker, n, per_request, ready, go, out):
-    """Pre-encodes ``n`` trajectories (the spans a worker sends) into OTLP requests, then sends them."""
+def sender(endpoint, worker, n, per_request, ready, go, out, light=False):
+    """Pre-encodes ``n`` trajectories (the spans a worker sends) into OTLP requests, then sends them.
+    ``light``: without the text (no conversation, no outputs): the shape bench_collector.py sends."""
     import grpc
 
     from rtrace.exporters.otel import encode_compact
@@ -67,6 +68,9 @@ def sender(endpoint, worker, n, per_request, ready, go, out):
             t = make_trajectory(i // 512, (i % 512) + worker * 512, seed=worker)
             t.messages = []  # the collector builds the conversation from the spans
             t.spans[0].attributes["rtrace.root"] = True  # what a worker's root span carries
+            if light:
+                for span in t.spans:
+                    span.input = span.output = None
             shells.append(t)
         requests.append(encode_compact(shells, resource_attrs).SerializeToString())
     export = grpc.insecure_channel(endpoint).unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
@@ -89,7 +93,7 @@ def sender(endpoint, worker, n, per_request, ready, go, out):
     os._exit(0)
 
 
-def collector_rate(n: int, exporter: str, tmp: str) -> tuple[float, int, float, float]:
+def collector_rate(n: int, exporter: str, tmp: str, light: bool = False) -> tuple[float, int, float, float]:
     """(trajectories/s, written, RSS before MB, RSS after MB) of 4 senders x n -> one collector -> exporter."""
     import rtrace
     from rtrace import _stats
@@ -104,7 +108,7 @@ def collector_rate(n: int, exporter: str, tmp: str) -> tuple[float, int, float, 
     senders = []
     for w in range(4):
         ready, q = ctx.Event(), ctx.Queue()
-        p = ctx.Process(target=sender, args=(collector.endpoint, w, n, 64, ready, go, q))
+        p = ctx.Process(target=sender, args=(collector.endpoint, w, n, 64, ready, go, q, light))
         p.start()
         senders.append((p, q, ready))
     for _, _, ready in senders:
@@ -228,11 +232,13 @@ def main() -> None:
             from rtrace.pipeline.collector import tune_gc
 
             tune_gc()  # what `rtrace collect` does to its own process
-            for exporter in ("jsonl", "parquet", "jsonl", "parquet"):
-                rate, written, r0, r1 = collector_rate(args.n, exporter, os.path.join(tmp, f"a-{exporter}"))
-                shutil.rmtree(os.path.join(tmp, f"a-{exporter}"), ignore_errors=True)
-                print(f"(a) collector -> {exporter:7}: {rate:,.0f} trajectories/s ({written:,} of 6 spans, ~2 KB "
-                      f"text; RSS {r0:.0f} -> {r1:.0f} MB)", flush=True)
+            for light in (False, True):
+                for exporter in ("jsonl", "parquet", "jsonl", "parquet"):
+                    rate, written, r0, r1 = collector_rate(args.n, exporter, os.path.join(tmp, f"a-{exporter}"), light)
+                    shutil.rmtree(os.path.join(tmp, f"a-{exporter}"), ignore_errors=True)
+                    shape = "no text (bench_collector's shape)" if light else "~2 KB text"
+                    print(f"(a) collector -> {exporter:7}: {rate:,.0f} trajectories/s ({written:,} of 6 spans, {shape}; "
+                          f"RSS {r0:.0f} -> {r1:.0f} MB)", flush=True)
         if "b" not in skip:
             runs = [sink_cpu(4096, tmp) for _ in range(3)]
             p, j = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
