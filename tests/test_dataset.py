@@ -58,8 +58,10 @@ class TestSchema:
                 assert got.metadata[b"rtrace.table"] == table.encode()
 
     def test_docs_embed_the_column_tables(self):
-        """docs/dataset.md holds the generated column tables (python -m rtrace.dataset.schema --markdown)."""
-        assert schema.reference_markdown() in (ROOT / "docs" / "dataset.md").read_text()
+        """docs/dataset.md holds exactly the generated column tables (rtrace.dataset.schema.reference_markdown())."""
+        text = (ROOT / "docs" / "dataset.md").read_text()
+        begin = "<!-- BEGIN GENERATED: rtrace.dataset.schema.reference_markdown() -->\n"
+        assert text[text.index(begin) + len(begin):text.index("<!-- END GENERATED -->")] == schema.reference_markdown()
 
     def test_typed_columns_need_no_cast(self, run):
         """reward, the typed maps and the coordinates compare without a cast; ints stay ints."""
@@ -330,6 +332,43 @@ class TestBadFiles:
         r.refresh()  # warned and counted once per file
         assert rtrace.stats()["dataset.files_skipped"] == 3
 
+    def test_files_being_written_are_not_read_nor_warned_about(self, run, caplog):
+        """A hidden .tmp file (a file being written) is neither data nor a skipped file."""
+        path, trajs, _ = run
+        folder = Path(path, "trajectories/train/step=1")
+        (folder / f".{next(folder.iterdir()).name}.abcd.tmp").write_bytes(b"PAR1 half")
+        with caplog.at_level(logging.WARNING, logger="rtrace"):
+            r = open_run(path)
+        assert r.skipped == [] and not caplog.records
+        assert r.sql("SELECT count(*) FROM trajectories").fetchall()[0][0] == len(trajs)
+
+    def test_a_newer_minor_version_with_a_new_column_is_read(self, run):
+        """A 1.x file that adds a column (as per-token arrays will) is read beside 1.0 files: the new
+        column is there, NULL for the older rows (rtrace reads with union_by_name)."""
+        path, trajs, _ = run
+        folder = Path(path, "trajectories/train/step=1")
+        old = pq.read_table(next(folder.iterdir()))
+        newer = old.append_column("token_logprobs", pa.array([[-0.5, -1.0]] * old.num_rows, pa.list_(pa.float32())))
+        newer = newer.replace_schema_metadata({**old.schema.metadata, b"rtrace.schema": b"rtrace.dataset/1.1"})
+        newer = newer.set_column(newer.schema.get_field_index("trace_id"), "trace_id",
+                                 pa.array([f"{i:032x}" for i in range(newer.num_rows)]))
+        pq.write_table(newer, folder / f"{'cd' * 8}-000000.v1.parquet")
+        r = open_run(path)
+        assert r.sql("SELECT count(*), count(token_logprobs) FROM trajectories").fetchall() == [
+            (len(trajs) + old.num_rows, old.num_rows)]
+
+    def test_cursor_for_another_thread(self, run):
+        """run.cursor() queries the same views from another thread."""
+        import threading
+
+        path, trajs, _ = run
+        r = open_run(path)
+        got = []
+        t = threading.Thread(target=lambda: got.append(r.cursor().sql("SELECT count(*) FROM trajectories").fetchall()))
+        t.start()
+        t.join(30)
+        assert got == [[(len(trajs),)]]
+
     def test_a_newer_schema_version_is_refused(self, run):
         """A file named .v2. stops the reader with a message naming it and the versions."""
         path, _, _ = run
@@ -379,6 +418,8 @@ def test_a_full_disk_loses_only_the_open_batch(tmp_path):
     assert not [f for f in _files(run_path) if os.path.basename(f).startswith(".")]
     r = open_run(run_path)
     assert r.sql("SELECT step, count(*) FROM trajectories GROUP BY step ORDER BY step").fetchall() == [(0, 4), (2, 4)]
+    # the failed batch left no spans either (its spans file, written first, was removed or never whole)
+    assert r.sql("SELECT DISTINCT step FROM spans ORDER BY step").fetchall() == [(0,), (2,)]
     assert r.skipped == []
 
 
