@@ -473,3 +473,30 @@ def test_encode_degrades_a_value_arrow_refuses():
     t, s, degraded, unwritable = encode.encode_safely([traj(1, "ok"), traj(2, "bad \ud800")], "r")
     assert (t.num_rows, s.num_rows, degraded, unwritable) == (2, 2, 1, 0)
     assert s.column("attributes_str").to_pylist()[1] == [("note", "bad \\ud800")]
+
+
+class TestQueryCli:
+    def test_query_prints_a_table_csv_and_jsonl(self, run, capsys):
+        """`rtrace query PATH SQL` with $params, in the three formats; `rtrace report PATH` takes the dataset."""
+        from rtrace.cli import main
+
+        path, trajs, _ = run
+        sql = "SELECT step, count(*) AS n FROM trajectories WHERE NOT validate AND step >= $s GROUP BY step ORDER BY step"
+        assert main(["query", path, sql, "--param", "s=1", "--format", "csv"]) == 0
+        assert capsys.readouterr().out.splitlines() == ["step,n", "1,16", "2,16"]
+        assert main(["query", path, sql, "--param", "s=2", "--format", "jsonl"]) == 0
+        assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == [{"step": 2, "n": 16}]
+        assert main(["query", path, sql, "--param", "s=0"]) == 0
+        table = capsys.readouterr().out
+        assert "step" in table and "16" in table
+        assert main(["report", path]) == 0
+        assert capsys.readouterr().out.startswith(f"{len(trajs)} trajectories from dataset {path}")
+
+    def test_query_errors_exit_2_with_the_reason(self, run, tmp_path, capsys):
+        from rtrace.cli import main
+
+        path, _, _ = run
+        assert main(["query", path, "SELECT nope FROM trajectories"]) == 2
+        assert "nope" in capsys.readouterr().err
+        assert main(["query", str(tmp_path / "nothing"), "SELECT 1"]) == 2
+        assert "not an rtrace run dataset" in capsys.readouterr().err
