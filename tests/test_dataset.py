@@ -33,9 +33,26 @@ def _files(run_path):
     return sorted(str(p.relative_to(run_path)) for p in Path(run_path).rglob("*") if p.is_file())
 
 
+@pytest.fixture(scope="module")
+def _built(tmp_path_factory):
+    """One run traced once for the module (rtrace is reset around it)."""
+    from rtrace.testing import reset
+
+    reset()
+    built = make_run(str(tmp_path_factory.mktemp("dataset")))
+    reset()
+    return built
+
+
 @pytest.fixture
-def run(tmp_path):
-    return make_run(tmp_path)
+def run(_built, tmp_path):
+    """(run path, the trajectories the sinks got, jsonl path): a copy of the module's run, each
+    test free to change its files."""
+    path, trajs, jsonl = _built
+    copy = tmp_path / "ds" / os.path.basename(path)
+    shutil.copytree(path, copy)
+    shutil.copy(jsonl, tmp_path / "traces.jsonl")
+    return str(copy), trajs, str(tmp_path / "traces.jsonl")
 
 
 # ----------------------------------------------------------------------------- schema
