@@ -10,8 +10,9 @@ coordinating: each draws its own writer id).
 The rows are computed in :meth:`ParquetSink.prepare`, on the pipeline's worker thread
 while the trajectories are in the CPU's caches (as the JSONL sink encodes its lines);
 :meth:`ParquetSink.export` turns them into Arrow columns and writes one file per
-partition of the batch. A batch is exported when its files are renamed into place
-(synced first): a failed write (a full disk, a revoked bucket) loses that batch only,
+partition of the batch. A batch is exported when its files are renamed into place (the
+JSONL sink's durability: in the OS's cache, safe from the process's crash; see
+:attr:`rtrace.dataset.layout.Store.fsync`): a failed write (a full disk, a revoked bucket) loses that batch only,
 counted as the sink's failed trajectories and ``sink.parquet.write_errors``.
 """
 
