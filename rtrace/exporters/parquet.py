@@ -18,10 +18,11 @@ counted as the sink's failed trajectories and ``sink.parquet.write_errors``.
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 from .. import _stats
-from ..config import ConfigError, Settings
+from ..config import Settings
 from ..trajectory import Trajectory
 from .base import PartialExport, Sink
 
@@ -45,27 +46,30 @@ class ParquetSink(Sink):
 
         self._encode = encode
         self.run = layout.run_name(settings.experiment)
-        try:
-            root = layout.open_store(settings.parquet_path)
-        except ValueError as exc:
-            raise ConfigError(f"RTRACE_PARQUET_PATH: {exc}; accepted values: a local folder, or a URL pyarrow or "
-                              "fsspec opens (s3://bucket/prefix, gs://...)") from None
-        self.store = root.child(self.run)
+        root = settings.parquet_path
+        if not layout.is_url(root) or root.startswith("file://"):
+            self.path = os.path.join(os.path.abspath(root[len("file://"):] if root.startswith("file://") else root),
+                                     self.run)
+        else:  # s3://bucket/prefix?options -> s3://bucket/prefix/<run>?options
+            head, sep, query = root.partition("?")
+            self.path = f"{head.rstrip('/')}/{self.run}{sep}{query}"
         self._writer = None
 
     @property
     def writer(self):
-        """The run's :class:`~rtrace.dataset.writer.DatasetWriter` (made at the first write)."""
+        """The run's :class:`~rtrace.dataset.writer.DatasetWriter`, made at the first write: a
+        URL's filesystem is opened there, on the sink's thread (pyarrow's S3 may look up a
+        bucket's region over the network), never in configure().
+
+        Raises:
+            ValueError: the URL opens no filesystem (the batch counts as failed).
+        """
         if self._writer is None:
+            from ..dataset.layout import open_store
             from ..dataset.writer import DatasetWriter
 
-            self._writer = DatasetWriter(self.store, self.run)
+            self._writer = DatasetWriter(open_store(self.path), self.run)
         return self._writer
-
-    @property
-    def path(self) -> str:
-        """The run's dataset: a local folder or a URL."""
-        return self.store.root
 
     def prepare(self, trajectories: Sequence[Trajectory]) -> None:
         """Each trajectory's rows, on the pipeline's thread (a trajectory that fails is left
