@@ -4,7 +4,7 @@ A run's dataset::
 
     <RTRACE_PARQUET_PATH>/<run>/trajectories/train/step=12/<writer>-000003.v1.parquet
                                /trajectories/validate/step=4/...
-                               /spans/train/step=12/<writer>-000003.v1.parquet
+                               /spans/train/step=12/<writer>-000003.v1.0.parquet
 
 - ``step=N`` is a hive partition (every engine turns it into the ``step`` column it also
   finds in the file, as a BIGINT); a step that is not an int is
@@ -18,8 +18,9 @@ A run's dataset::
   that writer whose numbers it covers (readers skip those if they are still there: the
   compacted file is renamed into place before its inputs are deleted). A trajectory's
   row and its spans' rows have the same file name in the two tables.
-- ``.v1.`` is the schema's major version (:mod:`rtrace.dataset.schema`): a reader refuses
-  a newer major version from the name alone, without opening the file.
+- ``.v1.0.`` is the schema's version (:mod:`rtrace.dataset.schema`): a reader refuses a
+  newer major version from the name alone, without opening the file, and reads a run whose
+  files all have one version without comparing their schemas.
 - Files appear whole: on a local or mounted filesystem they are written under a hidden
   temporary name (``.<name>.tmp``, which no engine reads) and renamed; on object storage
   (``s3://``, ``gs://``...) one upload becomes visible when it completes.
@@ -32,30 +33,32 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from .schema import MAJOR, SPANS, TRAJECTORIES
+from .schema import MAJOR, MINOR, SPANS, TRAJECTORIES
 
 __all__ = ["NULL_STEP", "FileName", "parse_name", "partition_dir", "parse_partition", "run_name", "Store",
            "open_store", "is_url"]
 
 #: The hive folder value of a NULL step (Hive's, which DuckDB, polars and Spark read as NULL).
 NULL_STEP = "__HIVE_DEFAULT_PARTITION__"
-_NAME = re.compile(r"^(?P<writer>[0-9a-f]{16})-(?P<first>\d{6,})(?:-(?P<last>\d{6,}))?\.v(?P<major>\d+)\.parquet$")
+_NAME = re.compile(r"^(?P<writer>[0-9a-f]{16})-(?P<first>\d{6,})(?:-(?P<last>\d{6,}))?"
+                   r"\.v(?P<major>\d+)\.(?P<minor>\d+)\.parquet$")
 _STEP = re.compile(r"^step=(-?\d+|" + NULL_STEP + ")$")
 
 
 @dataclass(frozen=True)
 class FileName:
     """A data file's name: its writer, the range of that writer's file numbers it holds,
-    and the schema's major version."""
+    and the schema's version."""
 
     writer: str
     first: int
     last: int
     major: int = MAJOR
+    minor: int = MINOR
 
     def __str__(self) -> str:
         rng = f"{self.first:06d}" if self.first == self.last else f"{self.first:06d}-{self.last:06d}"
-        return f"{self.writer}-{rng}.v{self.major}.parquet"
+        return f"{self.writer}-{rng}.v{self.major}.{self.minor}.parquet"
 
     def covers(self, other: "FileName") -> bool:
         """This (compacted) file holds everything ``other`` holds, and is not it."""
@@ -69,7 +72,7 @@ def parse_name(name: str) -> FileName | None:
     if m is None:
         return None
     first = int(m["first"])
-    return FileName(m["writer"], first, int(m["last"]) if m["last"] else first, int(m["major"]))
+    return FileName(m["writer"], first, int(m["last"]) if m["last"] else first, int(m["major"]), int(m["minor"]))
 
 
 def partition_dir(table: str, validate: bool, step: int | None) -> str:

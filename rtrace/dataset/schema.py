@@ -18,9 +18,9 @@ schemas. The values readers ask for most have columns of their own (``reward``,
 
 Versioning: ``MAJOR.MINOR``. A minor version only adds columns at the end of a table (the
 per-token arrays of a later round will be one), so a reader of 1.0 reads 1.x files; a new
-major version is an incompatible change, written to files whose name says ``.v<MAJOR>.``,
-which this reader refuses with a message saying so. The version is in every file's Parquet
-schema metadata (``rtrace.schema``) and its major in the file name.
+major version is an incompatible change, which this reader refuses with a message saying
+so. The version is in every file's Parquet schema metadata (``rtrace.schema``) and in its
+name (``.v1.0.parquet``), so a reader knows every file's version from the listing alone.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from typing import Any
 
 import pyarrow as pa
 
-__all__ = ["VERSION", "MAJOR", "SCHEMA_KEY", "TABLES", "MAP_KINDS", "arrow_schema", "schema_json",
+__all__ = ["VERSION", "MAJOR", "MINOR", "SCHEMA_KEY", "TABLES", "MAP_KINDS", "arrow_schema", "schema_json",
            "reference_markdown", "TRAJECTORIES", "SPANS"]
 
 #: The schema version written in every file's metadata (key :data:`SCHEMA_KEY`).
 VERSION = "1.0"
-MAJOR = int(VERSION.split(".")[0])
+MAJOR, MINOR = (int(v) for v in VERSION.split("."))
 #: The Parquet key-value metadata key holding ``rtrace.dataset/<VERSION>``.
 SCHEMA_KEY = "rtrace.schema"
 TRAJECTORIES = "trajectories"
