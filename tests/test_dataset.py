@@ -322,6 +322,7 @@ class TestReader:
         os.makedirs(tmp_path / "trajectories")
         r = open_run(tmp_path)
         assert r.sql("SELECT count(*), avg(reward) FROM trajectories").fetchall()[0] == (0, None)
+        assert r.cursor().sql("SELECT count(*) FROM spans").fetchall() == [(0,)]  # a cursor sees the empty tables
         assert r.spans.columns == [c for c, _, _ in schema.TABLES["spans"]]
 
 

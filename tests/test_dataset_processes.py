@@ -139,6 +139,7 @@ def test_a_run_on_s3(s3_server, monkeypatch):
     assert run.sql("SELECT step, count(*), avg(reward) FROM trajectories GROUP BY step ORDER BY step").fetchall() == [
         (0, 6, 0.5), (1, 6, 0.5)]
     assert run.steps() == [(False, 0), (False, 1)]
+    assert run.cursor().sql("SELECT count(*) FROM spans").fetchall() == [(12,)]  # a thread's cursor reads it too
     # revoke the bucket: every object and the bucket itself gone
     fs.delete_dir_contents("runs")
     fs.delete_dir("runs")

@@ -88,6 +88,9 @@ class Run:
             except Exception:
                 continue
         self._lock = threading.Lock()
+        #: Arrow objects the views read (an empty table, a remote run's pyarrow dataset): a
+        #: DuckDB cursor does not see its connection's registrations, so cursor() registers them again
+        self._registered: dict[str, Any] = {}
         #: files checked once: name -> size (a data file never changes once in place)
         self._checked: dict[str, int] = {}
         self._bad: dict[str, str] = {}
@@ -175,9 +178,7 @@ class Run:
     def _source(self, table: str) -> str:
         rels = self.files[table]
         if not rels:  # an empty table of the right columns, so queries still run
-            empty = arrow_schema(table).empty_table()
-            self.con.register(f"_rtrace_empty_{table}", empty)
-            return f"SELECT * FROM _rtrace_empty_{table}"
+            return f"SELECT * FROM {self._register(f'_rtrace_empty_{table}', arrow_schema(table).empty_table())}"
         if self.store.local:
             paths = ", ".join("'" + self.store.path(r).replace("'", "''") + "'" for r in rels)
             # files of one version have one schema: DuckDB reads the first footer at bind time and the
@@ -191,8 +192,12 @@ class Run:
 
         ds = pads.dataset([self.store.path(r) for r in rels], filesystem=self.store.arrow_fs(), format="parquet",
                           schema=arrow_schema(table))
-        self.con.register(f"_rtrace_arrow_{table}", ds)
-        return f"SELECT * FROM _rtrace_arrow_{table}"
+        return f"SELECT * FROM {self._register(f'_rtrace_arrow_{table}', ds)}"
+
+    def _register(self, name: str, obj: Any) -> str:
+        self.con.register(name, obj)
+        self._registered[name] = obj
+        return name
 
     # ----------------------------------------------------------------- queries
     @property
@@ -214,8 +219,12 @@ class Run:
         return self.con.sql(query, params=params)
 
     def cursor(self) -> Any:
-        """A DuckDB cursor on the run's connection, for another thread (same views)."""
-        return self.con.cursor()
+        """A DuckDB cursor on the run's connection, for another thread (same views; call it
+        again after :meth:`refresh`)."""
+        cursor = self.con.cursor()
+        for name, obj in self._registered.items():
+            cursor.register(name, obj)
+        return cursor
 
     def steps(self, validate: bool | None = None) -> list[tuple[bool, int | None]]:
         """``(validate, step)`` of every partition with trajectories, training first, steps
