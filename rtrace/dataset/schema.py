@@ -167,7 +167,7 @@ def type_text(dtype: pa.DataType) -> str:
     if pa.types.is_struct(dtype):
         return "STRUCT(" + ", ".join(f"{f.name} {type_text(f.type)}" for f in dtype) + ")"
     if pa.types.is_timestamp(dtype):
-        return "TIMESTAMP_NS (UTC)"
+        return "TIMESTAMPTZ_NS"  # nanoseconds, UTC (DuckDB's name)
     return {"string": "VARCHAR", "large_string": "VARCHAR", "int64": "BIGINT", "int32": "INTEGER",
             "double": "DOUBLE", "bool": "BOOLEAN"}[str(dtype)]
 
