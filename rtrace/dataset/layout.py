@@ -221,16 +221,7 @@ class Store:
         """``(path relative to the root, size)`` of every file under ``rel``, recursively;
         nothing when ``rel`` does not exist."""
         if self.local:
-            top = self.path(rel) if rel else self.root
-            for folder, dirs, files in os.walk(top):
-                dirs.sort()
-                base = os.path.relpath(folder, self.root).replace(os.sep, "/")
-                for name in sorted(files):
-                    try:
-                        size = os.stat(os.path.join(folder, name)).st_size
-                    except FileNotFoundError:  # deleted by a compaction meanwhile
-                        continue
-                    yield (name if base == "." else f"{base}/{name}"), size
+            yield from _walk(self.path(rel) if rel else self.root, rel.strip("/"))
             return
         import pyarrow.fs as pafs
 
@@ -276,6 +267,24 @@ class Store:
         sub.root, sub.local, sub.fs = f"{head.rstrip('/')}/{name}{sep}{query}", False, self.fs
         sub.base, sub.object_store = f"{self.base.rstrip('/')}/{name}", self.object_store
         return sub
+
+
+def _walk(folder: str, rel: str) -> Iterator[tuple[str, int]]:
+    """Files under a local folder, depth first, sorted: one scandir per folder (its entries
+    carry their sizes: no stat per file)."""
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for entry in entries:
+        path = f"{rel}/{entry.name}" if rel else entry.name
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                yield from _walk(entry.path, path)
+            elif entry.is_file():
+                yield path, entry.stat().st_size
+        except FileNotFoundError:  # deleted by a compaction meanwhile
+            continue
 
 
 def _fsync_dir(folder: str) -> None:

@@ -88,6 +88,7 @@ class DatasetWriter:
         #: the number of the writer's next file: one count for all partitions, so a partition's
         #: entry can be forgotten once it is merged and idle (its numbers are never drawn again)
         self._next_seq = 0
+        self._writes = 0
         #: the partitions with two files or more to merge (checked after each write)
         self._pending: set[tuple[bool, int | None]] = set()
         #: the Arrow tables of the latest files written, so a merge re-reads none of them:
@@ -114,7 +115,11 @@ class DatasetWriter:
                 part_trajs = [trajectories[i] for i in idx]
                 part_rows = [rows[i] if rows is not None else None for i in idx]
                 self._write_partition(key, part_trajs, part_rows, result)
-            self._compact_due(time.monotonic())
+            now = time.monotonic()
+            self._compact_due(now)
+            self._writes += 1
+            if self._writes % 64 == 0:  # without flush() calls too (a collector that runs for days)
+                self._prune(now)
         return result
 
     def _write_partition(self, key: tuple[bool, int | None], trajs: list[Trajectory], rows: list[Any],
@@ -216,6 +221,13 @@ class DatasetWriter:
             if fresh >= self.compact_files or (len(small) >= 2 and now - part.last_write >= self.idle_s):
                 self._compact(part, small)
 
+    def _prune(self, now: float) -> None:
+        """Forget the partitions done with (one file, idle): the table stays as small as the
+        steps in flight; a late trajectory of one starts a new file beside the merged one."""
+        for key, part in list(self._parts.items()):
+            if len(part.files) <= 1 and now - part.last_write >= self.idle_s:
+                del self._parts[key]
+
     def _mergeable(self, part: _Partition) -> list[tuple[FileName, int]]:
         """The files a merge would take: every file after the last merged one that is full."""
         files = part.files
@@ -232,11 +244,7 @@ class DatasetWriter:
             if idle_only:
                 now = time.monotonic()
                 self._compact_due(now)
-                # forget the partitions done with (one file, idle): the table stays as small as the
-                # steps in flight; a late trajectory of one starts a new file beside the merged one
-                for key, part in list(self._parts.items()):
-                    if len(part.files) <= 1 and now - part.last_write >= self.idle_s:
-                        del self._parts[key]
+                self._prune(now)
                 return
             for key in list(self._pending):
                 small = self._mergeable(self._parts[key])
