@@ -245,6 +245,21 @@ class TestCompaction:
         assert sorted(deleted) == sorted(f"trajectories/train/step=2/{n}" for n in os.listdir(backup))
         assert open_run(tmp_path).sql("SELECT count(*) FROM trajectories").fetchall()[0][0] == 6
 
+    def test_partitions_done_with_are_forgotten_and_late_rows_still_land(self, tmp_path):
+        """A merged, idle partition leaves the writer's table; a late trajectory of that step gets a new
+        file beside the merged one (a new number: no name twice), and readers count every row once."""
+        w = self._writer(tmp_path, compact_files=100, idle_s=0.0)
+        for step in range(3):
+            w.write(self._trajs(step, 2))
+            w.write(self._trajs(step, 2, start=2))
+        w.compact(idle_only=True)
+        assert w._parts == {}
+        w.write(self._trajs(1, 1, start=10))  # late
+        names = sorted(os.listdir(tmp_path / "trajectories/train/step=1"))
+        assert len(names) == 2 and len(set(names)) == 2
+        assert open_run(tmp_path).sql("SELECT count(*), count(DISTINCT trace_id) FROM trajectories").fetchall() == [
+            (13, 13)]
+
     def test_idle_partitions_merge_at_flush(self, tmp_path):
         """flush() merges the partitions idle for idle_s (the step the trainer moved on from)."""
         w = self._writer(tmp_path, compact_files=100, idle_s=0.0)
