@@ -3,13 +3,15 @@
 Each batch becomes one file per (table, validate, step) it touches, written whole
 (:meth:`rtrace.dataset.layout.Store.write`): the spans file first, then the trajectories
 file, so a trajectory row is only ever visible with its spans already there. A batch is
-durable when ``write`` returns; a failure (a full disk, a revoked bucket) loses that
-batch's open files and nothing written before.
+written when ``write`` returns (in place, whole: the JSONL sink's durability, see
+:attr:`rtrace.dataset.layout.Store.fsync`); a failure (a full disk, a revoked bucket) loses
+that batch's open files and nothing written before.
 
 Compaction keeps a step a small set of files: a writer merges *its own* files of a
 partition (numbered from one count per writer) into one (``<writer>-<first>-<last>``, which
-covers every number of that writer from first to last in that folder) when it has ``compact_files`` of them, when
-the partition has had no new file for ``idle_s`` seconds, and at shutdown; a merged file
+covers every number of that writer from first to last in that folder) when it has
+``compact_files`` new ones, when the partition has had no new file for ``idle_s`` seconds,
+and at shutdown; a merged file
 stops growing at ``target_bytes`` (the next merge starts a new one). The merged file is
 renamed into place before its inputs are deleted, and readers skip a file whose numbers a
 merged file of the same writer covers (:class:`~rtrace.dataset.layout.FileName`), so a
