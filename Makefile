@@ -18,7 +18,7 @@ VERL_BIN := $(VERL_VENV)/bin
 VERL_STAMP := $(VERL_VENV)/.rtrace-verl-installed
 PIP_QUIET := -q --disable-pip-version-check
 
-.PHONY: install install-verl demo test test-integration test-py test-ui test-verl test-frameworks soak bench clean
+.PHONY: install install-verl demo test test-integration test-py test-ui test-verl test-frameworks soak bench bench-dataset clean
 
 install: $(STAMP)
 
@@ -150,6 +150,11 @@ soak: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_hot_path.py
+
+# The run as a dataset (docs/dataset.md): collector -> Parquet, and DuckDB on 10^4..10^6 trajectories
+# (about 10 minutes, a few GB of temporary files).
+bench-dataset: $(STAMP)
+	$(BIN)/python benchmarks/bench_dataset.py
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV) .venv-py3.* $(TRL_VENV) $(SKYRL_VENV) $(AREAL_VENV) .pytest_cache

@@ -43,6 +43,7 @@ __all__ = [
     "inject",
     "is_enabled",
     "log_rollout_batch",
+    "open_run",
     "record_reward",
     "rollout_context",
     "set_tokenizer",
@@ -55,6 +56,23 @@ __all__ = [
     "traced_tool",
     "wrap_context",
 ]
+
+
+def open_run(path, connection=None):
+    """Open a run's dataset, written by the ``parquet`` exporter (docs/dataset.md): a
+    :class:`rtrace.dataset.Run` whose views ``trajectories`` and ``spans`` DuckDB queries,
+    and which is its ``trajectories`` relation too::
+
+        rtrace.open_run("rtrace_dataset/run-7").df()          # pandas, one row per trajectory
+        rtrace.open_run("rtrace_dataset/run-7").sql(
+            "SELECT step, avg(reward) FROM trajectories GROUP BY step").pl()
+
+    ``path`` is a local folder or a URL (``s3://bucket/prefix/run-7``). Needs the
+    ``parquet`` extra (pyarrow, duckdb).
+    """
+    from .dataset.reader import open_run as _open_run
+
+    return _open_run(path, connection)
 
 
 def __getattr__(name: str):  # Collector is imported on first use: it needs grpcio (the otlp extra)

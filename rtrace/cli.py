@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=_positive, default=48,
                       help="tokens generated per turn (default 48; a tool call takes 20-45)")
     demo.add_argument("--exporter", default=None,
-                      help="comma list of trackio, mlflow, jsonl, otlp, console "
+                      help="comma list of trackio, mlflow, jsonl, parquet, otlp, console "
                            "(default: $RTRACE_EXPORTER, else trackio in a local folder)")
     demo.add_argument("--project", default=None,
                       help="trackio project / MLflow experiment (default: $RTRACE_PROJECT, else rtrace-demo)")
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "for workers (RTRACE_EXPORTER=collector, RTRACE_COLLECTOR_ENDPOINT, ...) and runs until "
                      "SIGINT/SIGTERM, then writes what it holds. Other settings come from RTRACE_* variables."))
     collect.add_argument("--exporter", default=None,
-                         help="comma list of trackio, mlflow, jsonl, otlp, console (default: $RTRACE_EXPORTER)")
+                         help="comma list of trackio, mlflow, jsonl, parquet, otlp, console (default: $RTRACE_EXPORTER)")
     collect.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     collect.add_argument("--port", type=_non_negative, default=4317, help="OTLP/gRPC port (default 4317; 0: any)")
     collect.add_argument("--http-port", type=_non_negative, default=None, help="also serve OTLP/HTTP on this port")
@@ -114,15 +114,17 @@ def build_parser() -> argparse.ArgumentParser:
                          help="also write the worker environment here, mode 0600 (with a token: default "
                               "rtrace-collector.env; the token is never printed)")
     report = sub.add_parser(
-        "report", help="a step at a glance from JSONL trajectory files: a table, a static HTML page, a health check",
+        "report", help="a step at a glance from JSONL trajectory files or a run's dataset: a table, a static HTML "
+                       "page, a health check",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Print the per-step table (reward, turns, tokens, errors, latency...) of one or more JSONL "
-                    "files written by rtrace's jsonl sink (several workers' files merge exactly). --html writes "
+                    "files written by rtrace's jsonl sink (several workers' files merge exactly), or of a run's "
+                    "dataset written by the parquet sink (a folder or URL; computed by DuckDB). --html writes "
                     "one self-contained page that shows a step: metrics and histograms, GRPO groups side by side, "
                     "failures, a prompt across steps, latency ranking, rollout health, conversations "
                     "(docs/report.md).",
         epilog="--check exit codes:\n" + "\n".join(f"  {code}  {meaning}" for code, meaning in _exit_codes()))
-    report.add_argument("paths", nargs="+", help="JSONL files")
+    report.add_argument("paths", nargs="+", help="JSONL files, or one run's dataset (a folder or URL)")
     report.add_argument("--html", default=None, metavar="PAGE", help="also write the step viewer page here")
     report.add_argument("--check", action="store_true",
                         help="check the rollout health rates (health/<check>_rate per step) instead of printing "
@@ -135,7 +137,70 @@ def build_parser() -> argparse.ArgumentParser:
                              "a job that computes rewards elsewhere, as veRL's agent loops by default)")
     report.add_argument("--max-chars", type=_positive, default=None,
                         help="the page cuts message contents to this many characters (default 4000)")
+    query = sub.add_parser(
+        "query", help="run SQL (DuckDB) over a run's dataset written by the parquet exporter",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run one SQL query over the views `trajectories` and `spans` of a run's dataset "
+                    "(RTRACE_EXPORTER=parquet; docs/dataset.md) and print the result.",
+        epilog="examples:\n"
+               "  rtrace query rtrace_dataset/run-7 \"SELECT step, avg(reward) FROM trajectories GROUP BY step "
+               "ORDER BY step\"\n"
+               "  rtrace query rtrace_dataset/run-7 \"SELECT trace_id, reward FROM trajectories WHERE step = $step "
+               "ORDER BY reward LIMIT 5\" --param step=3")
+    query.add_argument("path", help="the run's dataset: a folder or a URL (s3://bucket/prefix/run)")
+    query.add_argument("sql", help="the query; views: trajectories, spans")
+    query.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                       help="a $NAME parameter (a number when it parses as one, else text); repeatable")
+    query.add_argument("--format", choices=("table", "csv", "jsonl"), default="table",
+                       help="output: an aligned table (default), CSV, or one JSON object per row")
+    query.add_argument("--max-rows", type=_positive, default=200,
+                       help="rows the table shows (default 200; csv and jsonl print every row)")
     return parser
+
+
+def _param(text: str) -> tuple[str, object]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise ValueError(f"--param {text!r}: expected NAME=VALUE")
+    for kind in (int, float):
+        try:
+            return name.strip(), kind(value)
+        except ValueError:
+            pass
+    return name.strip(), value
+
+
+def _query(args: argparse.Namespace) -> int:
+    import csv
+    import json
+
+    from .dataset.reader import DatasetError, open_run
+
+    try:
+        params = dict(_param(p) for p in args.param) or None
+        run = open_run(args.path)
+        rel = run.sql(args.sql, params)
+    except (DatasetError, ValueError, OSError, ImportError) as exc:
+        sys.stderr.write(f"rtrace query: {exc}\n")
+        return 2
+    except Exception as exc:  # a DuckDB error: the SQL is wrong
+        sys.stderr.write(f"rtrace query: {type(exc).__name__}: {exc}\n")
+        return 2
+    if rel is None:  # a statement without a result (SET ...)
+        return 0
+    if args.format == "table":
+        rel.show(max_rows=args.max_rows, max_width=10_000)
+        return 0
+    columns = rel.columns
+    rows = rel.fetchall()
+    if args.format == "csv":
+        writer = csv.writer(sys.stdout)
+        writer.writerow(columns)
+        writer.writerows(rows)
+    else:
+        for row in rows:
+            sys.stdout.write(json.dumps(dict(zip(columns, row)), default=str, ensure_ascii=False) + "\n")
+    return 0
 
 
 def _collect(args: argparse.Namespace) -> int:
@@ -223,6 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
     if args.command == "collect":
         return _collect(args)
+    if args.command == "query":
+        return _query(args)
     if args.command == "report":
         from .report import MAX_CHARS, run
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Callable, Mapping
 
 __all__ = ["ConfigError", "Settings", "PARAMS", "EXPORTERS", "load_settings", "env_exporters",
-           "writable_path", "uri_scheme"]
+           "writable_path", "dataset_path", "uri_scheme"]
 
 #: Sink names accepted by ``RTRACE_EXPORTER`` (besides ``none``).
-EXPORTERS = ("console", "jsonl", "trackio", "mlflow", "otlp", "collector")
+EXPORTERS = ("console", "jsonl", "trackio", "mlflow", "otlp", "collector", "parquet")
 
 #: The longest timeout / interval accepted (a week): larger values overflow thread waits.
 MAX_SECONDS = 7 * 24 * 3600.0
@@ -206,6 +206,38 @@ def writable_path(raw: Any) -> str:
         raise ValueError(f"{what} is not writable ({exc.strerror})") from None
     if os.path.exists(value) and not os.access(value, os.W_OK):
         raise ValueError(f"{value!r} is not writable")
+    return value
+
+
+#: URL schemes pyarrow opens itself (the others need an fsspec filesystem)
+_ARROW_SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")
+
+
+def dataset_path(raw: Any) -> str:
+    """Where the parquet sink writes: a local folder that exists or can be created (a probe
+    file proves it writable), or a URL with a scheme pyarrow or an installed fsspec
+    filesystem knows (``s3://bucket/prefix``, ``gs://...``, ``hf://...``). A URL is not
+    contacted here (no slow I/O at configure time)."""
+    value = _str(raw)
+    scheme, sep, rest = value.partition("://")
+    if sep and len(scheme) > 1:
+        scheme = scheme.lower()
+        if scheme == "file":
+            return dataset_path(rest)
+        if not rest.strip("/"):
+            raise ValueError(f"{value!r} names no bucket or folder")
+        if scheme not in _ARROW_SCHEMES:
+            try:
+                from fsspec.registry import known_implementations
+            except ImportError:
+                known_implementations = {}
+            if scheme not in known_implementations:
+                raise ValueError(f"unknown scheme {scheme!r} in {value!r} (pyarrow opens "
+                                 f"{', '.join(_ARROW_SCHEMES)}; others need fsspec)")
+        return value
+    if os.path.exists(value) and not os.path.isdir(value):
+        raise ValueError(f"{value!r} is not a folder")
+    writable_path(os.path.join(value, ".rtrace-dataset-probe"))
     return value
 
 
@@ -470,6 +502,11 @@ PARAMS: tuple[Param, ...] = (
           "write; configure() checks that they can be (the first existing ancestor takes a probe file) and refuses "
           "a dangling symbolic link. A new file is created mode 0600 (less the umask): trajectories hold prompts.",
           type="str"),
+    Param("parquet_path", "RTRACE_PARQUET_PATH", dataset_path, "rtrace_dataset",
+          "a local folder, or a URL: s3://bucket/prefix (options as query: ?endpoint_override=host:port&region=...), "
+          "gs://..., or any fsspec URL",
+          "Where the parquet sink writes: the run's dataset is `<path>/<RTRACE_EXPERIMENT or default>/` "
+          "(docs/dataset.md). Several processes and collectors may write one run's dataset at once.", type="str"),
     Param("service_name", "OTEL_SERVICE_NAME", _str, "rtrace", "a non-empty name",
           "OTel resource service.name of rtrace's own TracerProvider.", type="str"),
     # collector mode

@@ -17,6 +17,10 @@ FORBIDDEN = {
     "exporters": ("rtrace.instrumentation", "rtrace.pipeline", "rtrace.compat", "rtrace._setup", "rtrace.cli"),
     "pipeline": ("rtrace.instrumentation", "rtrace.compat", "rtrace._setup", "rtrace.cli"),
     "instrumentation": ("rtrace.exporters", "rtrace.compat", "rtrace._setup", "rtrace.cli"),
+    # the dataset (rtrace/dataset/: schema, encoding, layout, writer, reader): below the sinks that
+    # write it and the report that reads it, above the bottom layer only
+    "dataset": ("rtrace.instrumentation", "rtrace.pipeline", "rtrace.exporters", "rtrace.compat", "rtrace._setup",
+                "rtrace.cli", "rtrace.report"),
     # the bottom layer: the model, settings, counters, conversion and ids
     "bottom": ("rtrace.instrumentation", "rtrace.pipeline", "rtrace.exporters", "rtrace.compat",
                "rtrace._setup", "rtrace.cli"),
@@ -46,7 +50,7 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 
 def _layer_files():
-    for layer in ("exporters", "pipeline", "instrumentation"):
+    for layer in ("exporters", "pipeline", "instrumentation", "dataset"):
         for path in sorted((ROOT / layer).rglob("*.py")):
             yield layer, path
     for name in BOTTOM:

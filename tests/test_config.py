@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 @pytest.mark.parametrize("env, value, message", [
     # unknown exporter name: names the variable and lists the accepted names
-    ("RTRACE_EXPORTER", "trakio", "RTRACE_EXPORTER: unknown exporter 'trakio'; accepted values: comma list of none, console, jsonl, trackio, mlflow, otlp, collector"),
+    ("RTRACE_EXPORTER", "trakio", "RTRACE_EXPORTER: unknown exporter 'trakio'; accepted values: comma list of none, console, jsonl, trackio, mlflow, otlp, collector, parquet"),
     # non-integer cap
     ("RTRACE_MAX_TRACES_PER_STEP", "ten", "RTRACE_MAX_TRACES_PER_STEP: not an integer: 'ten'; accepted values: an integer >= 0, or none"),
     # negative cap

@@ -63,10 +63,11 @@ def test_published_ports_are_loopback_only_and_distinct(services):
 
 
 def test_rtrace_collector_service(services):
-    """rtrace-collector runs `rtrace collect --exporter jsonl,mlflow --host 0.0.0.0 --port 4317`, built from
-    deploy/Dockerfile.collector, healthy when its port answers, writing to a volume and to the mlflow service."""
+    """rtrace-collector runs `rtrace collect --exporter jsonl,mlflow,parquet --host 0.0.0.0 --port 4317`, built
+    from deploy/Dockerfile.collector, healthy when its port answers, writing to a volume and to the mlflow service."""
     svc = services["rtrace-collector"]
-    assert _command(svc) == ["rtrace", "collect", "--exporter", "jsonl,mlflow", "--host", "0.0.0.0", "--port", "4317"]
+    assert _command(svc) == ["rtrace", "collect", "--exporter", "jsonl,mlflow,parquet", "--host", "0.0.0.0",
+                             "--port", "4317"]
     build = svc["build"]
     assert (ROOT / build["context"] / build["dockerfile"]).resolve() == ROOT / "deploy" / "Dockerfile.collector"
     assert "4317" in " ".join(svc["healthcheck"]["test"])
@@ -86,6 +87,18 @@ def test_every_rtrace_collector_is_complete_and_writes_its_own_file(services):
     for name, svc in collectors.items():
         assert _command(svc) == _command(services["rtrace-collector"]), name
         assert svc["image"] == services["rtrace-collector"]["image"] and svc["healthcheck"]["test"], name
+
+
+def test_scale_out_shards_write_one_dataset(services):
+    """Every rtrace collector writes the parquet exporter's dataset to the same RTRACE_PARQUET_PATH on the
+    same volume (one run's dataset, written by all shards), and the path is a valid setting."""
+    collectors = _rtrace_collectors(services)
+    paths = {svc["environment"]["RTRACE_PARQUET_PATH"] for svc in collectors.values()}
+    assert paths == {"/data/dataset"}
+    for name, svc in collectors.items():
+        assert "parquet" in _option(_command(svc), "--exporter").split(","), name
+        assert any(str(v) == "rtrace-data:/data" for v in svc["volumes"]), name
+    assert load_settings({"parquet_path": "/tmp/rtrace-deploy-check"}).parquet_path == "/tmp/rtrace-deploy-check"
 
 
 def test_profiles_keep_the_default_stack_and_close_over_dependencies(services):

@@ -181,6 +181,11 @@ def _configure(opts: DemoOptions, exporter: str, out_dir: Path, tokenizer: Any) 
     if "jsonl" in names:
         where["jsonl_path"] = os.environ.get("RTRACE_JSONL_PATH") or str(out_dir / "traces.jsonl")
         kwargs["jsonl_path"] = where["jsonl_path"]
+    if "parquet" in names:
+        kwargs["parquet_path"] = os.environ.get("RTRACE_PARQUET_PATH") or str(out_dir / "dataset")
+        from ..dataset.layout import run_name
+
+        where["parquet_run"] = os.path.join(kwargs["parquet_path"], run_name(kwargs["experiment"]))
     if "mlflow" in names:
         where["mlflow_uri"] = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{out_dir / 'mlflow.db'}"
         if not os.environ.get("MLFLOW_TRACKING_URI"):  # the run's artifacts (its tables) beside the database
@@ -246,6 +251,9 @@ def open_commands(where: dict[str, Any]) -> list[str]:
             page = str(Path(where["jsonl_path"]).with_name("report.html"))
             lines.append(f"          {_command('rtrace')} report {q(where['jsonl_path'])} --html {q(page)}   "
                          "(the step table here, and a page: GRPO groups side by side, failures, health)")
+        elif name == "parquet":
+            lines.append(f"parquet:  {_command('rtrace')} query {q(where['parquet_run'])} \"SELECT step, avg(reward) "
+                         "FROM trajectories GROUP BY step ORDER BY step\"   (docs/dataset.md)")
         elif name == "otlp":
             lines.append(f"otlp:     sent to {where['otlp_endpoint'] or 'http://localhost:4318'}; open your "
                          "collector's UI (Jaeger: http://localhost:16686, see docker-compose.yml)")

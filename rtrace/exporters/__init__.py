@@ -25,6 +25,7 @@ SINKS = {
     "mlflow": ("rtrace.exporters.mlflow", "MlflowSink", "mlflow"),
     "otlp": ("rtrace.exporters.otlp", "OtlpSink", "otlp"),
     "collector": ("rtrace.exporters.collector", "CollectorSink", "otlp"),
+    "parquet": ("rtrace.exporters.parquet", "ParquetSink", "parquet"),
 }
 
 

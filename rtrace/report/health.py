@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence, TextIO
+from typing import Callable, Iterable, Sequence, TextIO
 
 from ..config import HEALTH_CHECKS
 from ..pipeline.metrics import in_sample
 from .load import Record, by_step
 
-__all__ = ["CHECKS", "EXIT_CODES", "StepHealth", "step_health", "parse_max_rates", "check", "step_label"]
+__all__ = ["CHECKS", "EXIT_CODES", "StepHealth", "step_health", "parse_max_rates", "check", "check_steps",
+           "step_label"]
 
 #: The health checks of the pipeline (docs/health.md); files may carry others, read too.
 CHECKS = HEALTH_CHECKS
@@ -142,7 +143,15 @@ def check(records: Sequence[Record], specs: Sequence[str], out: TextIO, require_
     """``rtrace report --check``: print each step's health rates against the thresholds and
     what failed; return the exit code (:data:`EXIT_CODES`). ``require_reward``: fail when
     no rollout of the run has a reward (else that is a note)."""
-    steps = step_health(records)
+    return check_steps(step_health(records), len(records), lambda i: records[i].traj.trace_id, specs, out,
+                       any(_rewarded(rec) for rec in records), require_reward)
+
+
+def check_steps(steps: Sequence[StepHealth], total: int, trace_of: Callable[[int], str], specs: Sequence[str],
+                out: TextIO, rewarded: bool = True, require_reward: bool = False) -> int:
+    """:func:`check` on steps computed already (``findings`` index what ``trace_of`` names;
+    a dataset's are computed by SQL, rtrace/report/dataset.py); ``rewarded``: some rollout
+    of the run has a reward."""
     found = {name for h in steps for name in h.failing} | {c for h in steps for _, c, _ in h.findings}
     try:
         default, per_check = parse_max_rates(specs, found)
@@ -150,7 +159,7 @@ def check(records: Sequence[Record], specs: Sequence[str], out: TextIO, require_
         out.write(f"rtrace report --check: {exc}\n")
         return USAGE
     if not any(h.checked for h in steps):
-        out.write(f"rtrace report --check: none of the {len(records)} trajectories carries health (files written "
+        out.write(f"rtrace report --check: none of the {total} trajectories carries health (files written "
                   "before rtrace's health checks, or checks turned off): nothing was checked\n")
         return NO_HEALTH
     checked = sum(h.checked for h in steps)
@@ -174,12 +183,13 @@ def check(records: Sequence[Record], specs: Sequence[str], out: TextIO, require_
                 parts.append(f"{'FAIL' if bad else 'ok'} {check_name} {h.failing.get(check_name, 0)}/{h.checked} = "
                              f"{rate:.2%} {'>' if bad else '<='} {limit:g}")
             if bad:
-                example = next(((i, d) for i, c, d in h.findings if c == check_name), None)
+                # the finding of the smallest trace id: the same example whatever order the files were read in
+                example = min(((trace_of(i), d) for i, c, d in h.findings if c == check_name), default=None)
                 failures.append((label, name, rate, limit, h.failing.get(check_name, 0), h.checked, example))
         skipped = h.not_run()
         out.write(f"{label}: {'; '.join(parts) if parts else 'ok'} ({h.checked} checked"
                   + (f"; not run: {', '.join(skipped)}" if skipped else "") + ")\n")
-    if _reward_ran(steps) and not any(_rewarded(rec) for rec in records):
+    if _reward_ran(steps) and not rewarded:
         out.write("reward: no rollout of the run recorded a reward (rtrace.record_reward / annotate reward=...): "
                   + ("FAIL (--require-reward)" if require_reward else "a note, not a failure (--require-reward "
                                                                          "fails on it)") + "\n")
@@ -197,7 +207,7 @@ def check(records: Sequence[Record], specs: Sequence[str], out: TextIO, require_
         label, name, rate, limit, count, total, example = failure
         line = f"  {label}: {name} = {rate:.4g} > {limit:g} ({count} of {total})"
         if example is not None:
-            i, detail = example
-            line += f"; e.g. trace {records[i].traj.trace_id}: {detail}"
+            trace_id, detail = example
+            line += f"; e.g. trace {trace_id}: {detail}"
         out.write(line + "\n")
     return FAILED

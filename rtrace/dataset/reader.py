@@ -1,0 +1,393 @@
+"""Reading a run's dataset through DuckDB: :func:`open_run` and :class:`Run`.
+
+A :class:`Run` lists the run's files once (and again at :meth:`Run.refresh`), keeps the
+ones that are data, and gives two DuckDB views over them on its own connection,
+``trajectories`` and ``spans``. What it leaves out, and why:
+
+- a hidden ``.<name>.tmp`` file: a file being written (not yet renamed into place);
+- a file a compacted file of the same writer covers: its rows are in that file (the
+  writer deletes it right after; a reader that lists in between must not count them twice);
+- a file that is not the dataset's (another name, another folder) or that is cut short
+  (no Parquet footer): skipped with a warning naming it, counted in ``run.skipped`` and
+  ``rtrace.stats()`` (``dataset.files_skipped``), never a failed query over the whole run.
+
+A file written by a newer major version of the schema (``.v2.`` in its name) stops the
+reader: :class:`SchemaVersionError` says which file and which version, and that a newer
+rtrace reads it.
+
+The views read local files with DuckDB's own Parquet reader (``hive_partitioning``:
+a query on one step opens that step's files only). A run on object storage (``s3://``
+...) is read through pyarrow's filesystem (DuckDB scans the pyarrow dataset, with
+projection and filters pushed down), so no DuckDB extension is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .. import _stats
+from .layout import FileName, Store, open_store, parse_name, parse_partition
+from .schema import MAJOR, SPANS, TRAJECTORIES, VERSION, arrow_schema
+
+__all__ = ["open_run", "Run", "DatasetError", "SchemaVersionError", "Skipped", "list_runs", "vacuum",
+           "hf_load_kwargs"]
+
+logger = logging.getLogger("rtrace")
+
+
+class DatasetError(Exception):
+    """The path is not an rtrace dataset (the message says what was found)."""
+
+
+class SchemaVersionError(DatasetError):
+    """A file of the run was written by a newer, incompatible schema version."""
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A file the reader left out: its path (relative to the run) and why."""
+
+    path: str
+    reason: str
+
+
+def _duckdb() -> Any:
+    try:
+        import duckdb
+    except ImportError:
+        raise ImportError("reading an rtrace dataset needs duckdb: pip install 'rtrace[parquet]'") from None
+    return duckdb
+
+
+class Run:
+    """One run's dataset, queried with DuckDB. Build it with :func:`open_run`.
+
+    Attributes a program uses: :attr:`trajectories` and :attr:`spans` (DuckDB relations),
+    :meth:`sql` (a query with ``$name`` / ``?`` parameters over the two views),
+    :meth:`steps`, :meth:`refresh` (pick up files written since), :attr:`skipped`.
+    Any other attribute is the ``trajectories`` relation's: ``run.df()``, ``run.pl()``,
+    ``run.filter("step = 3")``, ``run.aggregate(...)``.
+
+    One connection per Run: DuckDB connections are not shared between threads; a thread
+    of its own calls :meth:`cursor` (a cursor sees the same views).
+    """
+
+    def __init__(self, path: str, connection: Any = None) -> None:
+        duckdb = _duckdb()
+        self.path = path
+        self.store: Store = open_store(path)
+        self.con = connection if connection is not None else duckdb.connect()
+        for option in ("SET parquet_metadata_cache = true", "SET enable_object_cache = true"):
+            try:  # footers read once per connection (the setting's name moved between versions)
+                self.con.execute(option)
+                break
+            except Exception:
+                continue
+        self._lock = threading.Lock()
+        #: Arrow objects the views read (an empty table, a remote run's pyarrow dataset): a
+        #: DuckDB cursor does not see its connection's registrations, so cursor() registers them again
+        self._registered: dict[str, Any] = {}
+        #: files checked once: name -> size (a data file never changes once in place)
+        self._checked: dict[str, int] = {}
+        self._bad: dict[str, str] = {}
+        self.skipped: list[Skipped] = []
+        #: (table) -> the data files read, relative to the run
+        self.files: dict[str, list[str]] = {TRAJECTORIES: [], SPANS: []}
+        self._steps: set[tuple[bool, int | None]] = set()
+        if not self.store.exists(TRAJECTORIES):
+            runs = list_runs(path)
+            hint = f"; it holds runs: {', '.join(runs)} (open one: {os.path.join(path, runs[0])})" if runs else ""
+            raise DatasetError(f"{path}: not an rtrace run dataset (no trajectories/ folder){hint}")
+        self.refresh()
+
+    # ----------------------------------------------------------------- files
+    def refresh(self) -> "Run":
+        """List the run's files again: new files are read from now on, files a compaction
+        replaced are dropped. Cheap when nothing changed (each file is checked once).
+
+        Raises:
+            SchemaVersionError: a file of a newer major version appeared.
+        """
+        with self._lock:
+            files: dict[str, list[tuple[str, FileName]]] = {TRAJECTORIES: [], SPANS: []}
+            steps: set[tuple[bool, int | None]] = set()
+            skipped: list[Skipped] = []
+            for rel, size in [f for table in (TRAJECTORIES, SPANS) for f in self.store.list(table)]:
+                folder, _, name = rel.rpartition("/")
+                if name.startswith("."):  # a file being written, or a hidden file: not data
+                    continue
+                part = parse_partition(folder)
+                fname = parse_name(name)
+                if part is None or fname is None:
+                    skipped.append(self._skip(rel, "not a file of an rtrace dataset (name or folder)"))
+                    continue
+                if fname.major > MAJOR:
+                    raise SchemaVersionError(
+                        f"{os.path.join(self.path, rel)} was written with rtrace dataset schema {fname.major}.x; this "
+                        f"rtrace reads schema {VERSION} (major {MAJOR}): upgrade rtrace to read this run")
+                reason = self._check(rel, size)
+                if reason is not None:
+                    skipped.append(self._skip(rel, reason))
+                    continue
+                files[part[0]].append((rel, fname))
+                if part[0] == TRAJECTORIES:
+                    steps.add((part[1], part[2]))
+            for table in files:
+                self.files[table] = _uncovered(files[table])
+            self.skipped = skipped
+            self._steps = steps
+            self._views()
+        return self
+
+    def _skip(self, rel: str, reason: str) -> Skipped:
+        if rel not in self._bad:
+            self._bad[rel] = reason
+            _stats.incr("dataset.files_skipped")
+            logger.warning("rtrace dataset: skipped %s: %s", os.path.join(self.path, rel), reason)
+        return Skipped(rel, reason)
+
+    def _check(self, rel: str, size: int) -> str | None:
+        """None for a whole Parquet file; else why not (read once per file: its last four bytes)."""
+        if self._checked.get(rel) == size:
+            return None
+        if rel in self._bad:
+            return self._bad[rel]
+        if size < 12:
+            return f"cut short ({size} bytes: not a whole Parquet file)"
+        try:
+            tail = self.store.read_range(rel, -4, 4)
+        except FileNotFoundError:
+            return "deleted while listing (a compaction replaced it)"
+        except OSError as exc:
+            return f"unreadable ({exc})"
+        if tail != b"PAR1":  # a Parquet file ends with its footer's magic: a cut file does not
+            return "cut short or not Parquet (no Parquet footer)"
+        self._checked[rel] = size
+        return None
+
+    def _views(self) -> None:
+        for table in (TRAJECTORIES, SPANS):
+            self.con.execute(f"CREATE OR REPLACE VIEW {table} AS {self._source(table)}")
+
+    def _source(self, table: str) -> str:
+        rels = self.files[table]
+        if not rels:  # an empty table of the right columns, so queries still run
+            return f"SELECT * FROM {self._register(f'_rtrace_empty_{table}', arrow_schema(table).empty_table())}"
+        if self.store.local:
+            paths = ", ".join("'" + self.store.path(r).replace("'", "''") + "'" for r in rels)
+            # files of one version have one schema: DuckDB reads the first footer at bind time and the
+            # others as it scans; a run written by two minor versions (a column added) is read by
+            # name across files (union_by_name reads every footer first: 2-3x the time)
+            versions = {(n.major, n.minor) for n in (parse_name(r.rpartition("/")[2]) for r in rels) if n}
+            union = ", union_by_name = true" if len(versions) > 1 else ""
+            return (f"SELECT * FROM read_parquet([{paths}], hive_partitioning = true, "
+                    f"hive_types = {{'step': BIGINT}}{union})")
+        import pyarrow.dataset as pads
+
+        ds = pads.dataset([self.store.path(r) for r in rels], filesystem=self.store.arrow_fs(), format="parquet",
+                          schema=arrow_schema(table))
+        return f"SELECT * FROM {self._register(f'_rtrace_arrow_{table}', ds)}"
+
+    def _register(self, name: str, obj: Any) -> str:
+        self.con.register(name, obj)
+        self._registered[name] = obj
+        return name
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def trajectories(self) -> Any:
+        """The ``trajectories`` view as a DuckDB relation."""
+        return self.con.table(TRAJECTORIES)
+
+    @property
+    def spans(self) -> Any:
+        """The ``spans`` view as a DuckDB relation."""
+        return self.con.table(SPANS)
+
+    def sql(self, query: str, params: Any = None) -> Any:
+        """A DuckDB relation of ``query`` over the views ``trajectories`` and ``spans``;
+        ``params``: a list for ``?`` or a dict for ``$name`` placeholders (values are
+        never pasted into the SQL)."""
+        if params is None:
+            return self.con.sql(query)
+        return self.con.sql(query, params=params)
+
+    def cursor(self) -> Any:
+        """A DuckDB cursor on the run's connection, for another thread (same views; call it
+        again after :meth:`refresh`)."""
+        cursor = self.con.cursor()
+        for name, obj in self._registered.items():
+            cursor.register(name, obj)
+        return cursor
+
+    def steps(self, validate: bool | None = None) -> list[tuple[bool, int | None]]:
+        """``(validate, step)`` of every partition with trajectories, training first, steps
+        ascending (from the file listing: no data is read)."""
+        return sorted((s for s in self._steps if validate is None or s[0] == validate),
+                      key=lambda s: (s[0], s[1] is None, s[1] or 0))
+
+    def load(self, where: str = "true", params: Any = None, limit: int | None = None) -> list[Any]:
+        """The :class:`~rtrace.trajectory.Trajectory` objects of the trajectories matching
+        ``where`` (SQL over the trajectories view), with their spans: ``run.load("step = ?", [3])``."""
+        from .encode import to_trajectories
+
+        limit_sql = f" LIMIT {int(limit)}" if limit is not None else ""
+        traj = _arrow(self.sql(f"SELECT * FROM trajectories WHERE {where}{limit_sql}", params))
+        traj = _ints_for_times(traj)
+        ids = traj.column("trace_id").to_pylist()
+        if not ids:
+            return []
+        steps = sorted({s for s in traj.column("step").to_pylist() if s is not None})
+        step_filter = f"step IN ({', '.join(str(int(s)) for s in steps)})" if steps else "step IS NULL"
+        if None in traj.column("step").to_pylist() and steps:
+            step_filter = f"({step_filter} OR step IS NULL)"
+        self.con.register("_rtrace_ids", _ids_table(ids))
+        try:
+            spans = _arrow(self.con.sql(f"SELECT s.* FROM spans s SEMI JOIN _rtrace_ids i ON s.trace_id = i.trace_id "
+                                        f"WHERE {step_filter}"))
+        finally:
+            self.con.unregister("_rtrace_ids")
+        return to_trajectories(traj.to_pylist(), _ints_for_times(spans).to_pylist())
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name in ("con", "store", "files", "path", "skipped"):
+            raise AttributeError(name)
+        return getattr(self.trajectories, name)
+
+    def __repr__(self) -> str:
+        return (f"<rtrace Run {self.path!r}: {len(self.files[TRAJECTORIES])} trajectory files, "
+                f"{len(self._steps)} steps, {len(self.skipped)} skipped>")
+
+    def close(self) -> None:
+        self.con.close()
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _uncovered(files: list[tuple[str, FileName]]) -> list[str]:
+    """The files no compacted file of the same writer and folder covers."""
+    by_key: dict[tuple[str, str], list[FileName]] = {}
+    for rel, name in files:
+        by_key.setdefault((rel.rpartition("/")[0], name.writer), []).append(name)
+    out = []
+    for rel, name in files:
+        siblings = by_key[(rel.rpartition("/")[0], name.writer)]
+        if len(siblings) == 1 or not any(other.covers(name) for other in siblings):
+            out.append(rel)
+    return out
+
+
+def _arrow(relation: Any) -> Any:
+    """A relation's result as a pyarrow Table (``.arrow()`` is a reader in DuckDB 2)."""
+    for name in ("to_arrow_table", "fetch_arrow_table"):
+        fn = getattr(relation, name, None)
+        if fn is not None:
+            return fn()
+    result = relation.arrow()
+    return result.read_all() if hasattr(result, "read_all") else result
+
+
+def _ints_for_times(table: Any) -> Any:
+    """Timestamps as int64 nanoseconds (to_pylist would round them to microseconds)."""
+    import pyarrow as pa
+
+    for i, f in enumerate(table.schema):
+        if pa.types.is_timestamp(f.type):
+            table = table.set_column(i, f.name, table.column(i).cast(pa.int64()))
+        elif pa.types.is_list(f.type) and pa.types.is_struct(f.type.value_type) and any(
+                pa.types.is_timestamp(sub.type) for sub in f.type.value_type):
+            fields = [pa.field(sub.name, pa.int64() if pa.types.is_timestamp(sub.type) else sub.type)
+                      for sub in f.type.value_type]
+            table = table.set_column(i, f.name, table.column(i).cast(pa.list_(pa.struct(fields))))
+    return table
+
+
+def _ids_table(ids: Sequence[str]) -> Any:
+    import pyarrow as pa
+
+    return pa.table({"trace_id": pa.array(ids, pa.string())})
+
+
+def open_run(path: str | os.PathLike, connection: Any = None) -> Run:
+    """Open a run's dataset (a local folder, or a URL: ``s3://bucket/prefix/run-7``).
+
+    ``open_run(path)`` is the run, and also its ``trajectories`` as a DuckDB relation:
+    ``rtrace.open_run("rtrace_dataset/run-7").df()`` is a pandas DataFrame of every
+    trajectory, ``.pl()`` a polars one; ``run.sql("SELECT step, avg(reward) FROM
+    trajectories GROUP BY step")`` any query over ``trajectories`` and ``spans``.
+
+    Raises:
+        DatasetError: the path holds no run (the message lists the runs under it).
+        SchemaVersionError: the run has files of a newer schema version.
+        ImportError: duckdb is not installed (``pip install 'rtrace[parquet]'``).
+    """
+    return Run(os.fspath(path), connection)
+
+
+def list_runs(path: str | os.PathLike) -> list[str]:
+    """The runs under a dataset root (folders holding ``trajectories/``), sorted."""
+    store = open_store(os.fspath(path))
+    runs = set()
+    if store.local:
+        try:
+            entries = sorted(os.listdir(store.root))
+        except OSError:
+            return []
+        return [e for e in entries if os.path.isdir(os.path.join(store.root, e, TRAJECTORIES))]
+    for rel, _ in store.list():
+        parts = rel.split("/")
+        if len(parts) > 2 and parts[1] == TRAJECTORIES:
+            runs.add(parts[0])
+    return sorted(runs)
+
+
+def vacuum(path: str | os.PathLike) -> list[str]:
+    """Delete the files of a run that compacted files cover (left behind when a writer
+    stopped between writing a compacted file and deleting its inputs) and stale
+    temporary files older than an hour. Returns what was deleted. Safe while writers run:
+    it deletes nothing a reader reads."""
+    import time
+
+    run = open_store(os.fspath(path))
+    deleted = []
+    for table in (TRAJECTORIES, SPANS):
+        files = []
+        for rel, _ in run.list(table):
+            name = parse_name(rel.rpartition("/")[2])
+            if name is not None:
+                files.append((rel, name))
+        keep = set(_uncovered(files))
+        for rel, _ in files:
+            if rel not in keep:
+                run.delete(rel)
+                deleted.append(rel)
+    if run.local:
+        cutoff = time.time() - 3600
+        for folder, _, names in os.walk(run.root):
+            for n in names:
+                full = os.path.join(folder, n)
+                if n.startswith(".") and n.endswith(".tmp") and os.stat(full).st_mtime < cutoff:
+                    os.unlink(full)
+                    deleted.append(os.path.relpath(full, run.root))
+    return deleted
+
+
+
+def hf_load_kwargs(table: str = TRAJECTORIES) -> dict[str, Any]:
+    """Keyword arguments for ``datasets.load_dataset("parquet", data_files=..., **kwargs)``:
+    the table's columns without the typed maps, and their features. Hugging Face
+    ``datasets`` has no map type (it fails on the file's schema otherwise); read the maps
+    with DuckDB, polars or pandas."""
+    import datasets
+    import pyarrow as pa
+
+    fields = [f for f in arrow_schema(table) if not pa.types.is_map(f.type)]
+    return {"columns": [f.name for f in fields], "features": datasets.Features.from_arrow_schema(pa.schema(fields))}

@@ -1,0 +1,292 @@
+"""Writing a run's dataset: one writer per sink, files per partition, compaction.
+
+Each batch becomes one file per (table, validate, step) it touches, written whole
+(:meth:`rtrace.dataset.layout.Store.write`): the spans file first, then the trajectories
+file, so a trajectory row is only ever visible with its spans already there. A batch is
+written when ``write`` returns (in place, whole: the JSONL sink's durability, see
+:attr:`rtrace.dataset.layout.Store.fsync`); a failure (a full disk, a revoked bucket) loses
+that batch's open files and nothing written before.
+
+Compaction keeps a step a small set of files: a writer merges *its own* files of a
+partition (numbered from one count per writer) into one (``<writer>-<first>-<last>``, which
+covers every number of that writer from first to last in that folder) when it has
+``compact_files`` new ones, when the partition has had no new file for ``idle_s`` seconds,
+and at shutdown; a merged file
+stops growing at ``target_bytes`` (the next merge starts a new one). The merged file is
+renamed into place before its inputs are deleted, and readers skip a file whose numbers a
+merged file of the same writer covers (:class:`~rtrace.dataset.layout.FileName`), so a
+reader never counts a row twice, and a crash between the two steps leaves only files that
+readers skip (the next merge of that partition, by any writer's restart, never touches
+them: they belong to a writer that is gone; ``rtrace.dataset.vacuum`` removes them).
+Writers never touch each other's files: no coordination, no name written twice.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .. import _stats
+from ..trajectory import Trajectory
+from . import encode
+from .layout import FileName, Store, partition_dir
+from .schema import SPANS, TRAJECTORIES
+
+__all__ = ["DatasetWriter", "WriteResult", "ROW_GROUP_ROWS"]
+
+#: Rows per row group: large enough for scans (DuckDB and Spark split work by row group),
+#: small enough that a step of a few thousand rollouts is one group read at once.
+ROW_GROUP_ROWS = 65536
+#: Columns worth a dictionary (few distinct values): on the others (ids, texts) Arrow would
+#: try one, find it too large and fall back, which costs a fifth of the write.
+DICTIONARY = {TRAJECTORIES: ["run", "name", "experiment", "group_id", "group_key", "verdict", "status", "finish_reason",
+                             "kept", "health", "job_id"],
+              SPANS: ["run", "name", "kind", "status_code", "group_id", "model", "tool_name", "finish_reasons"]}
+#: Columns with min/max statistics (what engines prune row groups and files by); those of
+#: long texts would cost time and footer bytes for nothing.
+STATISTICS = {TRAJECTORIES: ["step", "validate", "sample_index", "rollout_n", "policy_version", "reward", "advantage",
+                             "start_time", "end_time", "duration_ms", "num_turns", "verdict", "group_key"],
+              SPANS: ["step", "validate", "sample_index", "rollout_n", "kind", "start_time", "duration_ms"]}
+
+
+@dataclass
+class _Partition:
+    validate: bool
+    step: int | None
+    #: this writer's live files: (name, bytes of both tables)
+    files: list[tuple[FileName, int]] = field(default_factory=list)
+    last_write: float = 0.0
+
+
+@dataclass
+class WriteResult:
+    written: int = 0
+    failed: int = 0
+    degraded: int = 0
+    unwritable: int = 0
+
+
+class DatasetWriter:
+    """Writes batches of trajectories into one run's dataset (``store``)."""
+
+    def __init__(self, store: Store, run: str, compact_files: int = 8, idle_s: float = 30.0,
+                 target_bytes: int = 256 * 1024 * 1024, stats_prefix: str = "sink.parquet",
+                 cache_bytes: int = 64 * 1024 * 1024) -> None:
+        self.store = store
+        self.run = run
+        self.writer_id = os.urandom(8).hex()
+        self.compact_files = max(2, compact_files)
+        self.idle_s = idle_s
+        self.target_bytes = target_bytes
+        self.prefix = stats_prefix
+        self._parts: dict[tuple[bool, int | None], _Partition] = {}
+        #: the number of the writer's next file: one count for all partitions, so a partition's
+        #: entry can be forgotten once it is merged and idle (its numbers are never drawn again)
+        self._next_seq = 0
+        self._writes = 0
+        #: the partitions with two files or more to merge (checked after each write)
+        self._pending: set[tuple[bool, int | None]] = set()
+        #: the Arrow tables of the latest files written, so a merge re-reads none of them:
+        #: (partition, name) -> (trajectories, spans), at most cache_bytes of Arrow data
+        self._cache: OrderedDict[tuple[tuple[bool, int | None], FileName], tuple[pa.Table, pa.Table]] = OrderedDict()
+        self._cache_bytes = 0
+        self.cache_limit = cache_bytes
+        self._lock = threading.Lock()  # write / compact / close may come from two threads (flush, shutdown)
+
+    def _count(self, what: str, n: int = 1) -> None:
+        _stats.incr(f"{self.prefix}.{what}", n)
+
+    # ----------------------------------------------------------------- writing
+    def write(self, trajectories: Sequence[Trajectory], rows: Sequence[encode.Rows | None] | None = None) -> WriteResult:
+        """Write a batch (``rows``: each trajectory's :func:`~rtrace.dataset.encode.rows_of`
+        when computed already). Returns what was written and what failed; raises nothing
+        for a failed write (it is counted: ``write_errors``)."""
+        result = WriteResult()
+        groups: dict[tuple[bool, int | None], list[int]] = {}
+        for i, traj in enumerate(trajectories):
+            groups.setdefault(encode.partition_of(traj), []).append(i)
+        with self._lock:
+            for key, idx in groups.items():
+                part_trajs = [trajectories[i] for i in idx]
+                part_rows = [rows[i] if rows is not None else None for i in idx]
+                self._write_partition(key, part_trajs, part_rows, result)
+            now = time.monotonic()
+            self._compact_due(now)
+            self._writes += 1
+            if self._writes % 64 == 0:  # without flush() calls too (a collector that runs for days)
+                self._prune(now)
+        return result
+
+    def _write_partition(self, key: tuple[bool, int | None], trajs: list[Trajectory], rows: list[Any],
+                         result: WriteResult) -> None:
+        ttable, stable, degraded, unwritable = self._encode(trajs, rows)
+        result.degraded += degraded
+        result.unwritable += unwritable
+        result.failed += unwritable
+        if ttable.num_rows == 0:
+            return
+        part = self._parts.get(key)
+        if part is None:
+            part = self._parts[key] = _Partition(*key)
+        name = FileName(self.writer_id, self._next_seq, self._next_seq)
+        self._next_seq += 1  # never reused, even if this write fails: no name is written twice
+        try:
+            size = self._write_pair(part, name, ttable, stable)
+        except Exception as exc:
+            self._count("write_errors")
+            _stats.warn_once(f"parquet-write-{type(exc).__name__}", "rtrace parquet sink could not write %s: %s",
+                             f"{partition_dir(TRAJECTORIES, *key)}/{name}", exc)
+            result.failed += ttable.num_rows
+            return
+        part.files.append((name, size))
+        part.last_write = time.monotonic()
+        result.written += ttable.num_rows
+        self._remember(key, name, ttable, stable)
+        if len(part.files) >= 2:
+            self._pending.add(key)
+
+    def _encode(self, trajs: list[Trajectory], rows: list[Any]) -> tuple[pa.Table, pa.Table, int, int]:
+        try:
+            t, s = encode.tables([r if r is not None else encode.rows_of(t, self.run) for t, r in zip(trajs, rows)])
+            return t, s, 0, 0
+        except Exception:  # one trajectory at a time, degrading what Arrow refuses
+            return encode.encode_safely(trajs, self.run)
+
+    def _write_pair(self, part: _Partition, name: FileName, ttable: pa.Table, stable: pa.Table) -> int:
+        """The spans file, then the trajectories file (a row is never visible without its
+        spans); if the second fails the first is removed. Returns the bytes written."""
+        srel = f"{partition_dir(SPANS, part.validate, part.step)}/{name}"
+        trel = f"{partition_dir(TRAJECTORIES, part.validate, part.step)}/{name}"
+        # a batch's file is snappy (fast; most are merged soon), a merged file zstd (smaller, for keeps)
+        codec = "zstd" if name.first != name.last else "snappy"
+        ssize = self.store.write(srel, lambda out: self._parquet(stable, out, SPANS, codec))
+        try:
+            tsize = self.store.write(trel, lambda out: self._parquet(ttable, out, TRAJECTORIES, codec))
+        except BaseException:
+            try:
+                self.store.delete(srel)
+            except Exception:
+                pass
+            raise
+        self._count("files_written", 2)
+        self._count("bytes_written", ssize + tsize)
+        return ssize + tsize
+
+    def _parquet(self, table: pa.Table, out: Any, name: str, codec: str) -> None:
+        metadata = dict(table.schema.metadata or {})
+        metadata[b"rtrace.writer"] = self.writer_id.encode()
+        metadata[b"rtrace.run"] = self.run.encode()
+        table = table.replace_schema_metadata(metadata)
+        pq.write_table(table, out, row_group_size=ROW_GROUP_ROWS, compression=codec, use_dictionary=DICTIONARY[name],
+                       write_statistics=STATISTICS[name])
+
+    def _remember(self, key: tuple[bool, int | None], name: FileName, ttable: pa.Table, stable: pa.Table) -> None:
+        self._cache[(key, name)] = (ttable, stable)
+        self._cache_bytes += ttable.nbytes + stable.nbytes
+        while self._cache_bytes > self.cache_limit and self._cache:
+            _, (t, s) = self._cache.popitem(last=False)
+            self._cache_bytes -= t.nbytes + s.nbytes
+
+    def _forget(self, key: tuple[bool, int | None], name: FileName) -> None:
+        tables = self._cache.pop((key, name), None)
+        if tables is not None:
+            self._cache_bytes -= tables[0].nbytes + tables[1].nbytes
+
+    def _read(self, key: tuple[bool, int | None], name: FileName, table: str) -> pa.Table:
+        """A file of this writer: from the cache, else read back (one file, no dataset discovery)."""
+        cached = self._cache.get((key, name))
+        if cached is not None:
+            return cached[0] if table == TRAJECTORIES else cached[1]
+        rel = f"{partition_dir(table, *key)}/{name}"
+        if self.store.local:
+            return pq.ParquetFile(self.store.path(rel)).read()
+        with self.store.arrow_fs().open_input_file(self.store.path(rel)) as f:
+            return pq.ParquetFile(f).read()
+
+    # ----------------------------------------------------------------- compaction
+    def _compact_due(self, now: float) -> None:
+        for key in list(self._pending):
+            part = self._parts[key]
+            small = self._mergeable(part)
+            if len(small) < 2:
+                self._pending.discard(key)
+                continue
+            # new (unmerged) files count: a merged file is rewritten once per compact_files new ones
+            fresh = sum(1 for f, _ in small if f.first == f.last)
+            if fresh >= self.compact_files or (len(small) >= 2 and now - part.last_write >= self.idle_s):
+                self._compact(part, small)
+
+    def _prune(self, now: float) -> None:
+        """Forget the partitions done with (one file, idle): the table stays as small as the
+        steps in flight; a late trajectory of one starts a new file beside the merged one."""
+        for key, part in list(self._parts.items()):
+            if len(part.files) <= 1 and now - part.last_write >= self.idle_s:
+                del self._parts[key]
+
+    def _mergeable(self, part: _Partition) -> list[tuple[FileName, int]]:
+        """The files a merge would take: every file after the last merged one that is full."""
+        files = part.files
+        start = 0
+        for i, (name, size) in enumerate(files):
+            if size >= self.target_bytes and name.first != name.last:  # a full merged file stays as it is
+                start = i + 1
+        return files[start:]
+
+    def compact(self, idle_only: bool = False) -> None:
+        """Merge the partitions with more than one mergeable file (``idle_only``: only those
+        idle for ``idle_s``, or with ``compact_files`` of them)."""
+        with self._lock:
+            if idle_only:
+                now = time.monotonic()
+                self._compact_due(now)
+                self._prune(now)
+                return
+            for key in list(self._pending):
+                small = self._mergeable(self._parts[key])
+                if len(small) >= 2:
+                    self._compact(self._parts[key], small)
+
+    def _compact(self, part: _Partition, files: list[tuple[FileName, int]]) -> None:
+        names = [f for f, _ in files]
+        merged = FileName(self.writer_id, names[0].first, names[-1].last)
+        key = (part.validate, part.step)
+        try:
+            tables = {}
+            for table in (TRAJECTORIES, SPANS):
+                parts = [self._read(key, n, table) for n in names]
+                # the metadata of the files read back says who wrote them: the merged file says it anew
+                tables[table] = pa.concat_tables([t.replace_schema_metadata(parts[0].schema.metadata) for t in parts],
+                                                 promote_options="none")
+            size = self._write_pair(part, merged, tables[TRAJECTORIES], tables[SPANS])
+        except Exception as exc:
+            self._count("compaction_errors")
+            _stats.warn_once(f"parquet-compact-{type(exc).__name__}", "rtrace parquet sink could not compact %s "
+                             "(its files stay as they are): %s", partition_dir(TRAJECTORIES, part.validate, part.step),
+                             exc)
+            return
+        # the merged file is in place: the inputs are now duplicates readers skip; delete them
+        part.files = [f for f in part.files if f[0] not in names] + [(merged, size)]  # the inputs were a suffix
+        self._pending.discard(key)
+        for name in names:
+            self._forget(key, name)
+        if size < self.target_bytes:  # the next merge of this partition takes it again
+            self._remember(key, merged, tables[TRAJECTORIES], tables[SPANS])
+        for name in names:
+            for table in (TRAJECTORIES, SPANS):
+                try:
+                    self.store.delete(f"{partition_dir(table, part.validate, part.step)}/{name}")
+                except Exception:
+                    self._count("delete_errors")
+        self._count("compactions")
+        self._count("files_compacted", 2 * len(names))
+
+    def close(self) -> None:
+        """Merge every partition with more than one file (the end of the run's writing)."""
+        self.compact()

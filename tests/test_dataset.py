@@ -1,0 +1,535 @@
+"""The parquet sink and the dataset reader: schema, layout, compaction, many writers, faults."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+duckdb = pytest.importorskip("duckdb")
+
+import rtrace  # noqa: E402
+from rtrace.config import ConfigError  # noqa: E402
+from rtrace.dataset import encode, layout, schema  # noqa: E402
+from rtrace.dataset.reader import SchemaVersionError, open_run, vacuum  # noqa: E402
+from rtrace.dataset.writer import DatasetWriter  # noqa: E402
+from rtrace.exporters.jsonl import read_jsonl  # noqa: E402
+from tests.dataset_run import PROMPTS, ROLLOUTS, STEPS, make_run  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _files(run_path):
+    return sorted(str(p.relative_to(run_path)) for p in Path(run_path).rglob("*") if p.is_file())
+
+
+@pytest.fixture(scope="module")
+def _built(tmp_path_factory):
+    """One run traced once for the module (rtrace is reset around it)."""
+    from rtrace.testing import reset
+
+    reset()
+    built = make_run(str(tmp_path_factory.mktemp("dataset")))
+    reset()
+    return built
+
+
+@pytest.fixture
+def run(_built, tmp_path):
+    """(run path, the trajectories the sinks got, jsonl path): a copy of the module's run, each
+    test free to change its files."""
+    path, trajs, jsonl = _built
+    copy = tmp_path / "ds" / os.path.basename(path)
+    shutil.copytree(path, copy)
+    shutil.copy(jsonl, tmp_path / "traces.jsonl")
+    return str(copy), trajs, str(tmp_path / "traces.jsonl")
+
+
+# ----------------------------------------------------------------------------- schema
+class TestSchema:
+    def test_written_files_have_the_documented_schema(self, run):
+        """Every file of both tables has exactly docs/dataset-schema.json's columns and types, and the
+        version in its metadata."""
+        path, _, _ = run
+        documented = json.loads((ROOT / "docs" / "dataset-schema.json").read_text())
+        assert documented == schema.schema_json()
+        for table in ("trajectories", "spans"):
+            files = list(Path(path, table).rglob("*.parquet"))
+            assert files
+            for f in files:
+                got = pq.read_schema(f)
+                # (types compared as the docs spell them: Parquet names a list's item "element")
+                assert [(c.name, schema.type_text(c.type)) for c in got] == [
+                    (c["name"], c["type"]) for c in documented["tables"][table]], f
+                assert got.metadata[b"rtrace.schema"] == f"rtrace.dataset/{documented['version']}".encode()
+                assert got.metadata[b"rtrace.table"] == table.encode()
+
+    def test_docs_embed_the_column_tables(self):
+        """docs/dataset.md holds exactly the generated column tables (rtrace.dataset.schema.reference_markdown())."""
+        text = (ROOT / "docs" / "dataset.md").read_text()
+        begin = "<!-- BEGIN GENERATED: rtrace.dataset.schema.reference_markdown() -->\n"
+        assert text[text.index(begin) + len(begin):text.index("<!-- END GENERATED -->")] == schema.reference_markdown()
+
+    def test_typed_columns_need_no_cast(self, run):
+        """reward, the typed maps and the coordinates compare without a cast; ints stay ints."""
+        path, trajs, _ = run
+        r = open_run(path)
+        assert r.sql("SELECT typeof(reward), typeof(step), typeof(annotations_double['advantage']), "
+                     "typeof(outcome_bool['correct']), typeof(extra_int['difficulty']) FROM trajectories LIMIT 1"
+                     ).fetchall() == [("DOUBLE", "BIGINT", "DOUBLE", "BOOLEAN", "BIGINT")]
+        want = sum(1 for t in trajs if t.reward is not None and t.reward > 0.5)
+        assert r.sql("SELECT count(*) FROM trajectories WHERE reward > 0.5").fetchall()[0][0] == want
+        assert r.sql("SELECT count(*) FROM trajectories WHERE outcome_bool['correct']").fetchall()[0][0] == want
+
+
+# ----------------------------------------------------------------------------- round trip
+class TestRoundTrip:
+    def test_every_trajectory_reads_back_as_the_sinks_got_it(self, run):
+        """run.load() rebuilds each trajectory as the sinks received it: the same to_dict(), except the
+        documented differences (group_id as text)."""
+        path, trajs, _ = run
+        loaded = {t.trace_id: t for t in open_run(path).load()}
+        assert len(loaded) == len(trajs) == STEPS * PROMPTS * ROLLOUTS + PROMPTS
+        for t in trajs:
+            want = t.to_dict()
+            got = loaded[t.trace_id].to_dict()
+            want["group_id"] = None if t.group_id is None else str(t.group_id)
+            for s in want["spans"]:  # rl.group_id is the group_id column, its text form
+                if "rl.group_id" in s["attributes"]:
+                    s["attributes"]["rl.group_id"] = str(s["attributes"]["rl.group_id"])
+            assert got == want
+
+    def test_columns_hold_the_derived_values(self, run):
+        """verdict, finish reason, tokens, time split, task and answer are those of the model."""
+        path, trajs, _ = run
+        r = open_run(path)
+        rows = {row[0]: row[1:] for row in r.sql(
+            "SELECT trace_id, verdict, finish_reason, truncated, num_turns, num_tool_calls, input_tokens, "
+            "output_tokens, duration_ms, generation_ms, tool_ms, task, answer, in_sample, epoch_ns(start_time) "
+            "FROM trajectories").fetchall()}
+        for t in trajs:
+            gen = sum(s.duration_ms for s in t.spans if s.kind == "generation")
+            tool = sum(s.duration_ms for s in t.spans if s.kind == "tool")
+            task = next(m["content"] for m in t.messages if m["role"] == "user")
+            answer = [m["content"] for m in t.messages if m["role"] == "assistant"][-1]
+            got = rows[t.trace_id]
+            assert got[:7] == (t.verdict(), t.finish_reason, t.finish_reason == "length", t.num_turns,
+                               t.num_tool_calls, 11 if not t.validate else 2, 7)
+            assert math.isclose(got[7], t.duration_ms) and math.isclose(got[8], gen, abs_tol=1e-9)
+            assert math.isclose(got[9], tool, abs_tol=1e-9)
+            assert got[10:] == (task, answer, True, t.start_ns)
+
+    def test_spans_table_has_otel_shape_and_coordinates(self, run):
+        """One row per span: ids, parent, kind, times, status, rl.* columns, GenAI columns, token ids."""
+        path, trajs, _ = run
+        r = open_run(path)
+        assert r.sql("SELECT count(*) FROM spans").fetchall()[0][0] == sum(len(t.spans) for t in trajs)
+        row = r.sql("SELECT kind, step, sample_index, rollout_n, group_id, input_tokens, output_tokens, "
+                    "finish_reasons, len(prompt_ids), len(response_ids), parent_span_id IS NOT NULL "
+                    "FROM spans WHERE kind = 'generation' AND step = 1 AND sample_index = 2 AND rollout_n = 3"
+                    ).fetchall()
+        assert row == [("generation", 1, 2, 3, "p2", 11, 7, ["stop"], 11, 7, True)]
+        joined = r.sql("SELECT count(*) FROM trajectories t JOIN spans s USING (trace_id) WHERE s.kind = 'tool'"
+                       ).fetchall()[0][0]
+        assert joined == sum(t.num_tool_calls for t in trajs)
+
+
+# ----------------------------------------------------------------------------- layout
+class TestLayout:
+    def test_partitions_and_names(self, run):
+        """train/ and validate/ folders, step=N partitions, one writer's numbered files, both tables
+        with the same names; no temporary file left."""
+        path, _, _ = run
+        files = _files(path)
+        assert not [f for f in files if os.path.basename(f).startswith(".")]
+        parts = {os.path.dirname(f) for f in files}
+        assert parts == {f"{t}/train/step={s}" for t in ("trajectories", "spans") for s in range(STEPS)} | {
+            "trajectories/validate/step=0", "spans/validate/step=0"}
+        names = [layout.parse_name(os.path.basename(f)) for f in files]
+        assert None not in names and len({n.writer for n in names}) == 1
+        for part in parts:
+            if part.startswith("trajectories/"):
+                twin = "spans/" + part.split("/", 1)[1]
+                assert sorted(os.listdir(Path(path, part))) == sorted(os.listdir(Path(path, twin)))
+
+    def test_shutdown_compacts_each_step_to_one_file(self, tmp_path):
+        """With one flush per batch, a step gets several files; shutdown merges them into one per
+        partition, and no row is lost or doubled."""
+        path, trajs, _ = make_run(tmp_path, max_export_batch_size=3)
+        per_part = Counter(os.path.dirname(f) for f in _files(path))
+        assert set(per_part.values()) == {1}
+        traj_names = [os.path.basename(f) for f in _files(path) if f.startswith("trajectories/")]
+        assert len(set(traj_names)) == len(traj_names)  # one count per writer: no name in two folders
+        r = open_run(path)
+        assert sorted(r.sql("SELECT trace_id FROM trajectories").fetchall()) == sorted((t.trace_id,) for t in trajs)
+        assert rtrace.stats()["sink.parquet.compactions"] >= STEPS
+
+    def test_run_name_and_default(self, tmp_path):
+        """The run folder is the experiment with unsafe characters replaced; unset: default."""
+        assert layout.run_name("exp 7/a") == "exp_7_a" and layout.run_name(None) == "default"
+        rtrace.configure(exporter="parquet", parquet_path=str(tmp_path / "ds"))
+        with rtrace.rollout_context(step=1):
+            pass
+        assert rtrace.flush(30)
+        rtrace.shutdown()
+        assert open_run(tmp_path / "ds" / "default").sql("SELECT run, step FROM trajectories").fetchall() == [
+            ("default", 1)]
+
+
+class TestCompaction:
+    def _writer(self, path, **kw):
+        return DatasetWriter(layout.open_store(str(path)), "r", **kw)
+
+    def _trajs(self, step, n, start=0, blob=0):
+        from rtrace.trajectory import SpanRecord, Trajectory
+
+        return [Trajectory(trace_id=f"{step:04d}{i:028x}", name="rollout", step=step, sample_index=i,
+                           spans=[SpanRecord(span_id=f"{i:016x}", parent_id=None, name="rollout", kind="rollout",
+                                             start_ns=i, end_ns=i + 10)], reward=float(i),
+                           outcome={"blob": os.urandom(blob).hex()} if blob else {})
+                for i in range(start, start + n)]
+
+    def test_files_of_a_partition_merge_at_compact_files(self, tmp_path):
+        """At compact_files new files a partition is merged into <writer>-<first>-<last>; the next
+        compact_files new files merge into it. (No cache: every merge reads its files back.)"""
+        w = self._writer(tmp_path, compact_files=3, cache_bytes=0)
+        for k in range(7):
+            w.write(self._trajs(1, 2, start=2 * k))
+        names = sorted(os.listdir(tmp_path / "trajectories/train/step=1"))
+        assert names == [f"{w.writer_id}-000000-000005.v1.0.parquet", f"{w.writer_id}-000006.v1.0.parquet"]
+        w.close()
+        assert os.listdir(tmp_path / "trajectories/train/step=1") == [f"{w.writer_id}-000000-000006.v1.0.parquet"]
+        assert open_run(tmp_path).sql("SELECT count(*), count(DISTINCT trace_id) FROM trajectories").fetchall()[0] == (
+            14, 14)
+
+    def test_a_full_merged_file_is_not_rewritten(self, tmp_path):
+        """A merged file at target_bytes stays; the next merge starts a new one (bounded rewrite)."""
+        blob = 200_000  # hardly compressible: a file's size is its data's, not the footer's
+        probe = self._writer(tmp_path / "probe")
+        probe.write(self._trajs(1, 2, blob=blob))
+        probe.write(self._trajs(1, 2, start=2, blob=blob))
+        probe.close()
+        [(_, merged_size)] = probe._parts[(False, 1)].files  # what two batches merge into
+        w = self._writer(tmp_path, compact_files=2, target_bytes=int(merged_size * 0.9))
+        for k in range(4):
+            w.write(self._trajs(1, 2, start=2 * k, blob=blob))
+        w.close()
+        names = sorted(os.listdir(tmp_path / "trajectories/train/step=1"))
+        assert names == [f"{w.writer_id}-000000-000001.v1.0.parquet", f"{w.writer_id}-000002-000003.v1.0.parquet"]
+
+    def test_inputs_left_after_a_crash_are_not_counted_twice(self, tmp_path):
+        """A merged file and its inputs side by side (a writer stopped between rename and delete):
+        readers count each row once; vacuum deletes the covered inputs."""
+        w = self._writer(tmp_path, compact_files=100)
+        for k in range(3):
+            w.write(self._trajs(2, 2, start=2 * k))
+        folder = tmp_path / "trajectories/train/step=2"
+        backup = tmp_path / "backup"
+        shutil.copytree(folder, backup)
+        w.close()
+        for name in os.listdir(backup):
+            shutil.copy(backup / name, folder / name)  # the inputs are back
+        assert len(os.listdir(folder)) == 4
+        assert open_run(tmp_path).sql("SELECT count(*) FROM trajectories").fetchall()[0][0] == 6
+        deleted = vacuum(tmp_path)
+        assert sorted(deleted) == sorted(f"trajectories/train/step=2/{n}" for n in os.listdir(backup))
+        assert open_run(tmp_path).sql("SELECT count(*) FROM trajectories").fetchall()[0][0] == 6
+
+    def test_partitions_done_with_are_forgotten_and_late_rows_still_land(self, tmp_path):
+        """A merged, idle partition leaves the writer's table; a late trajectory of that step gets a new
+        file beside the merged one (a new number: no name twice), and readers count every row once."""
+        w = self._writer(tmp_path, compact_files=100, idle_s=0.0)
+        for step in range(3):
+            w.write(self._trajs(step, 2))
+            w.write(self._trajs(step, 2, start=2))
+        w.compact(idle_only=True)
+        assert w._parts == {}
+        w.write(self._trajs(1, 1, start=10))  # late
+        names = sorted(os.listdir(tmp_path / "trajectories/train/step=1"))
+        assert len(names) == 2 and len(set(names)) == 2
+        assert open_run(tmp_path).sql("SELECT count(*), count(DISTINCT trace_id) FROM trajectories").fetchall() == [
+            (13, 13)]
+
+    def test_idle_partitions_merge_at_flush(self, tmp_path):
+        """flush() merges the partitions idle for idle_s (the step the trainer moved on from)."""
+        w = self._writer(tmp_path, compact_files=100, idle_s=0.0)
+        w.write(self._trajs(1, 1))
+        w.write(self._trajs(1, 1, start=1))  # the write merges partitions already idle
+        w.compact(idle_only=True)
+        assert len(os.listdir(tmp_path / "trajectories/train/step=1")) == 1
+
+
+# ----------------------------------------------------------------------------- many writers
+class TestManyWriters:
+    def test_two_sinks_write_one_run_without_clashing(self, tmp_path):
+        """Two sinks (as two processes or collectors would) write one run: disjoint writer ids, every
+        trajectory once, each partition one file per writer after shutdown."""
+        from rtrace.config import load_settings
+        from rtrace.exporters.parquet import ParquetSink
+
+        settings = load_settings({"parquet_path": str(tmp_path / "ds"), "experiment": "shared"})
+        sinks = [ParquetSink(settings), ParquetSink(settings)]
+        comp = TestCompaction()
+        for k in range(6):
+            sinks[k % 2].export(comp._trajs(k % 3, 4, start=10 * k))
+        for s in sinks:
+            s.shutdown()
+        files = _files(tmp_path / "ds" / "shared")
+        writers = Counter(layout.parse_name(os.path.basename(f)).writer for f in files)
+        assert set(writers) == {s.writer.writer_id for s in sinks}
+        assert Counter(os.path.dirname(f) for f in files) == {
+            f"{t}/train/step={s}": 2 for t in ("trajectories", "spans") for s in range(3)}
+        r = open_run(tmp_path / "ds" / "shared")
+        assert r.sql("SELECT count(*), count(DISTINCT trace_id) FROM trajectories").fetchall()[0] == (24, 24)
+
+
+# ----------------------------------------------------------------------------- reading
+class TestReader:
+    def test_open_run_is_a_relation(self, run):
+        """open_run(path) answers like its trajectories relation: .df(), .pl(), .filter(), .aggregate()."""
+        path, trajs, _ = run
+        r = rtrace.open_run(path)
+        assert len(r.df()) == len(trajs)
+        pytest.importorskip("polars")
+        assert r.pl().height == len(trajs)
+        assert r.filter("step = 1 AND NOT validate").count("*").fetchall()[0][0] == PROMPTS * ROLLOUTS
+        assert r.steps() == [(False, 0), (False, 1), (False, 2), (True, 0)]
+
+    def test_parameters_are_bound_not_pasted(self, run):
+        """sql(query, params) binds $name and ? values."""
+        path, _, _ = run
+        r = open_run(path)
+        q = "SELECT count(*) FROM trajectories WHERE step = $step AND task LIKE $text"
+        assert r.sql(q, {"step": 1, "text": "%needle%"}).fetchall()[0][0] == 1
+        assert r.sql("SELECT count(*) FROM trajectories WHERE task = ?", ["x' OR '1'='1"]).fetchall()[0][0] == 0
+
+    def test_refresh_sees_new_files_and_drops_replaced_ones(self, tmp_path):
+        """A Run opened while a writer writes: refresh() adds its new files and forgets compacted inputs."""
+        comp = TestCompaction()
+        w = comp._writer(tmp_path, compact_files=100)
+        w.write(comp._trajs(1, 3))
+        r = open_run(tmp_path)
+        assert r.count("*").fetchall()[0][0] == 3
+        w.write(comp._trajs(2, 2))
+        w.write(comp._trajs(1, 2, start=3))
+        assert r.count("*").fetchall()[0][0] == 3
+        assert r.refresh().count("*").fetchall()[0][0] == 7 and r.steps() == [(False, 1), (False, 2)]
+        w.close()
+        assert r.refresh().count("*").fetchall()[0][0] == 7 and len(r.files["trajectories"]) == 2
+
+    def test_not_a_run(self, tmp_path, run):
+        """A folder of runs is refused with the runs it holds."""
+        with pytest.raises(rtrace.dataset.DatasetError, match="it holds runs: run-7"):
+            open_run(tmp_path / "ds")
+
+    def test_empty_run_queries_to_nothing(self, tmp_path):
+        """A run folder without data files still answers (zero rows, the documented columns)."""
+        os.makedirs(tmp_path / "trajectories")
+        r = open_run(tmp_path)
+        assert r.sql("SELECT count(*), avg(reward) FROM trajectories").fetchall()[0] == (0, None)
+        assert r.cursor().sql("SELECT count(*) FROM spans").fetchall() == [(0,)]  # a cursor sees the empty tables
+        assert r.spans.columns == [c for c, _, _ in schema.TABLES["spans"]]
+
+
+class TestBadFiles:
+    def test_cut_short_and_foreign_files_are_skipped_named_and_counted(self, run, caplog):
+        """A truncated data file, a Parquet file under another name and a stray text file: each is
+        skipped with a warning naming it and counted; the query over the run still answers."""
+        path, trajs, _ = run
+        folder = Path(path, "trajectories/train/step=1")
+        good = next(folder.iterdir())
+        data = good.read_bytes()
+        cut = folder / f"{'ab' * 8}-000000.v1.0.parquet"
+        cut.write_bytes(data[: len(data) // 2])
+        (folder / "notes.parquet").write_bytes(data)
+        (Path(path, "trajectories/train") / "README.txt").write_text("hello")
+        with caplog.at_level(logging.WARNING, logger="rtrace"):
+            r = open_run(path)
+        assert r.sql("SELECT count(*) FROM trajectories").fetchall()[0][0] == len(trajs)
+        assert sorted(s.path for s in r.skipped) == sorted([
+            "trajectories/train/README.txt", "trajectories/train/step=1/notes.parquet",
+            f"trajectories/train/step=1/{cut.name}"])
+        assert rtrace.stats()["dataset.files_skipped"] == 3
+        for name in ("README.txt", "notes.parquet", cut.name):
+            assert any(name in rec.getMessage() for rec in caplog.records), name
+        r.refresh()  # warned and counted once per file
+        assert rtrace.stats()["dataset.files_skipped"] == 3
+
+    def test_files_being_written_are_not_read_nor_warned_about(self, run, caplog):
+        """A hidden .tmp file (a file being written) is neither data nor a skipped file."""
+        path, trajs, _ = run
+        folder = Path(path, "trajectories/train/step=1")
+        (folder / f".{next(folder.iterdir()).name}.abcd.tmp").write_bytes(b"PAR1 half")
+        with caplog.at_level(logging.WARNING, logger="rtrace"):
+            r = open_run(path)
+        assert r.skipped == [] and not caplog.records
+        assert r.sql("SELECT count(*) FROM trajectories").fetchall()[0][0] == len(trajs)
+
+    def test_a_newer_minor_version_with_a_new_column_is_read(self, run):
+        """A 1.x file that adds a column (as per-token arrays will) is read beside 1.0 files: the new
+        column is there, NULL for the older rows (rtrace reads with union_by_name)."""
+        path, trajs, _ = run
+        folder = Path(path, "trajectories/train/step=1")
+        old = pq.read_table(next(folder.iterdir()))
+        newer = old.append_column("token_logprobs", pa.array([[-0.5, -1.0]] * old.num_rows, pa.list_(pa.float32())))
+        newer = newer.replace_schema_metadata({**old.schema.metadata, b"rtrace.schema": b"rtrace.dataset/1.1"})
+        newer = newer.set_column(newer.schema.get_field_index("trace_id"), "trace_id",
+                                 pa.array([f"{i:032x}" for i in range(newer.num_rows)]))
+        pq.write_table(newer, folder / f"{'cd' * 8}-000000.v1.1.parquet")
+        r = open_run(path)
+        assert r.sql("SELECT count(*), count(token_logprobs) FROM trajectories").fetchall() == [
+            (len(trajs) + old.num_rows, old.num_rows)]
+
+    def test_cursor_for_another_thread(self, run):
+        """run.cursor() queries the same views from another thread."""
+        import threading
+
+        path, trajs, _ = run
+        r = open_run(path)
+        got = []
+        t = threading.Thread(target=lambda: got.append(r.cursor().sql("SELECT count(*) FROM trajectories").fetchall()))
+        t.start()
+        t.join(30)
+        assert got == [[(len(trajs),)]]
+
+    def test_a_newer_schema_version_is_refused(self, run):
+        """A file named .v2.0. stops the reader with a message naming it and the versions."""
+        path, _, _ = run
+        folder = Path(path, "trajectories/train/step=1")
+        good = next(folder.iterdir())
+        newer = folder / good.name.replace(".v1.0.", ".v2.0.").replace(good.name[:4], "ffff")
+        shutil.copy(good, newer)
+        with pytest.raises(SchemaVersionError, match=r"schema 2\.x; this rtrace reads schema 1\.0.*upgrade"):
+            open_run(path)
+
+
+# ----------------------------------------------------------------------------- faults while writing
+_FULL_DISK = r"""
+import os, resource, signal, sys
+sys.path.insert(0, {root!r})
+import rtrace
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as a full disk with ENOSPC
+rtrace.configure(exporter="parquet", parquet_path={path!r}, experiment="r", export_interval_s=0.02)
+def step(n):
+    for i in range(4):
+        with rtrace.rollout_context(step=n, sample_index=i):
+            rtrace.record_reward(1.0)
+    return rtrace.flush(30)
+ok1 = step(0)
+resource.setrlimit(resource.RLIMIT_FSIZE, (200, resource.RLIM_INFINITY))
+ok2 = step(1)
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+ok3 = step(2)
+rtrace.shutdown()
+print({{"ok": [ok1, ok2, ok3], "stats": {{k: v for k, v in rtrace.stats().items() if "parquet" in k}}}})
+"""
+
+
+def test_a_full_disk_loses_only_the_open_batch(tmp_path):
+    """Writes that fail at the OS (RLIMIT_FSIZE: EFBIG, as ENOSPC on a full disk) lose that batch only:
+    counted as the sink's failed trajectories and write errors, flush() says so, no partial or
+    temporary file is left, and the steps before and after are whole."""
+    out = subprocess.run([sys.executable, "-c", _FULL_DISK.format(root=str(ROOT), path=str(tmp_path / "ds"))],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 - our own child's printed dict
+    assert result["ok"] == [True, False, True]
+    stats = result["stats"]
+    assert stats["sink.parquet.failed_trajectories"] == 4 and stats["sink.parquet.exported"] == 8
+    assert stats["sink.parquet.write_errors"] == 1
+    run_path = tmp_path / "ds" / "r"
+    assert not [f for f in _files(run_path) if os.path.basename(f).startswith(".")]
+    r = open_run(run_path)
+    assert r.sql("SELECT step, count(*) FROM trajectories GROUP BY step ORDER BY step").fetchall() == [(0, 4), (2, 4)]
+    # the failed batch left no spans either (its spans file, written first, was removed or never whole)
+    assert r.sql("SELECT DISTINCT step FROM spans ORDER BY step").fetchall() == [(0,), (2,)]
+    assert r.skipped == []
+
+
+# ----------------------------------------------------------------------------- configuration
+class TestConfig:
+    @pytest.mark.parametrize("value, message", [
+        ("ftp2://x/y", "unknown scheme 'ftp2'"),     # a scheme neither pyarrow nor fsspec knows
+        ("s3://", "names no bucket"),                # no bucket
+        ("", "empty value"),
+    ])
+    def test_bad_paths_fail_at_configure(self, value, message):
+        """RTRACE_PARQUET_PATH names the variable and the accepted values."""
+        with pytest.raises(ConfigError, match=f"RTRACE_PARQUET_PATH.*{message}.*accepted values: a local folder"):
+            rtrace.config.load_settings({}, environ={"RTRACE_PARQUET_PATH": value})
+
+    def test_a_file_is_not_a_folder(self, tmp_path):
+        f = tmp_path / "file"
+        f.write_text("x")
+        with pytest.raises(ConfigError, match="is not a folder"):
+            rtrace.config.load_settings({"parquet_path": str(f)})
+
+    def test_urls_are_accepted_without_contacting_them(self):
+        """An s3:// URL with options is taken as is at configure time (no network)."""
+        s = rtrace.config.load_settings({"parquet_path": "s3://bucket/runs?endpoint_override=127.0.0.1:1"})
+        assert s.parquet_path == "s3://bucket/runs?endpoint_override=127.0.0.1:1"
+
+
+def test_jsonl_and_dataset_hold_the_same_trajectories(run):
+    """The parquet sink beside the JSONL sink: the same trajectories (they see the same sample)."""
+    path, _, jsonl = run
+    assert sorted(t.trace_id for t in read_jsonl(jsonl)) == sorted(
+        r[0] for r in open_run(path).sql("SELECT trace_id FROM trajectories").fetchall())
+
+
+def test_the_dataset_is_not_imported_by_rtrace():
+    """import rtrace imports neither pyarrow nor duckdb (the extra is optional)."""
+    code = "import sys, rtrace; print('pyarrow' in sys.modules, 'duckdb' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT), timeout=60)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_encode_degrades_a_value_arrow_refuses():
+    """A lone surrogate in an attribute set as it was: that trajectory is written degraded, its batch whole."""
+    from rtrace.trajectory import SpanRecord, Trajectory
+
+    def traj(i, text):
+        return Trajectory(trace_id=f"{i:032x}", name="r", step=1, spans=[SpanRecord(
+            span_id=f"{i:016x}", parent_id=None, name="r", kind="rollout", start_ns=0, end_ns=1,
+            attributes={"note": text})])
+
+    t, s, degraded, unwritable = encode.encode_safely([traj(1, "ok"), traj(2, "bad \ud800")], "r")
+    assert (t.num_rows, s.num_rows, degraded, unwritable) == (2, 2, 1, 0)
+    assert s.column("attributes_str").to_pylist()[1] == [("note", "bad \\ud800")]
+
+
+class TestQueryCli:
+    def test_query_prints_a_table_csv_and_jsonl(self, run, capsys):
+        """`rtrace query PATH SQL` with $params, in the three formats; `rtrace report PATH` takes the dataset."""
+        from rtrace.cli import main
+
+        path, trajs, _ = run
+        sql = "SELECT step, count(*) AS n FROM trajectories WHERE NOT validate AND step >= $s GROUP BY step ORDER BY step"
+        assert main(["query", path, sql, "--param", "s=1", "--format", "csv"]) == 0
+        assert capsys.readouterr().out.splitlines() == ["step,n", "1,16", "2,16"]
+        assert main(["query", path, sql, "--param", "s=2", "--format", "jsonl"]) == 0
+        assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == [{"step": 2, "n": 16}]
+        assert main(["query", path, sql, "--param", "s=0"]) == 0
+        table = capsys.readouterr().out
+        assert "step" in table and "16" in table
+        assert main(["report", path]) == 0
+        assert capsys.readouterr().out.startswith(f"{len(trajs)} trajectories from dataset {path}")
+
+    def test_query_errors_exit_2_with_the_reason(self, run, tmp_path, capsys):
+        from rtrace.cli import main
+
+        path, _, _ = run
+        assert main(["query", path, "SELECT nope FROM trajectories"]) == 2
+        assert "nope" in capsys.readouterr().err
+        assert main(["query", str(tmp_path / "nothing"), "SELECT 1"]) == 2
+        assert "not an rtrace run dataset" in capsys.readouterr().err
