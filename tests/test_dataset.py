@@ -206,9 +206,9 @@ class TestCompaction:
         for k in range(7):
             w.write(self._trajs(1, 2, start=2 * k))
         names = sorted(os.listdir(tmp_path / "trajectories/train/step=1"))
-        assert names == [f"{w.writer_id}-000000-000005.v1.0.parquet", f"{w.writer_id}-000006.v1.0.parquet"]
+        assert names == [f"{w.writer_id}-000000-000005.v1.1.parquet", f"{w.writer_id}-000006.v1.1.parquet"]
         w.close()
-        assert os.listdir(tmp_path / "trajectories/train/step=1") == [f"{w.writer_id}-000000-000006.v1.0.parquet"]
+        assert os.listdir(tmp_path / "trajectories/train/step=1") == [f"{w.writer_id}-000000-000006.v1.1.parquet"]
         assert open_run(tmp_path).sql("SELECT count(*), count(DISTINCT trace_id) FROM trajectories").fetchall()[0] == (
             14, 14)
 
@@ -225,7 +225,7 @@ class TestCompaction:
             w.write(self._trajs(1, 2, start=2 * k, blob=blob))
         w.close()
         names = sorted(os.listdir(tmp_path / "trajectories/train/step=1"))
-        assert names == [f"{w.writer_id}-000000-000001.v1.0.parquet", f"{w.writer_id}-000002-000003.v1.0.parquet"]
+        assert names == [f"{w.writer_id}-000000-000001.v1.1.parquet", f"{w.writer_id}-000002-000003.v1.1.parquet"]
 
     def test_inputs_left_after_a_crash_are_not_counted_twice(self, tmp_path):
         """A merged file and its inputs side by side (a writer stopped between rename and delete):
@@ -349,7 +349,7 @@ class TestBadFiles:
         folder = Path(path, "trajectories/train/step=1")
         good = next(folder.iterdir())
         data = good.read_bytes()
-        cut = folder / f"{'ab' * 8}-000000.v1.0.parquet"
+        cut = folder / f"{'ab' * 8}-000000.v1.1.parquet"
         cut.write_bytes(data[: len(data) // 2])
         (folder / "notes.parquet").write_bytes(data)
         (Path(path, "trajectories/train") / "README.txt").write_text("hello")
@@ -382,13 +382,28 @@ class TestBadFiles:
         folder = Path(path, "trajectories/train/step=1")
         old = pq.read_table(next(folder.iterdir()))
         newer = old.append_column("token_logprobs", pa.array([[-0.5, -1.0]] * old.num_rows, pa.list_(pa.float32())))
-        newer = newer.replace_schema_metadata({**old.schema.metadata, b"rtrace.schema": b"rtrace.dataset/1.1"})
+        newer = newer.replace_schema_metadata({**old.schema.metadata, b"rtrace.schema": b"rtrace.dataset/1.9"})
         newer = newer.set_column(newer.schema.get_field_index("trace_id"), "trace_id",
                                  pa.array([f"{i:032x}" for i in range(newer.num_rows)]))
-        pq.write_table(newer, folder / f"{'cd' * 8}-000000.v1.1.parquet")
+        pq.write_table(newer, folder / f"{'cd' * 8}-000000.v1.9.parquet")
         r = open_run(path)
         assert r.sql("SELECT count(*), count(token_logprobs) FROM trajectories").fetchall() == [
             (len(trajs) + old.num_rows, old.num_rows)]
+
+    def test_an_older_minor_version_is_read(self, run):
+        """A 1.0 file (written before 1.1 added health_checks and token_values) is read beside
+        1.1 files: those columns are NULL for its rows."""
+        path, trajs, _ = run
+        folder = Path(path, "trajectories/train/step=1")
+        current = pq.read_table(next(folder.iterdir()))
+        old = current.drop_columns(["health_checks"]).replace_schema_metadata(
+            {**current.schema.metadata, b"rtrace.schema": b"rtrace.dataset/1.0"})
+        old = old.set_column(old.schema.get_field_index("trace_id"), "trace_id",
+                             pa.array([f"{i + 1:032x}" for i in range(old.num_rows)]))
+        pq.write_table(old, folder / f"{'ce' * 8}-000000.v1.0.parquet")
+        r = open_run(path)
+        assert r.sql("SELECT count(*), count(health_checks) FROM trajectories").fetchall() == [
+            (len(trajs) + old.num_rows, len(trajs))]
 
     def test_cursor_for_another_thread(self, run):
         """run.cursor() queries the same views from another thread."""
@@ -407,9 +422,9 @@ class TestBadFiles:
         path, _, _ = run
         folder = Path(path, "trajectories/train/step=1")
         good = next(folder.iterdir())
-        newer = folder / good.name.replace(".v1.0.", ".v2.0.").replace(good.name[:4], "ffff")
+        newer = folder / good.name.replace(".v1.1.", ".v2.0.").replace(good.name[:4], "ffff")
         shutil.copy(good, newer)
-        with pytest.raises(SchemaVersionError, match=r"schema 2\.x; this rtrace reads schema 1\.0.*upgrade"):
+        with pytest.raises(SchemaVersionError, match=r"schema 2\.x; this rtrace reads schema 1\.1.*upgrade"):
             open_run(path)
 
 

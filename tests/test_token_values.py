@@ -307,6 +307,27 @@ def test_trackio_keeps_them_compact_with_the_summary_in_the_header(trackio_mod):
         "logprob": np.float32(SAMPLER[1]).tolist(), "old_logprob": np.float32(RESPONSE[4:]).tolist()}
 
 
+def test_the_dataset_keeps_them_as_float32_lists(tmp_path):
+    """The Parquet dataset: a generation's per-token values in spans.token_values (FLOAT[] per
+    name), queryable in SQL and read back onto the spans; health_checks on the trajectory."""
+    pytest.importorskip("duckdb")
+    rtrace.configure(exporter="parquet", parquet_path=str(tmp_path), experiment="tv",
+                     await_annotations="old_logprob", annotation_timeout_s=30)
+    rollout(0)
+    rtrace.annotate_batch(step=1, sample_index=[0], rollout_n=[0], old_logprob=[RESPONSE])
+    assert rtrace.flush(60)
+    rtrace.shutdown()
+    run = rtrace.open_run(tmp_path / "tv")
+    rows = run.sql("SELECT t.name, t.values FROM spans, unnest(token_values) AS u(t) WHERE kind = 'generation' "
+                   "ORDER BY start_time, t.name").fetchall()
+    assert rows == [("logprob", pytest.approx(SAMPLER[0])), ("old_logprob", pytest.approx(RESPONSE[:2])),
+                    ("logprob", pytest.approx(SAMPLER[1])), ("old_logprob", pytest.approx(RESPONSE[4:]))]
+    (t,) = run.load()
+    assert "logprob_mismatch" in t.health_checks
+    second = t.spans_of_kind("generation")[1]
+    assert second.token_values["old_logprob"] == pytest.approx(RESPONSE[4:])
+
+
 def test_token_texts_for_the_views(tok):
     """With token2text, a generation with per-token values gets each response token's own
     text (rtrace.response_tokens), one per id, for views that colour tokens."""

@@ -215,7 +215,8 @@ def rows_of(traj: Trajectory, run: str) -> Rows:
             _str(attrs.get("gen_ai.request.model")), _str(attrs.get("gen_ai.tool.name")),
             _str(attrs.get("gen_ai.tool.call.id")), t_in, t_out, reasons,
             *maps, dumps(span.input), dumps(span.output),
-            _events(span.events) if span.events else [], span.prompt_ids, span.response_ids))
+            _events(span.events) if span.events else [], span.prompt_ids, span.response_ids,
+            [{"name": k, "values": v} for k, v in span.token_values.items()] if span.token_values else None))
     root_start = spans[0].start_ns if spans else 0
     group = traj.group_id if traj.group_id is not None else traj.sample_index
     kept = [k if type(k) is str else str(k) for k in traj.kept]
@@ -228,7 +229,8 @@ def rows_of(traj: Trajectory, run: str) -> Rows:
         bool(traj.partial), traj.finish_reason, truncated, kept, not kept or "sampled" in kept,
         _health(traj.health), turns, tools, len(spans), int(traj.dropped_spans), tokens_in, tokens_out,
         root_start, end, (end - root_start) / 1e6, gen_ns / 1e6, tool_ns / 1e6, task, answer, None,
-        *_maps(traj.extra), *_maps(traj.outcome), *_maps(traj.annotations), _str(root_attrs.get("rtrace.job_id")))
+        *_maps(traj.extra), *_maps(traj.outcome), *_maps(traj.annotations), _str(root_attrs.get("rtrace.job_id")),
+        traj.health_checks)
     return trow, srows, traj.messages
 
 
@@ -372,7 +374,8 @@ def to_trajectories(traj_rows: Iterable[dict[str, Any]], span_rows: Iterable[dic
             error=r["status_message"], attributes=attrs, input=_loads(r["input"]), output=_loads(r["output"]),
             events=[{"name": e["name"], "time_ns": _ns(e["time"]), "attributes": _loads(e["attributes"]) or {}}
                     for e in r["events"] or ()],
-            prompt_ids=r.get("prompt_ids"), response_ids=r.get("response_ids")))
+            prompt_ids=r.get("prompt_ids"), response_ids=r.get("response_ids"),
+            token_values={t["name"]: t["values"] for t in r["token_values"]} if r.get("token_values") else None))
     out = []
     for r in traj_rows:
         out.append(Trajectory(
@@ -382,7 +385,8 @@ def to_trajectories(traj_rows: Iterable[dict[str, Any]], span_rows: Iterable[dic
             extra=_unmap(r, "extra"), reward=r["reward"], outcome=_unmap(r, "outcome"),
             annotations=_unmap(r, "annotations"), kept=list(r["kept"] or []), status=r["status"] or "ok",
             error=r["error"], partial=bool(r["partial"]), dropped_spans=r["dropped_spans"] or 0,
-            messages=[_message_back(m) for m in r["messages"] or ()], health=r["health"]))
+            messages=[_message_back(m) for m in r["messages"] or ()], health=r["health"],
+            health_checks=r.get("health_checks")))
     return out
 
 

@@ -34,7 +34,7 @@ __all__ = ["VERSION", "MAJOR", "MINOR", "SCHEMA_KEY", "TABLES", "MAP_KINDS", "ar
            "reference_markdown", "TRAJECTORIES", "SPANS"]
 
 #: The schema version written in every file's metadata (key :data:`SCHEMA_KEY`).
-VERSION = "1.0"
+VERSION = "1.1"
 MAJOR, MINOR = (int(v) for v in VERSION.split("."))
 #: The Parquet key-value metadata key holding ``rtrace.dataset/<VERSION>``.
 SCHEMA_KEY = "rtrace.schema"
@@ -53,6 +53,7 @@ _TOOL_CALLS = pa.list_(pa.struct([("id", pa.string()), ("type", pa.string()), (
     "function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))]))
 _MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()), ("name", pa.string()),
                                 ("tool_call_id", pa.string()), ("tool_calls", _TOOL_CALLS)]))
+_TOKEN_VALUES = pa.list_(pa.struct([("name", pa.string()), ("values", pa.list_(pa.float32()))]))
 _EVENTS = pa.list_(pa.struct([("name", pa.string()), ("time", _TS), ("attributes", pa.string())]))
 
 
@@ -112,6 +113,9 @@ TABLES: dict[str, list[tuple[str, pa.DataType, str]]] = {
         *_maps("outcome", "`record_reward` keywords"),
         *_maps("annotations", "`rtrace.annotate` / `annotate_batch` values"),
         ("job_id", pa.string(), "`rtrace.job_id` of the collector's job, when set"),
+        # 1.1
+        ("health_checks", pa.list_(pa.string()), "the health checks that ran on it (docs/health.md); NULL when "
+                                                 "unknown"),
     ],
     SPANS: [
         ("run", pa.string(), "as in trajectories"),
@@ -138,6 +142,10 @@ TABLES: dict[str, list[tuple[str, pa.DataType, str]]] = {
         ("events", _EVENTS, "span events; `attributes` is JSON text"),
         ("prompt_ids", pa.list_(pa.int64()), "token ids, when kept (docs/token2text.md)"),
         ("response_ids", pa.list_(pa.int64()), "token ids, when kept"),
+        # 1.1
+        ("token_values", _TOKEN_VALUES, "a generation's per-token values (docs/token-values.md): `logprob`, "
+                                        "`old_logprob`, `advantage`, `loss_mask` ..., each aligned with its "
+                                        "response tokens; NULL when none"),
     ],
 }
 
@@ -169,7 +177,7 @@ def type_text(dtype: pa.DataType) -> str:
     if pa.types.is_timestamp(dtype):
         return "TIMESTAMPTZ_NS"  # nanoseconds, UTC (DuckDB's name)
     return {"string": "VARCHAR", "large_string": "VARCHAR", "int64": "BIGINT", "int32": "INTEGER",
-            "double": "DOUBLE", "bool": "BOOLEAN"}[str(dtype)]
+            "double": "DOUBLE", "float": "FLOAT", "bool": "BOOLEAN"}[str(dtype)]
 
 
 def schema_json() -> dict[str, Any]:
