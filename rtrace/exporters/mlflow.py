@@ -49,7 +49,7 @@ from ..config import ConfigError, Settings, uri_scheme
 from ..trajectory import MESSAGE_INDEX, SpanRecord, StepMetrics, Trajectory, chat_argument
 from . import _mlflow_private
 from .base import Sink
-from .otel import DEFAULT_MAX_VALUE_CHARS, otlp_spans, to_otlp_request
+from .otel import DEFAULT_MAX_VALUE_CHARS, DEFAULT_SEMCONV, otlp_spans, to_otlp_request
 
 __all__ = ["MlflowSink", "check_mlflow_version", "trace_tags", "tag_value", "MLFLOW_VERSION_RANGE"]
 
@@ -231,7 +231,7 @@ def mlflow_attributes(traj: Trajectory, span: SpanRecord, is_root: bool, tag_att
 class _Converter:
     """Trajectories -> OTel spans (the shared conversion) with MLflow's attributes."""
 
-    def __init__(self, max_value_chars: int = DEFAULT_MAX_VALUE_CHARS) -> None:
+    def __init__(self, max_value_chars: int = DEFAULT_MAX_VALUE_CHARS, semconv: str = DEFAULT_SEMCONV) -> None:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
@@ -242,13 +242,14 @@ class _Converter:
         self.resource = Resource.get_empty()
         self.scope = InstrumentationScope("rtrace", __version__)
         self.max_value_chars = max_value_chars
+        self.semconv = semconv
 
     def request(self, trajectories: Sequence[Trajectory], tag_attributes: bool = True) -> Any:
         """One OTLP request holding the spans of ``trajectories``, MLflow's attributes included."""
         def extra(traj: Trajectory, span: SpanRecord, is_root: bool) -> dict[str, Any]:
             return mlflow_attributes(traj, span, is_root, tag_attributes)
 
-        return to_otlp_request(trajectories, self.resource, self.scope, self.max_value_chars, extra)
+        return to_otlp_request(trajectories, self.resource, self.scope, self.max_value_chars, extra, self.semconv)
 
     def trajectory(self, traj: Trajectory, tag_attributes: bool = True) -> list[Any]:
         """The OTLP protobuf spans of one trajectory."""
@@ -521,7 +522,7 @@ class MlflowSink(Sink):
                 backend = _StoreBackend(uri)
         else:
             backend = _StoreBackend(uri)
-        self._converter = _Converter(self.settings.max_value_chars)
+        self._converter = _Converter(self.settings.max_value_chars, self.settings.semconv)
         self._backend = backend
         return backend
 
