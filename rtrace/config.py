@@ -515,6 +515,9 @@ PARAMS: tuple[Param, ...] = (
           "Where the mlflow sink writes. Unset: sqlite:///<cwd>/.rtrace/mlflow.db.", type="str | None"),
     Param("mlflow_run_id", "RTRACE_MLFLOW_RUN_ID", _str, None, "an MLflow run id",
           "Run the traces are linked to. Unset: the active run of this process, if any.", type="str | None"),
+    Param("mlflow_assessments", "RTRACE_MLFLOW_ASSESSMENTS", _bool, True, "true/false",
+          "Write each trajectory's reward, verdict and reward components as MLflow assessments (columns of the "
+          "traces list, `feedback.reward > 0.5` in search_traces; docs/mlflow.md).", type="bool"),
     # OTLP sink
     Param("otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT", _url, None, "a URL",
           "OTLP collector base URL (http: 'http://127.0.0.1:4318'; grpc: '127.0.0.1:4317').", type="str | None"),

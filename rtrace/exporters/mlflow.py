@@ -49,6 +49,7 @@ from ..config import ConfigError, Settings, uri_scheme
 from ..trajectory import MESSAGE_INDEX, SpanRecord, StepMetrics, Trajectory, chat_argument
 from . import _mlflow_private
 from .base import Sink
+from .mlflow_assessments import feedbacks
 from .otel import DEFAULT_MAX_VALUE_CHARS, DEFAULT_SEMCONV, otlp_spans, to_otlp_request
 
 __all__ = ["MlflowSink", "check_mlflow_version", "trace_tags", "tag_value", "MLFLOW_VERSION_RANGE"]
@@ -351,6 +352,20 @@ class _StoreBackend:
     def link(self, trace_ids: list[str], run_id: str) -> None:
         self.client.link_traces_to_run(trace_ids, run_id)
 
+    def log_assessments(self, assessments: list[Any]) -> int:
+        """Write assessments of stored traces: one transaction on a SQL store
+        (:func:`_mlflow_private.insert_assessments`), else MLflow's one call each.
+
+        Returns:
+            How many were not written (their trace was not found).
+        """
+        store = self.tracing.store
+        if _mlflow_private.supports_bulk_assessments(store):
+            return _mlflow_private.insert_assessments(store, assessments)
+        for assessment in assessments:
+            self.tracing.log_assessment(assessment.trace_id, assessment)
+        return 0
+
 
 class _HttpBackend:
     """A ``mlflow server`` over HTTP, with bounded retries and timeouts.
@@ -419,6 +434,18 @@ class _HttpBackend:
 
     def link(self, trace_ids: list[str], run_id: str) -> None:
         self._request("/api/2.0/mlflow/traces/link-to-run", "POST", json={"trace_ids": trace_ids, "run_id": run_id})
+
+    def log_assessments(self, assessments: list[Any]) -> int:
+        """One request per assessment: what ``RestStore.create_assessment`` sends (the
+        server has no bulk endpoint for them)."""
+        from mlflow.protos.service_pb2 import CreateAssessment
+        from mlflow.utils.proto_json_utils import message_to_json
+
+        for assessment in assessments:
+            body = message_to_json(CreateAssessment(assessment=assessment.to_proto()))
+            self._request(f"/api/3.0/mlflow/traces/{assessment.trace_id}/assessments", "POST", data=body,
+                          extra_headers={"Content-Type": "application/json"})
+        return 0
 
 
 # ----------------------------------------------------------------------------- the sink
@@ -597,6 +624,8 @@ class MlflowSink(Sink):
             if bulk_tags:
                 backend.set_tags({tid: trace_tags(t) for tid, t in zip(trace_ids, trajectories)})
                 _stats.incr("sink.mlflow.store_calls")
+            if self.settings.mlflow_assessments:
+                self._log_assessments(backend, trajectories, trace_ids)
             if run_id is None or not self._experiments.get(("run", run_id)):
                 return
             for i in range(0, len(trace_ids), _LINK_CHUNK):
@@ -607,6 +636,26 @@ class MlflowSink(Sink):
                     _stats.incr("sink.mlflow.failed_links", len(chunk))
                     _stats.warn_once("mlflow-link", "rtrace could not link MLflow traces to run %s", run_id,
                                      exc_info=True)
+
+    @staticmethod
+    def _log_assessments(backend: Any, trajectories: Sequence[Trajectory], trace_ids: list[str]) -> None:
+        """The batch's reward terms as assessments (:mod:`rtrace.exporters.mlflow_assessments`).
+        A failure is counted (``sink.mlflow.failed_assessments``) but not raised: the
+        traces are stored."""
+        items = feedbacks(trajectories, trace_ids)
+        if not items:
+            return
+        try:
+            missing = backend.log_assessments(items)
+        except Exception:
+            missing = len(items)
+            _stats.warn_once("mlflow-assessments", "rtrace could not log reward assessments to MLflow",
+                             exc_info=True)
+        _stats.incr("sink.mlflow.store_calls")
+        if missing:
+            _stats.incr("sink.mlflow.failed_assessments", missing)
+        if len(items) - missing:
+            _stats.incr("sink.mlflow.assessments", len(items) - missing)
 
     def export_step_metrics(self, metrics: Sequence[StepMetrics]) -> None:
         """Log each step's metrics on the linked run (``MlflowClient.log_batch``), at that
