@@ -5,7 +5,7 @@ demo's tokenizer ``tok``) records, in this process:
 
 * a demo-like agent loop: a ``rollout_context`` root, the decorated agent, generations
   given chat ``messages`` and token ids, a calculator tool (a captured call id), a lookup
-  tool returning veRL's ``(text, reward, metrics)`` (``rl.tool.*``), a tool that raises;
+  tool returning a gym step ``(obs, reward, done, info)`` (``rl.tool.*``), a tool that raises;
   rewards with outcome components, extra coordinates, a group and a policy version;
 * a validation trajectory, a truncated one (``finish_reason`` ``length``), a failed one;
 * annotations (``advantage``, ``returns``) awaited by the caller's settings or joined;
@@ -59,8 +59,8 @@ def calculator(tool_call_id, expression):
 
 @rtrace.traced_tool(name="lookup")
 def lookup(key):
-    """veRL's tool shape: (answer, step reward, metrics)."""
-    return ("found " + key, 0.5, {"hits": 1})
+    """An environment step's shape: (observation, step reward, done, info)."""
+    return ("found " + key, 0.5, False, {"hits": 1})
 
 
 @rtrace.traced_tool
@@ -139,7 +139,8 @@ def run(tok: Any, partial: bool = False) -> dict[str, Any]:
     prompt, turn1, obs, turn2 = policy.ids(QUESTION), policy.ids("calc"), policy.ids("51"), policy.ids(ANSWER)
     row = prompt + turn1 + obs + turn2
     mask = [0] * len(prompt) + [1] * len(turn1) + [0] * len(obs) + [1] * len(turn2)
-    rtrace.log_rollout_batch([row, row], loss_mask=[mask, mask], prompt_lengths=[len(prompt)] * 2,
+    rtrace.log_rollout_batch([row, row], loss_mask=[mask, mask], assistant_mask=[mask, mask],
+                             prompt_lengths=[len(prompt)] * 2,
                              rewards=[1.0, 0.0], versions=[3, 3], n_samples_per_prompt=2, step=3,
                              finish_reasons=["stop", "stop"])
     # 9. partial: a root that has not ended when rtrace shuts down
