@@ -67,7 +67,7 @@ def new_run(uri: str) -> str:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
-    exp = client.create_experiment("bench")
+    exp = client.create_experiment(f"bench-{uuid.uuid4().hex[:8]}")
     return client.create_run(exp).info.run_id
 
 

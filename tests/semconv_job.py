@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import threading
+import uuid
 from typing import Any
 
 import rtrace
@@ -123,7 +124,8 @@ def run(tok: Any, partial: bool = False) -> dict[str, Any]:
     rtrace.annotate(step=1, sample_index=0, rollout_n=0, advantage=0.7, returns=1.0)
     rtrace.annotate(step=1, sample_index=0, rollout_n=1, advantage=-0.7, returns=0.0)
     # 7. a segment: the part of a trajectory that ran in "another process"
-    carrier = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    segment_trace = uuid.uuid4().hex  # a trace of its own per run: backends keep traces across runs
+    carrier = {"traceparent": f"00-{segment_trace}-b7ad6b7169203331-01",
                "baggage": "rl.step=1,rl.sample_index=0,rl.rollout_n=0"}
     seen: list[Any] = []
 
@@ -134,7 +136,7 @@ def run(tok: Any, partial: bool = False) -> dict[str, Any]:
     t = threading.Thread(target=worker)
     t.start()
     t.join()
-    ids["segment"] = "0af7651916cd43dd8448eb211c80319c"
+    ids["segment"] = segment_trace
     # 8. a tensor batch (two samples: a prompt, an assistant turn, a tool turn, an assistant turn)
     prompt, turn1, obs, turn2 = policy.ids(QUESTION), policy.ids("calc"), policy.ids("51"), policy.ids(ANSWER)
     row = prompt + turn1 + obs + turn2

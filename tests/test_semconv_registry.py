@@ -91,7 +91,7 @@ def emitted(tok):
         rl = []
         for traj in trajectories:
             for i, span in enumerate(otel.to_readable_spans(traj, Resource.get_empty(), semconv=mode)):
-                kind = span.attributes["rtrace.kind"]
+                kind = traj.spans[i].kind
                 for key, value in span.attributes.items():
                     if key.startswith("rl."):
                         rl.append((traj.trace_id, i, key, value))

@@ -201,7 +201,8 @@ def span_attributes(traj: Trajectory, rec: SpanRecord, is_root: bool,
             drop = DUPLICATES.get(rec.kind, ())
             for key in drop:
                 attrs.pop(key, None)
-    attrs["rtrace.kind"] = rec.kind
+    if "rtrace.kind" not in drop:
+        attrs["rtrace.kind"] = rec.kind
     if rec.input is not None and "rtrace.input" not in drop:
         attrs["rtrace.input"] = json_text(rec.input, max_value_chars)
     if rec.output is not None and "rtrace.output" not in drop:

@@ -43,11 +43,15 @@ MODES = ("both", "genai", "rtrace")
 #: The event a reward term becomes (``gen_ai.evaluation.result``).
 EVALUATION_EVENT = "gen_ai.evaluation.result"
 
-#: rtrace's copies of what the GenAI attributes carry, left out in ``genai`` mode (by span kind).
+#: rtrace's copies of what the GenAI attributes carry, left out in ``genai`` mode (by span
+#: kind): the captured call and decoded text (the messages, the tool call's arguments and
+#: result), and ``rtrace.kind`` (``gen_ai.operation.name``).
 DUPLICATES = {
     "generation": ("rtrace.input", "rtrace.output", "rtrace.prompt_text", "rtrace.response_text",
-                   MESSAGE_INDEX),
-    "tool": ("rtrace.input", "rtrace.output"),
+                   MESSAGE_INDEX, "rtrace.kind"),
+    "tool": ("rtrace.input", "rtrace.output", "rtrace.kind"),
+    "rollout": ("rtrace.kind",),
+    "agent": ("rtrace.kind",),
 }
 
 #: ``gen_ai.input.messages`` keeps the task and the latest messages within this many times
@@ -280,14 +284,31 @@ def _generation_input(conv: Conversation, rec: SpanRecord) -> str | None:
     return None
 
 
+def _finish_reason(rec: SpanRecord) -> str | None:
+    reasons = rec.attributes.get("gen_ai.response.finish_reasons")
+    if isinstance(reasons, (list, tuple)) and reasons and isinstance(reasons[0], str):
+        return reasons[0]
+    return None
+
+
+def output_message(encoded: str, finish_reason: str | None) -> str:
+    """``gen_ai.output.messages`` of one encoded message, with its ``finish_reason`` when
+    known: deprecated in the current schema (``gen_ai.response.finish_reasons`` carries it)
+    but required by readers of the earlier one (Phoenix validates output messages against
+    it and drops them without it)."""
+    if finish_reason is None:
+        return "[" + encoded + "]"
+    return "[" + encoded[:-1] + ',"finish_reason":' + _json(finish_reason) + "}]"
+
+
 def _generation_output(conv: Conversation, rec: SpanRecord) -> str | None:
     """A generation's ``gen_ai.output.messages``: the assistant turn it produced (its text
     and the tool calls that followed), else its response text."""
     if conv.traj.turn_of(rec) is not None:
-        return "[" + conv.encoded(rec.attributes[MESSAGE_INDEX]) + "]"
+        return output_message(conv.encoded(rec.attributes[MESSAGE_INDEX]), _finish_reason(rec))
     text = response_text(rec)
     if isinstance(text, str):
-        return _json([message_parts({"role": "assistant", "content": text})])
+        return output_message(_json(message_parts({"role": "assistant", "content": text})), _finish_reason(rec))
     return None
 
 
@@ -324,7 +345,7 @@ def genai_attributes(conv: Conversation, rec: SpanRecord, is_root: bool) -> dict
             out["gen_ai.input.messages"] = conv.prefix(conv.task_length())
             last = conv.last_assistant()
             if last is not None:
-                out["gen_ai.output.messages"] = "[" + conv.encoded(last) + "]"
+                out["gen_ai.output.messages"] = output_message(conv.encoded(last), traj.finish_reason)
     elif kind == "generation":
         out["gen_ai.operation.name"] = "chat"
         out["gen_ai.conversation.id"] = traj.trace_id
