@@ -128,11 +128,14 @@ def _shot(page, name: str) -> None:
 def _mlflow_traces(page, base: str, experiment: str) -> None:
     """The experiment's traces list, without the assistant panel and the first-visit tip."""
     page.goto(f"{base}/#/experiments/{experiment}/traces")
-    page.get_by_role("row").nth(1).wait_for()
-    for button in ("Close guidance", "Close"):
-        found = page.get_by_role("button", name=button, exact=True)
-        if found.count():
-            found.first.click()
+    page.get_by_text("Rows per page").wait_for()
+    page.get_by_role("button", name="Close guidance", exact=True).click()  # the tip's popover hides the rows
+    page.get_by_role("button", name="Close", exact=True).first.click()  # the assistant's panel
+    try:
+        page.get_by_role("row").nth(1).wait_for()
+    except Exception:
+        _shot(page, f"mlflow-traces-{experiment}-not-loaded")
+        raise
 
 
 def _mlflow_open(page, trace_id: str) -> None:
@@ -142,7 +145,26 @@ def _mlflow_open(page, trace_id: str) -> None:
     page.get_by_text("Inputs / Outputs").first.wait_for()
 
 
+def _expect(page, texts, shot: str) -> None:
+    """Each text is on the page (exactly, as an element's whole text); else a screenshot
+    ``<shot>-failed`` and the missing ones."""
+    body = page.locator("body")
+    for _ in range(40):  # the detail pane loads the selected span asynchronously: up to ~10 s
+        missing = [text for text in texts if body.get_by_text(text, exact=True).count() == 0]
+        if not missing:
+            return
+        page.wait_for_timeout(250)
+    if missing:
+        _shot(page, f"{shot}-failed")
+    assert not missing, f"not on the page: {missing}"
+
+
 def _span(page, name: str, nth: int = 0) -> None:
+    """Select the ``nth`` span of that name in the trace's tree (the selected span's name is
+    also the detail's title: the agent span, a unique name, is selected first)."""
+    if nth:
+        page.get_by_text("invoke_agent agent", exact=True).first.click()
+        page.wait_for_timeout(500)
     page.get_by_text(name, exact=True).nth(nth).click()
     page.wait_for_timeout(500)
 
@@ -160,14 +182,14 @@ def test_mlflow_renders_rtrace_otlp_as_an_agent_trace(page, mlflow_ui):
         assert page.get_by_text(name, exact=True).count() >= 1, name
     _span(page, "chat toy-policy")  # the first turn: given the system prompt and the question, it calls the tool
     detail = page.locator("body")
-    for text in ("System", SYSTEM, "User", QUESTION, "Assistant", "Tool calls", "calculator", "expression"):
-        assert detail.get_by_text(text, exact=True).count() >= 1, text
+    _expect(page, ("System", SYSTEM, "User", QUESTION, "Assistant", "Tool calls", "calculator", "expression"),
+            "mlflow-otlp-chat-span")
     _shot(page, "mlflow-otlp-chat-span")
     _span(page, "chat toy-policy", 1)  # the second: the whole conversation in, the answer out
-    for text in ("Tool", "51", ANSWER):
-        assert detail.get_by_text(text, exact=True).count() >= 1, text
+    _expect(page, ("51", ANSWER), "mlflow-otlp-chat-answer")
+    _shot(page, "mlflow-otlp-chat-answer")
     _span(page, "execute_tool calculator")
-    assert detail.get_by_text("17 * 3", exact=True).count() >= 1
+    _expect(page, ("17 * 3", "51"), "mlflow-otlp-tool-span")
     _shot(page, "mlflow-otlp-tool-span")
     _span(page, "invoke_agent rollout")
     page.get_by_role("tab", name="Events").click()
@@ -183,10 +205,10 @@ def test_mlflow_shows_a_reasoning_part_as_raw_json(page, mlflow_ui):
     _mlflow_traces(page, base, exp)
     _mlflow_open(page, ids["train0"])  # its answer starts with <think>: a reasoning part
     _span(page, "chat toy-policy", 1)
-    detail = page.locator("body")
-    assert detail.get_by_text("reasoning").count() >= 1  # the part's type, shown as data
-    assert detail.get_by_text(ANSWER, exact=True).count() == 0  # not as an Assistant message
     _shot(page, "mlflow-otlp-reasoning-part")
+    detail = page.locator("body")
+    # the message's keys and the part's type as data (a chat view shows neither)
+    _expect(page, ("reasoning", "finish_reason", "parts"), "mlflow-otlp-reasoning-part")
 
 
 def test_mlflow_sink_shows_rewards_as_assessments(page, mlflow_ui):
@@ -239,18 +261,15 @@ def test_phoenix_renders_rtrace_otlp_as_an_agent_trace(page, phoenix_ui):
     _shot(page, "phoenix-spans")
     _phoenix_trace(page, base, ids["train1"])
     detail = page.locator("body")
-    for name in ("invoke_agent agent", "chat toy-policy", "execute_tool calculator", "execute_tool lookup"):
-        assert detail.get_by_text(name, exact=True).count() >= 1, name
+    _expect(page, ("invoke_agent agent", "chat toy-policy", "execute_tool calculator", "execute_tool lookup"),
+            "phoenix-trace")
     _span(page, "chat toy-policy")
-    for text in ("llm", "system", SYSTEM, "user", QUESTION):
-        assert detail.get_by_text(text, exact=True).count() >= 1, text
+    _expect(page, ("system", SYSTEM, "user", QUESTION), "phoenix-chat-span")
     _shot(page, "phoenix-chat-span")
     _span(page, "chat toy-policy", 1)
-    for text in ("assistant", ANSWER):
-        assert detail.get_by_text(text, exact=True).count() >= 1, text
+    _expect(page, ("assistant", ANSWER), "phoenix-chat-answer")
     _shot(page, "phoenix-chat-answer")
     _span(page, "execute_tool calculator")
-    assert detail.get_by_text("tool", exact=True).count() >= 1
     assert detail.get_by_text("51").count() >= 1
     _shot(page, "phoenix-tool-span")
     _span(page, "invoke_agent rollout")
