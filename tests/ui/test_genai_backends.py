@@ -227,6 +227,7 @@ def test_mlflow_sink_shows_rewards_as_assessments(page, mlflow_ui):
     assert {a.name: a.value for a in train0.info.assessments} == {
         "reward": 1.0, "verdict": "correct", "correct": True, "format": 0.5}
 
+    page.set_viewport_size({"width": 2600, "height": 1100})  # the assessment columns come after the tags
     _mlflow_traces(page, base, exp)
     headers = page.get_by_role("columnheader").all_inner_texts()
     for name in ("reward", "verdict", "correct", "format"):
