@@ -532,12 +532,12 @@ PARAMS: tuple[Param, ...] = (
           "milliseconds in the environment, seconds in configure()", "Per-request OTLP timeout.",
           env_scale=0.001, type="float"),
     # The one conversion to OTel spans (otlp and mlflow sinks, the collector's output)
-    Param("semconv", "RTRACE_SEMCONV", _choice("both", "genai", "rtrace"), "both", "both, genai or rtrace",
-          "Names on exported OTel spans (otlp, mlflow sinks): `both` writes the OpenTelemetry GenAI conventions "
-          "(span names `invoke_agent` / `chat` / `execute_tool`, `gen_ai.*` messages, rewards as "
-          "`gen_ai.evaluation.result` events) next to rtrace's own names; `genai` leaves out rtrace's copies of "
-          "what the GenAI attributes carry; `rtrace` writes rtrace's names only. `rl.*` are always written "
-          "(docs/semconv.md).", type="str"),
+    Param("semconv", "RTRACE_SEMCONV", _choice("both", "genai", "rtrace"), "rtrace", "rtrace, both or genai",
+          "Names on exported OTel spans (otlp, mlflow sinks, the collector's output): `rtrace` writes rtrace's "
+          "names; `both` adds the OpenTelemetry GenAI conventions (span names `invoke_agent` / `chat` / "
+          "`execute_tool`, `gen_ai.*` messages, rewards as `gen_ai.evaluation.result` events), which MLflow and "
+          "Phoenix render natively; `genai` leaves out rtrace's copies of what those carry. `rl.*` are always "
+          "written. Not `both` by default: it costs the OTLP sink ~1.4x the CPU (docs/semconv.md).", type="str"),
 )
 
 _PARAMS_BY_NAME = {p.name: p for p in PARAMS}

@@ -111,7 +111,6 @@ def test_http_export_keeps_ids_tree_times_status_and_attributes(receiver, tmp_pa
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.base_url)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-team=rl%20infra,authorization=Bearer abc")
     monkeypatch.setenv("OTEL_SERVICE_NAME", "grpo-driver")
-    monkeypatch.setenv("RTRACE_SEMCONV", "rtrace")  # rtrace's own names, exactly (GenAI's: tests/test_semconv.py)
     rtrace.configure(jsonl_path=str(tmp_path / "t.jsonl"), export_interval_s=0.05, experiment="run-7")
     _run_one(step=1, sample_index=4)
     assert rtrace.flush(20)
@@ -182,7 +181,7 @@ def test_token2text_text_travels_as_span_attributes(receiver):
     with rtrace.rollout_context(step=2):
         gen(prompt)
     assert rtrace.flush(20)
-    [span] = [s for s in receiver.wait_for_spans(2, 10) if s.attributes["gen_ai.operation.name"] == "chat"]
+    [span] = [s for s in receiver.wait_for_spans(2, 10) if s.name.endswith("gen")]
     assert span.attributes["rtrace.prompt_text"] == "what is two plus two"
     assert span.attributes["rtrace.response_text"] == "four"
     assert "rtrace.prompt_ids" not in span.attributes and "rtrace.response_ids" not in span.attributes
@@ -195,8 +194,7 @@ def test_retryable_status_is_retried_then_delivered(receiver):
     _run_one()
     assert rtrace.flush(30)
     spans = receiver.wait_for_spans(6, 10)
-    assert sorted(s.name for s in spans) == ["chat tiny-chat", "execute_tool calculator", "execute_tool calculator",
-                                              "invoke_agent agent", "invoke_agent rollout", "parse"]
+    assert sorted(s.name for s in spans) == ["agent", "calculator", "calculator", "parse", "rollout", "tiny-chat"]
     stats = rtrace.stats()
     assert stats["sink.otlp.exported"] == 1 and "sink.otlp.failed_batches" not in stats
 
@@ -225,11 +223,10 @@ def test_grpc_protocol_sends_the_same_spans():
         _run_one(step=5, sample_index=1)
         assert rtrace.flush(20)
         spans = rx.wait_for_spans(6, 10)
-    assert sorted(s.name for s in spans) == ["chat tiny-chat", "execute_tool calculator", "execute_tool calculator",
-                                              "invoke_agent agent", "invoke_agent rollout", "parse"]
+    assert sorted(s.name for s in spans) == ["agent", "calculator", "calculator", "parse", "rollout", "tiny-chat"]
     assert {s.attributes["rl.step"] for s in spans} == {5}
     assert {s.headers.get("x-tenant") for s in spans} == {"rl"}
-    [root] = [s for s in spans if s.name == "invoke_agent rollout"]
+    [root] = [s for s in spans if s.name == "rollout"]
     assert all(s.parent_span_id for s in spans if s is not root)
 
 

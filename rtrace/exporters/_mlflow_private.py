@@ -124,8 +124,10 @@ def supports_bulk_assessments(store: Any) -> bool:
     """Can :func:`insert_assessments` write to this tracking store: a SQL store whose
     trace rollups (``MLFLOW_SQL_TRACE_ROLLUPS_ENABLED``, off by default) are off? With
     rollups on, ``create_assessment`` also queues rollup rebuilds, which this does not."""
-    from mlflow.store.tracking.utils.sql_trace_rollups import rollups_enabled
-
+    try:
+        from mlflow.store.tracking.utils.sql_trace_rollups import rollups_enabled
+    except ImportError:  # an MLflow without trace rollups
+        return supports_bulk_tags(store)
     return supports_bulk_tags(store) and not rollups_enabled()
 
 

@@ -25,7 +25,12 @@ What MLflow shows (see docs/mlflow.md):
   normalised strings (veRL's names and values where they overlap), so
   ``search_traces(filter_string="tags.step = '1'")`` works;
 * the trace's request / response previews: the first user message and the final
-  assistant message of the trajectory.
+  assistant message of the trajectory;
+* the reward terms as MLflow assessments (``reward``, ``verdict``, each outcome
+  component: :mod:`rtrace.exporters.mlflow_assessments`), written after the spans;
+* with ``RTRACE_SEMCONV=both``, the GenAI conventions' names and attributes too
+  (docs/semconv.md): MLflow's own span type and inputs, set here, take precedence over its
+  reading of them.
 
 Everything here runs in the sink thread; ``import mlflow`` happens on the first export.
 """

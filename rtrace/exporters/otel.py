@@ -33,6 +33,13 @@ therefore show a trajectory the same way:
   failed checks' names; ``rtrace.health``, the findings as JSON) when they apply.
 * **events**: name, time (the span's start when unknown) and attributes (checked the
   same way).
+* **the GenAI conventions** (``semconv``, ``RTRACE_SEMCONV``: ``rtrace`` by default,
+  ``both``, ``genai``): with ``both`` or ``genai``, agent / generation / tool spans are
+  named ``invoke_agent {name}`` / ``chat {model}`` / ``execute_tool {tool}`` and carry the
+  GenAI attributes (messages as typed parts, tool call arguments and result, conversation
+  id...), and the reward terms are ``gen_ai.evaluation.result`` events on the root
+  (:mod:`rtrace.exporters.semconv`, docs/semconv.md); ``genai`` leaves out rtrace's copies
+  of what those carry. ``rl.*`` is the same in every mode.
 
 A sink may add backend-specific attributes on top of the encoded spans (``extra`` of
 :func:`to_otlp_request`): OTLP ``AnyValue`` has maps and nested lists, which the SDK's
@@ -60,7 +67,7 @@ __all__ = ["encode_compact", "RECORD_ATTR", "to_readable_spans", "to_otlp_reques
 #: The default bound of captured values (``Settings.max_value_chars``).
 DEFAULT_MAX_VALUE_CHARS = 20_000
 #: The default names on exported spans (``Settings.semconv``, ``RTRACE_SEMCONV``).
-DEFAULT_SEMCONV = "both"
+DEFAULT_SEMCONV = "rtrace"
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -234,7 +241,7 @@ def to_readable_spans(trajectories: Trajectory | Iterable[Trajectory], resource:
         scope: their ``InstrumentationScope`` (None: no scope).
         max_value_chars: the bound of ``rtrace.input`` / ``rtrace.output`` (characters)
             and of the token id lists (ids).
-        semconv: ``both`` (default), ``genai`` or ``rtrace`` (``RTRACE_SEMCONV``): which
+        semconv: ``rtrace`` (default), ``both`` or ``genai`` (``RTRACE_SEMCONV``): which
             names the spans carry (:mod:`rtrace.exporters.semconv`).
 
     Returns:

@@ -1,5 +1,5 @@
-"""The feature trajectories (tests/semconv_job.py) written to one backend, for the browser
-tests of the GenAI conventions.
+"""The feature trajectories (tests/semconv_job.py) written to one backend with the GenAI
+conventions on (``RTRACE_SEMCONV=both``), for the browser tests.
 
 ``python tests/ui/genai_job.py otlp URL [HEADER=VALUE ...]`` sends them with the OTLP sink to
 ``URL`` (an OTLP/HTTP traces endpoint: MLflow's or Phoenix's ``/v1/traces``);
@@ -21,7 +21,7 @@ def main(argv: list[str]) -> dict:
 
     tok = build_tokenizer()
     kind = argv[0]
-    common = dict(token2text=True, tokenizer=tok, experiment="ui-genai", export_interval_s=0.05,
+    common = dict(token2text=True, tokenizer=tok, experiment="ui-genai", export_interval_s=0.05, semconv="both",
                   await_annotations="advantage", annotation_timeout_s=2.0)
     if kind == "otlp":
         headers = dict(h.split("=", 1) for h in argv[2:])

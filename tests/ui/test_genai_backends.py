@@ -273,7 +273,9 @@ def test_phoenix_renders_rtrace_otlp_as_an_agent_trace(page, phoenix_ui):
     _span(page, "execute_tool calculator")
     assert detail.get_by_text("51").count() >= 1
     _shot(page, "phoenix-tool-span")
-    _span(page, "invoke_agent rollout")
+    _phoenix_trace(page, base, ids["train1"])  # opens with the root selected (the spans list is behind it)
     page.get_by_role("tab", name="Events").click()
-    assert detail.get_by_text("gen_ai.evaluation.result").count() >= 1
+    events = page.get_by_text("gen_ai.evaluation.result")
+    events.first.wait_for()
+    assert events.count() == 3  # reward, correct, format
     _shot(page, "phoenix-root-events")
