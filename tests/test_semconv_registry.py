@@ -116,20 +116,43 @@ def _snippet(missing: dict[str, set[tuple[str, str]]]) -> str:
     return "\n".join(lines + ["", "and under the span group(s):"] + refs)
 
 
-def test_nothing_emitted_is_unlisted(emitted):
-    """Every rl.* attribute on an exported span is in docs/semconv.yaml, for that span's group."""
-    attrs, groups = load_registry()
-    unlisted: dict[str, set[tuple[str, str]]] = {}
+def unlisted(emitted: dict, attrs: dict, groups: dict) -> str:
+    """What the registry lacks for ``emitted`` ({(group, key): value}), as the message that
+    says what to add; empty when nothing."""
+    missing: dict[str, set[tuple[str, str]]] = {}
     misplaced = []
     for (group, key), value in emitted.items():
         name = registered(key, attrs)
         if name is None:
-            unlisted.setdefault(key, set()).add((group, _type_name(value)))
+            missing.setdefault(key, set()).add((group, _type_name(value)))
         elif name not in groups[group]:
             misplaced.append(f"{key} on {group} spans: add `- ref: {name}` to the {group} span group")
-    assert not unlisted, ("rl.* attributes emitted but not in docs/semconv.yaml (and docs/semconv.md); add:\n"
-                          + _snippet(unlisted))
-    assert not misplaced, "rl.* attributes emitted on spans whose group does not list them:\n" + "\n".join(misplaced)
+    out = []
+    if missing:
+        out.append("rl.* attributes emitted but not in docs/semconv.yaml (and docs/semconv.md's table); add:\n"
+                   + _snippet(missing))
+    if misplaced:
+        out.append("rl.* attributes emitted on spans whose group does not list them:\n" + "\n".join(misplaced))
+    return "\n".join(out)
+
+
+def test_nothing_emitted_is_unlisted(emitted):
+    """Every rl.* attribute on an exported span is in docs/semconv.yaml, for that span's group."""
+    attrs, groups = load_registry()
+    message = unlisted(emitted, attrs, groups)
+    assert not message, message
+
+
+def test_the_failure_says_what_to_add():
+    """An attribute another change starts to emit is named, with its type and span group, as YAML to paste."""
+    attrs, groups = load_registry()
+    message = unlisted({("rl.span", "rl.gateway.route"): "/v1", ("rl.tool", "rl.step"): 1,
+                        ("rl.generation", "rl.tool.reward"): 0.5}, attrs, groups)
+    assert "  - key: rl.gateway.route\n    type: string\n" in message
+    assert "spans: rl.span:  - ref: rl.gateway.route" in message
+    assert "rl.tool.reward on rl.generation spans: add `- ref: rl.tool.reward` to the rl.generation span group" \
+        in message
+    assert "rl.step" not in message
 
 
 def test_nothing_listed_is_never_emitted(emitted):
