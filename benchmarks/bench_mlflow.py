@@ -153,19 +153,25 @@ def main() -> None:
 
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory() as folder:
-        # rtrace's names only and no assessments (the sink before the GenAI conventions), then the default
-        plain = {"semconv": "rtrace", "mlflow_assessments": False}
-        sink_plain = bench_sink(args.n, f"sqlite:///{folder}/sink-plain.db", args.batch, **plain)
-        sink = bench_sink(args.n, f"sqlite:///{folder}/sink.db", args.batch)
-        server = server_plain = None
+        # the sink before this round (no assessments), the defaults (SQLite: 4 assessments per
+        # trajectory in one transaction per batch), and the GenAI conventions on top
+        variants = {"no assessments (the sink before)": {"mlflow_assessments": False},
+                    "defaults": {},
+                    "RTRACE_SEMCONV=both": {"semconv": "both"}}
+        sinks = {name: bench_sink(args.n, f"sqlite:///{folder}/sink-{i}.db", args.batch, **kw)
+                 for i, (name, kw) in enumerate(variants.items())}
+        sink = sinks["defaults"]
+        servers = {}
         if not args.no_server:
             sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
             from servers import start_mlflow_server, stop_server
 
             base_url, popen = start_mlflow_server(os.path.join(folder, "server"))
-            try:
-                server_plain = bench_sink(args.n, base_url, args.batch, **plain)
-                server = bench_sink(args.n, base_url, args.batch)
+            try:  # against a server the defaults write no assessments (one request each)
+                for name, kw in (("defaults (no assessments)", {}),
+                                 ("RTRACE_MLFLOW_ASSESSMENTS=true", {"mlflow_assessments": True}),
+                                 ("RTRACE_SEMCONV=both", {"semconv": "both"})):
+                    servers[name] = bench_sink(args.n, base_url, args.batch, **kw)
             finally:
                 stop_server(popen)
         hand = bench_by_hand(max(100, args.n // 4), folder) if not args.only_sink else None
@@ -174,13 +180,13 @@ def main() -> None:
     print(f"mlflow {mlflow.__version__}, SQLite, trajectories of 5 spans, linked to a run "
           f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     print("                                               wall traj/s   traj per CPU-s")
-    print(f"  rtrace MlflowSink.export, {args.batch} per call : {sink[0]:10.1f} {sink[1]:14.1f}   (target >= 150; "
-          "GenAI conventions and 4 assessments per trajectory: the defaults)")
-    print(f"  the same, RTRACE_SEMCONV=rtrace, no assessments: {sink_plain[0]:7.1f} {sink_plain[1]:14.1f}")
-    if server is not None:
-        print(f"  the same into a real `mlflow server` (SQLite): {server[0]:9.1f} {server[1]:14.1f}   (target >= 150; "
-              "CPU-s of the client only)")
-        print(f"  server, RTRACE_SEMCONV=rtrace, no assessments: {server_plain[0]:7.1f} {server_plain[1]:14.1f}")
+    print(f"  rtrace MlflowSink.export, {args.batch} per call, into SQLite (target >= 150):")
+    for name, (wall, cpu) in sinks.items():
+        print(f"    {name:<44} {wall:10.1f} {cpu:14.1f}")
+    if servers:
+        print("  the same into a real `mlflow server` (SQLite; CPU-s of the client only; target >= 150):")
+        for name, (wall, cpu) in servers.items():
+            print(f"    {name:<44} {wall:10.1f} {cpu:14.1f}")
     if hand is not None:
         print(f"  by hand, one log_spans + link per trajectory: {hand[0]:10.1f} {hand[1]:14.1f}")
         print(f"  ratio sink / by hand                        : {sink[0] / hand[0]:9.2f}x {sink[1] / hand[1]:13.2f}x")

@@ -93,6 +93,16 @@ def _bool(raw: Any) -> bool:
     raise ValueError(f"not a boolean: {raw!r}")
 
 
+def _auto_bool(raw: Any) -> bool | str:
+    """``auto``, or a boolean."""
+    if isinstance(raw, str) and raw.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _bool(raw)
+    except ValueError:
+        raise ValueError(f"not auto or a boolean: {raw!r}") from None
+
+
 def _int(minimum: int, optional: bool = False) -> Callable[[Any], int | None]:
     def parse(raw: Any) -> int | None:
         if optional and (raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none"))):
@@ -515,9 +525,11 @@ PARAMS: tuple[Param, ...] = (
           "Where the mlflow sink writes. Unset: sqlite:///<cwd>/.rtrace/mlflow.db.", type="str | None"),
     Param("mlflow_run_id", "RTRACE_MLFLOW_RUN_ID", _str, None, "an MLflow run id",
           "Run the traces are linked to. Unset: the active run of this process, if any.", type="str | None"),
-    Param("mlflow_assessments", "RTRACE_MLFLOW_ASSESSMENTS", _bool, True, "true/false",
+    Param("mlflow_assessments", "RTRACE_MLFLOW_ASSESSMENTS", _auto_bool, "auto", "auto, true or false",
           "Write each trajectory's reward, verdict and reward components as MLflow assessments (columns of the "
-          "traces list, `feedback.reward > 0.5` in search_traces; docs/mlflow.md).", type="bool"),
+          "traces list, `feedback.reward > 0.5` in search_traces; docs/mlflow.md). `auto`: into a SQL store "
+          "(one transaction per batch), not into a server (one request per assessment: several times the cost "
+          "of the traces).", type="bool | str"),
     # OTLP sink
     Param("otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT", _url, None, "a URL",
           "OTLP collector base URL (http: 'http://127.0.0.1:4318'; grpc: '127.0.0.1:4317').", type="str | None"),

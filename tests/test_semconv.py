@@ -9,10 +9,12 @@ import json
 import pytest
 
 import rtrace
+import rtrace.testing
 from rtrace.config import ConfigError
 from rtrace.exporters import otel, semconv
 from rtrace.trajectory import SpanRecord, Trajectory
 from tests.otlp_receiver import OtlpHttpReceiver
+from tests.servers import mlflow_server  # noqa: F401  (the session's real mlflow server)
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 SYSTEM = {"role": "system", "content": "Be brief."}
@@ -249,3 +251,20 @@ def test_mlflow_assessments_can_be_turned_off(tmp_path):
     _loop()
     assert rtrace.flush(60)
     assert "sink.mlflow.assessments" not in rtrace.stats()
+
+
+@pytest.mark.integration
+def test_mlflow_server_gets_assessments_only_when_asked(mlflow_server, tmp_path):  # noqa: F811
+    """Against a server, RTRACE_MLFLOW_ASSESSMENTS=auto writes none (one request each); true writes them."""
+    from mlflow import MlflowClient
+
+    for wanted, expected in (("auto", {}), (True, {"reward": 1.0, "verdict": "correct", "correct": True})):
+        rtrace.configure(exporter="mlflow", mlflow_tracking_uri=mlflow_server, project=f"assess-{wanted}",
+                         export_interval_s=0.05, mlflow_assessments=wanted)
+        trace_id = _loop()
+        assert rtrace.flush(60)
+        stats = rtrace.stats()
+        rtrace.testing.reset()
+        assert stats.get("sink.mlflow.assessments", 0) == len(expected)
+        trace = MlflowClient(tracking_uri=mlflow_server).get_trace("tr-" + trace_id)
+        assert {a.name: a.value for a in trace.info.assessments} == expected

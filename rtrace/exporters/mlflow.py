@@ -322,6 +322,8 @@ class _StoreBackend:
         self.client = MlflowClient(tracking_uri=uri)
         self.tracing = TracingClient(tracking_uri=uri)
         self.bulk_tags = _mlflow_private.supports_bulk_tags(self.tracing.store)
+        #: a batch's assessments in one transaction (RTRACE_MLFLOW_ASSESSMENTS=auto writes them then)
+        self.bulk_assessments = _mlflow_private.supports_bulk_assessments(self.tracing.store)
         self.max_spans_per_call = _MAX_SPANS_PER_CALL
 
     def experiment_id(self, name: str) -> str:
@@ -365,7 +367,7 @@ class _StoreBackend:
             How many were not written (their trace was not found).
         """
         store = self.tracing.store
-        if _mlflow_private.supports_bulk_assessments(store):
+        if self.bulk_assessments:
             return _mlflow_private.insert_assessments(store, assessments)
         for assessment in assessments:
             self.tracing.log_assessment(assessment.trace_id, assessment)
@@ -391,6 +393,8 @@ class _HttpBackend:
     max_spans_per_call = 1000
     #: the server turns mlflow.traceTag.<k> attributes into tags
     bulk_tags = False
+    #: one request per assessment (no bulk endpoint): RTRACE_MLFLOW_ASSESSMENTS=auto leaves them out
+    bulk_assessments = False
 
     def __init__(self, uri: str, timeout_s: float) -> None:
         from mlflow.tracing.client import TracingClient
@@ -629,7 +633,8 @@ class MlflowSink(Sink):
             if bulk_tags:
                 backend.set_tags({tid: trace_tags(t) for tid, t in zip(trace_ids, trajectories)})
                 _stats.incr("sink.mlflow.store_calls")
-            if self.settings.mlflow_assessments:
+            wanted = self.settings.mlflow_assessments
+            if wanted is True or (wanted == "auto" and backend.bulk_assessments):
                 self._log_assessments(backend, trajectories, trace_ids)
             if run_id is None or not self._experiments.get(("run", run_id)):
                 return

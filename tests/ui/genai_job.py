@@ -27,7 +27,9 @@ def main(argv: list[str]) -> dict:
         headers = dict(h.split("=", 1) for h in argv[2:])
         rtrace.configure(exporter="otlp", otlp_traces_endpoint=argv[1], otlp_headers=headers, **common)
     else:
-        rtrace.configure(exporter="mlflow", mlflow_tracking_uri=argv[1], project=argv[2], **common)
+        # a server: assessments are one request each, written only when asked (docs/mlflow.md)
+        rtrace.configure(exporter="mlflow", mlflow_tracking_uri=argv[1], project=argv[2], mlflow_assessments=True,
+                         **common)
     ids = semconv_job.run(tok)
     assert rtrace.flush(120)
     stats = rtrace.stats()
