@@ -4,7 +4,8 @@
 # SQLite, in-process OTLP receivers); `make test-integration` runs the tests marked
 # `integration` (a real mlflow server, Ray, collector worker processes, the demo, torchrun).
 # `make test-verl` runs tests/verl against the real verl in its own venv (.venv-verl).
-# `make test-ui` runs tests/ui: trackio's traces page and rtrace report's page in a real browser (Debian's chromium, Playwright).
+# `make test-ui` runs tests/ui: trackio's traces page, rtrace report's page, and the GenAI conventions in MLflow's and
+# Phoenix's UIs, in a real browser (Debian's chromium, Playwright).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -18,7 +19,7 @@ VERL_BIN := $(VERL_VENV)/bin
 VERL_STAMP := $(VERL_VENV)/.rtrace-verl-installed
 PIP_QUIET := -q --disable-pip-version-check
 
-.PHONY: install install-verl demo test test-integration test-py test-ui test-verl test-frameworks soak bench bench-dataset clean
+.PHONY: install install-verl install-phoenix demo test test-integration test-py test-ui test-verl test-frameworks soak bench bench-dataset clean
 
 install: $(STAMP)
 
@@ -75,11 +76,26 @@ test-py:
 	  HF_HUB_OFFLINE=1 $$venv/bin/python -m pytest -q -p no:cacheprovider -m "not integration"; \
 	done
 
-# What a person sees (issues #14, #22): tests/ui drives Debian's chromium with Playwright through
-# trackio's traces page, its Media page and the page `rtrace report --html` writes. Installs what
+# What a person sees (issues #14, #22, #36): tests/ui drives Debian's chromium with Playwright through
+# trackio's traces page, its Media page, the page `rtrace report --html` writes, and the GenAI
+# conventions as a real `mlflow server` and a real Phoenix render them. Installs what
 # it needs: chromium (apt, as root) when it is not on PATH,
-# playwright into the venv (its own browser download is not used: the test launches chromium).
-test-ui: $(STAMP)
+# playwright into the venv (its own browser download is not used: the test launches chromium),
+# and Phoenix in its own venv (.venv-phoenix: ~850 MB, ~2 min to install; its dependencies are
+# not rtrace's).
+PHOENIX_VENV ?= .venv-phoenix
+PHOENIX_VERSION ?= 20.26.1
+PHOENIX_STAMP := $(PHOENIX_VENV)/.rtrace-installed
+
+$(PHOENIX_STAMP):
+	$(PYTHON) -m venv $(PHOENIX_VENV)
+	$(PHOENIX_VENV)/bin/python -m pip install $(PIP_QUIET) --upgrade pip
+	$(PHOENIX_VENV)/bin/python -m pip install $(PIP_QUIET) "arize-phoenix==$(PHOENIX_VERSION)"
+	touch $(PHOENIX_STAMP)
+
+install-phoenix: $(PHOENIX_STAMP)
+
+test-ui: $(STAMP) $(PHOENIX_STAMP)
 	command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium; }
 	$(BIN)/python -m pip install $(PIP_QUIET) "playwright>=1.45"
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests/ui
@@ -157,4 +173,4 @@ bench-dataset: $(STAMP)
 	$(BIN)/python benchmarks/bench_dataset.py
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) .venv-py3.* $(TRL_VENV) $(SKYRL_VENV) $(AREAL_VENV) .pytest_cache
+	rm -rf $(VENV) $(VERL_VENV) .venv-py3.* $(TRL_VENV) $(SKYRL_VENV) $(AREAL_VENV) $(PHOENIX_VENV) .pytest_cache

@@ -59,6 +59,7 @@ def make_trajectory(i: int) -> Trajectory:
         s.attributes.update({"rl.step": i // 64, "rl.sample_index": i, "rl.validate": False})
     return Trajectory(trace_id=uuid.uuid4().hex, name="rollout", spans=spans, step=i // 64, sample_index=i,
                       rollout_n=0, group_id=f"g{i // 8}", policy_version=i // 64, reward=1.0,
+                      outcome={"correct": True, "format": 0.5},
                       messages=msgs + [{"role": "assistant", "content": str(i * 3)}])
 
 
@@ -66,16 +67,17 @@ def new_run(uri: str) -> str:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
-    exp = client.create_experiment("bench")
+    exp = client.create_experiment(f"bench-{uuid.uuid4().hex[:8]}")
     return client.create_run(exp).info.run_id
 
 
-def bench_sink(n: int, uri: str, batch: int) -> tuple[float, float]:
+def bench_sink(n: int, uri: str, batch: int, **settings) -> tuple[float, float]:
     """The sink into ``uri`` (a SQLite URI or a server's URL); CPU-s are this process's."""
     from rtrace.exporters.mlflow import MlflowSink
 
     run_id = new_run(uri)
-    sink = MlflowSink(load_settings({"exporter": "mlflow", "mlflow_tracking_uri": uri, "mlflow_run_id": run_id}))
+    sink = MlflowSink(load_settings({"exporter": "mlflow", "mlflow_tracking_uri": uri, "mlflow_run_id": run_id,
+                                     **settings}))
     # open the store, resolve the experiment, fill SQLAlchemy's statement cache: steady state
     sink.export([make_trajectory(-1 - i) for i in range(batch)])
     trajs = [make_trajectory(i) for i in range(n)]
@@ -144,36 +146,52 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=1000, help="trajectories per variant")
     parser.add_argument("--batch", type=int, default=256, help="trajectories per export() call")
     parser.add_argument("--no-server", action="store_true", help="skip the real `mlflow server` variant")
+    parser.add_argument("--only-sink", action="store_true", help="only the sink variants (SQLite, server)")
     args = parser.parse_args()
     import mlflow  # noqa: F401  (import cost outside the timings)
     import logging
 
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory() as folder:
-        sink = bench_sink(args.n, f"sqlite:///{folder}/sink.db", args.batch)
-        server = None
+        # the sink before this round (no assessments), the defaults (SQLite: 4 assessments per
+        # trajectory in one transaction per batch), and the GenAI conventions on top
+        variants = {"no assessments (the sink before)": {"mlflow_assessments": False},
+                    "defaults": {},
+                    "RTRACE_SEMCONV=both": {"semconv": "both"}}
+        sinks = {name: bench_sink(args.n, f"sqlite:///{folder}/sink-{i}.db", args.batch, **kw)
+                 for i, (name, kw) in enumerate(variants.items())}
+        sink = sinks["defaults"]
+        servers = {}
         if not args.no_server:
             sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
             from servers import start_mlflow_server, stop_server
 
             base_url, popen = start_mlflow_server(os.path.join(folder, "server"))
-            try:
-                server = bench_sink(args.n, base_url, args.batch)
+            try:  # against a server the defaults write no assessments (one request each)
+                for name, kw in (("defaults (no assessments)", {}),
+                                 ("RTRACE_MLFLOW_ASSESSMENTS=true", {"mlflow_assessments": True}),
+                                 ("RTRACE_SEMCONV=both", {"semconv": "both"})):
+                    servers[name] = bench_sink(args.n, base_url, args.batch, **kw)
             finally:
                 stop_server(popen)
-        hand = bench_by_hand(max(100, args.n // 4), folder)
-        e2e = bench_end_to_end(args.n, folder)
+        hand = bench_by_hand(max(100, args.n // 4), folder) if not args.only_sink else None
+        e2e = bench_end_to_end(args.n, folder) if not args.only_sink else None
     print(reference_line())
     print(f"mlflow {mlflow.__version__}, SQLite, trajectories of 5 spans, linked to a run "
           f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     print("                                               wall traj/s   traj per CPU-s")
-    print(f"  rtrace MlflowSink.export, {args.batch} per call : {sink[0]:10.1f} {sink[1]:14.1f}   (target >= 150)")
-    if server is not None:
-        print(f"  the same into a real `mlflow server` (SQLite): {server[0]:9.1f} {server[1]:14.1f}   (target >= 150; "
-              "CPU-s of the client only)")
-    print(f"  by hand, one log_spans + link per trajectory: {hand[0]:10.1f} {hand[1]:14.1f}")
-    print(f"  ratio sink / by hand                        : {sink[0] / hand[0]:9.2f}x {sink[1] / hand[1]:13.2f}x")
-    print(f"  end to end (decorators -> flush -> sink)    : {e2e:10.1f}")
+    print(f"  rtrace MlflowSink.export, {args.batch} per call, into SQLite (target >= 150):")
+    for name, (wall, cpu) in sinks.items():
+        print(f"    {name:<44} {wall:10.1f} {cpu:14.1f}")
+    if servers:
+        print("  the same into a real `mlflow server` (SQLite; CPU-s of the client only; target >= 150):")
+        for name, (wall, cpu) in servers.items():
+            print(f"    {name:<44} {wall:10.1f} {cpu:14.1f}")
+    if hand is not None:
+        print(f"  by hand, one log_spans + link per trajectory: {hand[0]:10.1f} {hand[1]:14.1f}")
+        print(f"  ratio sink / by hand                        : {sink[0] / hand[0]:9.2f}x {sink[1] / hand[1]:13.2f}x")
+    if e2e is not None:
+        print(f"  end to end (decorators -> flush -> sink)    : {e2e:10.1f}")
 
 
 if __name__ == "__main__":

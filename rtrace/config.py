@@ -101,6 +101,16 @@ def _bool(raw: Any) -> bool:
     raise ValueError(f"not a boolean: {raw!r}")
 
 
+def _auto_bool(raw: Any) -> bool | str:
+    """``auto``, or a boolean."""
+    if isinstance(raw, str) and raw.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _bool(raw)
+    except ValueError:
+        raise ValueError(f"not auto or a boolean: {raw!r}") from None
+
+
 def _int(minimum: int, optional: bool = False) -> Callable[[Any], int | None]:
     def parse(raw: Any) -> int | None:
         if optional and (raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none"))):
@@ -574,6 +584,11 @@ PARAMS: tuple[Param, ...] = (
           "Where the mlflow sink writes. Unset: sqlite:///<cwd>/.rtrace/mlflow.db.", type="str | None"),
     Param("mlflow_run_id", "RTRACE_MLFLOW_RUN_ID", _str, None, "an MLflow run id",
           "Run the traces are linked to. Unset: the active run of this process, if any.", type="str | None"),
+    Param("mlflow_assessments", "RTRACE_MLFLOW_ASSESSMENTS", _auto_bool, "auto", "auto, true or false",
+          "Write each trajectory's reward, verdict and reward components as MLflow assessments (columns of the "
+          "traces list, `feedback.reward > 0.5` in search_traces; docs/mlflow.md). `auto`: into a SQL store "
+          "(one transaction per batch), not into a server (one request per assessment: several times the cost "
+          "of the traces).", type="bool | str"),
     # OTLP sink
     Param("otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT", _url, None, "a URL",
           "OTLP collector base URL (http: 'http://127.0.0.1:4318'; grpc: '127.0.0.1:4317').", type="str | None"),
@@ -587,6 +602,13 @@ PARAMS: tuple[Param, ...] = (
     Param("otlp_timeout_s", "OTEL_EXPORTER_OTLP_TIMEOUT", _float(0.001, 3600.0), 10.0,
           "milliseconds in the environment, seconds in configure()", "Per-request OTLP timeout.",
           env_scale=0.001, type="float"),
+    # The one conversion to OTel spans (otlp and mlflow sinks, the collector's output)
+    Param("semconv", "RTRACE_SEMCONV", _choice("both", "genai", "rtrace"), "rtrace", "rtrace, both or genai",
+          "Names on exported OTel spans (otlp, mlflow sinks, the collector's output): `rtrace` writes rtrace's "
+          "names; `both` adds the OpenTelemetry GenAI conventions (span names `invoke_agent` / `chat` / "
+          "`execute_tool`, `gen_ai.*` messages, rewards as `gen_ai.evaluation.result` events), which MLflow and "
+          "Phoenix render natively; `genai` leaves out rtrace's copies of what those carry. `rl.*` are always "
+          "written. Not `both` by default: it costs the OTLP sink ~1.4x the CPU (docs/semconv.md).", type="str"),
 )
 
 _PARAMS_BY_NAME = {p.name: p for p in PARAMS}

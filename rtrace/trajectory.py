@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 __all__ = ["SCHEMA", "SpanRecord", "Trajectory", "StepMetrics", "RL_FIELDS", "MESSAGE_INDEX", "CHAT_KEYS",
-           "chat_argument", "response_text", "token_list", "token_field", "read_token_field", "TOKEN_ENCODING"]
+           "chat_argument", "response_text", "tool_call_id", "token_list", "token_field", "read_token_field",
+           "TOKEN_ENCODING"]
 
 #: Version tag written in every JSONL line; bumped only on incompatible changes.
 SCHEMA = "rtrace.trajectory/1"
@@ -446,3 +447,11 @@ def response_text(span: SpanRecord) -> str | None:
     if isinstance(text, str):
         return text
     return _text(span.output)
+
+
+def tool_call_id(span: SpanRecord) -> str:
+    """The tool call id of a tool span: the captured one (``gen_ai.tool.call.id``), else one
+    derived from the span id (``call_<first 8 hex>``). The conversation's tool calls and the
+    exported ``gen_ai.tool.call.id`` use this one rule."""
+    call_id = span.attributes.get("gen_ai.tool.call.id")
+    return str(call_id) if call_id is not None else f"call_{span.span_id[:8]}"

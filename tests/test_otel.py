@@ -66,7 +66,7 @@ class TestConversion:
         root = SpanRecord("a" * 16, None, "rollout", "rollout", 1, 9, attributes={"rl.step": 3, "odd": {"k": 1}})
         gen = SpanRecord("b" * 16, "a" * 16, "gen", "generation", 2, 3, input={"n": float("nan")}, output="hi",
                          prompt_ids=[1, 2], response_ids=[3])
-        spans = otel.to_readable_spans(_traj(root, gen, partial=True, dropped_spans=2), _resource())
+        spans = otel.to_readable_spans(_traj(root, gen, partial=True, dropped_spans=2), _resource(), semconv="rtrace")
         assert dict(spans[0].attributes) == {"rl.step": 3, "odd": '{"k": 1}', "rtrace.kind": "rollout",
                                              "rtrace.partial": True, "rtrace.dropped_spans": 2}
         assert dict(spans[1].attributes) == {"rtrace.kind": "generation", "rtrace.input": '{"n": "NaN"}',
@@ -87,7 +87,7 @@ class TestConversion:
             {"name": "exception", "time_ns": 7, "attributes": {"exception.type": "E", "ctx": [1, "x"]}},
             {"name": "mark", "attributes": {}}])
         extra = lambda traj, span, is_root: {"backend.inputs": {"a": [1, 2**70]}, "backend.none": None}  # noqa: E731
-        [proto] = otel.to_otlp_protos(_traj(rec), _resource(), extra=extra)
+        [proto] = otel.to_otlp_protos(_traj(rec), _resource(), extra=extra, semconv="rtrace")
         assert [(e.name, e.time_unix_nano) for e in proto.events] == [("exception", 7), ("mark", 5)]
         assert {kv.key: kv.value.string_value for kv in proto.events[0].attributes} == {
             "exception.type": "E", "ctx": '[1, "x"]'}
@@ -101,7 +101,7 @@ class TestConversion:
         rec = SpanRecord("a" * 16, None, "tool\udcff", "tool", 1, 2, status="error", error="bad\udcff",
                          attributes={"s": "x\udcff", "l": ["y\udcff"], "big": 2**70},
                          input={"s": "z\udcff", "n": float("nan")}, output=2**70)
-        [proto] = otel.to_otlp_protos(_traj(rec), _resource())
+        [proto] = otel.to_otlp_protos(_traj(rec), _resource(), semconv="rtrace")
         from tests.otlp_receiver import any_value
 
         assert (proto.name, proto.status.message) == ("tool?", "bad?")

@@ -294,6 +294,39 @@ class TestMlflowCanary:
         assert 0 < len(tags["long"]) < 10_000 and tags["long"] == "x" * len(tags["long"])
 
 
+    def test_insert_assessments_reads_back_as_log_feedback_writes(self, mlflow_app):
+        """insert_assessments writes what mlflow.log_feedback would (read back through the public API,
+        searchable), in one transaction; an assessment of an unknown trace is left out and counted."""
+        from mlflow.entities import AssessmentSource, Feedback, Span
+        from mlflow.store.tracking.dbmodels.models import SqlTraceInfo
+        from mlflow.tracing.client import TracingClient
+        from mlflow.tracking import MlflowClient
+        from opentelemetry.sdk.resources import Resource
+
+        from rtrace.exporters.otel import to_otlp_protos
+        from rtrace.trajectory import SpanRecord, Trajectory
+
+        mlflow, uri = mlflow_app
+        for column in ("request_id", "experiment_id", "timestamp_ms"):  # read by insert_assessments
+            assert hasattr(SqlTraceInfo, column), column
+        tracing = TracingClient(tracking_uri=uri)
+        assert _mlflow_private.supports_bulk_assessments(tracing.store)
+        exp = MlflowClient(tracking_uri=uri).create_experiment("assessments")
+        traj = Trajectory(uuid.uuid4().hex, "root", [SpanRecord("ab" * 8, None, "root", "rollout", 1, 2)])
+        tracing.log_spans(exp, [Span.from_otel_proto(p) for p in to_otlp_protos(traj, Resource.get_empty())])
+        tid, source = "tr-" + traj.trace_id, AssessmentSource(source_type="CODE", source_id="rtrace")
+        missing = _mlflow_private.insert_assessments(tracing.store, [
+            Feedback(name="reward", value=0.75, source=source, trace_id=tid),
+            Feedback(name="verdict", value="wrong", source=source, trace_id=tid),
+            Feedback(name="reward", value=1.0, source=source, trace_id="tr-" + "0" * 32)])
+        assert missing == 1
+        info = MlflowClient(tracking_uri=uri).get_trace(tid).info
+        got = {a.name: (a.value, a.source.source_id, a.trace_id) for a in info.assessments}
+        assert got == {"reward": (0.75, "rtrace", tid), "verdict": ("wrong", "rtrace", tid)}
+        found = mlflow.search_traces(locations=[exp], filter_string="feedback.reward > 0.5", return_type="list")
+        assert [t.info.trace_id for t in found] == [tid]
+
+
 class TestOtelCanary:
     """The OpenTelemetry API internals the hot path reads (rtrace/instrumentation/_otel_private.py)."""
 

@@ -25,7 +25,12 @@ What MLflow shows (see docs/mlflow.md):
   normalised strings (veRL's names and values where they overlap), so
   ``search_traces(filter_string="tags.step = '1'")`` works;
 * the trace's request / response previews: the first user message and the final
-  assistant message of the trajectory.
+  assistant message of the trajectory;
+* the reward terms as MLflow assessments (``reward``, ``verdict``, each outcome
+  component: :mod:`rtrace.exporters.mlflow_assessments`), written after the spans;
+* with ``RTRACE_SEMCONV=both``, the GenAI conventions' names and attributes too
+  (docs/semconv.md): MLflow's own span type and inputs, set here, take precedence over its
+  reading of them.
 
 Everything here runs in the sink thread; ``import mlflow`` happens on the first export.
 """
@@ -49,7 +54,8 @@ from ..config import ConfigError, Settings, uri_scheme
 from ..trajectory import MESSAGE_INDEX, SpanRecord, StepMetrics, Trajectory, chat_argument
 from . import _mlflow_private
 from .base import Sink
-from .otel import DEFAULT_MAX_VALUE_CHARS, otlp_spans, to_otlp_request
+from .mlflow_assessments import feedbacks
+from .otel import DEFAULT_MAX_VALUE_CHARS, DEFAULT_SEMCONV, otlp_spans, to_otlp_request
 
 __all__ = ["MlflowSink", "check_mlflow_version", "trace_tags", "tag_value", "MLFLOW_VERSION_RANGE"]
 
@@ -231,7 +237,7 @@ def mlflow_attributes(traj: Trajectory, span: SpanRecord, is_root: bool, tag_att
 class _Converter:
     """Trajectories -> OTel spans (the shared conversion) with MLflow's attributes."""
 
-    def __init__(self, max_value_chars: int = DEFAULT_MAX_VALUE_CHARS) -> None:
+    def __init__(self, max_value_chars: int = DEFAULT_MAX_VALUE_CHARS, semconv: str = DEFAULT_SEMCONV) -> None:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
@@ -242,13 +248,14 @@ class _Converter:
         self.resource = Resource.get_empty()
         self.scope = InstrumentationScope("rtrace", __version__)
         self.max_value_chars = max_value_chars
+        self.semconv = semconv
 
     def request(self, trajectories: Sequence[Trajectory], tag_attributes: bool = True) -> Any:
         """One OTLP request holding the spans of ``trajectories``, MLflow's attributes included."""
         def extra(traj: Trajectory, span: SpanRecord, is_root: bool) -> dict[str, Any]:
             return mlflow_attributes(traj, span, is_root, tag_attributes)
 
-        return to_otlp_request(trajectories, self.resource, self.scope, self.max_value_chars, extra)
+        return to_otlp_request(trajectories, self.resource, self.scope, self.max_value_chars, extra, self.semconv)
 
     def trajectory(self, traj: Trajectory, tag_attributes: bool = True) -> list[Any]:
         """The OTLP protobuf spans of one trajectory."""
@@ -315,6 +322,8 @@ class _StoreBackend:
         self.client = MlflowClient(tracking_uri=uri)
         self.tracing = TracingClient(tracking_uri=uri)
         self.bulk_tags = _mlflow_private.supports_bulk_tags(self.tracing.store)
+        #: a batch's assessments in one transaction (RTRACE_MLFLOW_ASSESSMENTS=auto writes them then)
+        self.bulk_assessments = _mlflow_private.supports_bulk_assessments(self.tracing.store)
         self.max_spans_per_call = _MAX_SPANS_PER_CALL
 
     def experiment_id(self, name: str) -> str:
@@ -350,6 +359,20 @@ class _StoreBackend:
     def link(self, trace_ids: list[str], run_id: str) -> None:
         self.client.link_traces_to_run(trace_ids, run_id)
 
+    def log_assessments(self, assessments: list[Any]) -> int:
+        """Write assessments of stored traces: one transaction on a SQL store
+        (:func:`_mlflow_private.insert_assessments`), else MLflow's one call each.
+
+        Returns:
+            How many were not written (their trace was not found).
+        """
+        store = self.tracing.store
+        if self.bulk_assessments:
+            return _mlflow_private.insert_assessments(store, assessments)
+        for assessment in assessments:
+            self.tracing.log_assessment(assessment.trace_id, assessment)
+        return 0
+
 
 class _HttpBackend:
     """A ``mlflow server`` over HTTP, with bounded retries and timeouts.
@@ -370,6 +393,8 @@ class _HttpBackend:
     max_spans_per_call = 1000
     #: the server turns mlflow.traceTag.<k> attributes into tags
     bulk_tags = False
+    #: one request per assessment (no bulk endpoint): RTRACE_MLFLOW_ASSESSMENTS=auto leaves them out
+    bulk_assessments = False
 
     def __init__(self, uri: str, timeout_s: float) -> None:
         from mlflow.tracing.client import TracingClient
@@ -418,6 +443,18 @@ class _HttpBackend:
 
     def link(self, trace_ids: list[str], run_id: str) -> None:
         self._request("/api/2.0/mlflow/traces/link-to-run", "POST", json={"trace_ids": trace_ids, "run_id": run_id})
+
+    def log_assessments(self, assessments: list[Any]) -> int:
+        """One request per assessment: what ``RestStore.create_assessment`` sends (the
+        server has no bulk endpoint for them)."""
+        from mlflow.protos.service_pb2 import CreateAssessment
+        from mlflow.utils.proto_json_utils import message_to_json
+
+        for assessment in assessments:
+            body = message_to_json(CreateAssessment(assessment=assessment.to_proto()))
+            self._request(f"/api/3.0/mlflow/traces/{assessment.trace_id}/assessments", "POST", data=body,
+                          extra_headers={"Content-Type": "application/json"})
+        return 0
 
 
 # ----------------------------------------------------------------------------- the sink
@@ -521,7 +558,7 @@ class MlflowSink(Sink):
                 backend = _StoreBackend(uri)
         else:
             backend = _StoreBackend(uri)
-        self._converter = _Converter(self.settings.max_value_chars)
+        self._converter = _Converter(self.settings.max_value_chars, self.settings.semconv)
         self._backend = backend
         return backend
 
@@ -596,6 +633,9 @@ class MlflowSink(Sink):
             if bulk_tags:
                 backend.set_tags({tid: trace_tags(t) for tid, t in zip(trace_ids, trajectories)})
                 _stats.incr("sink.mlflow.store_calls")
+            wanted = self.settings.mlflow_assessments
+            if wanted is True or (wanted == "auto" and backend.bulk_assessments):
+                self._log_assessments(backend, trajectories, trace_ids)
             if run_id is None or not self._experiments.get(("run", run_id)):
                 return
             for i in range(0, len(trace_ids), _LINK_CHUNK):
@@ -606,6 +646,26 @@ class MlflowSink(Sink):
                     _stats.incr("sink.mlflow.failed_links", len(chunk))
                     _stats.warn_once("mlflow-link", "rtrace could not link MLflow traces to run %s", run_id,
                                      exc_info=True)
+
+    @staticmethod
+    def _log_assessments(backend: Any, trajectories: Sequence[Trajectory], trace_ids: list[str]) -> None:
+        """The batch's reward terms as assessments (:mod:`rtrace.exporters.mlflow_assessments`).
+        A failure is counted (``sink.mlflow.failed_assessments``) but not raised: the
+        traces are stored."""
+        items = feedbacks(trajectories, trace_ids)
+        if not items:
+            return
+        try:
+            missing = backend.log_assessments(items)
+        except Exception:
+            missing = len(items)
+            _stats.warn_once("mlflow-assessments", "rtrace could not log reward assessments to MLflow",
+                             exc_info=True)
+        _stats.incr("sink.mlflow.store_calls")
+        if missing:
+            _stats.incr("sink.mlflow.failed_assessments", missing)
+        if len(items) - missing:
+            _stats.incr("sink.mlflow.assessments", len(items) - missing)
 
     def export_step_metrics(self, metrics: Sequence[StepMetrics]) -> None:
         """Log each step's metrics on the linked run (``MlflowClient.log_batch``), at that

@@ -33,6 +33,13 @@ therefore show a trajectory the same way:
   failed checks' names; ``rtrace.health``, the findings as JSON) when they apply.
 * **events**: name, time (the span's start when unknown) and attributes (checked the
   same way).
+* **the GenAI conventions** (``semconv``, ``RTRACE_SEMCONV``: ``rtrace`` by default,
+  ``both``, ``genai``): with ``both`` or ``genai``, agent / generation / tool spans are
+  named ``invoke_agent {name}`` / ``chat {model}`` / ``execute_tool {tool}`` and carry the
+  GenAI attributes (messages as typed parts, tool call arguments and result, conversation
+  id...), and the reward terms are ``gen_ai.evaluation.result`` events on the root
+  (:mod:`rtrace.exporters.semconv`, docs/semconv.md); ``genai`` leaves out rtrace's copies
+  of what those carry. ``rl.*`` is the same in every mode.
 
 A sink may add backend-specific attributes on top of the encoded spans (``extra`` of
 :func:`to_otlp_request`): OTLP ``AnyValue`` has maps and nested lists, which the SDK's
@@ -50,13 +57,17 @@ from typing import Any, Callable, Iterable, Mapping
 
 from .._serialize import attr_ok, fast_json, json_default, plain_json, strict_json, truncate, vouched
 from ..trajectory import SpanRecord, Trajectory, token_list
+from .semconv import (DUPLICATES, INPUT_CHARS_FACTOR, MODES, Conversation, evaluation_events,
+                      genai_attributes, span_name)
 
 __all__ = ["encode_compact", "RECORD_ATTR", "to_readable_spans", "to_otlp_request", "to_otlp_protos", "otlp_spans",
            "attribute_value", "attributes", "any_value", "set_any_value", "bounded", "json_text", "utf8",
-           "is_valid_attribute", "DEFAULT_MAX_VALUE_CHARS"]
+           "is_valid_attribute", "DEFAULT_MAX_VALUE_CHARS", "DEFAULT_SEMCONV"]
 
 #: The default bound of captured values (``Settings.max_value_chars``).
 DEFAULT_MAX_VALUE_CHARS = 20_000
+#: The default names on exported spans (``Settings.semconv``, ``RTRACE_SEMCONV``).
+DEFAULT_SEMCONV = "rtrace"
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -183,13 +194,25 @@ def set_any_value(pb: Any, value: Any) -> None:
 
 # ----------------------------------------------------------------------------- spans
 def span_attributes(traj: Trajectory, rec: SpanRecord, is_root: bool,
-                    max_value_chars: int = DEFAULT_MAX_VALUE_CHARS) -> dict[str, Any]:
-    """The OTel attributes of one span (see the module docstring)."""
+                    max_value_chars: int = DEFAULT_MAX_VALUE_CHARS, semconv: str = DEFAULT_SEMCONV,
+                    conversation: Conversation | None = None) -> dict[str, Any]:
+    """The OTel attributes of one span (see the module docstring); with ``semconv``
+    ``both`` or ``genai``, the GenAI ones too (:func:`rtrace.exporters.semconv.genai_attributes`;
+    ``conversation``: the trajectory's, shared by its spans)."""
     attrs = attributes(rec.attributes)
-    attrs["rtrace.kind"] = rec.kind
-    if rec.input is not None:
+    drop = ()
+    if semconv != "rtrace":
+        conversation = conversation or Conversation(traj, max_value_chars * INPUT_CHARS_FACTOR)
+        attrs.update(genai_attributes(conversation, rec, is_root))
+        if semconv == "genai":
+            drop = DUPLICATES.get(rec.kind, ())
+            for key in drop:
+                attrs.pop(key, None)
+    if "rtrace.kind" not in drop:
+        attrs["rtrace.kind"] = rec.kind
+    if rec.input is not None and "rtrace.input" not in drop:
         attrs["rtrace.input"] = json_text(rec.input, max_value_chars)
-    if rec.output is not None:
+    if rec.output is not None and "rtrace.output" not in drop:
         attrs["rtrace.output"] = json_text(rec.output, max_value_chars)
     # Token ids are still here when token2text is off (or keeps them): the only record
     # of what the model saw and said, so they travel too (bounded like captured values).
@@ -209,7 +232,7 @@ def span_attributes(traj: Trajectory, rec: SpanRecord, is_root: bool,
 
 
 def to_readable_spans(trajectories: Trajectory | Iterable[Trajectory], resource: Any, scope: Any = None,
-                      max_value_chars: int = DEFAULT_MAX_VALUE_CHARS) -> list[Any]:
+                      max_value_chars: int = DEFAULT_MAX_VALUE_CHARS, semconv: str = DEFAULT_SEMCONV) -> list[Any]:
     """The SDK ``ReadableSpan`` objects of one or more trajectories, in their order.
 
     Args:
@@ -218,6 +241,8 @@ def to_readable_spans(trajectories: Trajectory | Iterable[Trajectory], resource:
         scope: their ``InstrumentationScope`` (None: no scope).
         max_value_chars: the bound of ``rtrace.input`` / ``rtrace.output`` (characters)
             and of the token id lists (ids).
+        semconv: ``rtrace`` (default), ``both`` or ``genai`` (``RTRACE_SEMCONV``): which
+            names the spans carry (:mod:`rtrace.exporters.semconv`).
 
     Returns:
         One ``ReadableSpan`` per span, with the ids, parents, status, attributes and
@@ -231,9 +256,14 @@ def to_readable_spans(trajectories: Trajectory | Iterable[Trajectory], resource:
     sampled = TraceFlags(TraceFlags.SAMPLED)
     unset = Status(StatusCode.UNSET)
     internal = SpanKind.INTERNAL
+    genai = semconv != "rtrace"
+    if semconv not in MODES:
+        raise ValueError(f"semconv must be one of {', '.join(MODES)}, got {semconv!r}")
+    limit = max_value_chars * INPUT_CHARS_FACTOR
     out = []
     for traj in trajectories:
         trace_id = int(traj.trace_id, 16)
+        conversation = Conversation(traj, limit) if genai else None
         for i, rec in enumerate(traj.spans):
             is_root = i == 0
             parent_hex, remote = rec.parent_id, False
@@ -248,17 +278,23 @@ def to_readable_spans(trajectories: Trajectory | Iterable[Trajectory], resource:
                 else unset
             events = [Event(utf8(str(e.get("name") or "event")), attributes(e.get("attributes") or {}),
                             timestamp=int(e.get("time_ns") or rec.start_ns)) for e in rec.events]
+            attrs = span_attributes(traj, rec, is_root, max_value_chars, semconv, conversation)
+            name = rec.name
+            if genai:
+                events.extend(Event(n, a, timestamp=ts) for n, a, ts in evaluation_events(traj, rec, is_root))
+                name = span_name(rec) or name
             out.append(ReadableSpan(
-                name=utf8(rec.name),
+                name=utf8(name),
                 context=SpanContext(trace_id, int(rec.span_id, 16), is_remote=False, trace_flags=sampled),
-                parent=parent, resource=resource, attributes=span_attributes(traj, rec, is_root, max_value_chars),
+                parent=parent, resource=resource, attributes=attrs,
                 events=events, kind=internal, status=status, start_time=rec.start_ns,
                 end_time=max(rec.end_ns, rec.start_ns), instrumentation_scope=scope))
     return out
 
 
 def to_otlp_request(trajectories: Trajectory | Iterable[Trajectory], resource: Any, scope: Any = None,
-                    max_value_chars: int = DEFAULT_MAX_VALUE_CHARS, extra: ExtraAttributes | None = None) -> Any:
+                    max_value_chars: int = DEFAULT_MAX_VALUE_CHARS, extra: ExtraAttributes | None = None,
+                    semconv: str = DEFAULT_SEMCONV) -> Any:
     """The trajectories' spans as one OTLP ``ExportTraceServiceRequest``: the
     :func:`to_readable_spans` objects encoded by the OTel SDK's own encoder
     (``opentelemetry.exporter.otlp.proto.common.trace_encoder.encode_spans``, what the
@@ -270,7 +306,7 @@ def to_otlp_request(trajectories: Trajectory | Iterable[Trajectory], resource: A
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
     trajectories = (trajectories,) if isinstance(trajectories, Trajectory) else tuple(trajectories)
-    request = encode_spans(to_readable_spans(trajectories, resource, scope, max_value_chars))
+    request = encode_spans(to_readable_spans(trajectories, resource, scope, max_value_chars, semconv))
     if extra is not None:
         protos = iter(otlp_spans(request))  # one resource and scope: the spans' order
         for traj in trajectories:
@@ -286,10 +322,10 @@ def to_otlp_request(trajectories: Trajectory | Iterable[Trajectory], resource: A
 
 def to_otlp_protos(trajectories: Trajectory | Iterable[Trajectory], resource: Any, scope: Any = None,
                    max_value_chars: int = DEFAULT_MAX_VALUE_CHARS,
-                   extra: ExtraAttributes | None = None) -> list[Any]:
+                   extra: ExtraAttributes | None = None, semconv: str = DEFAULT_SEMCONV) -> list[Any]:
     """The OTLP protobuf ``Span`` messages of :func:`to_otlp_request` (same arguments),
     one per span, in the trajectories' order."""
-    return otlp_spans(to_otlp_request(trajectories, resource, scope, max_value_chars, extra))
+    return otlp_spans(to_otlp_request(trajectories, resource, scope, max_value_chars, extra, semconv))
 
 
 def otlp_spans(request: Any) -> list[Any]:

@@ -129,7 +129,8 @@ class OtlpSink(Sink):
             if self._closed:
                 raise RuntimeError("the otlp sink is shut down")
             exporter = self._get_exporter()
-        spans = to_readable_spans(trajectories, self._resource, self._scope, self.settings.max_value_chars)
+        spans = to_readable_spans(trajectories, self._resource, self._scope, self.settings.max_value_chars,
+                                  self.settings.semconv)
         if not spans:
             return
         from opentelemetry.sdk.trace.export import SpanExportResult

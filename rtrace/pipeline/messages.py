@@ -45,7 +45,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._serialize import json_text
-from ..trajectory import CHAT_KEYS, MESSAGE_INDEX, SpanRecord, Trajectory, chat_argument, response_text
+from ..trajectory import (CHAT_KEYS, MESSAGE_INDEX, SpanRecord, Trajectory, chat_argument, response_text,
+                          tool_call_id)
 
 __all__ = ["build_messages", "segment_messages", "response_text", "tool_call_id", "tool_arguments",
            "tool_result", "ToolResult", "CHAT_KEYS", "placeholder"]
@@ -252,10 +253,6 @@ def _prompt_text(span: SpanRecord) -> str | None:
     return None
 
 
-def tool_call_id(span: SpanRecord) -> str:
-    """The tool call id of a tool span: the captured one, else derived from the span id."""
-    call_id = span.attributes.get("gen_ai.tool.call.id")
-    return str(call_id) if call_id is not None else f"call_{span.span_id[:8]}"
 
 
 def _tool_messages(span: SpanRecord) -> tuple[dict[str, Any], dict[str, Any]]:
