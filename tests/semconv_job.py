@@ -48,8 +48,10 @@ class Policy:
 
     @rtrace.traced_generation
     def complete(self, prompt_ids, reply=""):
-        """A generation given token ids only (its prompt is decoded by token2text)."""
-        return {"response_ids": self.ids(reply), "finish_reason": "stop"}
+        """A generation given token ids only (its prompt is decoded by token2text), with the
+        sampler's per-token logprobs."""
+        ids = self.ids(reply)
+        return {"response_ids": ids, "finish_reason": "stop", "logprobs": [-0.5] * len(ids)}
 
 
 @rtrace.traced_tool
@@ -120,6 +122,10 @@ def run(tok: Any, partial: bool = False) -> dict[str, Any]:
         policy.complete(policy.ids(QUESTION), reply=ANSWER)
         rtrace.record_reward(1.0, correct=True)
     ids["stale"] = ctx.trace_id
+    # the trainer's per-token logprobs for it, off at its first token (logprob_mismatch)
+    answer = policy.ids(ANSWER)
+    rtrace.annotate_batch(step=5, sample_index=[4], rollout_n=[0],
+                          old_logprob=[[-3.0] + [-0.5] * (len(answer) - 1)], loss_mask=[[1] * len(answer)])
     # annotations, as a trainer computes them after the batch
     rtrace.annotate(step=1, sample_index=0, rollout_n=0, advantage=0.7, returns=1.0)
     rtrace.annotate(step=1, sample_index=0, rollout_n=1, advantage=-0.7, returns=0.0)

@@ -201,7 +201,7 @@ def test_docs_table_lists_the_registry():
     text = (DOCS / "semconv.md").read_text()
     rows = {}
     for line in text.splitlines():
-        m = re.match(r"\| `(rl\.[a-z_.]+?)(\.<key>)?` \| (\S+) \| .+ \| (.+) \| (\w+) \|$", line)
+        m = re.match(r"\| `(rl\.[a-z0-9_.]+?)(\.<key>)?` \| (\S+) \| .+ \| (.+) \| (\w+) \|$", line)
         if m:
             rows[m.group(1)] = (m.group(3), m.group(4), m.group(5))
     assert set(rows) == set(attrs)

@@ -328,6 +328,28 @@ def test_the_dataset_keeps_them_as_float32_lists(tmp_path):
     assert second.token_values["old_logprob"] == pytest.approx(RESPONSE[4:])
 
 
+def test_otlp_and_mlflow_get_the_compact_field():
+    """The one OTel conversion (OTLP, the collector's output, MLflow) writes a generation's
+    values as rtrace.token_values (base64 float32, read back exactly), never one attribute per
+    token; arrays past the bound are named in rtrace.token_values.left_out."""
+    from rtrace.exporters.otel import span_attributes
+    from rtrace.trajectory import read_token_field
+
+    with rtrace.testing.capture(await_annotations="old_logprob", annotation_timeout_s=30) as got:
+        rollout(0)
+        rtrace.annotate_batch(step=1, sample_index=[0], rollout_n=[0], old_logprob=[RESPONSE])
+        (t,) = got.trajectories
+    second = t.spans_of_kind("generation")[1]
+    attrs = span_attributes(t, second, False)
+    assert read_token_field(json.loads(attrs["rtrace.token_values"])) == {
+        "logprob": np.float32(SAMPLER[1]).tolist(), "old_logprob": np.float32(RESPONSE[4:]).tolist()}
+    assert not any(k.startswith("rtrace.token_values.") for k in attrs)
+    small = span_attributes(t, second, False, max_value_chars=8)  # room for one array: 128 characters
+    assert set(read_token_field(json.loads(small["rtrace.token_values"]))) | set(
+        small["rtrace.token_values.left_out"]) == {"logprob", "old_logprob"}
+    assert len(small["rtrace.token_values.left_out"]) == 1
+
+
 def test_token_texts_for_the_views(tok):
     """With token2text, a generation with per-token values gets each response token's own
     text (rtrace.response_tokens), one per id, for views that colour tokens."""

@@ -56,7 +56,7 @@ import json
 from typing import Any, Callable, Iterable, Mapping
 
 from .._serialize import attr_ok, fast_json, json_default, plain_json, strict_json, truncate, vouched
-from ..trajectory import SpanRecord, Trajectory, token_list
+from ..trajectory import SpanRecord, Trajectory, token_field, token_list
 from .semconv import (DUPLICATES, INPUT_CHARS_FACTOR, MODES, Conversation, evaluation_events,
                       genai_attributes, span_name)
 
@@ -220,6 +220,8 @@ def span_attributes(traj: Trajectory, rec: SpanRecord, is_root: bool,
         attrs["rtrace.prompt_ids"] = attribute_value(rec.prompt_ids[:max_value_chars])
     if rec.response_ids is not None:
         attrs["rtrace.response_ids"] = attribute_value(rec.response_ids[:max_value_chars])
+    if rec.token_values:
+        _token_attributes(attrs, rec.token_values, max_value_chars * TOKEN_CHARS_FACTOR)
     if is_root:
         if traj.partial:
             attrs["rtrace.partial"] = True
@@ -229,6 +231,30 @@ def span_attributes(traj: Trajectory, rec: SpanRecord, is_root: bool,
             attrs["rtrace.health.checks"] = sorted({f["check"] for f in traj.health})
             attrs["rtrace.health"] = json_text(traj.health, max_value_chars)
     return attrs
+
+
+#: Per-token values get this many times ``max_value_chars`` (a 4,096-token response's four
+#: arrays are ~90,000 characters in their compact form).
+TOKEN_CHARS_FACTOR = 16
+
+
+def _token_attributes(attrs: dict[str, Any], values: dict[str, Any], limit: int) -> None:
+    """``rtrace.token_values``: a generation's per-token values in the compact form
+    (:func:`rtrace.trajectory.token_field`, base64 float32: never one attribute per
+    token); the arrays that do not fit in ``limit`` characters are named in
+    ``rtrace.token_values.left_out``."""
+    field = token_field(values)
+    arrays, kept, left, size = field["arrays"], {}, [], 80
+    for name in sorted(arrays, key=lambda n: len(arrays[n])):
+        size += len(arrays[name]) + len(name) + 6
+        if size <= limit:
+            kept[name] = arrays[name]
+        else:
+            left.append(name)
+    if kept:
+        attrs["rtrace.token_values"] = json_text({**field, "arrays": kept}, None)
+    if left:
+        attrs["rtrace.token_values.left_out"] = sorted(left)
 
 
 def to_readable_spans(trajectories: Trajectory | Iterable[Trajectory], resource: Any, scope: Any = None,
