@@ -15,7 +15,7 @@ def _rtrace(*args, env=None, timeout=120):
                           timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
 
 
-ACCEPTED = "accepted values: comma list of none, console, jsonl, trackio, mlflow, otlp, collector"
+ACCEPTED = "accepted values: comma list of none, console, jsonl, trackio, mlflow, otlp, collector, parquet"
 
 
 @pytest.mark.parametrize("command", ["demo", "collect"])

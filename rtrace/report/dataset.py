@@ -94,6 +94,10 @@ def step_health_sql(run: Any) -> tuple[list[StepHealth], list[str], int]:
             "SELECT validate, step, count(*) FILTER (WHERE in_sample AND health IS NOT NULL), "
             "count(*) FILTER (WHERE in_sample AND health IS NULL) FROM trajectories GROUP BY ALL").fetchall():
         steps[(bool(validate), step)] = StepHealth(bool(validate), step, checked=checked, unknown=unknown)
+    for validate, step, ran in run.sql(
+            "SELECT validate, step, list_distinct(flatten(list(health_checks))) FROM trajectories "
+            "WHERE health_checks IS NOT NULL GROUP BY ALL").fetchall():
+        steps[(bool(validate), step)].ran = set(ran)  # (files of schema 1.0 have none: unknown)
     traces: list[str] = []
     for validate, step, check, failing, trace_id, detail in run.sql(
             "WITH f AS (SELECT validate, step, in_sample, trace_id, unnest(health) AS h FROM trajectories "
