@@ -31,6 +31,9 @@ Checks (:data:`CHECKS`; all but ``retokenization`` on by default, ``RTRACE_HEALT
   rollout_n, validate)``; and, when the step is done, groups with more or fewer rollouts
   than the step's usual group size (in the step metrics and the step's rollouts table:
   the trajectories were written by then).
+* ``capture_gap``: a generation recorded without what training needs, with the reason
+  (the capture gateway's ``rtrace.capture_gap`` attribute: the upstream returned no token
+  ids, the answer was cut or too large, ...; docs/gateway.md).
 
 A *segment* (the part of a trajectory another process ran, written on its own in one
 process; the collector joins them) is checked for continuity and generations only: its
@@ -53,7 +56,7 @@ from typing import Any, Callable, Iterable
 
 from .. import _stats
 from ..config import HEALTH_CHECKS
-from ..trajectory import SpanRecord, Trajectory, response_text
+from ..trajectory import SpanRecord, Trajectory, chat_argument, response_text
 from .records import start_end
 
 __all__ = ["CHECKS", "DEFAULT_CHECKS", "HealthChecker", "finding", "group_key"]
@@ -153,6 +156,11 @@ class HealthChecker:
             self._continuity(gens, out)
         if "generation" in on:
             self._generation(records, gens, out)
+        if "capture_gap" in on:
+            for k, gen in enumerate(gens, 1):
+                gap = gen.attributes.get("rtrace.capture_gap")
+                if gap:
+                    out.append(finding("capture_gap", f"turn {k}: {gap}"))
         coords = state.coords
         if state.kind == "segment":
             # the part of a trajectory that ran in another process (rtrace.extract): its
@@ -307,6 +315,9 @@ class HealthChecker:
                 ran = False
                 for later in order[pos + 1:]:
                     if later.kind == "generation":
+                        # an agent that runs its tools itself (through the capture gateway) sends
+                        # their results with its next model call
+                        ran = ran or _sends_tool_results(later)
                         break
                     ran = ran or later.kind == "tool"
                 if calls and not ran:
@@ -332,6 +343,12 @@ class HealthChecker:
                     if cid is not None and cid not in answered:
                         name = (call.get("function") or {}).get("name")
                         traj.health.append(finding("generation", f"tool call {cid} ({name}) has no tool result"))
+
+
+def _sends_tool_results(span: SpanRecord) -> bool:
+    """A generation whose request carries tool results (a ``role: tool`` message)."""
+    chat = chat_argument(span.input)
+    return chat is not None and any(m.get("role") == "tool" for m in chat[1])
 
 
 def _structured_calls(span: SpanRecord) -> list[str]:
