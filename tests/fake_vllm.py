@@ -124,7 +124,8 @@ class FakeVLLM:
 
     async def _common(self, request: Request) -> tuple[dict[str, Any], Response | None]:
         body = json.loads(await request.body())
-        self.requests.append({"path": request.url.path, "headers": dict(request.headers), "body": body})
+        self.requests.append({"path": request.url.path, "headers": dict(request.headers), "body": body,
+                              "client": request.client})
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         if self.fail:

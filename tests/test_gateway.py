@@ -143,6 +143,15 @@ class TestKeyJoin:
                                                  f"{spans[0].span_id}-01"
         assert gw.gateway.url
 
+    def test_upstream_connections_are_kept_alive(self, captured, gateway, fake):
+        """Calls one after another reuse one upstream connection (a new one per call costs a connect)."""
+        gateway()
+        with rtrace.rollout_context(step=1):
+            access = rtrace.gateway_access()
+            for stream in (False, True, False, True):
+                assert chat(access.base_url, access.api_key, stream=stream).status_code == 200
+        assert len({r["client"] for r in fake.requests}) == 1
+
     def test_what_the_client_asked_for_stays(self, captured, gateway, fake):
         """A client that asks for token ids and logprobs itself gets them, as the upstream sent them."""
         gateway()

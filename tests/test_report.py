@@ -278,7 +278,8 @@ class TestHealth:
         assert (step2.checked, step2.unknown, step2.failing) == (12, 0, {"token_continuity": 1})
         assert step2.rates()["health/token_continuity_rate"] == 1 / 12
         assert set(step2.rates()) == {f"health/{c}_rate" for c in ("token_continuity", "retokenization", "reward",
-                                                                   "generation", "staleness", "coordinates")}
+                                                                   "generation", "staleness", "coordinates",
+                                                                   "capture_gap")}
         val = by_key[(True, 3)]
         assert (val.checked, val.unknown, val.rates()) == (0, 2, {})
         assert [(c, d) for _, c, d in by_key[(False, 3)].findings] == [

@@ -62,6 +62,7 @@ class _Conn(asyncio.Protocol):
         self.buffered = 0
         self.paused = False
         self.head_done = False
+        self.keep_alive = False
         self.complete = False
         self.answered = False  # any byte of a response arrived
         self.error: UpstreamError | None = None
@@ -103,6 +104,8 @@ class _Conn(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        # asked now: once the message is complete, httptools says False whatever the headers said
+        self.keep_alive = self.parser.should_keep_alive()
         self.head_done = True
         self._wake()
 
@@ -162,7 +165,7 @@ class _Conn(asyncio.Protocol):
 
     @property
     def reusable(self) -> bool:
-        return self.complete and self.error is None and not self.closed and self.parser.should_keep_alive()
+        return self.complete and self.error is None and not self.closed and self.keep_alive
 
 
 def _expire(waiter: asyncio.Future, what: str, timeout_s: float) -> None:

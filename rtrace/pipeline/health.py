@@ -299,6 +299,7 @@ class HealthChecker:
         for traj in trajectories:
             order = sorted(traj.spans, key=start_end)  # stable: ties keep the tree order
             k = 0
+            unran: set[Any] = set()
             for pos, span in enumerate(order):
                 if span.kind != "generation":
                     continue
@@ -324,6 +325,7 @@ class HealthChecker:
                     names = ", ".join(sorted({c for c in calls if c})) or "?"
                     traj.health.append(finding("generation", f"turn {k}: the model called {len(calls)} tool(s) "
                                                              f"({names}) but no tool ran"))
+                    unran.update(_call_ids(span))  # reported once: not again as calls without a result
                 elif text and TOOL_MARKUP.search(text):
                     turn = traj.turn_of(span)
                     if not ran and not (turn or {}).get("tool_calls"):
@@ -340,9 +342,16 @@ class HealthChecker:
             for tool_calls in asked:
                 for call in tool_calls:
                     cid = call.get("id") if isinstance(call, dict) else None
-                    if cid is not None and cid not in answered:
+                    if cid is not None and cid not in answered and cid not in unran:
                         name = (call.get("function") or {}).get("name")
                         traj.health.append(finding("generation", f"tool call {cid} ({name}) has no tool result"))
+
+
+def _call_ids(span: SpanRecord) -> list[Any]:
+    """The ids of the tool calls a generation returned already parsed."""
+    out = span.output
+    calls = out.get("tool_calls") if isinstance(out, dict) else None
+    return [c.get("id") for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
 
 
 def _sends_tool_results(span: SpanRecord) -> bool:
