@@ -192,7 +192,10 @@ def collector_runtime(collector: Any) -> tuple[Any, Any]:
     from ..pipeline.sampling import PreSampler
     from ..pipeline.stream import StreamPipeline
 
-    s = dataclasses.replace(collector.settings, job_id=collector.job_id, exporter=(), sinks=())
+    # spans hand over every 50 ms: a call's span must reach the collector before the trainer's
+    # root has waited its settle time (the worker's 0.5 s is for processes across a network)
+    s = dataclasses.replace(collector.settings, job_id=collector.job_id, exporter=(), sinks=(),
+                            export_interval_s=min(collector.settings.export_interval_s, 0.05))
     sink = LocalCollectorSink(s, collector.pipeline.on_request)
     pipeline = StreamPipeline(s, Fanout([sink], s.max_export_batch_size, s.sink_queue_size, s.sink_timeout_s))
     tracer = SpanTracer(pipeline.offer)
