@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -235,3 +236,52 @@ def test_an_otel_instrumented_agent_joins_by_traceparent(job, vllm):
     assert calls and {c["parent_id"] for c in calls} == {transcript["span_id"]}
     assert {c["attributes"]["rtrace.gateway.join"] for c in calls} == {"traceparent"}
     check_calls(vllm, traj)
+
+
+def _normal(data):
+    """An answer without what differs between two identical requests (ids, creation times)."""
+    if isinstance(data, dict):
+        return {k: ("<id>" if k in ("id", "created") else _normal(v)) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_normal(v) for v in data]
+    return data
+
+
+def _raw(url: str, body: dict, key: str | None = None) -> tuple[int, str]:
+    headers = {"content-type": "application/json"}
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_the_client_sees_what_vllm_answers(job, vllm):
+    """Through the gateway, which asks vLLM for token ids and logprobs on its own behalf, the client
+    gets vLLM's answer to its own request: whole, streamed chunk for chunk, and errors."""
+    body = {"model": MODEL_NAME, "messages": [{"role": "system", "content": SYSTEM},
+                                              {"role": "user", "content": "What is 12 + 7?"}],
+            "tools": TOOLS, "temperature": 0, "max_tokens": 60}
+    with rtrace.rollout_context(step=1):
+        access = rtrace.gateway_access()
+        for stream in (False, True):
+            direct = _raw(f"{vllm}/chat/completions", {**body, "stream": stream})
+            via = _raw(f"{access.base_url}/chat/completions", {**body, "stream": stream}, access.api_key)
+            assert direct[0] == via[0] == 200
+            if stream:
+                events = [[json.loads(e[6:]) if e[6:] != "[DONE]" else e for e in text.split("\n\n") if e]
+                          for text in (direct[1], via[1])]
+                assert _normal(events[0]) == _normal(events[1])
+            else:
+                assert _normal(json.loads(direct[1])) == _normal(json.loads(via[1]))
+        bad = {**body, "max_tokens": 100000}  # beyond --max-model-len: vLLM's 400
+        direct, via = _raw(f"{vllm}/chat/completions", bad), _raw(f"{access.base_url}/chat/completions", bad,
+                                                                    access.api_key)
+        assert direct[0] == via[0] == 400 and json.loads(direct[1]) == json.loads(via[1])
+    (traj,) = job.read()
+    calls = gens(traj)
+    assert [c["status"] for c in calls] == ["ok", "ok", "error"]
+    assert calls[2]["attributes"]["http.response.status_code"] == 400
