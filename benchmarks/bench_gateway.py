@@ -14,9 +14,13 @@ and sink threads.
 (b) Throughput: ``--concurrency`` clients (default 32) send non-streamed calls through the
     gateway for ``--seconds``; calls/s, and the gateway process's CPU per call. Target:
     >= 1,000 calls/s.
-(c) Streams: 200 concurrent streamed calls (20 chunks, 10 ms apart), direct and through
-    the gateway; time to first token (the first chunk with text), p50 and p99 of each,
-    and the added p99. Target: no more than the p99 bound (2 ms).
+(c) Streams: 200 concurrent streaming clients (each starts its next stream when one ends;
+    a stream is 20 chunks 25 ms apart, 40 tokens/s, a fast GPU's pace), for ``--seconds``,
+    direct and through the gateway in turn; time to first token (the first chunk with
+    text) of every stream, p50 and p99 of each, and the added p99. Target: no more than the
+    p99 bound (2 ms). (All 200 opened in the same millisecond is a burst, not a load: the
+    last of them waits for the 199 set-ups before it, through the gateway or not; printed
+    too, for what it is.)
 (d) Memory: the gateway's RSS while (b)'s load runs for ``--soak-s`` (default 60;
     ``--soak-minutes 10`` for the issue's ten minutes), sampled every 5 s: flat means
     the last samples are within a few MB of the first ones after warm-up.
@@ -46,6 +50,9 @@ from _machine import reference_line  # noqa: E402
 SECRET = "bench-secret-0123456789abcdef"
 PROMPT_IDS = list(range(100, 612))  # a 512-token prompt
 RESPONSE_IDS = list(range(700, 828))  # a 128-token answer
+#: the streamed answer: 20 chunks, 25 ms apart
+CHUNKS, CHUNK_S = 20, 0.025
+STREAM_S = CHUNKS * CHUNK_S
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "What is 12 + 7? " * 20}]
 
@@ -239,13 +246,28 @@ async def throughput(url: str, seconds: float, concurrency: int, keyed: bool = T
     return count, time.perf_counter() - t0
 
 
-async def streams(url: str, n: int, keyed: bool) -> list[float]:
+async def streams(url: str, n: int, keyed: bool, seconds: float | None = None) -> list[float]:
+    """Time to first token of each stream: ``n`` concurrent clients streaming back to back for
+    ``seconds`` (starts staggered over one stream's length), or, without ``seconds``, one burst
+    of ``n`` streams opened at once."""
     from rtrace.gateway.upstream import Upstream
 
     client = Upstream(url, max_idle=n * 2)
     keys = Keys()
-    results = await asyncio.gather(*(call(client, keys.next() if keyed else None, stream=True) for _ in range(n)))
-    return [first for _, first in results]
+    if seconds is None:
+        results = await asyncio.gather(*(call(client, keys.next() if keyed else None, stream=True)
+                                         for _ in range(n)))
+        return [first for _, first in results]
+    firsts: list[float] = []
+    stop = time.perf_counter() + seconds
+
+    async def worker(i: int) -> None:
+        await asyncio.sleep(i * STREAM_S / n)
+        while time.perf_counter() < stop:
+            firsts.append((await call(client, keys.next() if keyed else None, stream=True))[1])
+
+    await asyncio.gather(*(worker(i) for i in range(n)))
+    return firsts
 
 
 # ----------------------------------------------------------------------------- main
@@ -266,7 +288,8 @@ def main() -> int:
     procs = []
     tmp = tempfile.mkdtemp(prefix="rtrace-bench-gateway-")
     try:
-        procs.append(subprocess.Popen([sys.executable, __file__, "--upstream", str(up_port), "20", "0.01"]))
+        procs.append(subprocess.Popen([sys.executable, __file__, "--upstream", str(up_port), str(CHUNKS),
+                                       str(CHUNK_S)]))
         env = dict(os.environ, RTRACE_EXPORTER="jsonl", RTRACE_JSONL_PATH=os.path.join(tmp, "traces.jsonl"),
                    RTRACE_GATEWAY_SECRET=SECRET, PYTHONPATH=os.path.join(os.path.dirname(__file__), ".."))
         gw = subprocess.Popen([sys.executable, "-m", "rtrace", "gateway", "--upstream",
@@ -293,12 +316,19 @@ def main() -> int:
               f"gateway (target >= 1,000; direct: {dcount / delapsed:,.0f} calls/s); the gateway process's CPU "
               f"{cpu / count * 1e3:.3f} ms per call (= {count / cpu:,.0f} calls per CPU-second)")
 
-        d_first = uvloop.run(streams(up_url, args.streams, keyed=False))
-        g_first = uvloop.run(streams(gw_url, args.streams, keyed=True))
-        print(f"(c) {args.streams} concurrent streams (20 chunks, 10 ms apart), time to first token: direct p50 "
-              f"{_pct(d_first, .5) * 1e3:.2f} ms, p99 {_pct(d_first, .99) * 1e3:.2f} ms; through the gateway p50 "
-              f"{_pct(g_first, .5) * 1e3:.2f} ms, p99 {_pct(g_first, .99) * 1e3:.2f} ms; added p99 "
-              f"{(_pct(g_first, .99) - _pct(d_first, .99)) * 1e3:.2f} ms (target <= 2)")
+        d_first = uvloop.run(streams(up_url, args.streams, False, args.seconds))
+        c0 = _cpu_s(gw.pid)
+        g_first = uvloop.run(streams(gw_url, args.streams, True, args.seconds))
+        cpu = _cpu_s(gw.pid) - c0
+        print(f"(c) {args.streams} concurrent streaming clients, {len(g_first):,} streams through the gateway "
+              f"(20 chunks 25 ms apart), time to first token: direct p50 {_pct(d_first, .5) * 1e3:.2f} ms, p99 "
+              f"{_pct(d_first, .99) * 1e3:.2f} ms; through the gateway p50 {_pct(g_first, .5) * 1e3:.2f} ms, p99 "
+              f"{_pct(g_first, .99) * 1e3:.2f} ms; added p99 {(_pct(g_first, .99) - _pct(d_first, .99)) * 1e3:.2f} "
+              f"ms (target <= 2); the gateway's CPU {cpu / len(g_first) * 1e3:.2f} ms per stream")
+        d_burst = uvloop.run(streams(up_url, args.streams, keyed=False))
+        g_burst = uvloop.run(streams(gw_url, args.streams, keyed=True))
+        print(f"    a burst of {args.streams} streams opened at once: time to first token p99 direct "
+              f"{_pct(d_burst, .99) * 1e3:.1f} ms, through the gateway {_pct(g_burst, .99) * 1e3:.1f} ms")
 
         samples: list[tuple[float, float]] = []
         calls = 0
@@ -318,8 +348,8 @@ def main() -> int:
         print(f"(d) memory over {soak_s:.0f} s, {calls:,} calls: gateway RSS {rss[0]:.1f} MB at 5 s, "
               f"{statistics.mean(head):.1f} MB first quarter, {statistics.mean(tail):.1f} MB last quarter, "
               f"max {max(rss):.1f} MB (samples: {', '.join(f'{r:.0f}' for r in rss)})")
-        lines = sum(1 for _ in open(os.path.join(tmp, "traces.jsonl")))
-        print(f"    trajectories written by the gateway: {lines:,}")
+        spans = sum(line.count('"kind":"generation"') for line in open(os.path.join(tmp, "traces.jsonl")))
+        print(f"    generation spans written so far by the gateway: {spans:,} (the calls of a key share a line)")
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)

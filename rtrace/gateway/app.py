@@ -666,10 +666,9 @@ class _Record:
             if type(usage.get(key)) is int:
                 attrs[attr] = usage[key]  # token ids, when there are, give the same (the pipeline sets them)
         if cap.logprobs:
-            if all(type(v) is float for v in cap.logprobs):
-                attrs["rtrace.response_logprobs"] = cap.logprobs  # one per response token id
-            else:
-                _stats.incr("gateway_logprobs_unreadable")
+            # one per response token id: floats as the upstream wrote them (the worker's conversion
+            # counts a value that is not one, as for any attribute)
+            attrs["rtrace.response_logprobs"] = cap.logprobs
         if cap.version is not None:
             attrs["rtrace.weight_version"] = str(cap.version)
             version = cap.version

@@ -129,13 +129,14 @@ def _logprobs(value: Any, kind: str) -> list[float] | None:
     """The sampled tokens' logprobs of one choice's ``logprobs`` object."""
     if type(value) is not dict:
         return None
-    if kind == CHAT:
-        content = value.get("content")
-        if type(content) is not list:
-            return None
-        return [e.get("logprob") if type(e) is dict else None for e in content]
-    values = value.get("token_logprobs")
-    return list(values) if type(values) is list else None
+    try:
+        if kind == CHAT:
+            content = value.get("content")
+            return [e["logprob"] for e in content] if type(content) is list else None
+        values = value.get("token_logprobs")
+        return list(values) if type(values) is list else None
+    except (KeyError, TypeError):  # not the shape vLLM answers: no logprobs recorded
+        return None
 
 
 class Capture:

@@ -200,6 +200,8 @@ _lock = threading.Lock()
 _units: dict[int, _Unit] = {}
 #: trace id -> a unit whose root has ended but may not have been assembled yet
 _closing: dict[int, _Unit] = {}
+#: _closing's size at which it is next swept of assembled units
+_sweep = [64]
 
 
 def open_segment(rt: _state.Runtime, remote: SpanContext, ctx: Any, name: str,
@@ -275,6 +277,14 @@ def close_segment(span: Any, registry: Any = None) -> None:
                     registry.set_root(unit.state, sid)
                 del _units[tid]
                 _closing[tid] = unit
+                if len(_closing) > _sweep[0] and registry is not None:
+                    # a unit the worker has assembled (it left the table) can no longer be rejoined:
+                    # forget those, and the records they hold (a capture gateway closes hundreds
+                    # of units a second, each holding its calls' token ids and messages); the next
+                    # sweep waits until the table doubled (amortised: O(1) per close)
+                    for key in [k for k, u in _closing.items() if registry.lookup(k) is not u.state]:
+                        del _closing[key]
+                    _sweep[0] = max(64, 2 * len(_closing))
                 if len(_closing) > 1024:  # bounded: forget the oldest; they are long assembled
                     del _closing[next(iter(_closing))]
     span.end()
