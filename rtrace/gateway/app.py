@@ -48,9 +48,9 @@ SERVED = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models (the 
 
 _PATHS = {CHAT: "/chat/completions", COMPLETIONS: "/completions"}
 #: request headers never passed upstream as they are (hop-by-hop, or replaced by the gateway)
-_DROP_REQUEST = frozenset((b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"te",
-                           b"trailer", b"upgrade", b"proxy-authorization", b"proxy-connection", b"expect",
-                           b"authorization", b"accept-encoding", b"traceparent", b"tracestate"))
+_DROP_REQUEST = frozenset(("host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
+                           "trailer", "upgrade", "proxy-authorization", "proxy-connection", "expect",
+                           "authorization", "accept-encoding", "traceparent", "tracestate"))
 #: answer headers not passed to the client (hop-by-hop, or set again by the server)
 _DROP_RESPONSE = frozenset((b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"date",
                             b"server"))
@@ -77,6 +77,16 @@ class _Refused(Exception):
     def response(self) -> Response:
         _stats.incr(f"gateway_refused.{self.code}")
         return error_response(self.status, self.code, str(self))
+
+
+def _headers_of(request: Request) -> dict[str, str]:
+    """The request's headers as one dict, made once per request (ASGI gives them lower-case;
+    Starlette's ``Headers`` scans its list on every lookup)."""
+    scope = request.scope
+    headers = scope.get("rtrace.headers")
+    if headers is None:
+        headers = scope["rtrace.headers"] = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+    return headers
 
 
 def _traceparent(value: str) -> Any:
@@ -188,12 +198,17 @@ class Gateway:
     # ------------------------------------------------------------------ the request
     async def _body(self, request: Request) -> bytes:
         limit = self.settings.gateway_max_request_bytes
-        length = request.headers.get("content-length")
+        length = _headers_of(request).get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             raise _Refused(413, "request_too_large", f"rtrace gateway: the request body ({length} bytes) is larger "
                                                      f"than {limit} bytes (RTRACE_GATEWAY_MAX_REQUEST_BYTES)")
         parts, size = [], 0
-        async for chunk in request.stream():
+        receive, more = request.receive, True
+        while more:  # the ASGI messages as they come (Starlette's request.stream() adds layers)
+            message = await receive()
+            if message["type"] != "http.request":
+                raise _Refused(400, "client_disconnected", "rtrace gateway: the client went away")
+            chunk, more = message.get("body", b""), message.get("more_body", False)
             size += len(chunk)
             if size > limit:
                 raise _Refused(413, "request_too_large", f"rtrace gateway: the request body is larger than {limit} "
@@ -205,14 +220,14 @@ class Gateway:
         key = request.path_params.get("key")
         if key:
             return key
-        auth = request.headers.get("authorization")
+        auth = _headers_of(request).get("authorization")
         if not auth:
             return None
         return auth[7:].strip() if auth[:7].lower() == "bearer " else auth.strip()
 
     def _join(self, request: Request, key: str | None) -> Join:
         """How this call joins a trajectory, from its key, ``traceparent`` and ``baggage``."""
-        headers = request.headers
+        headers = _headers_of(request)
         tp = headers.get("traceparent")
         remote = _traceparent(tp) if tp else None
         if key is not None and _keys.is_rollout_key(key):
@@ -259,9 +274,10 @@ class Gateway:
         """The headers sent upstream: the client's (less hop-by-hop ones), the upstream's
         key as configured, and the call span's ``traceparent``."""
         out: list[tuple[str, str]] = [("accept-encoding", "identity")]
-        for name, value in request.headers.raw:
+        headers = _headers_of(request)
+        for name, value in headers.items():
             if name not in _DROP_REQUEST:
-                out.append((name.decode("latin-1"), value.decode("latin-1")))
+                out.append((name, value))
         upstream_key = self.settings.gateway_upstream_key
         if upstream_key:
             out.append(("authorization", f"Bearer {upstream_key}"))
@@ -269,10 +285,10 @@ class Gateway:
             out.append(("authorization", f"Bearer {key}"))  # the client's own key for the upstream
         if traceparent is not None:
             out.append(("traceparent", traceparent))
-        elif "traceparent" in request.headers:  # untraced: the caller's context passes as it came
-            out.append(("traceparent", request.headers["traceparent"]))
-            if "tracestate" in request.headers:
-                out.append(("tracestate", request.headers["tracestate"]))
+        elif "traceparent" in headers:  # untraced: the caller's context passes as it came
+            out.append(("traceparent", headers["traceparent"]))
+            if "tracestate" in headers:
+                out.append(("tracestate", headers["tracestate"]))
         return out
 
     # ------------------------------------------------------------------ model calls
@@ -487,7 +503,7 @@ class Gateway:
     # ------------------------------------------------------------------ sessions
     def _admin(self, request: Request) -> None:
         if self.token:
-            auth = request.headers.get("authorization") or ""
+            auth = _headers_of(request).get("authorization") or ""
             if auth[:7].lower() != "bearer " or auth[7:].strip() != self.token:
                 raise _Refused(401, "token_required", "rtrace gateway: the session API needs the job's token "
                                                       "(Authorization: Bearer $RTRACE_COLLECTOR_TOKEN)")
