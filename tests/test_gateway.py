@@ -605,3 +605,121 @@ class TestCollector:
         assert by_index[1]["reward"] == 0.0 and len([s for s in by_index[1]["spans"] if s["kind"] == "generation"]) == 2
         late = chat(access.base_url, access.api_key)
         assert (late.status_code, late.json()["error"]["code"]) == (401, "rollout_ended")
+
+
+class TestBeyondLoopback:
+    def test_the_collectors_token_rules(self, captured, gateway, fake):
+        """Bound beyond loopback, a token is generated: the session API and a call that joins by
+        traceparent alone need it (401 without, counted); rollout keys work as they are."""
+        gw = gateway(host="0.0.0.0")
+        token = gw.gateway.token
+        assert token and len(token) >= 32
+        refused = httpx.post(f"{gw.url}/rtrace/sessions", json={"step": 1})
+        assert (refused.status_code, refused.json()["error"]["code"]) == (401, "token_required")
+        session = open_session(gw.url, step=1, token=token)
+        assert chat(session.base_url, session.api_key).status_code == 200
+        session.end()
+        with rtrace.rollout_context(step=2):
+            carrier = rtrace.inject({})
+            access = rtrace.gateway_access()
+            assert chat(access.base_url, "sk-x", headers=carrier).json()["error"]["code"] == "token_required"
+            assert chat(access.base_url, token, headers=carrier).status_code == 200
+            assert chat(access.base_url, access.api_key).status_code == 200
+        assert "authorization" not in fake.requests[-1]["headers"]  # the token is not the upstream's key
+        assert sorted(t.step for t in captured.trajectories) == [1, 2]
+
+
+class TestConversation:
+    def test_an_agent_stopped_after_a_tool_call(self, captured, gateway, fake):
+        """The last call returned a tool call the agent never ran: the conversation ends with it, and
+        health says so once ('no tool ran'), not twice."""
+        gw = gateway()
+        session = open_session(gw.url, step=1)
+        answer = chat(session.base_url, session.api_key).json()["choices"][0]["message"]
+        session.end()
+        (traj,) = captured.trajectories
+        assert traj.messages[-1] == {"role": "assistant", "content": "", "tool_calls": answer["tool_calls"]}
+        assert [f["detail"] for f in traj.health if f["check"] == "generation"] == [
+            "turn 1: the model called 1 tool(s) (calculator) but no tool ran"]
+
+
+def test_every_gateway_counter_is_documented():
+    """docs/stats.md lists each counter the gateway counts (rtrace.stats(), GET /rtrace/stats)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(rtrace.__file__).parent
+    source = "".join(p.read_text() for p in (root / "gateway").glob("*.py"))
+    names = set(re.findall(r'_stats\.incr\(f?"(gateway_[a-z_]+)', source))
+    doc = (root.parent / "docs" / "stats.md").read_text()
+    assert names and {n for n in names if f"`{n}" not in doc} == set()
+
+
+@pytest.mark.integration
+class TestProcesses:
+    def _start(self, args, env, tmp_path):
+        import os
+        import subprocess
+        import sys
+
+        full = {**os.environ, **env, "PYTHONPATH": str(__import__("pathlib").Path(rtrace.__file__).parents[1])}
+        return subprocess.Popen([sys.executable, "-m", "rtrace", *args], env=full, cwd=tmp_path, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def test_rtrace_gateway(self, fake, tmp_path):
+        """`rtrace gateway`: prints the trainers' environment (the secret only in its 0600 file), serves,
+        and on SIGTERM writes what it holds: an ended session whole, one left open as partial."""
+        import os
+        import signal
+
+        from tests.servers import free_port, wait_http
+
+        port = free_port()
+        jsonl = tmp_path / "traces.jsonl"
+        proc = self._start(["gateway", "--upstream", fake.url, "--port", str(port), "--exporter", "jsonl"],
+                           {"RTRACE_JSONL_PATH": str(jsonl)}, tmp_path)
+        try:
+            wait_http(f"http://127.0.0.1:{port}/rtrace/health", 60, proc)
+            done = open_session(f"http://127.0.0.1:{port}", step=1, sample_index=0)
+            agent(done.base_url, done.api_key)
+            done.end(reward=1.0)
+            left = open_session(f"http://127.0.0.1:{port}", step=1, sample_index=1)
+            chat(left.base_url, left.api_key)
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            out, _ = proc.communicate(timeout=60)
+        env_file = tmp_path / "rtrace-gateway.env"
+        secret = [line.split("=", 1)[1] for line in env_file.read_text().splitlines() if "GATEWAY_SECRET" in line][0]
+        assert oct(env_file.stat().st_mode & 0o777) == "0o600"
+        assert f"export RTRACE_GATEWAY_URL=http://127.0.0.1:{port}" in out and secret not in out
+        assert proc.returncode == 0, out
+        lines = {d["sample_index"]: d for d in map(json.loads, jsonl.read_text().splitlines())}
+        assert (lines[0]["reward"], lines[0]["partial"], lines[1]["partial"]) == (1.0, False, True)
+        assert [m["role"] for m in lines[0]["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
+
+    def test_rtrace_collect_with_a_gateway(self, fake, tmp_path):
+        """`rtrace collect --gateway-upstream`: the gateway serves beside the collector; its URL is printed,
+        its secret goes to the env file only."""
+        import os
+        import signal
+        import time
+
+        proc = self._start(["collect", "--exporter", "jsonl", "--port", "0", "--gateway-upstream", fake.url],
+                           {"RTRACE_JSONL_PATH": str(tmp_path / "traces.jsonl")}, tmp_path)
+        lines: list[str] = []
+        deadline = time.monotonic() + 60
+        try:
+            while not any("RTRACE_GATEWAY_URL" in line for line in lines) and time.monotonic() < deadline:
+                lines.append(proc.stdout.readline())
+            url = next(line for line in lines if "RTRACE_GATEWAY_URL" in line).strip().split("=", 1)[1]
+            session = open_session(url, step=3)
+            assert chat(session.base_url, session.api_key).status_code == 200
+            session.end()
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            out, _ = proc.communicate(timeout=60)
+        env = (tmp_path / "rtrace-collector.env").read_text()
+        secret = [x.split("=", 1)[1] for x in env.splitlines() if "GATEWAY_SECRET" in x][0]
+        assert secret not in "".join(lines) + out
+        (traj,) = [json.loads(x) for x in (tmp_path / "traces.jsonl").read_text().splitlines()]
+        assert traj["step"] == 3 and traj["num_turns"] == 1

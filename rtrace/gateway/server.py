@@ -228,10 +228,17 @@ def attach_to_collector(collector: Any, host: str = "127.0.0.1", port: int = 0) 
 
 
 def serve_forever(gateway: Gateway, host: str, port: int) -> None:
-    """Serve ``gateway`` in this thread until SIGINT / SIGTERM (``rtrace gateway``)."""
+    """Serve ``gateway`` in this thread until SIGINT / SIGTERM (``rtrace gateway``), then return."""
+    import signal
+
     import uvicorn
 
-    uvicorn.Server(_config(gateway.app, host, port)).run()  # uvicorn handles SIGINT / SIGTERM
+    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then restores the handlers it found and
+    # raises the signal again: with Python's defaults that ends the process before rtrace writes
+    # what it holds. These handlers take that second signal; the caller then shuts rtrace down.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.Server(_config(gateway.app, host, port)).run()
 
 
 def check_upstream(url: str | None) -> str:
