@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Callable, Mapping
 
-__all__ = ["ConfigError", "Settings", "PARAMS", "EXPORTERS", "load_settings", "env_exporters",
+__all__ = ["ConfigError", "Settings", "PARAMS", "EXPORTERS", "load_settings", "env_exporters", "env_setting",
            "writable_path", "uri_scheme"]
 
 #: Sink names accepted by ``RTRACE_EXPORTER`` (besides ``none``).
@@ -705,6 +705,22 @@ def load_settings(overrides: Mapping[str, Any] | None = None,
             raise ConfigError(f"{_PARAMS_BY_NAME[given].env} is set but {_PARAMS_BY_NAME[missing].env} is not: "
                               "a certificate needs its private key; accepted values: both, or neither")
     return settings
+
+
+def env_setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """One setting from the environment alone (its default when unset), parsed as
+    ``load_settings`` parses it: for code that reads a setting outside ``configure()``
+    (``rtrace.gateway_access()`` in a worker that may trace nothing itself).
+
+    Raises:
+        ConfigError: a value that does not parse, naming the variable and the accepted values.
+    """
+    param = _PARAMS_BY_NAME[name]
+    environ = os.environ if environ is None else environ
+    raw = environ.get(param.env) if param.env else None
+    if raw is None or (param.env.startswith("OTEL_") and not raw.strip()):
+        return param.default
+    return _parse(param, raw, "env")
 
 
 def env_exporters(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:

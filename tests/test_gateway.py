@@ -249,6 +249,23 @@ class TestKeyJoin:
                 stats["gateway_refused.key_malformed"]) == (2, 1, 1)
 
 
+def test_gateway_access_needs_a_gateway(monkeypatch):
+    """No RTRACE_GATEWAY_URL / _SECRET and no gateway in this process: a ConfigError naming them;
+    a bad RTRACE_GATEWAY_KEY_TTL_S names itself."""
+    with pytest.raises(rtrace.ConfigError, match="RTRACE_GATEWAY_URL and RTRACE_GATEWAY_SECRET"):
+        rtrace.gateway_access()
+    monkeypatch.setenv("RTRACE_GATEWAY_URL", "http://127.0.0.1:1")
+    monkeypatch.setenv("RTRACE_GATEWAY_SECRET", "s" * 32)
+    monkeypatch.setenv("RTRACE_GATEWAY_KEY_TTL_S", "soon")
+    with pytest.raises(rtrace.ConfigError, match="RTRACE_GATEWAY_KEY_TTL_S"):
+        rtrace.gateway_access()
+    monkeypatch.setenv("RTRACE_GATEWAY_KEY_TTL_S", "60")
+    access = rtrace.gateway_access()  # outside any trajectory: a key that lets calls through unrecorded
+    assert (access.base_url, access.traced) == ("http://127.0.0.1:1/v1", False)
+    claims = keys.verify("s" * 32, access.api_key)
+    assert not claims.sampled and 59 < claims.expires - __import__("time").time() <= 60.01
+
+
 class TestTraceparentJoin:
     def test_an_injected_context_makes_the_call_a_child_of_the_callers_span(self, captured, gateway, fake):
         """rtrace.inject() inside a traced agent step: the call is a child of that span, in the

@@ -15,11 +15,10 @@ only the standard library and the hot path's state: importing it costs nothing.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import ConfigError, Secret
+from ..config import ConfigError, Secret, env_setting
 from ..instrumentation import _state
 from ..instrumentation._otel_private import current_span
 from . import keys as _keys
@@ -72,9 +71,9 @@ class GatewayAccess:
 
 def _where(url: str | None, secret: str | None) -> tuple[str, str]:
     if url is None:
-        url = os.environ.get("RTRACE_GATEWAY_URL") or None
+        url = env_setting("gateway_url")
     if secret is None:
-        secret = os.environ.get("RTRACE_GATEWAY_SECRET") or None
+        secret = env_setting("gateway_secret") or None
     if (url is None or secret is None) and local is not None:
         url = url or local.url
         secret = secret or local.gateway.secret
@@ -104,12 +103,7 @@ def gateway_access(url: str | None = None, secret: str | None = None, ttl_s: flo
     """
     url, secret = _where(url, secret)
     if ttl_s is None:
-        raw = os.environ.get("RTRACE_GATEWAY_KEY_TTL_S")
-        try:
-            ttl_s = float(raw) if raw else 3600.0
-        except ValueError:
-            raise ConfigError(f"RTRACE_GATEWAY_KEY_TTL_S: not a number: {raw!r}; accepted values: seconds "
-                              "from 1 to 604800") from None
+        ttl_s = env_setting("gateway_key_ttl_s")
     frame = _state.FRAME.get()
     state = frame.state if frame is not None else None
     traceparent = None

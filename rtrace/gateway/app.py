@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from typing import Any, Callable
 
 from starlette.applications import Starlette
@@ -34,10 +33,12 @@ from .. import _stats
 from ..instrumentation import _state
 from ..instrumentation.propagation import baggage_coordinates
 from . import keys as _keys
-from .protocol import CHAT, COMPLETIONS, Capture, SseSplitter, dumps, event_data, loads, prepare, strip, strip_chunk
-from .recorder import Join, open_call, remote_context
+from .protocol import CHAT, COMPLETIONS, SseSplitter, dumps, event_data, loads, prepare, strip, strip_chunk
+from .recorder import Join, Record, open_call, remote_context
+from .errors import Refused, error_response
+from .session_api import SessionAPI
 from .sessions import SessionError, Sessions
-from .upstream import TooLarge, Upstream, UpstreamError
+from .upstream import Upstream, UpstreamError
 
 __all__ = ["Gateway", "SERVED", "error_response"]
 
@@ -54,31 +55,6 @@ _DROP_REQUEST = frozenset(("host", "content-length", "connection", "keep-alive",
 #: answer headers not passed to the client (hop-by-hop, or set again by the server)
 _DROP_RESPONSE = frozenset((b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"date",
                             b"server"))
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 502: "api_error", 503: "api_error",
-                504: "api_error"}
-
-
-def error_response(status: int, code: str, message: str) -> Response:
-    """An OpenAI-style error: ``{"error": {"message", "type", "param", "code"}}``."""
-    body = dumps({"error": {"message": message, "type": _ERROR_TYPES.get(status, "api_error"), "param": None,
-                            "code": code}})
-    return Response(body, status, media_type="application/json")
-
-
-class _Refused(Exception):
-    """A request answered with an OpenAI-style error (counted as ``gateway_refused.<code>``)."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-
-    def response(self) -> Response:
-        _stats.incr(f"gateway_refused.{self.code}")
-        return error_response(self.status, self.code, str(self))
-
-
 def _headers_of(request: Request) -> dict[str, str]:
     """The request's headers as one dict, made once per request (ASGI gives them lower-case;
     Starlette's ``Headers`` scans its list on every lookup)."""
@@ -104,7 +80,7 @@ def _traceparent(value: str) -> Any:
     return remote_context(trace_id, span_id, bool(flags & 1))
 
 
-class Gateway:
+class Gateway(SessionAPI):
     """The capture gateway's state and ASGI app (``gateway.app``).
 
     Args:
@@ -200,18 +176,18 @@ class Gateway:
         limit = self.settings.gateway_max_request_bytes
         length = _headers_of(request).get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            raise _Refused(413, "request_too_large", f"rtrace gateway: the request body ({length} bytes) is larger "
+            raise Refused(413, "request_too_large", f"rtrace gateway: the request body ({length} bytes) is larger "
                                                      f"than {limit} bytes (RTRACE_GATEWAY_MAX_REQUEST_BYTES)")
         parts, size = [], 0
         receive, more = request.receive, True
         while more:  # the ASGI messages as they come (Starlette's request.stream() adds layers)
             message = await receive()
             if message["type"] != "http.request":
-                raise _Refused(400, "client_disconnected", "rtrace gateway: the client went away")
+                raise Refused(400, "client_disconnected", "rtrace gateway: the client went away")
             chunk, more = message.get("body", b""), message.get("more_body", False)
             size += len(chunk)
             if size > limit:
-                raise _Refused(413, "request_too_large", f"rtrace gateway: the request body is larger than {limit} "
+                raise Refused(413, "request_too_large", f"rtrace gateway: the request body is larger than {limit} "
                                                          "bytes (RTRACE_GATEWAY_MAX_REQUEST_BYTES)")
             parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
@@ -234,19 +210,19 @@ class Gateway:
             try:
                 claims = self.verify(key)
             except _keys.KeyRefused as exc:
-                raise _Refused(401, f"key_{exc.code}", f"rtrace gateway: {exc}") from None
+                raise Refused(401, f"key_{exc.code}", f"rtrace gateway: {exc}") from None
             if claims.session is not None:
                 try:
                     session = self.sessions.get(claims.session)
                 except SessionError:
-                    raise _Refused(401, "session_ended", "rtrace gateway: the session of this key has ended or "
+                    raise Refused(401, "session_ended", "rtrace gateway: the session of this key has ended or "
                                                          "expired") from None
                 session.calls += 1
                 if not session.traced:
                     return Join("untraced", "session")
                 return Join("session", "session", remote, session.coords, session)
             if self.finished is not None and self.finished(claims.trace_id):
-                raise _Refused(401, "rollout_ended", "rtrace gateway: the rollout of this key has ended (its "
+                raise Refused(401, "rollout_ended", "rtrace gateway: the rollout of this key has ended (its "
                                                      "trajectory was written)")
             if not claims.sampled:
                 return Join("untraced", "key")  # the trainer does not record this rollout
@@ -255,7 +231,7 @@ class Gateway:
             return Join("segment", "key", parent, claims.coords)
         if remote is not None:
             if self.token and key != self.token:
-                raise _Refused(401, "token_required", "rtrace gateway: a call that joins by traceparent alone must "
+                raise Refused(401, "token_required", "rtrace gateway: a call that joins by traceparent alone must "
                                                       "carry the job's token as its API key (the gateway listens "
                                                       "beyond loopback)")
             if not remote.trace_flags.sampled:
@@ -264,7 +240,7 @@ class Gateway:
             return Join("segment", "traceparent", remote, coords)
         mode = self.settings.gateway_untraced
         if mode == "refuse":
-            raise _Refused(401, "no_rollout", "rtrace gateway: this call names no rollout: use the key of "
+            raise Refused(401, "no_rollout", "rtrace gateway: this call names no rollout: use the key of "
                                               "rtrace.gateway_access() or of a session (POST /rtrace/sessions), or "
                                               "send a traceparent; RTRACE_GATEWAY_UNTRACED=forward|record lets "
                                               "such calls through")
@@ -305,12 +281,12 @@ class Gateway:
             try:
                 payload = loads(body)
             except ValueError:
-                raise _Refused(400, "invalid_json", "rtrace gateway: the request body is not JSON") from None
+                raise Refused(400, "invalid_json", "rtrace gateway: the request body is not JSON") from None
             if type(payload) is not dict:
-                raise _Refused(400, "invalid_body", "rtrace gateway: the request body is not a JSON object")
+                raise Refused(400, "invalid_body", "rtrace gateway: the request body is not a JSON object")
             key = self._key(request)
             join = self._join(request, key)
-        except _Refused as refused:
+        except Refused as refused:
             return refused.response()
         call = None
         if join.mode != "untraced":
@@ -332,7 +308,7 @@ class Gateway:
         sent, asked = prepare(payload, kind, s.gateway_token_ids, s.gateway_logprobs)
         headers = self._headers(request, key, call.traceparent)
         data = dumps(sent) if sent is not payload else body
-        record = _Record(self, call, kind, payload, asked)
+        record = Record(call, kind, payload, asked, self.settings, self.runtime)
         try:
             reply = await self.upstream.request("POST", _PATHS[kind], headers, data)
         except UpstreamError as exc:
@@ -351,7 +327,7 @@ class Gateway:
         _stats.incr(f"gateway_upstream_errors.{exc.kind}")
         return error_response(status, f"upstream_{exc.kind}", f"rtrace gateway: upstream {self.upstream_url}: {exc}")
 
-    async def _whole(self, reply: Any, record: "_Record") -> Response:
+    async def _whole(self, reply: Any, record: "Record") -> Response:
         """A whole answer: read, recorded, stripped of what the gateway asked for."""
         limit = self.settings.gateway_max_response_bytes
         headers = _response_headers(reply.headers)
@@ -411,7 +387,7 @@ class Gateway:
         record.finish()
         return Response(raw, reply.status, headers=headers)
 
-    def _stream(self, reply: Any, record: "_Record") -> Response:
+    def _stream(self, reply: Any, record: "Record") -> Response:
         """A streamed answer: each chunk passed on as soon as it is whole (an event cut
         between two network reads waits for its end when something must be taken out)."""
         asked = record.asked
@@ -496,16 +472,15 @@ class Gateway:
         try:
             key = self._key(request)
             self._join(request, key)
-        except _Refused as refused:
+        except Refused as refused:
             return refused.response()
         return await self._forward(request, None, b"", self._headers(request, key, None), "GET", "/models")
 
-    # ------------------------------------------------------------------ sessions
     def _admin(self, request: Request) -> None:
         if self.token:
             auth = _headers_of(request).get("authorization") or ""
             if auth[:7].lower() != "bearer " or auth[7:].strip() != self.token:
-                raise _Refused(401, "token_required", "rtrace gateway: the session API needs the job's token "
+                raise Refused(401, "token_required", "rtrace gateway: the session API needs the job's token "
                                                       "(Authorization: Bearer $RTRACE_COLLECTOR_TOKEN)")
 
     async def _json(self, request: Request, required: bool = True) -> dict[str, Any]:
@@ -515,78 +490,16 @@ class Gateway:
         try:
             data = loads(body)
         except ValueError:
-            raise _Refused(400, "invalid_json", "rtrace gateway: the request body is not JSON") from None
+            raise Refused(400, "invalid_json", "rtrace gateway: the request body is not JSON") from None
         if type(data) is not dict:
-            raise _Refused(400, "invalid_body", "rtrace gateway: the request body is not a JSON object")
+            raise Refused(400, "invalid_body", "rtrace gateway: the request body is not a JSON object")
         return data
-
-    async def open_session(self, request: Request) -> Response:
-        """``POST /rtrace/sessions`` with the rollout's coordinates: the trajectory is opened;
-        the answer has its ``session_id``, ``base_url``, ``api_key`` and ``trace_id``."""
-        try:
-            self._admin(request)
-            data = await self._json(request, required=False)
-            coords, name, ttl = _session_request(data, self.settings.gateway_key_ttl_s)
-            session = self.sessions.open(self.runtime(), coords, name, ttl)
-        except _Refused as refused:
-            return refused.response()
-        except SessionError as exc:
-            return error_response(exc.status, exc.code, str(exc))
-        state = session.state
-        key, expires = _keys.mint(self.secret, state.trace_id if state else 1, state.root_span_id if state else 1,
-                                  state is not None, {}, ttl, session=session.id)
-        return _json_response({"session_id": session.id, "traced": session.traced, "trace_id": session.trace_id,
-                               "base_url": f"{self.url}/v1" if self.url else None, "api_key": key,
-                               "keyed_base_url": f"{self.url}/k/{key}/v1" if self.url else None,
-                               "expires_at": expires, "coordinates": coords})
-
-    async def session_info(self, request: Request) -> Response:
-        try:
-            self._admin(request)
-            session = self.sessions.get(request.path_params["sid"])
-        except _Refused as refused:
-            return refused.response()
-        except SessionError as exc:
-            return error_response(exc.status, exc.code, str(exc))
-        return _json_response({"session_id": session.id, "traced": session.traced, "trace_id": session.trace_id,
-                               "calls": session.calls, "expires_at": session.expires, "coordinates": session.coords})
-
-    async def set_reward(self, request: Request) -> Response:
-        """``POST /rtrace/sessions/<id>/reward`` ``{"reward": 1.0, "outcome": {...}}``."""
-        try:
-            self._admin(request)
-            data = await self._json(request)
-            if "reward" not in data:
-                raise _Refused(400, "missing_reward", "rtrace gateway: the body needs a 'reward'")
-            session = self.sessions.reward(request.path_params["sid"], data["reward"], _outcome(data))
-        except _Refused as refused:
-            return refused.response()
-        except SessionError as exc:
-            return error_response(exc.status, exc.code, str(exc))
-        return _json_response({"session_id": session.id, "reward": data["reward"]})
-
-    async def end_session(self, request: Request) -> Response:
-        """``POST /rtrace/sessions/<id>/end``, optionally with ``reward``, ``outcome``, ``error``:
-        the session's trajectory ends and is written."""
-        try:
-            self._admin(request)
-            data = await self._json(request, required=False)
-            sid = request.path_params["sid"]
-            if "reward" in data:
-                self.sessions.reward(sid, data["reward"], _outcome(data))
-            error = data.get("error")
-            session = self.sessions.end(sid, error if isinstance(error, str) and error else None)
-        except _Refused as refused:
-            return refused.response()
-        except SessionError as exc:
-            return error_response(exc.status, exc.code, str(exc))
-        return _json_response({"session_id": session.id, "trace_id": session.trace_id, "calls": session.calls})
 
     async def stats(self, request: Request) -> Response:
         """``GET /rtrace/stats``: rtrace's counters in this process (``rtrace.stats()``'s)."""
         try:
             self._admin(request)
-        except _Refused as refused:
+        except Refused as refused:
             return refused.response()
         out = dict(_stats.snapshot())
         out["gateway_sessions_open"] = len(self.sessions)
@@ -595,126 +508,6 @@ class Gateway:
     async def health(self, request: Request) -> Response:
         """``GET /rtrace/health``: 200 while the gateway serves."""
         return _json_response({"status": "ok", "upstream": self.upstream_url})
-
-
-class _Record:
-    """What one recorded call collects, and its end (once, whatever happens)."""
-
-    __slots__ = ("gateway", "call", "kind", "payload", "asked", "capture", "gaps", "status", "capturing", "done",
-                 "started", "splitter")
-
-    def __init__(self, gateway: Gateway, call: Any, kind: str, payload: dict[str, Any], asked: Any) -> None:
-        self.gateway = gateway
-        self.call = call
-        self.kind = kind
-        self.payload = payload
-        self.asked = asked
-        self.capture = Capture(kind)
-        self.gaps: list[tuple[str, str]] = []
-        self.status = 0
-        self.capturing = True
-        self.done = False
-        self.started = time.time_ns()
-
-    def gap(self, code: str, detail: str) -> None:
-        self.gaps.append((code, detail))
-
-    def read_events(self, events: list[bytes]) -> None:
-        """Read whole SSE events beside a stream passed on as it came (never raises)."""
-        capture = self.capture
-        for event in events:
-            data = event_data(event)
-            if data is None:
-                continue
-            if data == b"[DONE]":
-                capture.done = True
-                continue
-            try:
-                obj = loads(data)
-            except ValueError:
-                continue
-            if type(obj) is dict:
-                try:
-                    capture.chunk(obj)
-                except Exception:
-                    _stats.incr("gateway_record_errors")
-
-    def finish(self, error: str | None = None) -> None:
-        """End the call's span with what was collected (called once; never raises)."""
-        if self.done:
-            return
-        self.done = True
-        try:
-            inputs, output, attrs = self._record(error)
-        except Exception:
-            _stats.incr("gateway_record_errors")
-            _stats.warn_once("gateway-capture", "rtrace gateway could not read a call's answer (it went through)",
-                             exc_info=True)
-            inputs, output, attrs = None, None, {}
-        rt_capture = True
-        try:
-            rt_capture = bool(self.gateway.runtime().capture)
-        except Exception:
-            pass
-        self.call.finish(inputs, output, attrs, error, rt_capture)
-
-    def _record(self, error: str | None) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
-        cap = self.capture
-        s = self.gateway.settings
-        attrs: dict[str, Any] = {"rtrace.gateway.join": self.call.join.how}
-        inputs = dict(self.payload)
-        stream = self.payload.get("stream") is True
-        if stream:
-            attrs["rtrace.gateway.stream"] = True
-        if self.status and self.status != 200:
-            attrs["http.response.status_code"] = self.status
-        if cap.prompt_ids is not None:
-            inputs["prompt_ids"] = cap.prompt_ids
-        answered = error is None and self.status == 200 and (cap.done or cap.chunks or cap.text or cap.tool_calls)
-        output = cap.output() if answered or cap.chunks else None
-        if cap.model is not None:
-            attrs["gen_ai.response.model"] = cap.model
-        if cap.response_id is not None:
-            attrs["gen_ai.response.id"] = str(cap.response_id)
-        usage = cap.usage if type(cap.usage) is dict else {}
-        for key, attr in (("prompt_tokens", "gen_ai.usage.input_tokens"),
-                          ("completion_tokens", "gen_ai.usage.output_tokens")):
-            if type(usage.get(key)) is int:
-                attrs[attr] = usage[key]  # token ids, when there are, give the same (the pipeline sets them)
-        if cap.logprobs:
-            # one per response token id: floats as the upstream wrote them (the worker's conversion
-            # counts a value that is not one, as for any attribute)
-            attrs["rtrace.response_logprobs"] = cap.logprobs
-        if cap.version is not None:
-            attrs["rtrace.weight_version"] = str(cap.version)
-            version = cap.version
-            if type(version) is str and version.lstrip("-").isdigit():
-                version = int(version)
-            if type(version) is int:
-                attrs["rl.policy_version"] = version  # the span's own version over the rollout's
-        if stream and cap.first_token_ns is not None:
-            attrs["rtrace.time_to_first_token_ms"] = (cap.first_token_ns - self.started) / 1e6
-        if answered or cap.chunks:
-            gaps = list(self.gaps)
-            if cap.prompt_ids is None or cap.response_ids is None:
-                if not (s.gateway_token_ids or self.payload.get("return_token_ids")):
-                    gaps.append(("not_requested", "token ids were not asked of the upstream "
-                                                  "(RTRACE_GATEWAY_TOKEN_IDS=false)"))
-                elif not gaps:
-                    gaps.append(("not_returned", "the upstream returned no token ids (not vLLM / SGLang, or an "
-                                                 "older version)"))
-            if error is not None or (stream and not cap.done):
-                gaps.append(("incomplete", "the answer was cut before its end: "
-                                           + (error or "the stream ended without [DONE]")))
-            if cap.choices > 1:
-                gaps.append(("choices", f"n={cap.choices}: only the first choice is recorded"))
-            if gaps:
-                attrs["rtrace.capture_gap"] = "; ".join(detail for _, detail in gaps)
-                attrs["rtrace.capture_gap.codes"] = [code for code, _ in gaps]
-                _stats.incr("gateway_capture_gaps")
-                for code, _ in gaps:
-                    _stats.incr(f"gateway_capture_gaps.{code}")
-        return inputs, output, attrs
 
 
 def _error_text(status: int, raw: bytes) -> str:
@@ -736,41 +529,3 @@ def _response_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
 
 def _json_response(data: dict[str, Any], status: int = 200) -> Response:
     return Response(dumps(data), status, media_type="application/json")
-
-
-def _outcome(data: dict[str, Any]) -> dict[str, Any]:
-    outcome = data.get("outcome")
-    if outcome is not None and type(outcome) is not dict:
-        raise _Refused(400, "invalid_outcome", "rtrace gateway: 'outcome' must be a JSON object")
-    return outcome or {}
-
-
-#: coordinates a session may be opened with: name -> accepted types
-_COORDS = {"step": (int,), "sample_index": (int,), "rollout_n": (int,), "validate": (bool,),
-           "group_id": (str, int), "policy_version": (int,)}
-
-
-def _session_request(data: dict[str, Any], default_ttl: float) -> tuple[dict[str, Any], str, float]:
-    """``(coordinates, root span name, time to live)`` of a session request; refuses
-    coordinates of the wrong type (they would break sampling and step metrics)."""
-    coords: dict[str, Any] = {}
-    for name, types in _COORDS.items():
-        value = data.get(name)
-        if value is None:
-            continue
-        if type(value) not in types:
-            raise _Refused(400, "invalid_coordinates", f"rtrace gateway: '{name}' must be "
-                                                       f"{' or '.join(t.__name__ for t in types)}, got {value!r}")
-        coords[name] = value
-    extra = data.get("extra")
-    if extra is not None:
-        if type(extra) is not dict:
-            raise _Refused(400, "invalid_coordinates", "rtrace gateway: 'extra' must be a JSON object")
-        coords["extra"] = extra
-    name = data.get("name") or "rollout"
-    if not isinstance(name, str) or len(name) > 200:
-        raise _Refused(400, "invalid_name", "rtrace gateway: 'name' must be a string of at most 200 characters")
-    ttl = data.get("ttl_s", default_ttl)
-    if type(ttl) not in (int, float) or not 0 < ttl <= 7 * 24 * 3600:
-        raise _Refused(400, "invalid_ttl", "rtrace gateway: 'ttl_s' must be seconds from 0 to 604800")
-    return coords, name, float(ttl)

@@ -144,7 +144,7 @@ class Capture:
 
     __slots__ = ("kind", "prompt_ids", "response_ids", "logprobs", "text", "reasoning", "tool_calls",
                  "finish_reason", "usage", "model", "response_id", "version", "choices", "role", "first_token_ns",
-                 "chunks", "done", "bytes", "refusal")
+                 "chunks", "done", "refusal")
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -166,8 +166,6 @@ class Capture:
         self.chunks = 0
         #: the stream ended with ``data: [DONE]`` (or the whole answer was read)
         self.done = False
-        #: bytes of answer read (the response size cap)
-        self.bytes = 0
         self.refusal: Any = None
 
     # ------------------------------------------------------------------ whole answers

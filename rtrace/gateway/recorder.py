@@ -29,6 +29,7 @@ How a call joins (:class:`Join`), mirroring ``rtrace.extract``:
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from opentelemetry import trace as otel_trace
@@ -39,9 +40,9 @@ from ..instrumentation import _state
 from ..instrumentation.propagation import close_segment, open_segment
 from ..instrumentation.spans import RSpan
 from ..pipeline.records import CallRecord, CallSpec
-from .protocol import CHAT
+from .protocol import Capture, event_data, loads
 
-__all__ = ["Join", "Call", "open_call", "SPECS", "remote_context"]
+__all__ = ["Join", "Call", "Record", "open_call", "SPECS", "remote_context"]
 
 #: The call record's spec of each kind of model call (what a decorator decides once).
 SPECS = {
@@ -165,5 +166,123 @@ def open_call(rt: Any, join: Join, kind: str, model: Any) -> Call | None:
     return None
 
 
-def is_chat(kind: str) -> bool:
-    return kind == CHAT
+class Record:
+    """What one recorded call collects, and its end (once, whatever happens)."""
+
+    __slots__ = ("settings", "runtime", "call", "kind", "payload", "asked", "capture", "gaps", "status",
+                 "capturing", "done", "started")
+
+    def __init__(self, call: Call, kind: str, payload: dict[str, Any], asked: Any, settings: Any,
+                 runtime: Any) -> None:
+        self.settings = settings
+        self.runtime = runtime
+        self.call = call
+        self.kind = kind
+        self.payload = payload
+        self.asked = asked
+        self.capture = Capture(kind)
+        self.gaps: list[tuple[str, str]] = []
+        self.status = 0
+        self.capturing = True
+        self.done = False
+        self.started = time.time_ns()
+
+    def gap(self, code: str, detail: str) -> None:
+        self.gaps.append((code, detail))
+
+    def read_events(self, events: list[bytes]) -> None:
+        """Read whole SSE events beside a stream passed on as it came (never raises)."""
+        capture = self.capture
+        for event in events:
+            data = event_data(event)
+            if data is None:
+                continue
+            if data == b"[DONE]":
+                capture.done = True
+                continue
+            try:
+                obj = loads(data)
+            except ValueError:
+                continue
+            if type(obj) is dict:
+                try:
+                    capture.chunk(obj)
+                except Exception:
+                    _stats.incr("gateway_record_errors")
+
+    def finish(self, error: str | None = None) -> None:
+        """End the call's span with what was collected (called once; never raises)."""
+        if self.done:
+            return
+        self.done = True
+        try:
+            inputs, output, attrs = self._record(error)
+        except Exception:
+            _stats.incr("gateway_record_errors")
+            _stats.warn_once("gateway-capture", "rtrace gateway could not read a call's answer (it went through)",
+                             exc_info=True)
+            inputs, output, attrs = None, None, {}
+        rt_capture = True
+        try:
+            rt_capture = bool(self.runtime().capture)
+        except Exception:
+            pass
+        self.call.finish(inputs, output, attrs, error, rt_capture)
+
+    def _record(self, error: str | None) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
+        cap = self.capture
+        s = self.settings
+        attrs: dict[str, Any] = {"rtrace.gateway.join": self.call.join.how}
+        inputs = dict(self.payload)
+        stream = self.payload.get("stream") is True
+        if stream:
+            attrs["rtrace.gateway.stream"] = True
+        if self.status and self.status != 200:
+            attrs["http.response.status_code"] = self.status
+        if cap.prompt_ids is not None:
+            inputs["prompt_ids"] = cap.prompt_ids
+        answered = error is None and self.status == 200 and (cap.done or cap.chunks or cap.text or cap.tool_calls)
+        output = cap.output() if answered or cap.chunks else None
+        if cap.model is not None:
+            attrs["gen_ai.response.model"] = cap.model
+        if cap.response_id is not None:
+            attrs["gen_ai.response.id"] = str(cap.response_id)
+        usage = cap.usage if type(cap.usage) is dict else {}
+        for key, attr in (("prompt_tokens", "gen_ai.usage.input_tokens"),
+                          ("completion_tokens", "gen_ai.usage.output_tokens")):
+            if type(usage.get(key)) is int:
+                attrs[attr] = usage[key]  # token ids, when there are, give the same (the pipeline sets them)
+        if cap.logprobs:
+            # one per response token id: floats as the upstream wrote them (the worker's conversion
+            # counts a value that is not one, as for any attribute)
+            attrs["rtrace.response_logprobs"] = cap.logprobs
+        if cap.version is not None:
+            attrs["rtrace.weight_version"] = str(cap.version)
+            version = cap.version
+            if type(version) is str and version.lstrip("-").isdigit():
+                version = int(version)
+            if type(version) is int:
+                attrs["rl.policy_version"] = version  # the span's own version over the rollout's
+        if stream and cap.first_token_ns is not None:
+            attrs["rtrace.time_to_first_token_ms"] = (cap.first_token_ns - self.started) / 1e6
+        if answered or cap.chunks:
+            gaps = list(self.gaps)
+            if cap.prompt_ids is None or cap.response_ids is None:
+                if not (s.gateway_token_ids or self.payload.get("return_token_ids")):
+                    gaps.append(("not_requested", "token ids were not asked of the upstream "
+                                                  "(RTRACE_GATEWAY_TOKEN_IDS=false)"))
+                elif not gaps:
+                    gaps.append(("not_returned", "the upstream returned no token ids (not vLLM / SGLang, or an "
+                                                 "older version)"))
+            if error is not None or (stream and not cap.done):
+                gaps.append(("incomplete", "the answer was cut before its end: "
+                                           + (error or "the stream ended without [DONE]")))
+            if cap.choices > 1:
+                gaps.append(("choices", f"n={cap.choices}: only the first choice is recorded"))
+            if gaps:
+                attrs["rtrace.capture_gap"] = "; ".join(detail for _, detail in gaps)
+                attrs["rtrace.capture_gap.codes"] = [code for code, _ in gaps]
+                _stats.incr("gateway_capture_gaps")
+                for code, _ in gaps:
+                    _stats.incr(f"gateway_capture_gaps.{code}")
+        return inputs, output, attrs
