@@ -447,6 +447,23 @@ class TestCaptureGaps:
         assert "incomplete" in gen.attributes["rtrace.capture_gap.codes"]
         assert gen.response_ids == encode("The answer is 19.")[:3]
 
+    def test_an_answer_over_the_size_cap_passes_through_unrecorded(self, captured, gateway, fake):
+        """An answer larger than RTRACE_GATEWAY_MAX_RESPONSE_BYTES reaches the client whole, as it came;
+        the call is recorded with a ``too_large`` gap, counted; whole and streamed."""
+        gateway(gateway_max_response_bytes=1024)
+        long = [{"role": "user", "content": "What is " + " + ".join(["1"] * 300) + "?"}]
+        with rtrace.rollout_context(step=1):
+            access = rtrace.gateway_access()
+            whole = chat(access.base_url, access.api_key, messages=long, tools=None)
+            streamed = chat(access.base_url, access.api_key, messages=long, tools=None, stream=True)
+        assert whole.status_code == streamed.status_code == 200
+        assert whole.json()["choices"][0]["message"]["content"] == "The answer is 300."
+        assert "".join(e["choices"][0]["delta"].get("content") or "" for e in sse(streamed.text)
+                       if e != "[DONE]") == "The answer is 300."
+        gens = only(captured.trajectories)
+        assert [g.attributes["rtrace.capture_gap.codes"][0] for g in gens] == ["too_large", "too_large"]
+        assert captured.stats()["gateway_responses_too_large"] == 2
+
     def test_the_servers_weight_version_is_the_generations_policy_version(self, captured, gateway, fake):
         gateway()
         fake.version = "12"

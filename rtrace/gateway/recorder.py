@@ -265,24 +265,25 @@ class Record:
                 attrs["rl.policy_version"] = version  # the span's own version over the rollout's
         if stream and cap.first_token_ns is not None:
             attrs["rtrace.time_to_first_token_ms"] = (cap.first_token_ns - self.started) / 1e6
+        gaps = list(self.gaps)  # what the stream's reading noted (too large, unreadable)
+        noted = {code for code, _ in gaps}
         if answered or cap.chunks:
-            gaps = list(self.gaps)
-            if cap.prompt_ids is None or cap.response_ids is None:
+            if (cap.prompt_ids is None or cap.response_ids is None) and not noted:
                 if not (s.gateway_token_ids or self.payload.get("return_token_ids")):
                     gaps.append(("not_requested", "token ids were not asked of the upstream "
                                                   "(RTRACE_GATEWAY_TOKEN_IDS=false)"))
-                elif not gaps:
+                else:
                     gaps.append(("not_returned", "the upstream returned no token ids (not vLLM / SGLang, or an "
                                                  "older version)"))
-            if error is not None or (stream and not cap.done):
+            if error is not None or (stream and not cap.done and "too_large" not in noted):
                 gaps.append(("incomplete", "the answer was cut before its end: "
                                            + (error or "the stream ended without [DONE]")))
             if cap.choices > 1:
                 gaps.append(("choices", f"n={cap.choices}: only the first choice is recorded"))
-            if gaps:
-                attrs["rtrace.capture_gap"] = "; ".join(detail for _, detail in gaps)
-                attrs["rtrace.capture_gap.codes"] = [code for code, _ in gaps]
-                _stats.incr("gateway_capture_gaps")
-                for code, _ in gaps:
-                    _stats.incr(f"gateway_capture_gaps.{code}")
+        if gaps:
+            attrs["rtrace.capture_gap"] = "; ".join(detail for _, detail in gaps)
+            attrs["rtrace.capture_gap.codes"] = [code for code, _ in gaps]
+            _stats.incr("gateway_capture_gaps")
+            for code, _ in gaps:
+                _stats.incr(f"gateway_capture_gaps.{code}")
         return inputs, output, attrs
