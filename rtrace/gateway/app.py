@@ -503,6 +503,10 @@ class Gateway(SessionAPI):
             return refused.response()
         out = dict(_stats.snapshot())
         out["gateway_sessions_open"] = len(self.sessions)
+        rt = self.runtime()
+        gauges = getattr(getattr(rt, "intake", None), "gauges", None)
+        if callable(gauges):  # the recording pipeline's open trajectories and queued spans
+            out.update(gauges())
         return _json_response(out)
 
     async def health(self, request: Request) -> Response:
