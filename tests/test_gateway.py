@@ -757,3 +757,47 @@ class TestProcesses:
         assert secret not in "".join(lines) + out
         (traj,) = [json.loads(x) for x in (tmp_path / "traces.jsonl").read_text().splitlines()]
         assert traj["step"] == 3 and traj["num_turns"] == 1
+
+
+def test_a_kept_alive_connection_the_upstream_closed_is_retried_once():
+    """An upstream that closes each connection after its answer (without saying so): the next request,
+    sent on the kept-alive connection, is sent again once on a new one; nothing reaches the caller."""
+    import asyncio
+    import socket
+    import time
+
+    from rtrace.gateway.upstream import Upstream
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    accepted = []
+
+    def serve():
+        for _ in range(2):
+            conn, _ = listener.accept()
+            accepted.append(conn)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-type: application/json\r\n\r\n{}")
+            time.sleep(0.3)  # the client's next request arrives meanwhile, on this connection
+            conn.close()  # closes, though the answer said nothing of it, and never answers that request
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+
+    async def two_calls():
+        upstream = Upstream(f"http://127.0.0.1:{port}/v1", timeout_s=10)
+        bodies = []
+        for _ in range(2):
+            reply = await upstream.request("POST", "/chat/completions", [], b"{}")
+            bodies.append(b"".join([c async for c in reply.chunks()]))
+        upstream.close()
+        return bodies
+
+    assert asyncio.run(two_calls()) == [b"{}", b"{}"]
+    thread.join(5)
+    listener.close()
+    assert len(accepted) == 2

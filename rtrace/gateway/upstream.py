@@ -10,9 +10,8 @@ parser (C, uvicorn's): ~0.06 ms of CPU per request.
 * one request per connection at a time, connections kept alive and reused (LIFO, at most
   ``max_idle`` idle ones); a reused connection that the server had closed is retried once
   on a new one (nothing of the request was answered);
-* the body is read whole (:meth:`Reply.read`, bounded) or chunk by chunk as it arrives
-  (:meth:`Reply.chunks`); a slow reader pauses the socket once 1 MiB waits, so memory stays
-  bounded whatever the upstream sends;
+* the body is read chunk by chunk as it arrives (:meth:`Reply.chunks`); a slow reader
+  pauses the socket once 1 MiB waits, so memory stays bounded whatever the upstream sends;
 * a timeout bounds each wait for the upstream (the response head, then each chunk):
   :class:`UpstreamError` ``timeout``; a refused or lost connection is ``unreachable``; a
   response that is not HTTP is ``protocol``.
@@ -28,7 +27,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["Upstream", "Reply", "UpstreamError", "TooLarge"]
+__all__ = ["Upstream", "Reply", "UpstreamError"]
 
 #: bytes buffered from the upstream before the socket is paused (resumed below _LOW)
 _HIGH, _LOW = 1 << 20, 1 << 18
@@ -40,10 +39,6 @@ class UpstreamError(Exception):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
-
-
-class TooLarge(Exception):
-    """A body longer than the caller's bound (the connection is closed, not reused)."""
 
 
 class _Conn(asyncio.Protocol):
@@ -204,22 +199,6 @@ class Reply:
             if conn.complete:
                 return None
             await conn.wait(self._timeout_s, "data")
-
-    async def read(self, limit: int) -> bytes:
-        """The whole body; :class:`TooLarge` past ``limit`` bytes (the connection is closed)."""
-        parts, size = [], 0
-        try:
-            while True:
-                chunk = await self._next()
-                if chunk is None:
-                    break
-                size += len(chunk)
-                if size > limit:
-                    raise TooLarge(f"the upstream's answer is larger than {limit} bytes")
-                parts.append(chunk)
-        finally:
-            self.close()
-        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body chunk by chunk, as the upstream sends it."""
