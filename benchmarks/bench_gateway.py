@@ -160,6 +160,14 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _loop_cpu_s(pid: int) -> float:
+    """CPU seconds of the process's main thread: ``rtrace gateway``'s event loop (the rest is
+    rtrace's worker and sink threads)."""
+    with open(f"/proc/{pid}/task/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -308,13 +316,14 @@ def main() -> int:
         print(f"    added: p50 {lat['gateway_p50_ms'] - lat['direct_p50_ms']:.3f} ms (target <= 0.3), "
               f"p99 {lat['gateway_p99_ms'] - lat['direct_p99_ms']:.3f} ms (target <= 2)")
 
-        c0 = _cpu_s(gw.pid)
+        c0, l0 = _cpu_s(gw.pid), _loop_cpu_s(gw.pid)
         count, elapsed = uvloop.run(throughput(gw_url, args.seconds, args.concurrency))
-        cpu = _cpu_s(gw.pid) - c0
+        cpu, loop_cpu = _cpu_s(gw.pid) - c0, _loop_cpu_s(gw.pid) - l0
         dcount, delapsed = uvloop.run(throughput(up_url, min(args.seconds, 5.0), args.concurrency, keyed=False))
         print(f"(b) throughput, {args.concurrency} concurrent clients: {count / elapsed:,.0f} calls/s through the "
               f"gateway (target >= 1,000; direct: {dcount / delapsed:,.0f} calls/s); the gateway process's CPU "
-              f"{cpu / count * 1e3:.3f} ms per call (= {count / cpu:,.0f} calls per CPU-second)")
+              f"{cpu / count * 1e3:.3f} ms per call (= {count / cpu:,.0f} calls per CPU-second): the event loop "
+              f"{loop_cpu / count * 1e3:.3f} ms, rtrace's worker and sink threads {(cpu - loop_cpu) / count * 1e3:.3f} ms")
 
         d_first = uvloop.run(streams(up_url, args.streams, False, args.seconds))
         c0 = _cpu_s(gw.pid)
