@@ -15,7 +15,8 @@ Knobs (attributes of :class:`FakeVLLM`): ``version`` (answered as SGLang's
 ``metadata.weight_version``), ``token_ids`` (False: a server without vLLM's ids, such as a
 hosted API, which ignores the field), ``delay_s`` (before answering), ``fail`` (an HTTP
 status to answer with an OpenAI error), ``cut_after`` (a stream closed after that many
-chunks). ``requests`` keeps every request's path, headers and body.
+chunks), ``chunk_delay_s`` (between streamed chunks). ``requests`` keeps every request's path,
+headers and body.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class FakeVLLM:
         self.delay_s = 0.0
         self.fail: int | None = None
         self.cut_after: int | None = None
+        self.chunk_delay_s = 0.0
         self.requests: list[dict[str, Any]] = []
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -96,6 +98,7 @@ class FakeVLLM:
 
     def reset(self) -> None:
         self.version, self.token_ids, self.delay_s, self.fail, self.cut_after = None, True, 0.0, None, None
+        self.chunk_delay_s = 0.0
         self.requests.clear()
 
     # ------------------------------------------------------------------ the "model"
@@ -199,7 +202,7 @@ class FakeVLLM:
                       "finish_reason": None, "token_ids": tok if ids_asked else None}
             yield chunk(choice)
             sent += 1
-            await asyncio.sleep(0)
+            await asyncio.sleep(self.chunk_delay_s)
         yield chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": None,
                      "token_ids": [] if ids_asked else None})
         yield b"data: [DONE]\n\n"

@@ -447,6 +447,27 @@ class TestCaptureGaps:
         assert "incomplete" in gen.attributes["rtrace.capture_gap.codes"]
         assert gen.response_ids == encode("The answer is 19.")[:3]
 
+    def test_a_client_that_goes_away_mid_stream(self, captured, gateway, fake):
+        """The client closes its connection after the first chunk: the call is recorded with what came,
+        as an error with an ``incomplete`` gap."""
+        import time
+
+        gateway()
+        fake.chunk_delay_s = 0.05
+        with rtrace.rollout_context(step=1):
+            access = rtrace.gateway_access()
+            body = {"model": "fake-policy", "messages": QUESTION, "stream": True}
+            with httpx.stream("POST", f"{access.base_url}/chat/completions", json=body, headers=access.headers,
+                              timeout=30) as response:
+                next(response.iter_lines())
+            deadline = time.monotonic() + 30  # until the gateway has seen the disconnect and ended the span
+            while not rtrace.stats().get("gateway_capture_gaps.incomplete") and time.monotonic() < deadline:
+                time.sleep(0.05)
+        (gen,) = only(captured.trajectories)
+        assert gen.status == "error" and "went away" in gen.error
+        assert "incomplete" in gen.attributes["rtrace.capture_gap.codes"]
+        assert 0 < len(gen.response_ids) < len(encode(FakeVLLM.reply(QUESTION, TOOLS)[2]))
+
     def test_an_answer_over_the_size_cap_passes_through_unrecorded(self, captured, gateway, fake):
         """An answer larger than RTRACE_GATEWAY_MAX_RESPONSE_BYTES reaches the client whole, as it came;
         the call is recorded with a ``too_large`` gap, counted; whole and streamed."""
