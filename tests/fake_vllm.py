@@ -160,6 +160,8 @@ class FakeVLLM:
                 "usage": {"prompt_tokens": len(prompt_ids), "total_tokens": len(prompt_ids) + len(ids),
                           "completion_tokens": len(ids)},
                 "prompt_token_ids": prompt_ids if ids_asked else None}
+        for i in range(1, int(body.get("n") or 1)):  # n > 1: the same answer again (a fake has one)
+            data["choices"].append({**data["choices"][0], "index": i})
         self._meta(data)
         return JSONResponse(data)
 

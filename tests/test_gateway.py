@@ -485,6 +485,16 @@ class TestCaptureGaps:
         assert [g.attributes["rtrace.capture_gap.codes"][0] for g in gens] == ["too_large", "too_large"]
         assert captured.stats()["gateway_responses_too_large"] == 2
 
+    def test_more_than_one_choice(self, captured, gateway, fake):
+        """n=2: the client gets both choices; the first is recorded, and the gap says so."""
+        gateway()
+        with rtrace.rollout_context(step=1):
+            access = rtrace.gateway_access()
+            answer = chat(access.base_url, access.api_key, n=2).json()
+        assert len(answer["choices"]) == 2
+        (gen,) = only(captured.trajectories)
+        assert gen.response_ids and gen.attributes["rtrace.capture_gap.codes"] == ["choices"]
+
     def test_the_servers_weight_version_is_the_generations_policy_version(self, captured, gateway, fake):
         gateway()
         fake.version = "12"
