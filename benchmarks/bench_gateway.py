@@ -115,10 +115,10 @@ def upstream_main(port: int, chunks: int, interval_s: float) -> None:
             self.body.append(b)
 
         def on_message_complete(self):
-            body = b"".join(self.body)
+            request = json.loads(b"".join(self.body))
             self.body = []
-            ids = b'"return_token_ids":true' in body
-            if b'"stream":true' in body:
+            ids = request.get("return_token_ids") is True
+            if request.get("stream") is True:
                 asyncio.ensure_future(self.stream(ids))
                 return
             answer = full if ids else plain
@@ -203,7 +203,7 @@ class Keys:
 # ----------------------------------------------------------------------------- the client
 async def call(client, key: str | None, stream: bool = False) -> tuple[float, float | None]:
     """One chat call; ``(latency, time to first chunk)`` in seconds."""
-    body = json.dumps({"model": "bench", "messages": MESSAGES, "stream": stream}).encode()
+    body = json.dumps({"model": "bench", "messages": MESSAGES, "stream": stream}, separators=(",", ":")).encode()
     headers = [("content-type", "application/json")]
     if key:
         headers.append(("authorization", f"Bearer {key}"))
