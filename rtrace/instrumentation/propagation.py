@@ -175,6 +175,12 @@ def _coordinates(ctx: Any) -> dict[str, Any]:
     return coords
 
 
+def baggage_coordinates(carrier: Mapping[str, Any]) -> dict[str, Any]:
+    """The RL coordinates :func:`inject` wrote as W3C ``baggage`` into ``carrier`` (HTTP
+    headers, any letter case); {} when there are none."""
+    return _coordinates(_BAGGAGE.extract(carrier, context=otel_context.Context(), getter=_GETTER))
+
+
 # ----------------------------------------------------------------------------- segments
 
 
@@ -194,11 +200,17 @@ _lock = threading.Lock()
 _units: dict[int, _Unit] = {}
 #: trace id -> a unit whose root has ended but may not have been assembled yet
 _closing: dict[int, _Unit] = {}
+#: _closing's size at which it is next swept of assembled units
+_sweep = [64]
 
 
-def _open_segment(rt: _state.Runtime, remote: SpanContext, ctx: Any, name: str,
-                  coords: dict[str, Any]) -> tuple[Any, _state.Frame]:
-    """Start a segment span under ``remote`` and attach it to a unit (new or shared)."""
+def open_segment(rt: _state.Runtime, remote: SpanContext, ctx: Any, name: str,
+                 coords: dict[str, Any]) -> tuple[Any, _state.Frame]:
+    """Start a segment span under ``remote`` (in context ``ctx``) and attach it to a unit (new
+    or shared); ``(span, frame)``, span None when the trajectory table is full. The span is
+    recorded as kind ``segment`` unless the caller gives it a call record of its own (the
+    capture gateway's model calls: rtrace/gateway/recorder.py). End it with
+    :func:`close_segment`."""
     tid = remote.trace_id
     registry = rt.registry
     attrs = {"rtrace.remote_parent": format(remote.span_id, "016x")}
@@ -243,12 +255,14 @@ def _open_segment(rt: _state.Runtime, remote: SpanContext, ctx: Any, name: str,
     return span, _state.Frame(coords, unit.state)
 
 
-def _close_segment(span: Any) -> None:
+def close_segment(span: Any, registry: Any = None) -> None:
     """End a segment span; the unit's root is always a segment still open, so the last
-    segment to exit is the one whose end completes the unit."""
+    segment to exit is the one whose end completes the unit. ``registry``: the one of the
+    runtime that opened it (default: the configured runtime's)."""
     ctx = span.get_span_context()
     tid, sid = ctx.trace_id, ctx.span_id
-    registry = rt_registry()
+    if registry is None:
+        registry = rt_registry()
     with _lock:
         unit = _units.get(tid)
         if unit is None or sid not in unit.active:  # joined a local trajectory: just end it
@@ -263,6 +277,14 @@ def _close_segment(span: Any) -> None:
                     registry.set_root(unit.state, sid)
                 del _units[tid]
                 _closing[tid] = unit
+                if len(_closing) > _sweep[0] and registry is not None:
+                    # a unit the worker has assembled (it left the table) can no longer be rejoined:
+                    # forget those, and the records they hold (a capture gateway closes hundreds
+                    # of units a second, each holding its calls' token ids and messages); the next
+                    # sweep waits until the table doubled (amortised: O(1) per close)
+                    for key in [k for k, u in _closing.items() if registry.lookup(k) is not u.state]:
+                        del _closing[key]
+                    _sweep[0] = max(64, 2 * len(_closing))
                 if len(_closing) > 1024:  # bounded: forget the oldest; they are long assembled
                     del _closing[next(iter(_closing))]
     span.end()
@@ -325,7 +347,7 @@ class Extracted:
         frame = _state.Frame(coords, None)
         rt = _state.get_runtime()
         if rt is not None and remote.trace_flags.sampled:
-            self._span, frame = _open_segment(rt, remote, ctx, self._name, coords)
+            self._span, frame = open_segment(rt, remote, ctx, self._name, coords)
             if self._span is not None:
                 ctx = otel_trace.set_span_in_context(self._span, ctx)
         self._frame = frame
@@ -345,7 +367,7 @@ class Extracted:
         try:
             if exc is not None:
                 fail_span(span, exc)
-            _close_segment(span)
+            close_segment(span)
         except Exception:
             _stats.incr("internal_errors")
             _stats.warn_once("extract-exit", "rtrace.extract could not close its segment", exc_info=True)

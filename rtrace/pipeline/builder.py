@@ -190,7 +190,8 @@ class SpanConverter:
         Removes the id lists from ``inputs`` and returns ``(has_output, output)`` without
         them (an output that is the id list itself leaves no output)."""
         attrs = out.attributes
-        attrs["gen_ai.operation.name"] = "chat"
+        # (a span may name its operation itself: the gateway's completions are text_completion)
+        attrs.setdefault("gen_ai.operation.name", "chat")
         model = opts.get("model") or unsnap(inputs.get("model"))
         if isinstance(model, str):
             attrs["gen_ai.request.model"] = model

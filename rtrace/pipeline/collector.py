@@ -505,6 +505,9 @@ class Collector:
             self.pipeline.shutdown(1.0)
             raise
         self._stopped = False
+        #: a capture gateway served beside the collector (``start_collector(gateway_upstream=...)``,
+        #: rtrace/gateway/server.py): its ``env`` joins :attr:`env`; :meth:`stop` stops it first
+        self.gateway: Any = None
 
     @property
     def endpoint(self) -> str:
@@ -529,6 +532,8 @@ class Collector:
             env["RTRACE_COLLECTOR_TOKEN"] = self.token
         if s.collector_tls_ca is not None:
             env["OTEL_EXPORTER_OTLP_CERTIFICATE"] = s.collector_tls_ca
+        if self.gateway is not None:  # RTRACE_GATEWAY_URL / _SECRET: workers mint rollout keys
+            env.update(self.gateway.env)
         return env
 
     def write_env(self, path: str) -> str:
@@ -586,7 +591,8 @@ class Collector:
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Export everything received so far (steps held for the job-wide sample are
         released) and wait until every sink wrote it. True when all of it was written."""
-        return self.pipeline.force_flush(int(max(0.0, min(float(timeout_s), 604800.0)) * 1000))
+        ok = self.gateway.flush(timeout_s) if self.gateway is not None else True  # its spans first
+        return self.pipeline.force_flush(int(max(0.0, min(float(timeout_s), 604800.0)) * 1000)) and ok
 
     def stats(self) -> dict[str, Any]:
         """rtrace's counters (this process), the receiver's and the collector's gauges."""
@@ -600,6 +606,8 @@ class Collector:
         if self._stopped:
             return
         self._stopped = True
+        if self.gateway is not None:  # no new calls; its spans still in flight reach the pipeline
+            self.gateway.stop()
         if _annotations.local_target == self.annotate:
             _annotations.local_target = None
         self.receiver.stop(grace_s=2.0)

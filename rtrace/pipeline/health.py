@@ -48,6 +48,9 @@ Checks (:data:`CHECKS`; all but ``retokenization`` on by default, ``RTRACE_HEALT
   rollout_n, validate)``; and, when the step is done, groups with more or fewer rollouts
   than the step's usual group size (in the step metrics and the step's rollouts table:
   the trajectories were written by then).
+* ``capture_gap``: a generation recorded without what training needs, with the reason
+  (the capture gateway's ``rtrace.capture_gap`` attribute: the upstream returned no token
+  ids, the answer was cut or too large, ...; docs/gateway.md).
 
 A *segment* (the part of a trajectory another process ran, written on its own in one
 process; the collector joins them) is checked for continuity and generations only: its
@@ -74,7 +77,7 @@ from typing import Any, Callable, Iterable
 
 from .. import _stats
 from ..config import HEALTH_CHECKS
-from ..trajectory import SpanRecord, Trajectory, response_text
+from ..trajectory import SpanRecord, Trajectory, chat_argument, response_text
 from .records import start_end
 from .tokens import TOKEN_PROBLEM, Mismatch, mismatch
 
@@ -219,6 +222,11 @@ class HealthChecker:
             self._generation(records, gens, out)
         if any(g.token_values or TOKEN_PROBLEM in g.attributes for g in gens):
             self._tokens(gens, state.annotations, out)
+        if "capture_gap" in on:
+            for k, gen in enumerate(gens, 1):
+                gap = gen.attributes.get("rtrace.capture_gap")
+                if gap:
+                    out.append(finding("capture_gap", f"turn {k}: {gap}"))
         coords = state.coords
         if state.kind == "segment":
             # the part of a trajectory that ran in another process (rtrace.extract): its
@@ -412,6 +420,7 @@ class HealthChecker:
         for traj in trajectories:
             order = sorted(traj.spans, key=start_end)  # stable: ties keep the tree order
             k = 0
+            unran: set[Any] = set()
             for pos, span in enumerate(order):
                 if span.kind != "generation":
                     continue
@@ -426,35 +435,44 @@ class HealthChecker:
                     traj.health.append(finding("generation", f"turn {k}: text ({len(text)} chars) without "
                                                              "response token ids"))
                 ran: list[SpanRecord] = []
+                sends = False
                 for later in order[pos + 1:]:
                     if later.kind == "generation":
+                        # an agent that runs its tools itself (through the capture gateway) sends
+                        # their results with its next model call
+                        sends = _sends_tool_results(later)
                         break
                     if later.kind == "tool":
                         ran.append(later)
                     elif not calls:
                         calls = _parsed_calls(later)  # a tool parser's output (veRL's extract_tool_calls)
-                if calls and not ran:
+                if calls and not ran and not sends:
                     names = ", ".join(sorted({c[0] for c in calls if c[0]})) or "?"
                     traj.health.append(finding("generation", f"turn {k}: the model called {len(calls)} tool(s) "
                                                              f"({names}) but no tool ran"))
-                elif len(calls) > len(ran):
+                    unran.update(cid for _, cid in calls if cid is not None)  # said once: not again below
+                elif len(calls) > len(ran) and not sends:
                     missing = _not_run(calls, ran)
+                    unran.update(cid for _, cid in missing if cid is not None)
+                    names = ", ".join(f"{name or '?'}" + (f" ({cid})" if cid is not None else "")
+                                      for name, cid in missing) or f"{len(calls) - len(ran)} of them"
                     traj.health.append(finding("generation", f"turn {k}: the model called {len(calls)} tools but "
-                                                             f"{len(ran)} ran; not run: {', '.join(missing)}"))
+                                                             f"{len(ran)} ran; not run: {names}"))
                 elif not calls and text and TOOL_MARKUP.search(text):
                     turn = traj.turn_of(span)
-                    if not ran and not (turn or {}).get("tool_calls"):
+                    if not ran and not sends and not (turn or {}).get("tool_calls"):
                         traj.health.append(finding("generation", f"turn {k}: tool-call markup in the response but "
                                                                  "no tool ran (a call that failed to parse?)"))
-            for cid, name in _unanswered(traj):
+            for cid, name in _unanswered(traj, unran):
                 traj.health.append(finding("generation", f"tool call {cid} ({name}) has no tool result"))
 
 
-def _unanswered(traj: Trajectory) -> list[tuple[Any, Any]]:
+def _unanswered(traj: Trajectory, reported: set[Any]) -> list[tuple[Any, Any]]:
     """The assistant tool calls of the conversation that no tool answered: a tool message
     answers by its ``tool_call_id``, or, without one (Qwen and Hermes templates allow
     it), the first unanswered call before it; a tool span answers its
-    ``gen_ai.tool.call.id``."""
+    ``gen_ai.tool.call.id``. Calls in ``reported`` (said already: no tool ran them) are
+    not said again."""
     ran = {s.attributes.get("gen_ai.tool.call.id") for s in traj.spans if s.kind == "tool"}
     pending: list[dict[str, Any]] = []  # calls of the conversation so far not yet answered
     for msg in traj.messages:  # one pass over the conversation
@@ -469,12 +487,13 @@ def _unanswered(traj: Trajectory) -> list[tuple[Any, Any]]:
             if at is not None:
                 del pending[at]
     return [(c.get("id"), (c.get("function") or {}).get("name")) for c in pending
-            if c.get("id") is not None and c.get("id") not in ran]
+            if c.get("id") is not None and c.get("id") not in ran and c.get("id") not in reported]
 
 
-def _not_run(calls: list[tuple[str, Any]], ran: list[SpanRecord]) -> list[str]:
-    """The parsed calls no tool span ran: by call id where both sides have one, else by
-    tool name (each run answers one call of its name), else the last ones."""
+def _not_run(calls: list[tuple[str, Any]], ran: list[SpanRecord]) -> list[tuple[str, Any]]:
+    """``(name, id)`` of the parsed calls no tool span ran: by call id where both sides
+    have one, else by tool name (each run answers one call of its name), else the last
+    ones (empty when only counts tell)."""
     left = list(ran)
     missing = []
     for name, cid in calls:
@@ -486,10 +505,17 @@ def _not_run(calls: list[tuple[str, Any]], ran: list[SpanRecord]) -> list[str]:
         if hit is None and not name and left:
             hit = 0
         if hit is None:
-            missing.append(f"{name or '?'}" + (f" ({cid})" if cid is not None else ""))
+            missing.append((name, cid))
         else:
             del left[hit]
-    return missing or [f"{len(calls) - len(ran)} of them"]
+    return missing
+
+
+def _sends_tool_results(span: SpanRecord) -> bool:
+    """A generation whose request carries tool results (a ``role: tool`` message): an agent
+    that runs its tools itself (behind the capture gateway) sends them with its next call."""
+    chat = chat_argument(span.input)
+    return chat is not None and any(m.get("role") == "tool" for m in chat[1])
 
 
 def _structured_calls(span: SpanRecord) -> list[tuple[str, Any]]:

@@ -267,6 +267,18 @@ def _tool_messages(span: SpanRecord) -> tuple[dict[str, Any], dict[str, Any]]:
     return call, {"role": "tool", "tool_call_id": call_id, "name": name, "content": content}
 
 
+def _generated(span: SpanRecord, token2text: bool, own_calls: bool = True) -> dict[str, Any]:
+    """The assistant turn a generation produced: its text and, with ``own_calls``, the tool
+    calls it returned already parsed (an OpenAI message's ``tool_calls``: the capture
+    gateway's calls, whose tools the agent ran without a span of theirs)."""
+    output = span.output
+    calls = output.get("tool_calls") if own_calls and type(output) is dict else None
+    if isinstance(calls, list) and calls:
+        text = response_text(span)
+        return {"role": "assistant", "content": text if text is not None else "", "tool_calls": list(calls)}
+    return {"role": "assistant", "content": _response(span, token2text)}
+
+
 def _chat_messages(span: SpanRecord) -> list[dict[str, Any]] | None:
     chat = chat_argument(span.input)
     return [dict(m) for m in chat[1]] if chat is not None else None
@@ -397,7 +409,7 @@ def build_messages(traj: Trajectory, token2text: bool = False) -> list[dict[str,
             prompt = placeholder(len(gen.prompt_ids), token2text)
         if prompt is not None:
             messages.append({"role": "user", "content": prompt})
-    for i in events:
+    for n, i in enumerate(events):
         if i < first:
             continue
         span = spans[i]
@@ -405,7 +417,9 @@ def build_messages(traj: Trajectory, token2text: bool = False) -> list[dict[str,
             inserted = span.attributes.get(INSERTED_TEXT)
             if isinstance(inserted, str) and not chats:
                 messages.append(_inserted_message(inserted))
-            last_assistant = {"role": "assistant", "content": _response(span, token2text)}
+            # its own parsed tool calls, unless traced tool spans follow (they add the calls)
+            ran = n + 1 < len(events) and spans[events[n + 1]].kind == "tool"
+            last_assistant = _generated(span, token2text, not ran)
             span.attributes[MESSAGE_INDEX] = len(messages)
             messages.append(last_assistant)
         else:

@@ -1,0 +1,535 @@
+"""The gateway's ASGI app: the routes in one list, the proxy to the upstream, the session API.
+
+::
+
+    agent (any OpenAI client)        Gateway (this app)                            upstream (vLLM ...)
+    POST /v1/chat/completions  --->  read the body (bounded); join (key, session,  --->  + return_token_ids,
+      Authorization: Bearer rtk-...    traceparent); open the generation span          logprobs (asked for
+      (or traceparent, or a session)   chunks passed on as they come; what the   <---    the gateway only)
+                               <---    gateway asked for is taken out again
+                                       beside the stream: ids, text, tool calls,
+                                       logprobs, version, TTFT -> the span's record
+
+Recording never stands in the call's way: the span is opened and closed on the event loop
+(a few microseconds, the same hot path as a decorated call), everything else (conversion,
+token2text, health, the sinks) happens in rtrace's threads, and a failure to record is
+counted and the call goes on (``gateway_record_errors``). What the client sees is what the
+upstream answered it: errors, status codes and bodies pass through unchanged; an upstream
+that is down or too slow is a 502 / 504 with an OpenAI-style error, counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, Callable
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from .. import _stats
+from ..instrumentation import _state
+from ..instrumentation.propagation import baggage_coordinates
+from . import keys as _keys
+from .protocol import CHAT, COMPLETIONS, SseSplitter, dumps, event_data, loads, prepare, strip, strip_chunk
+from .recorder import Join, Record, open_call, remote_context
+from .errors import Refused, error_response
+from .session_api import SessionAPI
+from .sessions import SessionError, Sessions
+from .upstream import Upstream, UpstreamError
+
+__all__ = ["Gateway", "SERVED", "error_response"]
+
+#: What the gateway serves, named in its 404 answers.
+SERVED = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models (the same under /k/<rollout key>/v1/), "
+          "POST /rtrace/sessions, GET /rtrace/sessions/<id>, POST /rtrace/sessions/<id>/reward, "
+          "POST /rtrace/sessions/<id>/end, GET /rtrace/stats, GET /rtrace/health")
+
+_PATHS = {CHAT: "/chat/completions", COMPLETIONS: "/completions"}
+#: request headers never passed upstream as they are (hop-by-hop, or replaced by the gateway)
+_DROP_REQUEST = frozenset(("host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
+                           "trailer", "upgrade", "proxy-authorization", "proxy-connection", "expect",
+                           "authorization", "accept-encoding", "traceparent", "tracestate"))
+#: answer headers not passed to the client (hop-by-hop, or set again by the server)
+_DROP_RESPONSE = frozenset((b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"date",
+                            b"server"))
+def _headers_of(request: Request) -> dict[str, str]:
+    """The request's headers as one dict, made once per request (ASGI gives them lower-case;
+    Starlette's ``Headers`` scans its list on every lookup)."""
+    scope = request.scope
+    headers = scope.get("rtrace.headers")
+    if headers is None:
+        headers = scope["rtrace.headers"] = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+    return headers
+
+
+def _traceparent(value: str) -> Any:
+    """The SpanContext of a W3C ``traceparent`` value (None when it is not a valid one)."""
+    parts = value.strip().split("-")
+    if len(parts) < 4 or len(parts[0]) != 2 or parts[0] == "ff" or len(parts[1]) != 32 or len(parts[2]) != 16 \
+            or len(parts[3]) != 2:
+        return None
+    try:
+        trace_id, span_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
+    except ValueError:
+        return None
+    if not trace_id or not span_id:
+        return None
+    return remote_context(trace_id, span_id, bool(flags & 1))
+
+
+class Gateway(SessionAPI):
+    """The capture gateway's state and ASGI app (``gateway.app``).
+
+    Args:
+        settings: rtrace settings (``gateway_*`` ones; ``load_settings()``).
+        runtime: returns the runtime calls are recorded with (default: the configured
+            one, ``rtrace.configure``); None: not recorded.
+        token: the job's bearer token: required on the session API and on calls that join
+            by ``traceparent`` alone (the collector's rule: generated when bound beyond loopback).
+        finished: ``finished(trace_id) -> bool``: the trajectory was written already (a key of
+            it is refused as expired); the collector knows.
+        secret: the rollout keys' signing secret (default: ``settings.gateway_secret``, else
+            a fresh one; read ``gateway.secret``).
+    """
+
+    def __init__(self, settings: Any, runtime: Callable[[], Any] | None = None, token: str | None = None,
+                 finished: Callable[[int], bool] | None = None, secret: str | None = None) -> None:
+        if not settings.gateway_upstream:
+            from ..config import ConfigError
+
+            raise ConfigError("the gateway needs an upstream (RTRACE_GATEWAY_UPSTREAM / --upstream); accepted "
+                              "values: an http(s):// URL of an OpenAI-compatible server")
+        self.settings = settings
+        self.runtime = runtime or _state.get_runtime
+        self.token = token or None
+        self.finished = finished
+        self.secret = secret or settings.gateway_secret or _keys.new_secret()
+        self.verify = _keys.Verifier(self.secret)
+        self.sessions = Sessions()
+        self.upstream_url = settings.gateway_upstream
+        self._upstream: Upstream | None = None  # made on the serving loop (its connections belong to it)
+        #: the base URL clients reach this gateway at (set by the server once it listens)
+        self.url: str | None = None
+        self.app = Starlette(routes=self.routes(), exception_handlers={404: self._not_found, 405: self._not_allowed},
+                             lifespan=self._lifespan)
+
+    def routes(self) -> list[Route]:
+        """Every route the gateway serves."""
+        return [
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/k/{key}/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/k/{key}/v1/completions", self.completions, methods=["POST"]),
+            Route("/k/{key}/v1/models", self.models, methods=["GET"]),
+            Route("/rtrace/sessions", self.open_session, methods=["POST"]),
+            Route("/rtrace/sessions/{sid}", self.session_info, methods=["GET"]),
+            Route("/rtrace/sessions/{sid}/reward", self.set_reward, methods=["POST"]),
+            Route("/rtrace/sessions/{sid}/end", self.end_session, methods=["POST"]),
+            Route("/rtrace/stats", self.stats, methods=["GET"]),
+            Route("/rtrace/health", self.health, methods=["GET"]),
+        ]
+
+    @property
+    def upstream(self) -> Upstream:
+        if self._upstream is None:
+            s = self.settings
+            self._upstream = Upstream(self.upstream_url, timeout_s=s.gateway_timeout_s,
+                                      connect_timeout_s=min(10.0, s.gateway_timeout_s))
+        return self._upstream
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Any) -> Any:
+        sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        yield
+        sweeper.cancel()
+        if self._upstream is not None:  # its connections belong to the loop that ends now
+            self._upstream.close()
+            self._upstream = None
+        self.sessions.close_all()
+
+    async def _sweep(self) -> None:
+        """Once a second: sessions past their time to live are forgotten and written partial."""
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                self.sessions.sweep()
+            except Exception:
+                _stats.incr("internal_errors")
+
+    # ------------------------------------------------------------------ errors
+    async def _not_found(self, request: Request, exc: Exception) -> Response:
+        _stats.incr("gateway_refused.not_found")
+        return error_response(404, "not_found", f"rtrace gateway: {request.method} {request.url.path} is not "
+                                                f"served; served: {SERVED}")
+
+    async def _not_allowed(self, request: Request, exc: Exception) -> Response:
+        _stats.incr("gateway_refused.method_not_allowed")
+        return error_response(405, "method_not_allowed", f"rtrace gateway: {request.method} {request.url.path} is "
+                                                         f"not served; served: {SERVED}")
+
+    # ------------------------------------------------------------------ the request
+    async def _body(self, request: Request) -> bytes:
+        limit = self.settings.gateway_max_request_bytes
+        length = _headers_of(request).get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise Refused(413, "request_too_large", f"rtrace gateway: the request body ({length} bytes) is larger "
+                                                     f"than {limit} bytes (RTRACE_GATEWAY_MAX_REQUEST_BYTES)")
+        parts, size = [], 0
+        receive, more = request.receive, True
+        while more:  # the ASGI messages as they come (Starlette's request.stream() adds layers)
+            message = await receive()
+            if message["type"] != "http.request":
+                raise Refused(400, "client_disconnected", "rtrace gateway: the client went away")
+            chunk, more = message.get("body", b""), message.get("more_body", False)
+            size += len(chunk)
+            if size > limit:
+                raise Refused(413, "request_too_large", f"rtrace gateway: the request body is larger than {limit} "
+                                                         "bytes (RTRACE_GATEWAY_MAX_REQUEST_BYTES)")
+            parts.append(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _key(self, request: Request) -> str | None:
+        key = request.path_params.get("key")
+        if key:
+            return key
+        auth = _headers_of(request).get("authorization")
+        if not auth:
+            return None
+        return auth[7:].strip() if auth[:7].lower() == "bearer " else auth.strip()
+
+    def _join(self, request: Request, key: str | None) -> Join:
+        """How this call joins a trajectory, from its key, ``traceparent`` and ``baggage``."""
+        headers = _headers_of(request)
+        tp = headers.get("traceparent")
+        remote = _traceparent(tp) if tp else None
+        if key is not None and _keys.is_rollout_key(key):
+            try:
+                claims = self.verify(key)
+            except _keys.KeyRefused as exc:
+                raise Refused(401, f"key_{exc.code}", f"rtrace gateway: {exc}") from None
+            if claims.session is not None:
+                try:
+                    session = self.sessions.get(claims.session)
+                except SessionError:
+                    raise Refused(401, "session_ended", "rtrace gateway: the session of this key has ended or "
+                                                         "expired") from None
+                session.calls += 1
+                if not session.traced:
+                    return Join("untraced", "session")
+                return Join("session", "session", remote, session.coords, session)
+            if self.finished is not None and self.finished(claims.trace_id):
+                raise Refused(401, "rollout_ended", "rtrace gateway: the rollout of this key has ended (its "
+                                                     "trajectory was written)")
+            if not claims.sampled:
+                return Join("untraced", "key")  # the trainer does not record this rollout
+            parent = remote if remote is not None and remote.trace_id == claims.trace_id and \
+                remote.trace_flags.sampled else remote_context(claims.trace_id, claims.span_id)
+            return Join("segment", "key", parent, claims.coords)
+        if remote is not None:
+            if self.token and key != self.token:
+                raise Refused(401, "token_required", "rtrace gateway: a call that joins by traceparent alone must "
+                                                      "carry the job's token as its API key (the gateway listens "
+                                                      "beyond loopback)")
+            if not remote.trace_flags.sampled:
+                return Join("untraced", "traceparent")  # the caller does not record this trace
+            coords = baggage_coordinates(headers) if "baggage" in headers else {}
+            return Join("segment", "traceparent", remote, coords)
+        mode = self.settings.gateway_untraced
+        if mode == "refuse":
+            raise Refused(401, "no_rollout", "rtrace gateway: this call names no rollout: use the key of "
+                                              "rtrace.gateway_access() or of a session (POST /rtrace/sessions), or "
+                                              "send a traceparent; RTRACE_GATEWAY_UNTRACED=forward|record lets "
+                                              "such calls through")
+        return Join("own" if mode == "record" else "untraced", "none")
+
+    def _headers(self, request: Request, key: str | None, traceparent: str | None) -> list[tuple[str, str]]:
+        """The headers sent upstream: the client's (less hop-by-hop ones), the upstream's
+        key as configured, and the call span's ``traceparent``."""
+        out: list[tuple[str, str]] = [("accept-encoding", "identity")]
+        headers = _headers_of(request)
+        for name, value in headers.items():
+            if name not in _DROP_REQUEST:
+                out.append((name, value))
+        upstream_key = self.settings.gateway_upstream_key
+        if upstream_key:
+            out.append(("authorization", f"Bearer {upstream_key}"))
+        elif key and not _keys.is_rollout_key(key) and key != self.token:
+            out.append(("authorization", f"Bearer {key}"))  # the client's own key for the upstream
+        if traceparent is not None:
+            out.append(("traceparent", traceparent))
+        elif "traceparent" in headers:  # untraced: the caller's context passes as it came
+            out.append(("traceparent", headers["traceparent"]))
+            if "tracestate" in headers:
+                out.append(("tracestate", headers["tracestate"]))
+        return out
+
+    # ------------------------------------------------------------------ model calls
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._model_call(request, CHAT)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._model_call(request, COMPLETIONS)
+
+    async def _model_call(self, request: Request, kind: str) -> Response:
+        _stats.incr("gateway_calls")
+        try:
+            body = await self._body(request)
+            try:
+                payload = loads(body)
+            except ValueError:
+                raise Refused(400, "invalid_json", "rtrace gateway: the request body is not JSON") from None
+            if type(payload) is not dict:
+                raise Refused(400, "invalid_body", "rtrace gateway: the request body is not a JSON object")
+            key = self._key(request)
+            join = self._join(request, key)
+        except Refused as refused:
+            return refused.response()
+        call = None
+        if join.mode != "untraced":
+            rt = self.runtime()
+            if rt is not None:
+                try:
+                    call = open_call(rt, join, kind, payload.get("model"))
+                except Exception:
+                    _stats.incr("gateway_record_errors")
+                    _stats.warn_once("gateway-open", "rtrace gateway could not open a call's span; it goes through "
+                                                     "untraced", exc_info=True)
+            if call is None:
+                _stats.incr("gateway_calls_not_recorded")
+        if call is None:
+            _stats.incr("gateway_calls_untraced")
+            return await self._forward(request, kind, body, self._headers(request, key, None))
+        _stats.incr("gateway_calls_recorded")
+        s = self.settings
+        sent, asked = prepare(payload, kind, s.gateway_token_ids, s.gateway_logprobs)
+        headers = self._headers(request, key, call.traceparent)
+        data = dumps(sent) if sent is not payload else body
+        record = Record(call, kind, payload, asked, self.settings, self.runtime)
+        try:
+            reply = await self.upstream.request("POST", _PATHS[kind], headers, data)
+        except UpstreamError as exc:
+            record.finish(error=f"upstream {exc.kind}: {exc}")
+            return self._upstream_error(exc)
+        except BaseException:
+            record.finish(error="the client went away")
+            raise
+        if reply.status != 200 or payload.get("stream") is not True or \
+                not (reply.header(b"content-type") or b"").startswith(b"text/event-stream"):
+            return await self._whole(reply, record)
+        return self._stream(reply, record)
+
+    def _upstream_error(self, exc: UpstreamError) -> Response:
+        status = 504 if exc.kind == "timeout" else 502
+        _stats.incr(f"gateway_upstream_errors.{exc.kind}")
+        return error_response(status, f"upstream_{exc.kind}", f"rtrace gateway: upstream {self.upstream_url}: {exc}")
+
+    async def _whole(self, reply: Any, record: "Record") -> Response:
+        """A whole answer: read, recorded, stripped of what the gateway asked for."""
+        limit = self.settings.gateway_max_response_bytes
+        headers = _response_headers(reply.headers)
+        parts: list[bytes] = []
+        size = 0
+        chunks = reply.chunks()
+        try:
+            async for chunk in chunks:
+                size += len(chunk)
+                parts.append(chunk)
+                if size > limit:
+                    break
+        except UpstreamError as exc:
+            record.finish(error=f"upstream {exc.kind}: {exc}")
+            return self._upstream_error(exc)
+        except BaseException:
+            record.finish(error="the client went away")
+            await chunks.aclose()
+            raise
+        if size > limit:  # too large to hold: passed through as it comes, not recorded
+            _stats.incr("gateway_responses_too_large")
+            record.gap("too_large", f"the answer is larger than {limit} bytes (RTRACE_GATEWAY_MAX_RESPONSE_BYTES): "
+                                    "passed through, not recorded")
+            record.status = reply.status
+
+            async def rest() -> Any:
+                try:
+                    for part in parts:
+                        yield part
+                    async for chunk in chunks:
+                        yield chunk
+                finally:
+                    reply.close()
+                    record.finish(error=None if reply.status == 200 else f"upstream answered {reply.status}")
+
+            return StreamingResponse(rest(), reply.status, headers=headers)
+        raw = parts[0] if len(parts) == 1 else b"".join(parts)
+        record.status = reply.status
+        # The span ends before the answer leaves: the client may end its rollout as soon as it has
+        # the answer, and a span that ends after its trajectory's root would come too late.
+        if reply.status != 200:
+            _stats.incr("gateway_upstream_errors.status")
+            record.finish(error=_error_text(reply.status, raw))
+            return Response(raw, reply.status, headers=headers)
+        try:
+            data = loads(raw)
+        except ValueError:
+            data = None
+        if type(data) is not dict:
+            record.gap("unreadable", "the upstream's answer is not a JSON object")
+            record.finish()
+            return Response(raw, reply.status, headers=headers)
+        record.capture.response(data)
+        if record.asked:
+            strip(data, record.asked)
+            raw = dumps(data)
+        record.finish()
+        return Response(raw, reply.status, headers=headers)
+
+    def _stream(self, reply: Any, record: "Record") -> Response:
+        """A streamed answer: each chunk passed on as soon as it is whole (an event cut
+        between two network reads waits for its end when something must be taken out)."""
+        asked = record.asked
+        capture = record.capture
+        limit = self.settings.gateway_max_response_bytes
+
+        async def events() -> Any:
+            splitter = SseSplitter()
+            size = 0
+            error = None
+            try:
+                async for chunk in reply.chunks():
+                    size += len(chunk)
+                    if size > limit and record.capturing:
+                        record.capturing = False
+                        _stats.incr("gateway_responses_too_large")
+                        record.gap("too_large", f"the streamed answer is larger than {limit} bytes "
+                                                "(RTRACE_GATEWAY_MAX_RESPONSE_BYTES): recorded up to there")
+                    if not asked:
+                        yield chunk  # as it came; read beside, once the chunk is on its way
+                        if record.capturing:
+                            record.read_events(splitter.feed(chunk))
+                        continue
+                    out = []
+                    for event in splitter.feed(chunk):
+                        data = event_data(event)
+                        obj = None
+                        if data is not None and data != b"[DONE]":
+                            try:
+                                obj = loads(data)
+                            except ValueError:
+                                obj = None
+                        if type(obj) is dict:
+                            if record.capturing:
+                                capture.chunk(obj)
+                            if strip_chunk(obj, asked):
+                                out.append(b"data: " + dumps(obj) + b"\n\n")
+                        else:
+                            if data == b"[DONE]":
+                                capture.done = True
+                            out.append(event + b"\n\n")
+                    if out:
+                        yield b"".join(out)
+                rest = splitter.rest()
+                if rest:
+                    yield rest
+            except UpstreamError as exc:
+                error = f"upstream {exc.kind} during the stream: {exc}"
+                _stats.incr(f"gateway_upstream_errors.{exc.kind}")
+                raise  # the client's stream is cut too (no final chunk), as the upstream cut it
+            except BaseException:
+                error = "the client went away during the stream"
+                raise
+            finally:
+                reply.close()
+                record.finish(error=error)
+
+        record.status = reply.status
+        return StreamingResponse(events(), reply.status, headers=_response_headers(reply.headers))
+
+    async def _forward(self, request: Request, kind: str | None, body: bytes, headers: list[tuple[str, str]],
+                       method: str = "POST", path: str | None = None) -> Response:
+        """An untraced call: to the upstream and back as it is."""
+        try:
+            reply = await self.upstream.request(method, path or _PATHS[kind], headers, body)  # type: ignore[index]
+        except UpstreamError as exc:
+            return self._upstream_error(exc)
+        if reply.status != 200:
+            _stats.incr("gateway_upstream_errors.status")
+
+        async def body_of() -> Any:
+            try:
+                async for chunk in reply.chunks():
+                    yield chunk
+            finally:
+                reply.close()  # also when the client went away (the generator is not finished then)
+
+        return StreamingResponse(body_of(), reply.status, headers=_response_headers(reply.headers))
+
+    async def models(self, request: Request) -> Response:
+        """``GET /v1/models``: the upstream's answer (any call that may reach the upstream may ask)."""
+        try:
+            key = self._key(request)
+            self._join(request, key)
+        except Refused as refused:
+            return refused.response()
+        return await self._forward(request, None, b"", self._headers(request, key, None), "GET", "/models")
+
+    def _admin(self, request: Request) -> None:
+        if self.token:
+            auth = _headers_of(request).get("authorization") or ""
+            if auth[:7].lower() != "bearer " or auth[7:].strip() != self.token:
+                raise Refused(401, "token_required", "rtrace gateway: the session API needs the job's token "
+                                                      "(Authorization: Bearer $RTRACE_COLLECTOR_TOKEN)")
+
+    async def _json(self, request: Request, required: bool = True) -> dict[str, Any]:
+        body = await self._body(request)
+        if not body.strip() and not required:
+            return {}
+        try:
+            data = loads(body)
+        except ValueError:
+            raise Refused(400, "invalid_json", "rtrace gateway: the request body is not JSON") from None
+        if type(data) is not dict:
+            raise Refused(400, "invalid_body", "rtrace gateway: the request body is not a JSON object")
+        return data
+
+    async def stats(self, request: Request) -> Response:
+        """``GET /rtrace/stats``: rtrace's counters in this process (``rtrace.stats()``'s)."""
+        try:
+            self._admin(request)
+        except Refused as refused:
+            return refused.response()
+        out = dict(_stats.snapshot())
+        out["gateway_sessions_open"] = len(self.sessions)
+        rt = self.runtime()
+        gauges = getattr(getattr(rt, "intake", None), "gauges", None)
+        if callable(gauges):  # the recording pipeline's open trajectories and queued spans
+            out.update(gauges())
+        return _json_response(out)
+
+    async def health(self, request: Request) -> Response:
+        """``GET /rtrace/health``: 200 while the gateway serves."""
+        return _json_response({"status": "ok", "upstream": self.upstream_url})
+
+
+def _error_text(status: int, raw: bytes) -> str:
+    """The span's error for an upstream that answered ``status``: its OpenAI error message
+    when it sent one (bounded)."""
+    message = None
+    try:
+        data = loads(raw)
+        err = data.get("error") if type(data) is dict else None
+        message = err.get("message") if type(err) is dict else (err if isinstance(err, str) else None)
+    except ValueError:
+        pass
+    return f"upstream answered {status}" + (f": {str(message)[:2000]}" if message else "")
+
+
+def _response_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in raw if k.lower() not in _DROP_RESPONSE}
+
+
+def _json_response(data: dict[str, Any], status: int = 200) -> Response:
+    return Response(dumps(data), status, media_type="application/json")

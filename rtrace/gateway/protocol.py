@@ -1,0 +1,364 @@
+"""The OpenAI wire format, as the gateway reads and rewrites it (chat completions and completions).
+
+Three jobs, each a function or a small class, none of them doing I/O:
+
+* :func:`prepare`: the body sent upstream is the client's, plus what the gateway asks on its
+  own behalf: vLLM's ``return_token_ids`` (prompt ids as ``prompt_token_ids``, completion ids
+  per choice as ``token_ids``) and the sampled tokens' ``logprobs``, each only when the
+  client did not ask already (:class:`Asked` says which were added);
+* :func:`strip` / :func:`strip_chunk`: what the gateway added is taken out of the answer
+  again, so the client sees what the upstream answers it without the gateway: the fields
+  become ``null`` as the upstream leaves them when not asked, and a streamed chunk that
+  only carried them (vLLM sends one per token once ids or logprobs are asked) is dropped;
+* :class:`Capture`: what one call returned, from a whole answer (:meth:`Capture.response`)
+  or chunk by chunk (:meth:`Capture.chunk`): the text and tool calls the client got, the
+  prompt and completion token ids, the sampled tokens' logprobs, the finish reason, usage,
+  the upstream's weight version (SGLang's ``metadata.weight_version``, a top-level
+  ``weight_version`` / ``model_version``), and when the first token came.
+
+Only the first choice is recorded (``n`` > 1 is a capture gap that says so).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+try:  # the gateway extra brings it; the json module reads and writes the same values, slower
+    import orjson
+
+    loads = orjson.loads
+
+    def dumps(value: Any) -> bytes:
+        return orjson.dumps(value)
+
+except ImportError:  # pragma: no cover
+    orjson = None
+    loads = json.loads
+
+    def dumps(value: Any) -> bytes:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+__all__ = ["CHAT", "COMPLETIONS", "Asked", "prepare", "strip", "strip_chunk", "Capture", "loads", "dumps",
+           "SseSplitter"]
+
+#: The two kinds of model call, by route.
+CHAT, COMPLETIONS = "chat", "completions"
+
+
+class Asked:
+    """What the gateway added to a request on its own behalf."""
+
+    __slots__ = ("ids", "logprobs")
+
+    def __init__(self, ids: bool = False, logprobs: bool = False) -> None:
+        self.ids = ids
+        self.logprobs = logprobs
+
+    def __bool__(self) -> bool:
+        return self.ids or self.logprobs
+
+
+def prepare(payload: dict[str, Any], kind: str, ask_ids: bool, ask_logprobs: bool) -> tuple[dict[str, Any], Asked]:
+    """The request body for the upstream and what was added (the client's dict is not changed)."""
+    asked = Asked()
+    body = payload
+    if ask_ids and not payload.get("return_token_ids"):
+        body = dict(payload)
+        body["return_token_ids"] = True
+        asked.ids = True
+    if ask_logprobs:
+        given = payload.get("logprobs")
+        # chat: a boolean; completions: the number of alternatives (0: the sampled token's only)
+        if (kind == CHAT and not given) or (kind == COMPLETIONS and given is None):
+            if body is payload:
+                body = dict(payload)
+            body["logprobs"] = True if kind == CHAT else 0
+            asked.logprobs = True
+    return body, asked
+
+
+def strip(data: dict[str, Any], asked: Asked) -> None:
+    """Take what the gateway asked for out of a whole answer (in place)."""
+    if asked.ids and "prompt_token_ids" in data:
+        data["prompt_token_ids"] = None
+    for choice in data.get("choices") or ():
+        if type(choice) is not dict:
+            continue
+        if asked.ids:
+            for key in ("token_ids", "prompt_token_ids"):
+                if key in choice:
+                    choice[key] = None
+        if asked.logprobs and "logprobs" in choice:
+            choice["logprobs"] = None
+
+
+def strip_chunk(data: dict[str, Any], asked: Asked) -> bool:
+    """:func:`strip` for a streamed chunk; False when nothing is left for the client (a chunk
+    that only carried ids or logprobs: no text, no tool call, no finish reason, no usage)."""
+    strip(data, asked)
+    choices = data.get("choices")
+    if not choices or data.get("usage"):
+        return True
+    for choice in choices:
+        if type(choice) is not dict or choice.get("finish_reason") is not None:
+            return True
+        delta = choice.get("delta")
+        if delta is None:  # completions: a text chunk
+            if choice.get("text"):
+                return True
+        elif delta:
+            return True
+    return False
+
+
+def _version(data: dict[str, Any]) -> Any:
+    """The weight version an answer reports, if any."""
+    for key in ("weight_version", "model_version"):
+        if data.get(key) is not None:
+            return data[key]
+    meta = data.get("metadata")
+    if type(meta) is dict and meta.get("weight_version") is not None:
+        return meta["weight_version"]
+    return None
+
+
+def _logprobs(value: Any, kind: str) -> list[float] | None:
+    """The sampled tokens' logprobs of one choice's ``logprobs`` object."""
+    if type(value) is not dict:
+        return None
+    try:
+        if kind == CHAT:
+            content = value.get("content")
+            return [e["logprob"] for e in content] if type(content) is list else None
+        values = value.get("token_logprobs")
+        return list(values) if type(values) is list else None
+    except (KeyError, TypeError):  # not the shape vLLM answers: no logprobs recorded
+        return None
+
+
+class Capture:
+    """What one model call returned (the first choice), read from the answer."""
+
+    __slots__ = ("kind", "prompt_ids", "response_ids", "logprobs", "text", "reasoning", "tool_calls",
+                 "finish_reason", "usage", "model", "response_id", "version", "choices", "role", "first_token_ns",
+                 "chunks", "done", "refusal")
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.prompt_ids: list[int] | None = None
+        self.response_ids: list[int] | None = None
+        self.logprobs: list[Any] | None = None
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        #: index -> {"id", "type", "function": {"name", "arguments"}} (arguments as parts while streaming)
+        self.tool_calls: dict[int, dict[str, Any]] = {}
+        self.finish_reason: Any = None
+        self.usage: dict[str, Any] | None = None
+        self.model: Any = None
+        self.response_id: Any = None
+        self.version: Any = None
+        self.choices = 0
+        self.role = "assistant"
+        self.first_token_ns: int | None = None
+        self.chunks = 0
+        #: the stream ended with ``data: [DONE]`` (or the whole answer was read)
+        self.done = False
+        self.refusal: Any = None
+
+    # ------------------------------------------------------------------ whole answers
+    def response(self, data: dict[str, Any]) -> None:
+        """Read a whole (non-streamed) answer."""
+        self._top(data)
+        choices = data.get("choices")
+        if type(choices) is not list or not choices:
+            self.done = True
+            return
+        self.choices = len(choices)
+        choice = choices[0]
+        if type(choice) is not dict:
+            self.done = True
+            return
+        self.finish_reason = choice.get("finish_reason")
+        ids = choice.get("token_ids")
+        if type(ids) is list:
+            self.response_ids = ids
+        if self.prompt_ids is None and type(choice.get("prompt_token_ids")) is list:
+            self.prompt_ids = choice["prompt_token_ids"]
+        self.logprobs = _logprobs(choice.get("logprobs"), self.kind)
+        if self.kind == CHAT:
+            message = choice.get("message")
+            if type(message) is dict:
+                self.role = message.get("role") or "assistant"
+                content = message.get("content")
+                if content is not None:
+                    self.text.append(content if type(content) is str else json.dumps(content))
+                reasoning = message.get("reasoning_content", message.get("reasoning"))
+                if type(reasoning) is str:
+                    self.reasoning.append(reasoning)
+                self.refusal = message.get("refusal")
+                calls = message.get("tool_calls")
+                if type(calls) is list:
+                    for i, call in enumerate(calls):
+                        if type(call) is dict:
+                            self.tool_calls[i] = call
+        else:
+            text = choice.get("text")
+            if type(text) is str:
+                self.text.append(text)
+        self.done = True
+
+    def _top(self, data: dict[str, Any]) -> None:
+        if type(data.get("prompt_token_ids")) is list:
+            self.prompt_ids = data["prompt_token_ids"]
+        if data.get("usage"):
+            self.usage = data["usage"]
+        if self.model is None:
+            self.model = data.get("model")
+            self.response_id = data.get("id")
+        version = _version(data)
+        if version is not None:
+            self.version = version
+
+    # ------------------------------------------------------------------ streams
+    def chunk(self, data: dict[str, Any]) -> None:
+        """Read one streamed chunk."""
+        self.chunks += 1
+        self._top(data)
+        choices = data.get("choices")
+        if type(choices) is not list:
+            return
+        for choice in choices:
+            if type(choice) is not dict:
+                continue
+            index = choice.get("index", 0)
+            if type(index) is int and index + 1 > self.choices:
+                self.choices = index + 1
+            if index != 0:
+                continue
+            ids = choice.get("token_ids")
+            if type(ids) is list and ids:
+                if self.first_token_ns is None:
+                    self.first_token_ns = time.time_ns()
+                if self.response_ids is None:
+                    self.response_ids = []
+                self.response_ids += ids
+            if self.prompt_ids is None and type(choice.get("prompt_token_ids")) is list:
+                self.prompt_ids = choice["prompt_token_ids"]
+            lps = _logprobs(choice.get("logprobs"), self.kind)
+            if lps:
+                if self.logprobs is None:
+                    self.logprobs = []
+                self.logprobs += lps
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+            if self.kind == CHAT:
+                delta = choice.get("delta")
+                if type(delta) is dict and delta:
+                    self._delta(delta)
+            else:
+                text = choice.get("text")
+                if type(text) is str and text:
+                    if self.first_token_ns is None:
+                        self.first_token_ns = time.time_ns()
+                    self.text.append(text)
+
+    def _delta(self, delta: dict[str, Any]) -> None:
+        if delta.get("role"):
+            self.role = delta["role"]
+        content = delta.get("content")
+        if type(content) is str and content:
+            if self.first_token_ns is None:
+                self.first_token_ns = time.time_ns()
+            self.text.append(content)
+        reasoning = delta.get("reasoning_content", delta.get("reasoning"))
+        if type(reasoning) is str and reasoning:
+            if self.first_token_ns is None:
+                self.first_token_ns = time.time_ns()
+            self.reasoning.append(reasoning)
+        calls = delta.get("tool_calls")
+        if type(calls) is list:
+            if self.first_token_ns is None:
+                self.first_token_ns = time.time_ns()
+            for call in calls:
+                if type(call) is not dict:
+                    continue
+                index = call.get("index", 0)
+                have = self.tool_calls.get(index)
+                if have is None:
+                    have = self.tool_calls[index] = {"id": None, "type": "function",
+                                                     "function": {"name": None, "arguments": []}}
+                if call.get("id"):
+                    have["id"] = call["id"]
+                if call.get("type"):
+                    have["type"] = call["type"]
+                fn = call.get("function")
+                if type(fn) is dict:
+                    if fn.get("name"):
+                        have["function"]["name"] = fn["name"]
+                    if type(fn.get("arguments")) is str:
+                        have["function"]["arguments"].append(fn["arguments"])
+
+    # ------------------------------------------------------------------ the record
+    def output(self) -> dict[str, Any]:
+        """The generation's output as @traced_generation records one: the reply the client got
+        (chat: an assistant message; completions: its text), the finish reason and the
+        completion token ids (``response_ids``, read out by the pipeline)."""
+        text = "".join(self.text) if self.text else None
+        if self.kind == CHAT:
+            out: dict[str, Any] = {"role": self.role, "content": text}
+            if self.reasoning:
+                out["reasoning_content"] = "".join(self.reasoning)
+            if self.tool_calls:
+                calls = []
+                for _, call in sorted(self.tool_calls.items()):
+                    fn = call.get("function") if type(call.get("function")) is dict else {}
+                    args = fn.get("arguments")
+                    calls.append({"id": call.get("id"), "type": call.get("type") or "function",
+                                  "function": {"name": fn.get("name"),
+                                               "arguments": "".join(args) if type(args) is list else args}})
+                out["tool_calls"] = calls
+            if self.refusal:
+                out["refusal"] = self.refusal
+        else:
+            out = {"text": text if text is not None else ""}
+        out["finish_reason"] = self.finish_reason
+        if self.response_ids is not None:
+            out["response_ids"] = self.response_ids
+            if self.logprobs:  # the pipeline makes them the generation's per-token `logprob` array
+                out["logprobs"] = self.logprobs
+        return out
+
+
+class SseSplitter:
+    """Server-sent events out of a byte stream: whole events (with their blank line), as
+    soon as each is complete; a partial one waits for the rest."""
+
+    __slots__ = ("_tail",)
+
+    def __init__(self) -> None:
+        self._tail = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buf = self._tail + data if self._tail else data
+        if b"\r" in buf:
+            buf = buf.replace(b"\r\n", b"\n")
+        events = buf.split(b"\n\n")
+        self._tail = events.pop()
+        return events
+
+    def rest(self) -> bytes:
+        """What is left after the last complete event (an unterminated one)."""
+        tail, self._tail = self._tail, b""
+        return tail
+
+
+def event_data(event: bytes) -> bytes | None:
+    """The ``data:`` payload of one event (lines joined), None when it has none."""
+    if event.startswith(b"data: ") and b"\n" not in event:
+        return event[6:]
+    lines = [line[5:].lstrip(b" ") if line.startswith(b"data:") else None for line in event.split(b"\n")]
+    data = [x for x in lines if x is not None]
+    return b"\n".join(data) if data else None

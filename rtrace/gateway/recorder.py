@@ -1,0 +1,286 @@
+"""A model call through the gateway is a generation span, made the way ``@traced_generation`` makes one.
+
+The span is opened through the runtime's tracer, in the trajectory the call joins
+(:class:`Join`), and carries the same call record a decorated generation carries: its
+inputs (the client's request: ``model``, ``messages`` or ``prompt``, ``tools``, sampling
+parameters, plus ``prompt_ids``) and its output (the reply the client got, its
+``finish_reason`` and ``response_ids``). From there nothing is special: the worker (or the
+collector) converts the record (token ids out, usage and finish reason as ``gen_ai.*``
+attributes, ``rl.*`` stamped), health checks, sampling, annotations, token2text, the
+conversation and every sink treat it as any generation.
+
+What a decorated call cannot know is put on the span as attributes (docs/gateway.md,
+"What each call records"): the sampler's logprobs as the generation's per-token ``logprob``
+array (docs/token-values.md), ``rtrace.capture_gap``,
+``rtrace.time_to_first_token_ms``, the upstream's ``gen_ai.response.id`` /
+``gen_ai.response.model``, its usage when there are no ids, and its weight version
+(``rtrace.weight_version``; ``rl.policy_version`` when it is an integer).
+
+How a call joins (:class:`Join`), mirroring ``rtrace.extract``:
+
+* ``session``: a child of the session's root span (or of the caller's span, when its
+  ``traceparent`` names one in the session's trace);
+* ``segment``: a rollout key or a ``traceparent`` names a span of a trajectory that lives
+  elsewhere (the trainer's process): the call's span is a segment under that span, exported
+  as its own unit here and stitched into the trainer's trajectory by the collector, or
+  joined directly when the trajectory is open in this very process;
+* ``own``: no rollout at all (``RTRACE_GATEWAY_UNTRACED=record``): the call is a trajectory
+  of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from opentelemetry import trace as otel_trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
+
+from .. import _stats
+from ..instrumentation import _state
+from ..instrumentation.propagation import close_segment, open_segment
+from ..instrumentation.spans import RSpan
+from ..pipeline.records import CallRecord, CallSpec
+from .protocol import Capture, event_data, loads
+
+__all__ = ["Join", "Call", "Record", "open_call", "SPECS", "remote_context"]
+
+#: The call record's spec of each kind of model call (what a decorator decides once).
+SPECS = {
+    kind: CallSpec(kind="generation", name=op, capture=True, param_names=(), skip_first=False, options={})
+    for kind, op in (("chat", "chat"), ("completions", "text_completion"))
+}
+_OPERATION = {"chat": "chat", "completions": "text_completion"}
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+
+
+def remote_context(trace_id: int, span_id: int, sampled: bool = True) -> SpanContext:
+    """The SpanContext of a span in another process (a key's, a ``traceparent``'s)."""
+    return SpanContext(trace_id, span_id, is_remote=True,
+                       trace_flags=_SAMPLED if sampled else TraceFlags(TraceFlags.DEFAULT))
+
+
+class Join:
+    """How one call joins a trajectory: ``mode`` is ``session``, ``segment``, ``own`` or
+    ``untraced`` (forwarded, not recorded); ``how`` says what the caller gave (``key``,
+    ``traceparent``, ``session``, ``none``)."""
+
+    __slots__ = ("mode", "how", "remote", "coords", "session")
+
+    def __init__(self, mode: str, how: str, remote: SpanContext | None = None, coords: dict[str, Any] | None = None,
+                 session: Any = None) -> None:
+        self.mode = mode
+        self.how = how
+        self.remote = remote
+        self.coords = coords or {}
+        self.session = session
+
+
+class Call:
+    """One model call being recorded: its span and the trajectory it belongs to."""
+
+    __slots__ = ("span", "state", "kind", "join", "registry", "segment")
+
+    def __init__(self, span: Any, state: Any, kind: str, join: Join, registry: Any, segment: bool) -> None:
+        self.span = span
+        self.state = state
+        self.kind = kind
+        self.join = join
+        self.registry = registry
+        self.segment = segment
+
+    @property
+    def traceparent(self) -> str:
+        """The W3C ``traceparent`` of the call's span (sent upstream: a traced server's
+        spans become its children)."""
+        ctx = self.span.get_span_context()
+        return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-01"
+
+    def finish(self, inputs: dict[str, Any] | None, output: dict[str, Any] | None, attributes: dict[str, Any],
+               error: str | None, capture: bool) -> None:
+        """Give the span its call record and attributes, and end it (its trajectory's
+        worker takes it from there). Never raises: a failure is counted."""
+        span = self.span
+        try:
+            try:
+                if type(span) is RSpan:  # the span carries its record, as a decorated call's does
+                    record: Any = span
+                    self.state.captures.pop(span.span_id, None)  # a segment's placeholder record
+                else:  # an application's SDK span: the record waits in the trajectory's captures
+                    record = CallRecord(SPECS[self.kind], None, None)
+                    self.state.captures[span.get_span_context().span_id] = record
+                record.spec = SPECS[self.kind]
+                record.arg_lens = None
+                record.owner_name = None
+                if capture and inputs is not None:
+                    record.args, record.kwargs = (), inputs
+                    record.output, record.has_output = output, output is not None
+                else:
+                    record.args = record.kwargs = record.output = None
+                    record.has_output = False
+                attributes["gen_ai.operation.name"] = _OPERATION[self.kind]
+                span.set_attributes(attributes)
+                if error is not None:
+                    span.set_status(Status(StatusCode.ERROR, error))
+            except Exception:
+                _stats.incr("gateway_record_errors")
+                _stats.warn_once("gateway-record", "rtrace gateway could not record a call (it went through)",
+                                 exc_info=True)
+        finally:
+            try:
+                if self.segment:
+                    close_segment(span, self.registry)
+                else:
+                    span.end()
+            except Exception:
+                _stats.incr("gateway_record_errors")
+
+
+def open_call(rt: Any, join: Join, kind: str, model: Any) -> Call | None:
+    """Open the span of one model call in the trajectory ``join`` names; None when it is
+    not recorded (the trajectory table is full, or the session's trajectory has gone)."""
+    op = _OPERATION[kind]
+    name = f"{op} {model}" if isinstance(model, str) and model else op
+    mode = join.mode
+    if mode == "session":
+        session = join.session
+        state = session.state
+        if rt.registry.lookup(state.trace_id) is not state:
+            return None  # expired as an orphan meanwhile
+        remote = join.remote
+        parent: Any = NonRecordingSpan(remote) if remote is not None and remote.trace_id == state.trace_id \
+            else session.span
+        span = rt.tracer.start_span(name, context=otel_trace.set_span_in_context(parent))
+        return Call(span, state, kind, join, rt.registry, False)
+    if mode == "segment":
+        remote = join.remote
+        ctx = otel_trace.set_span_in_context(NonRecordingSpan(remote))
+        span, frame = open_segment(rt, remote, ctx, name, join.coords)
+        if span is None or frame.state is None:
+            return None
+        return Call(span, frame.state, kind, join, rt.registry, True)
+    if mode == "own":
+        span, frame = _state.start_root(rt, name, "generation", dict(join.coords))
+        if span is None:
+            return None
+        return Call(span, frame.state, kind, join, rt.registry, False)
+    return None
+
+
+class Record:
+    """What one recorded call collects, and its end (once, whatever happens)."""
+
+    __slots__ = ("settings", "runtime", "call", "kind", "payload", "asked", "capture", "gaps", "status",
+                 "capturing", "done", "started")
+
+    def __init__(self, call: Call, kind: str, payload: dict[str, Any], asked: Any, settings: Any,
+                 runtime: Any) -> None:
+        self.settings = settings
+        self.runtime = runtime
+        self.call = call
+        self.kind = kind
+        self.payload = payload
+        self.asked = asked
+        self.capture = Capture(kind)
+        self.gaps: list[tuple[str, str]] = []
+        self.status = 0
+        self.capturing = True
+        self.done = False
+        self.started = time.time_ns()
+
+    def gap(self, code: str, detail: str) -> None:
+        self.gaps.append((code, detail))
+
+    def read_events(self, events: list[bytes]) -> None:
+        """Read whole SSE events beside a stream passed on as it came (never raises)."""
+        capture = self.capture
+        for event in events:
+            data = event_data(event)
+            if data is None:
+                continue
+            if data == b"[DONE]":
+                capture.done = True
+                continue
+            try:
+                obj = loads(data)
+            except ValueError:
+                continue
+            if type(obj) is dict:
+                try:
+                    capture.chunk(obj)
+                except Exception:
+                    _stats.incr("gateway_record_errors")
+
+    def finish(self, error: str | None = None) -> None:
+        """End the call's span with what was collected (called once; never raises)."""
+        if self.done:
+            return
+        self.done = True
+        try:
+            inputs, output, attrs = self._record(error)
+        except Exception:
+            _stats.incr("gateway_record_errors")
+            _stats.warn_once("gateway-capture", "rtrace gateway could not read a call's answer (it went through)",
+                             exc_info=True)
+            inputs, output, attrs = None, None, {}
+        rt_capture = True
+        try:
+            rt_capture = bool(self.runtime().capture)
+        except Exception:
+            pass
+        self.call.finish(inputs, output, attrs, error, rt_capture)
+
+    def _record(self, error: str | None) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
+        cap = self.capture
+        s = self.settings
+        attrs: dict[str, Any] = {"rtrace.gateway.join": self.call.join.how}
+        inputs = dict(self.payload)
+        stream = self.payload.get("stream") is True
+        if stream:
+            attrs["rtrace.gateway.stream"] = True
+        if self.status and self.status != 200:
+            attrs["http.response.status_code"] = self.status
+        if cap.prompt_ids is not None:
+            inputs["prompt_ids"] = cap.prompt_ids
+        answered = error is None and self.status == 200 and (cap.done or cap.chunks or cap.text or cap.tool_calls)
+        output = cap.output() if answered or cap.chunks else None
+        if cap.model is not None:
+            attrs["gen_ai.response.model"] = cap.model
+        if cap.response_id is not None:
+            attrs["gen_ai.response.id"] = str(cap.response_id)
+        usage = cap.usage if type(cap.usage) is dict else {}
+        for key, attr in (("prompt_tokens", "gen_ai.usage.input_tokens"),
+                          ("completion_tokens", "gen_ai.usage.output_tokens")):
+            if type(usage.get(key)) is int:
+                attrs[attr] = usage[key]  # token ids, when there are, give the same (the pipeline sets them)
+        if cap.version is not None:
+            attrs["rtrace.weight_version"] = str(cap.version)
+            version = cap.version
+            if type(version) is str and version.lstrip("-").isdigit():
+                version = int(version)
+            if type(version) is int:
+                attrs["rl.policy_version"] = version  # the span's own version over the rollout's
+        if stream and cap.first_token_ns is not None:
+            attrs["rtrace.time_to_first_token_ms"] = (cap.first_token_ns - self.started) / 1e6
+        gaps = list(self.gaps)  # what the stream's reading noted (too large, unreadable)
+        noted = {code for code, _ in gaps}
+        if answered or cap.chunks:
+            if (cap.prompt_ids is None or cap.response_ids is None) and not noted:
+                if not (s.gateway_token_ids or self.payload.get("return_token_ids")):
+                    gaps.append(("not_requested", "token ids were not asked of the upstream "
+                                                  "(RTRACE_GATEWAY_TOKEN_IDS=false)"))
+                else:
+                    gaps.append(("not_returned", "the upstream returned no token ids (not vLLM / SGLang, or an "
+                                                 "older version)"))
+            if error is not None or (stream and not cap.done and "too_large" not in noted):
+                gaps.append(("incomplete", "the answer was cut before its end: "
+                                           + (error or "the stream ended without [DONE]")))
+            if cap.choices > 1:
+                gaps.append(("choices", f"n={cap.choices}: only the first choice is recorded"))
+        if gaps:
+            attrs["rtrace.capture_gap"] = "; ".join(detail for _, detail in gaps)
+            attrs["rtrace.capture_gap.codes"] = [code for code, _ in gaps]
+            _stats.incr("gateway_capture_gaps")
+            for code, _ in gaps:
+                _stats.incr(f"gateway_capture_gaps.{code}")
+        return inputs, output, attrs
