@@ -78,31 +78,27 @@ def fresh(monkeypatch, tmp_path):
     rtrace.shutdown()
 
 
-def rewards(batch):
-    """veRL's token-level scores: one reward per rollout on its last response token (as its
-    reward loop's rm_scores), here a function of the response's length, so that the rollouts
-    of a group differ and GRPO's advantages are not all 0."""
-    prompt_len = batch.batch["prompts"].shape[1]
-    lengths = batch.batch["attention_mask"][:, prompt_len:].sum(dim=1)
-    scores = torch.zeros_like(batch.batch["response_mask"], dtype=torch.float32)
-    scores[torch.arange(len(lengths)), lengths - 1] = (lengths % 5).float() / 4
-    return scores
-
-
-def one_step(model_dir, tokenizer, model, tmp_path, overrides=()):
-    """Rollout then the trainer's step: (generated responses and logprobs, their index, the
-    trained batch, the entropy), flushed."""
-    tool_config = app.write_tool_config(tmp_path / "tools.yaml")
-    config = app.compose_config(model_dir, tool_config, [
+def step_config(model_dir, tmp_path):
+    return app.compose_config(model_dir, app.write_tool_config(tmp_path / "tools.yaml"), [
         *app.trace_overrides(token2text=False), "actor_rollout_ref.rollout.calculate_log_probs=True",
-        f"actor_rollout_ref.rollout.n={N}", "algorithm.adv_estimator=grpo", *overrides])
-    worker, _ = app.make_worker(config, tokenizer, app.ModelServer(tokenizer, model))
+        f"actor_rollout_ref.rollout.n={N}", "algorithm.adv_estimator=grpo"])
+
+
+def rollout(model_dir, tokenizer, model, tmp_path):
+    """The step's rollouts: (the generated batch, its responses and index as generated)."""
+    worker, _ = app.make_worker(step_config(model_dir, tmp_path), tokenizer, app.ModelServer(tokenizer, model))
     generated = asyncio.run(worker.generate_sequences(app.make_batch(SAMPLES, n=N, step=STEP)))
     before = {k: generated.batch[k].clone() for k in ("responses", "rollout_log_probs")}
-    index_before = generated.non_tensor_batch["index"].copy()
-    batch = generated
-    batch.non_tensor_batch["uid"] = np.array([f"uid-{i}" for i in batch.non_tensor_batch["index"]], dtype=object)
-    trained, entropy = app.train_step(app.make_trainer(config, model, STEP), batch, rewards)
+    generated.non_tensor_batch["uid"] = np.array([f"uid-{i}" for i in generated.non_tensor_batch["index"]],
+                                                 dtype=object)
+    return generated, before, generated.non_tensor_batch["index"].copy()
+
+
+def one_step(model_dir, tokenizer, model, tmp_path):
+    """Rollout then the trainer's step, in this process: (generated responses and logprobs,
+    their index, the trained batch, the entropy), flushed."""
+    generated, before, index_before = rollout(model_dir, tokenizer, model, tmp_path)
+    trained, entropy = app.train_step(app.make_trainer(step_config(model_dir, tmp_path), model, STEP), generated)
     assert rtrace.flush(60)
     return before, index_before, trained, entropy
 
@@ -158,11 +154,10 @@ def check_values(before, index_before, trained, entropy, trajs, exact=True):
         assert len(gens) == 2 and not covered.all()  # the tool's tokens: in the row, on no generation,
         assert not mask[:real][~covered].any()        # and not trained on
         expected = mismatch_of(tensors["logprob"][:real], tensors["old_logprob"][:real], mask[:real])
-        if not exact:  # the sampler's values as they came over the wire, the trainer's as given (in-process)
-            sampler = torch.tensor([v for g in gens for v in g.token_values["logprob"]], dtype=torch.float32)
-            keep = torch.cat([torch.arange(len(g.prompt_ids) - base, len(g.prompt_ids) - base + len(g.response_ids))
-                              for g in gens])
-            exact_values, expected = expected, mismatch_of(sampler, tensors["old_logprob"][keep], mask[keep])
+        if not exact:  # what the collector received: the lists of the wire, as float32
+            exact_values, expected = expected, mismatch_of(*(
+                torch.tensor([v for g in gens for v in g.token_values[name]], dtype=torch.float32)
+                for name in ("logprob", "old_logprob", "loss_mask")))
             for key, value in exact_values.items():  # off by the rounding of -6.3 to 6 digits at most
                 assert t.annotations[key] == pytest.approx(value, abs=2e-5), key
         for key, value in expected.items():
@@ -182,28 +177,80 @@ def test_the_trainer_s_values_on_each_rollout(model_dir, tokenizer, model, tmp_p
     assert worst < 1e-5
 
 
+#: The trainer in a process of its own (veRL's TaskRunner is a Ray actor): started with the
+#: collector's environment and install() (Ray's setup hook), nothing else.
+DRIVER = """
+import sys, torch
+sys.path.insert(0, {here!r})
+import rtrace, rtrace.compat.verl
+rtrace.compat.verl.install()
+import verl_app as app
+from test_verl_trainer_values import STEP, step_config
+from pathlib import Path
+from transformers import AutoModelForCausalLM
+batch = torch.load({batch!r}, weights_only=False)
+model = AutoModelForCausalLM.from_pretrained({model_dir!r}, dtype=torch.float32)
+trained, entropy = app.train_step(app.make_trainer(step_config(Path({model_dir!r}), Path({tmp!r})), model, STEP), batch)
+assert rtrace.flush(60)
+print("sent", rtrace.stats().get("annotations_sent"))
+torch.save({{"trained": trained, "entropy": entropy}}, {out!r})
+"""
+
+
 def test_through_the_job_s_collector(model_dir, tokenizer, model, tmp_path, monkeypatch, capsys):
-    """Collector mode: the agent loop's worker streams its rollouts to the job's collector
-    (started in this process, as a launcher does), the trainer hands its values to the same
-    collector: the same trajectories and values. The sampler's values cross the wire as JSON
-    numbers of 6 significant digits (docs/token-values.md): a difference of 1e-6 between
-    logprobs near -6 is below that rounding, so the collector's k1 / max differ from one
-    process's by up to ~1e-5 (and equal the ones of the values it received)."""
+    """veRL's production topology: the job's collector (started in the launcher: here), the
+    agent loop's worker streaming its rollouts to it (collector.env), and the trainer in a
+    process of its own whose environment is collector.env and which ran install(): the
+    trainer's values reach the collector and join the rollouts there. The sampler's and the
+    trainer's values cross the wire as JSON numbers of 6 significant digits
+    (docs/token-values.md): a difference of 1e-6 between logprobs near -6 is below that
+    rounding, so the collector's k1 / max differ from one process's by up to ~1e-5 (and equal
+    the ones of the values it received)."""
     pytest.importorskip("grpc")
     collector = rtrace.start_collector(exporter="jsonl", jsonl_path=str(tmp_path / "verl.jsonl"), settle_s=0.2,
                                        await_annotations="old_logprob", annotation_timeout_s=120)
     try:
         for key, value in collector.env.items():
             monkeypatch.setenv(key, value)
-        before, index, trained, entropy = one_step(model_dir, tokenizer, model, tmp_path)
+        generated, before, index = rollout(model_dir, tokenizer, model, tmp_path)
+        assert rtrace.flush(60)
+        rtrace.shutdown()
+        torch.save(generated, tmp_path / "batch.pt")
+        code = DRIVER.format(here=os.path.dirname(__file__), batch=str(tmp_path / "batch.pt"),
+                             model_dir=str(model_dir), tmp=str(tmp_path), out=str(tmp_path / "trained.pt"))
+        env = {k: v for k, v in os.environ.items() if k != "RTRACE_JSONL_PATH"}
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.split()[-2:] == ["sent", str(len(SAMPLES) * N)]
         assert collector.flush(60)
     finally:
         collector.stop()
+    saved = torch.load(tmp_path / "trained.pt", weights_only=False)
     trajs = read_jsonl(tmp_path / "verl.jsonl")
-    check_values(before, index, trained, entropy, trajs, exact=False)
+    check_values(before, index, saved["trained"], saved["entropy"], trajs, exact=False)
     with capsys.disabled():
         print(f"\nveRL through a collector: max |Δlogprob| {max(t.annotations['logprob_mismatch_max'] for t in trajs):.3g} "
-              f"(one process: see above; the wire rounds to 6 significant digits)")
+              f"(the wire rounds to 6 significant digits)")
+
+
+def test_a_trainer_process_without_a_collector_is_left_alone(monkeypatch, caplog):
+    """The trainer's process with per-worker sinks in its environment (RTRACE_EXPORTER=jsonl
+    for every Ray worker) and rtrace not configured there: the hook configures nothing (no
+    sink of its own in the driver, where no rollout is), hands nothing over, and says once
+    that the values need the job's collector."""
+    import logging
+
+    import rtrace.testing
+    from rtrace.compat import verl_trainer
+    from rtrace.instrumentation import _state
+
+    rtrace.testing.reset()
+    monkeypatch.setenv("RTRACE_EXPORTER", "jsonl")
+    with caplog.at_level(logging.WARNING):
+        assert not verl_trainer._ready() and not verl_trainer._ready()
+    assert _state.runtime is _state.UNSET
+    said = [r.getMessage() for r in caplog.records if "not configured in veRL's trainer process" in r.getMessage()]
+    assert len(said) == 1 and "through the job's collector (collector.env in the driver's environment" in said[0]
 
 
 @pytest.mark.parametrize("index, workers, expected", [

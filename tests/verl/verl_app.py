@@ -475,7 +475,20 @@ def make_trainer(config: Any, model: Any, step: int, dp: int = 2) -> Any:
     return trainer
 
 
-def train_step(trainer: Any, batch: Any, rewards: Any) -> tuple[Any, Any]:
+def length_rewards(batch: Any) -> Any:
+    """veRL's token-level scores: one reward per rollout on its last response token (as its
+    reward loop's rm_scores), here a function of the response's length, so that the rollouts
+    of a group differ and GRPO's advantages are not all 0."""
+    import torch
+
+    prompt_len = batch.batch["prompts"].shape[1]
+    lengths = batch.batch["attention_mask"][:, prompt_len:].sum(dim=1)
+    scores = torch.zeros_like(batch.batch["response_mask"], dtype=torch.float32)
+    scores[torch.arange(len(lengths)), lengths - 1] = (lengths % 5).float() / 4
+    return scores
+
+
+def train_step(trainer: Any, batch: Any, rewards: Any = length_rewards) -> tuple[Any, Any]:
     """What ``RayPPOTrainer.fit`` does with a generated batch, in its order: balance the batch
     across ranks, recompute the log probs (and the entropy, which fit drops after its metric),
     compute GRPO advantages from token-level rewards, update the actor. Returns the batch
