@@ -477,8 +477,8 @@ def test_sampler_and_trainer_logprobs_and_their_mismatch(tmp_path, monkeypatch, 
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     path = tmp_path / "t.jsonl"
     outputs = []
-    train(tmp_path, build_tokenizer(), [RTraceCallback(exporter="jsonl", jsonl_path=str(path), token2text_keep_ids=True)],
-          "sampler", report_to="none", eval_strategy="no", outputs=outputs,
+    callback = RTraceCallback(exporter="jsonl", jsonl_path=str(path), token2text_keep_ids=True)
+    train(tmp_path, build_tokenizer(), [callback], "sampler", report_to="none", eval_strategy="no", outputs=outputs,
           rollout_func=functools.partial(kv_cache_sampler, env=env), max_completion_length=16)
     assert rtrace.flush(60)
     rtrace.shutdown()

@@ -138,7 +138,8 @@ def check_values(before, index_before, trained, entropy, trajs, exact=True):
         row = responses.index(before["responses"][generated_row].tolist())
         assert responses.count(responses[row]) == 1
         mask = trained.batch["response_mask"][row]
-        tensors = {"logprob": trained.batch["rollout_log_probs"][row], "old_logprob": trained.batch["old_log_probs"][row],
+        tensors = {"logprob": trained.batch["rollout_log_probs"][row],
+                   "old_logprob": trained.batch["old_log_probs"][row],
                    "advantage": trained.batch["advantages"][row], "loss_mask": mask, "entropy": entropy[row]}
         # each generation's slice of the row: its prompt is the first one plus the response so far
         gens = sorted(t.spans_of_kind("generation"), key=lambda s: s.start_ns)
@@ -173,7 +174,8 @@ def test_the_trainer_s_values_on_each_rollout(model_dir, tokenizer, model, tmp_p
     assert trained.batch["advantages"].abs().sum() > 0
     worst = check_values(before, index, trained, entropy, read_jsonl(tmp_path / "verl.jsonl"))
     with capsys.disabled():
-        print(f"\nveRL, same weights, KV-cached sampler vs veRL's recomputed old_log_probs: max |Δlogprob| {worst:.3g}")
+        print(f"\nveRL, same weights, KV-cached sampler vs veRL's recomputed old_log_probs: "
+              f"max |Δlogprob| {worst:.3g}")
     assert worst < 1e-5
 
 
@@ -229,8 +231,8 @@ def test_through_the_job_s_collector(model_dir, tokenizer, model, tmp_path, monk
     trajs = read_jsonl(tmp_path / "verl.jsonl")
     check_values(before, index, saved["trained"], saved["entropy"], trajs, exact=False)
     with capsys.disabled():
-        print(f"\nveRL through a collector: max |Δlogprob| {max(t.annotations['logprob_mismatch_max'] for t in trajs):.3g} "
-              f"(the wire rounds to 6 significant digits)")
+        worst = max(t.annotations["logprob_mismatch_max"] for t in trajs)
+        print(f"\nveRL through a collector: max |Δlogprob| {worst:.3g} (the wire rounds to 6 significant digits)")
 
 
 def test_a_trainer_process_without_a_collector_is_left_alone(monkeypatch, caplog):
