@@ -255,6 +255,19 @@ def test_a_trainer_process_without_a_collector_is_left_alone(monkeypatch, caplog
     assert len(said) == 1 and "through the job's collector (collector.env in the driver's environment" in said[0]
 
 
+def test_veRL_s_default_v1_trainer_traces_no_rollout(model_dir, tmp_path):
+    """veRL 0.9.1's default trainer is the v1 (TransferQueue) one, whose agent loop runs every
+    rollout with tracing off (a TODO in its code): docs/frameworks/verl.md says to run the
+    trainer ray_trainer.py with trainer.use_v1=False."""
+    from pathlib import Path
+
+    import verl
+
+    assert step_config(model_dir, tmp_path).trainer.use_v1 is True
+    source = (Path(verl.__file__).parent / "trainer" / "ppo" / "v1" / "agent_loop_tq.py").read_text()
+    assert "# TODO(wuxibin): add trace support\n            trace_this_sample = False" in source
+
+
 @pytest.mark.parametrize("index, workers, expected", [
     ([5, 5, 7, 7], None, [0, 1, 0, 1]),          # one worker: consecutive rows of one index
     ([5, 5, 5, 5], 2, [0, 1, 0, 1]),             # two workers: each chunk counts from 0, as veRL does
