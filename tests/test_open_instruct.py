@@ -165,6 +165,70 @@ class TestLogBatch:
         assert [s.attributes["rtrace.role"] for s in trajs[0].spans[1:]] == ["assistant"]
 
 
+class TestPerTokenValues:
+    LOGPROBS = [[-0.1, -0.2, -0.3], [-0.4, -0.5, 0.0, 0.0, -0.6, -0.7], [-0.8, -0.9], [-1.0, -1.1, -1.2]]
+
+    def test_what_open_instruct_puts_in_logprobs(self):
+        """The real code: GenerationResult has `logprobs`; a tool's output gets logprob 0.0 (with
+        its mask), the end token added to an empty response NaN."""
+        assert "logprobs" in NAMES["classes"]["GenerationResult"]
+        assert NAMES["tool_output_logprobs"] == ["logprobs = [0.0] * len(tokens)"]
+        assert NAMES["empty_response_logprobs"] == ["result.logprobs[i].append(float('nan'))"]
+
+    def test_vllm_s_logprobs_and_the_masks_are_cut_into_the_turns(self):
+        """GenerationResult.logprobs (vLLM's, 0 on a tool's output) become each generation's
+        logprob array and masks its loss_mask, cut into the model's turns; the tool's tokens are
+        on none."""
+        result, batch = step_data()
+        result.logprobs = [list(r) for r in self.LOGPROBS]
+        with rtrace.testing.capture() as got:
+            open_instruct.log_batch(result, batch, step=5)
+            trajs = sorted(got.trajectories, key=lambda t: (t.sample_index, t.rollout_n))
+        tool = trajs[1]
+        assert [(s.attributes["rtrace.role"], s.token_values and {k: v.tolist() for k, v in s.token_values.items()})
+                for s in tool.spans[1:]] == [
+            ("assistant", {"logprob": pytest.approx([-0.4, -0.5]), "loss_mask": [1.0, 1.0]}),
+            ("tool", None),
+            ("assistant", {"logprob": pytest.approx([-0.6, -0.7]), "loss_mask": [1.0, 1.0]})]
+        for t, values in zip(trajs, [self.LOGPROBS[i] for i in (0, 1, 2, 3)]):
+            got_values = [v for s in t.spans_of_kind("generation") for v in s.token_values["logprob"].tolist()]
+            assert got_values == pytest.approx([v for v, m in zip(values, result.masks[trajs.index(t)]) if m])
+            assert not [f for f in t.health if f["check"] == "token_arrays"]
+
+    def test_the_nan_of_an_added_end_token_is_said(self):
+        """An empty response's added end token has no sampler logprob (NaN): the token_arrays
+        check says so."""
+        result, batch = step_data()
+        result.responses[2], result.masks[2] = [2], [1]
+        result.logprobs = [list(r) for r in self.LOGPROBS]
+        result.logprobs[2] = [float("nan")]
+        with rtrace.testing.capture() as got:
+            open_instruct.log_batch(result, batch, step=5)
+            (t,) = [t for t in got.trajectories if (t.sample_index, t.rollout_n) == (1, 0)]
+        assert {"check": "token_arrays", "detail": "logprob: 1 of 1 values are NaN or infinite"} in t.health
+
+    def test_sampled_out_samples_leave_nothing_waiting(self):
+        """A per-step cap of 2: the two traced samples get their values, the others are never
+        annotated (no annotation waits for a trajectory that does not come)."""
+        result, batch = step_data()
+        result.logprobs = [list(r) for r in self.LOGPROBS]
+        with rtrace.testing.capture(max_traces_per_step=2) as got:
+            open_instruct.log_batch(result, batch, step=5)
+            trajs = got.trajectories
+            stats = rtrace.stats()
+        assert len(trajs) == 2 and all(s.token_values for t in trajs for s in t.spans_of_kind("generation"))
+        assert stats["annotations_sent"] == 2
+
+    def test_without_logprobs_there_are_none(self):
+        """A generation that kept no logprobs (the field's default, an empty list): no values."""
+        result, batch = step_data()
+        result.logprobs = []
+        with rtrace.testing.capture() as got:
+            open_instruct.log_batch(result, batch, step=5)
+            trajs = got.trajectories
+        assert len(trajs) == 4 and all(s.token_values is None for t in trajs for s in t.spans)
+
+
 FAKE = """
 def accumulate_inference_batches({accumulate}):
     # as open-instruct's: each prompt's result through process_group (a module global), the kept

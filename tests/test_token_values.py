@@ -160,6 +160,27 @@ class TestTrainerArrays:
         gc.collect()
         assert ref() is None
 
+    @pytest.mark.parametrize("order", [("scalar", "row", "rollout"),   # both pending, merged there
+                                       ("row", "rollout", "scalar"),   # the row on the trajectory, then the value
+                                       ("scalar", "rollout", "row")])  # the value on it, then the row
+    def test_a_value_and_a_row_of_one_name_are_both_kept(self, order):
+        """annotate(advantage=0.4) and annotate_batch(advantage=[B, T]) for one trajectory, in
+        any order (TRL's advantage: one per completion, and on each of its tokens): the
+        number stays the trajectory's annotation, the row goes on its tokens."""
+        steps = {"scalar": lambda: rtrace.annotate(step=1, sample_index=0, rollout_n=0, advantage=0.4),
+                 "row": lambda: rtrace.annotate_batch(step=1, sample_index=[0], rollout_n=[0], advantage=[RESPONSE]),
+                 "rollout": lambda: rollout(0)}
+        with rtrace.testing.capture(await_annotations="advantage,done", annotation_timeout_s=30) as got:
+            for name in order:
+                steps[name]()
+            rtrace.annotate(step=1, sample_index=0, rollout_n=0, done=1)  # it waits until then
+            (t,) = got.trajectories
+        assert t.annotations["advantage"] == 0.4
+        first, second = values_of(t)
+        assert first["advantage"].tolist() == pytest.approx(RESPONSE[:2])
+        assert second["advantage"].tolist() == pytest.approx(RESPONSE[4:])
+        assert t.health == [] and not any(k.startswith("\x00") for k in t.annotations)
+
 
 class TestBadInput:
     def _one(self, **columns):

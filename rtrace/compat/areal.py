@@ -10,7 +10,8 @@ GRPO group (``GroupedRolloutWorkflow``), or the episode itself when ``group_size
 training and evaluation; single-turn (``RLVRWorkflow``) or multi-turn
 (``MultiTurnWorkflow``, agents) — becomes one trajectory, and each ``engine.agenerate``
 inside it a generation span with real times: the prompt ids the engine received, the
-output ids, the stop reason, the weight version of the output tokens. The reward is the
+output ids, the stop reason, the weight version of the output tokens, and the engine's
+per-token logprobs (``output_logprobs``) as the generation's ``logprob`` array. The reward is the
 one the episode returns (its ``rewards``); token2text decodes the ids in rtrace's worker
 with the workflow's tokenizer (or the request's), which ``install()`` hands to rtrace
 (unless ``RTRACE_TOKEN2TEXT=0``), and a prompt the loop extends between generations (MultiTurnWorkflow's retry message) is a
@@ -192,6 +193,9 @@ class _Generation:
         out: dict[str, Any] = {"response_ids": list(resp.output_tokens), "finish_reason": resp.stop_reason}
         if versions:
             out["policy_version"] = min(versions)
+        logprobs = getattr(resp, "output_logprobs", None)
+        if logprobs:  # the engine's per-token logprobs: the generation's `logprob` array (docs/token-values.md)
+            out["logprobs"] = logprobs
         return out
 
 

@@ -35,6 +35,11 @@ turn's ``rl.loss_tokens`` is its count of 1s.
 The trainer's tokenizer (the function's ``tokenizer`` argument) is handed to rtrace:
 token2text decodes the ids unless ``RTRACE_TOKEN2TEXT=0``.
 
+Per-token values: vLLM's logprobs of each response (``GenerationResult.logprobs``) become
+its generations' ``logprob`` arrays and its ``masks`` the ``loss_mask`` arrays
+(docs/token-values.md); the trainer's own logprobs are computed later, in the learner
+actors, on packed sequences: not traced.
+
 :func:`log_batch` can also be called by hand with a ``GenerationResult`` and its ``Batch``.
 """
 
@@ -45,7 +50,7 @@ from typing import Any, Callable
 
 from .. import _setup, _stats
 from ..instrumentation.turns import PromptIndex, Turn, admit, sample_state, submit
-from . import _open_instruct_private
+from . import _open_instruct_private, token_rows
 
 __all__ = ["install", "log_batch", "FILTERED"]
 
@@ -139,7 +144,7 @@ def log_batch(result: Any, batch: Any, *, step: int | None, validate: bool = Fal
     scores = list(batch.scores) if batch.scores is not None else [None] * n
     versions = list(batch.model_steps) if batch.model_steps else [None] * n
     seen: dict[Any, int] = {}
-    states = []
+    states, traced = [], []
     for i in range(n):
         index = indices[i]
         rollout_n = seen.get(index, 0)
@@ -147,7 +152,8 @@ def log_batch(result: Any, batch: Any, *, step: int | None, validate: bool = Fal
         st = _sample(result, i, batch.queries[i], index, rollout_n, scores[i], versions[i], step, validate, name, None)
         if st is not None:
             states.append(st)
-    return submit(states)
+            traced.append((i, st.coords))
+    return _submit(result, states, traced)
 
 
 def log_group(result: Any, query: Any, *, step: int | None, validate: bool = False, filtered: str | None = None,
@@ -156,11 +162,23 @@ def log_group(result: Any, query: Any, *, step: int | None, validate: bool = Fal
     ``accumulate_inference_batches`` did not return: ``filtered`` says why)."""
     n = len(result.responses)
     scores = list(result.reward_scores) if result.reward_scores is not None else [None] * n
-    states = []
+    states, traced = [], []
     for i in range(n):
         st = _sample(result, i, query, result.index, i, scores[i], result.model_step, step, validate, name, filtered)
         if st is not None:
             states.append(st)
+            traced.append((i, st.coords))
+    return _submit(result, states, traced)
+
+
+def _submit(result: Any, states: list[Any], traced: list[tuple[int, dict[str, Any]]]) -> int:
+    """Queue the samples' trajectories, their per-token values first (waiting when they
+    arrive): vLLM's logprobs of each response (``result.logprobs``: 0 on a tool's tokens, NaN
+    on the end token open-instruct adds to an empty response) as ``logprob``, its ``masks``
+    as ``loss_mask``; none when the generation kept no logprobs."""
+    logprobs = result.logprobs
+    if logprobs and len(logprobs) == len(result.responses):
+        token_rows.send(traced, {"logprob": list(logprobs), "loss_mask": list(result.masks)})
     return submit(states)
 
 

@@ -26,6 +26,11 @@ Written vs trained on: turns come from the loop, not the loss mask; the loss mas
 what SkyRL trains on (``rl.loss_tokens`` per turn and on the root: 0 for a response
 ``apply_overlong_filtering`` masked out).
 
+Per-token values: when the generator's sampling params ask for logprobs, SkyRL's
+``rollout_logprobs`` become each generation's ``logprob`` array and its ``loss_masks`` the
+``loss_mask`` array (docs/token-values.md), cut into the turns; a response whose tokens do
+not lay out the turns gets none (counted: ``skyrl_token_values_unaligned``).
+
 Which methods are wrapped (SkyRL has no tracing hook): :mod:`rtrace.compat._skyrl_private`.
 With Ray, the generator lives in the process that runs the trainer: call ``install()``
 there (the entrypoint), or pass it as Ray's ``worker_process_setup_hook``
@@ -43,7 +48,7 @@ from typing import Any, Callable
 
 from .. import _setup, _stats
 from ..instrumentation.turns import PromptIndex, Turn, admit, sample_state, submit
-from . import _skyrl_private
+from . import _skyrl_private, token_rows
 
 __all__ = ["install"]
 
@@ -234,8 +239,11 @@ def _log(generator: Any, input_batch: Any, output: Any, batch: _Batch) -> None:
     rows = len(output["response_ids"])
     step_wise = output.get("is_last_step") is not None
     slots = batch.slots if len(batch.slots) == n_in else None  # batched generation has no agent loop
+    logprobs = output.get("rollout_logprobs")  # set when the sampling params ask for logprobs
     row = 0
     states = []
+    traced: list[tuple[int, dict[str, Any]]] = []  # (its row in the columns below, coordinates)
+    columns: dict[str, list[Any]] = {"logprob": [], "loss_mask": []}
     for i in range(n_in):
         tid = ids[i] if ids is not None else None
         uid = str(tid.instance_id) if tid is not None else None
@@ -254,12 +262,36 @@ def _log(generator: Any, input_batch: Any, output: Any, batch: _Batch) -> None:
         if not admit(coords):
             continue
         try:
-            states.append(_trajectory(generator, coords, output, mine, slots[i] if slots is not None else None,
-                                      prompts[i] if i < len(prompts) else None, step_wise))
+            state = _trajectory(generator, coords, output, mine, slots[i] if slots is not None else None,
+                                prompts[i] if i < len(prompts) else None, step_wise)
         except Exception:
             _stats.incr("internal_errors")
             _stats.warn_once("skyrl-row", "rtrace.compat.skyrl could not trace a trajectory", exc_info=True)
+            continue
+        states.append(state)
+        if logprobs is not None:
+            values = _row_values(state, output, logprobs, mine)
+            if values is not None:
+                traced.append((len(columns["logprob"]), coords))
+                columns["logprob"].append(values[0])
+                columns["loss_mask"].append(values[1])
+    token_rows.send(traced, columns)  # before the trajectories: waiting when they arrive
     submit(states)
+
+
+def _row_values(state: Any, output: Any, logprobs: Any, rows: list[int]) -> tuple[list, list] | None:
+    """The trajectory's ``rollout_logprobs`` and ``loss_masks`` over its response (its rows'
+    lists, joined for step-wise rows), when they lay out its turns: as long as the turns'
+    tokens together (token in, token out). Else None, counted: a response SkyRL re-tokenized
+    (``use_conversation_multi_turn=False`` adds an end token, a chat template rebuilt the
+    history) has no place per turn for its values."""
+    lp = [v for r in rows for v in logprobs[r]] if len(rows) > 1 else logprobs[rows[0]]
+    mask = [v for r in rows for v in output["loss_masks"][r]] if len(rows) > 1 else output["loss_masks"][rows[0]]
+    tokens = sum(len(s.response_ids) for s in state.records if s.kind in ("generation", "tool") and s.response_ids)
+    if lp is None or len(lp) != tokens or len(mask) != tokens:
+        _stats.incr("skyrl_token_values_unaligned")
+        return None
+    return lp, mask
 
 
 def _number(value: Any) -> float:

@@ -47,7 +47,7 @@ from typing import Any
 
 from .. import _setup, _stats
 from ..instrumentation.turns import Turn, admit, sample_state, submit
-from . import _trl_private
+from . import _trl_private, token_rows
 
 try:  # a real TrainerCallback when transformers is there (TRL needs it)
     from transformers import TrainerCallback
@@ -168,6 +168,7 @@ class RTraceCallback(TrainerCallback):  # type: ignore[misc,valid-type]
         eos = _trl_private.eos_token_ids(trainer)
         max_len = getattr(trainer, "max_completion_length", None)
         states = []
+        traced: list[tuple[int, dict[str, Any]]] = []  # (local row, coordinates) of the admitted completions
         for j in range(local):
             i = rank * local + j  # index in the gathered batch: groups are consecutive there
             prompt = prompts[j] if prompts is not None else None
@@ -205,6 +206,10 @@ class RTraceCallback(TrainerCallback):  # type: ignore[misc,valid-type]
             if conversation is not None:
                 st.messages = conversation
             states.append(st)
+            traced.append((j, coords))
+        # the per-token tensors, before the trajectories: they are waiting when those arrive
+        token_rows.send(traced, token_columns(output),
+                        token_lengths=[_length(rows, j, max_len) for j in range(len(rows["completion_ids"]))])
         submit(states)
 
 
@@ -251,16 +256,45 @@ def _rows(output: Any) -> dict[str, list]:
     return out
 
 
+def token_columns(output: Any) -> dict[str, Any]:
+    """TRL's per-token tensors of a generation batch (this process's rows), by rtrace's names
+    (references, and views: nothing is copied here; docs/frameworks/trl.md):
+
+    * ``logprob``: ``sampling_per_token_logps``, the sampler's (vLLM with importance sampling
+      correction, or a ``rollout_func`` that returns ``logprobs``);
+    * ``old_logprob``: ``old_per_token_logps``, the trainer's recompute (TRL computes it when
+      a generation batch feeds several optimizer steps, or with vLLM's correction);
+    * ``advantage``: ``advantages``, one per completion, on each of its tokens;
+    * ``loss_mask``: ``completion_mask``, times ``tool_mask`` when tools ran (what TRL's loss
+      trains on).
+    """
+    if not isinstance(output, dict):
+        return {}
+    mask, tool = output.get("completion_mask"), output.get("tool_mask")
+    loss = mask * tool if mask is not None and tool is not None else mask  # TRL's loss mask (a new tensor)
+    advantage = output.get("advantages")
+    if advantage is not None and mask is not None and getattr(advantage, "ndim", 0) == 1:
+        advantage = advantage.unsqueeze(1).expand_as(mask)  # a view: one number per completion, on its tokens
+    return {"logprob": output.get("sampling_per_token_logps"), "old_logprob": output.get("old_per_token_logps"),
+            "advantage": advantage, "loss_mask": loss}
+
+
+def _length(rows: dict[str, list], j: int, max_len: Any) -> int:
+    """How many of completion ``j``'s tokens are real (its response, tool tokens included)."""
+    ids, mask = rows["completion_ids"][j], rows.get("completion_mask")
+    n = sum(mask[j]) if mask is not None else len(ids)
+    if n == 0:  # mask_truncated_completions zeroed a truncated completion's mask: all of it is real
+        n = min(len(ids), int(max_len)) if max_len else len(ids)
+    return n
+
+
 def _turns(rows: dict[str, list], j: int, eos: set[int], max_len: Any) -> tuple[list[int], list[Turn]]:
     """Sample ``j``'s prompt ids and its turns: the completion, cut into the model's tokens
     and the tool's where TRL ran tools (``tool_mask`` 0), with its finish reason."""
     prompt_row, prompt_mask = rows["prompt_ids"][j], rows.get("prompt_mask")
     prompt = [t for t, m in zip(prompt_row, prompt_mask[j]) if m] if prompt_mask is not None else list(prompt_row)
-    ids, mask = rows["completion_ids"][j], rows.get("completion_mask")
-    n = sum(mask[j]) if mask is not None else len(ids)
-    if n == 0:  # mask_truncated_completions zeroed a truncated completion's mask: all of it is real
-        n = min(len(ids), int(max_len)) if max_len else len(ids)
-    ids = ids[:n]
+    n = _length(rows, j, max_len)
+    ids = rows["completion_ids"][j][:n]
     finish = "stop" if ids and ids[-1] in eos else "length"
     tool = rows.get("tool_mask")
     flags = tool[j][:n] if tool is not None else [1] * n

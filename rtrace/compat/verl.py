@@ -73,8 +73,10 @@ import rtrace
 from .. import _stats
 from ..config import EXPORTERS, ConfigError, env_exporters
 from ..instrumentation import _state
+from . import verl_trainer
+from .verl_trainer import annotate_batch
 
-__all__ = ["RolloutTraceConfig", "rollout_trace_attr", "rollout_trace_op", "install"]
+__all__ = ["RolloutTraceConfig", "rollout_trace_attr", "rollout_trace_op", "install", "annotate_batch"]
 
 #: The veRL module this one replaces.
 VERL_MODULE = "verl.utils.rollout_trace"
@@ -393,6 +395,7 @@ def install() -> None:
     warning says so once. Objects created before (an initialised veRL
     ``RolloutTraceConfig``) are not carried over.
     """
+    verl_trainer.install_hook()  # the trainer's per-token values (verl_trainer.py), in the driver
     with _install_lock:
         me = sys.modules[__name__]
         if not any(isinstance(f, _VerlFinder) for f in sys.meta_path):

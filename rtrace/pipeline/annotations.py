@@ -20,6 +20,7 @@ from typing import Any, Callable, Hashable
 
 from .. import _stats
 from .records import TrajectoryState
+from .tokens import merge
 
 __all__ = ["Annotation", "AnnotationTable", "coord_key"]
 
@@ -104,7 +105,7 @@ class AnnotationTable:
         k = ann.trace_id if ann.trace_id is not None else ann.key
         state = self._waiting.get(k)
         if state is not None:
-            state.annotations.update(ann.values)
+            merge(state.annotations, ann.values)
             return
         outcome = self._recent.get(k)
         if outcome is not None:
@@ -112,7 +113,7 @@ class AnnotationTable:
             return
         prev = self._pending.get(k)
         if prev is not None:
-            prev.values.update(ann.values)
+            merge(prev.values, ann.values)
             return
         self._pending[k] = ann
         if len(self._pending) > _PENDING:
@@ -128,7 +129,7 @@ class AnnotationTable:
                 continue
             ann = self._pending.pop(k, None)
             if ann is not None:
-                state.annotations.update(ann.values)
+                merge(state.annotations, ann.values)
 
     def ready(self, state: TrajectoryState, now: float) -> bool:
         """True when ``state`` has every awaited key, or waited long enough (counted)."""

@@ -42,7 +42,7 @@ from .. import _stats
 from ..trajectory import SpanRecord
 
 __all__ = ["TokenBatch", "TokenRow", "TOKENS_KEY", "wire_values", "LOGPROB_KEYS", "TOKEN_PROBLEM", "has_rows", "SAMPLER", "TRAINER", "LOSS_MASK", "sampler_logprobs",
-           "attach", "mismatch", "Mismatch", "MISMATCH_KEYS", "as_float32"]
+           "attach", "merge", "ROW_ASIDE", "mismatch", "Mismatch", "MISMATCH_KEYS", "as_float32"]
 
 #: Keys of a generation's output read as the sampler's per-token logprobs.
 LOGPROB_KEYS = ("logprobs", "log_probs", "rollout_log_probs", "rollout_logprobs")
@@ -267,14 +267,42 @@ def has_rows(annotations: dict[str, Any]) -> bool:
     return any(type(v) is TokenRow for v in annotations.values())
 
 
+#: The key prefix a per-token row waits under, in a trajectory's annotations, while a
+#: per-trajectory value of the same name holds the name itself (TRL's advantage: one number
+#: per completion, and that number on each of its tokens). :func:`attach` takes it from there.
+ROW_ASIDE = "\x00tokens:"
+
+
+def merge(annotations: dict[str, Any], values: dict[str, Any]) -> None:
+    """``annotations.update(values)``, except that a per-token row and a per-trajectory value
+    of one name are both kept (whichever comes first): the value under the name, the row
+    aside (:data:`ROW_ASIDE`) until :func:`attach` lays it on the tokens. Without this, the
+    later of ``annotate(advantage=0.4)`` and ``annotate_batch(advantage=[B, T])`` would
+    silently replace the other."""
+    if not (has_rows(values) or has_rows(annotations)):
+        annotations.update(values)
+        return
+    for key, value in values.items():
+        old = annotations.get(key)
+        row = type(value) is TokenRow
+        if old is not None and value is not None and (type(old) is TokenRow) is not row:
+            if row:
+                annotations[ROW_ASIDE + key] = value
+                continue
+            annotations[ROW_ASIDE + key] = old  # the row steps aside for the value
+        annotations[key] = value
+
+
 def attach(records: Sequence[SpanRecord], annotations: dict[str, Any]) -> list[str]:
     """Move the trainer's rows out of ``annotations`` onto the generations of ``records``
     (cut by :func:`_layout`); returns the problems found (``token_arrays`` findings)."""
-    rows = {k: v for k, v in annotations.items() if isinstance(v, TokenRow)}
-    if not rows:
+    found = {k: v for k, v in annotations.items() if isinstance(v, TokenRow)}
+    if not found:
         return []
-    for k in rows:
+    for k in found:
         del annotations[k]
+    # a row set aside for a per-trajectory value of its name (merge) goes by that name
+    rows = {k[len(ROW_ASIDE):] if k.startswith(ROW_ASIDE) else k: v for k, v in found.items()}
     problems: list[str] = []
     layout = _layout(records)
     if layout is None:

@@ -101,6 +101,12 @@ def extract(root: Path) -> dict:
     tool = _function(trees["open_instruct/vllm_utils.py"], "process_tool_tokens")
     out["tool_output_masks"] = [ast.unparse(n) for n in ast.walk(tool) if isinstance(n, ast.Assign)
                                 and ast.unparse(n.targets[0]) == "masks"]
+    # the logprobs a tool's output gets, and the one of the end token added to an empty response
+    out["tool_output_logprobs"] = [ast.unparse(n) for n in ast.walk(tool) if isinstance(n, ast.Assign)
+                                   and ast.unparse(n.targets[0]) == "logprobs"]
+    out["empty_response_logprobs"] = sorted({ast.unparse(n) for n in ast.walk(trees["open_instruct/data_loader.py"])
+                                             if isinstance(n, ast.Call)
+                                             and ast.unparse(n.func) == "result.logprobs[i].append"})
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                                 check=True).stdout.strip()

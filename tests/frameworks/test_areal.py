@@ -45,6 +45,11 @@ def tok():
     return tok
 
 
+def logprob(i):
+    """The scripted engine's logprob of a reply's i-th token (a different one per position)."""
+    return round(-0.1 - 0.013 * i, 6)
+
+
 @pytest.fixture(scope="module")
 def server(tok):
     """SGLang's /health and /generate on 127.0.0.1, scripted: "Q1" (and any retry: AReaL asks to "try to answer it again") answers 42,
@@ -65,7 +70,8 @@ def server(tok):
             reply = RIGHT if ("Q1" in text or "answer it again" in text) else WRONG
             ids = tok(reply, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             out = json.dumps({"meta_info": {
-                "finish_reason": {"type": "stop"}, "output_token_logprobs": [[-0.1, t, None] for t in ids],
+                "finish_reason": {"type": "stop"}, "output_token_logprobs": [[logprob(i), t, None]
+                                                                             for i, t in enumerate(ids)],
                 "prompt_tokens": len(body["input_ids"]), "completion_tokens": len(ids)}}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
@@ -154,7 +160,8 @@ def job(server, tok):
 def traced(server, tok, tmp_path_factory):
     assert rtrace.compat.areal.install()
     path = tmp_path_factory.mktemp("areal") / "t.jsonl"
-    rtrace.configure(exporter="jsonl", jsonl_path=str(path), token2text=True, tokenizer=tok, export_interval_s=0.05)
+    rtrace.configure(exporter="jsonl", jsonl_path=str(path), token2text=True, tokenizer=tok, export_interval_s=0.05,
+                     token2text_keep_ids=True)
     out = job(server, tok)
     assert rtrace.flush(30)
     rtrace.shutdown()
@@ -234,6 +241,30 @@ def test_outputs_unchanged_by_tracing(traced, server, tok):
 
     for key in out:
         assert canon(out[key]) == canon(off[key]) == canon(bare[key]), key
+
+
+def test_the_engine_s_logprobs_are_on_each_generation(traced):
+    """Each generation carries the engine's output logprobs as its `logprob` array, equal to the
+    logprobs AReaL's workflow put in the episode's batch row (at the tokens it trains on:
+    loss_mask 1, the outputs); a multi-turn episode's two generations together are its row's."""
+    from rtrace.trajectory import token_list
+
+    out, trajs = traced
+    rows = {}  # an episode's whole sequence -> AReaL's logprobs of its output tokens
+    for key in out:
+        for r in out[key]:
+            for ids, lps, mask, attn in zip(r["input_ids"], r["logprobs"], r["loss_mask"], r["attention_mask"]):
+                real = [k for k, a in enumerate(attn) if a]
+                rows[tuple(ids[k] for k in real)] = [lps[k] for k in real if mask[k]]
+    generations = 0
+    for t in trajs:
+        gens = sorted(t.spans_of_kind("generation"), key=lambda s: s.start_ns)
+        for g in gens:
+            assert g.token_values["logprob"] == [logprob(i) for i in range(len(g.response_ids))]
+        areal = rows[tuple(gens[-1].prompt_ids + gens[-1].response_ids)]
+        assert [v for g in gens for v in g.token_values["logprob"]] == token_list(areal)
+        generations += len(gens)
+    assert generations == len(trajs) + 1  # the multi-turn episode has two generations
 
 
 def test_patched_names_exist():

@@ -85,15 +85,24 @@ def config(db_root, **generator):
     return cfg
 
 
+def engine_logprob(turn, k):
+    """The scripted engine's logprob of the k-th token of a turn's reply (each one different)."""
+    return round(-0.05 - 0.01 * k - turn, 6)
+
+
 class ScriptedEngine:
     """The stand-in for vLLM: token ids in, token ids out, scripted by the question."""
 
-    def __init__(self, tok):
+    def __init__(self, tok, logprobs=False):
         self.tok = tok
         self.eos = tok.eos_token_id
+        self.logprobs = logprobs  # as a vLLM engine made with the config's sampling_params.logprobs
 
     async def generate(self, input_batch):
         out = {"responses": [], "response_ids": [], "stop_reasons": [], "response_logprobs": None}
+        params = input_batch.get("sampling_params") or {}
+        if self.logprobs or params.get("logprobs") is not None:  # each sampled token's logprob
+            out["response_logprobs"] = []
         for ids in input_batch["prompt_token_ids"]:
             text = self.tok.decode(ids, skip_special_tokens=False)
             instance = next(q for q in SCRIPT if f"[{q}]" in text)
@@ -114,6 +123,8 @@ class ScriptedEngine:
             out["responses"].append(reply)
             out["response_ids"].append(reply_ids)
             out["stop_reasons"].append(stop)
+            if out["response_logprobs"] is not None:
+                out["response_logprobs"].append([engine_logprob(turn, k) for k in range(len(reply_ids))])
         return out
 
     # the rest of InferenceEngineInterface is not used by generate()
@@ -131,7 +142,7 @@ def generator(cfg, tok):
     from skyrl_train.generators.skyrl_gym_generator import SkyRLGymGenerator
     from skyrl_train.inference_engines.inference_engine_client import InferenceEngineClient
 
-    client = InferenceEngineClient([ScriptedEngine(tok)], tok, cfg)
+    client = InferenceEngineClient([ScriptedEngine(tok, cfg.generator.sampling_params.logprobs is not None)], tok, cfg)
     return SkyRLGymGenerator(cfg.generator, cfg.environment.skyrl_gym, client, tok, "tiny-sql")
 
 
@@ -161,7 +172,8 @@ def installed():
 
 def traced(tmp_path, gen, batches):
     path = tmp_path / "t.jsonl"
-    rtrace.configure(exporter="jsonl", jsonl_path=str(path), token2text=True, export_interval_s=0.05)
+    rtrace.configure(exporter="jsonl", jsonl_path=str(path), token2text=True, export_interval_s=0.05,
+                     token2text_keep_ids=True)
     rtrace.set_tokenizer(gen.tokenizer)
     outputs = [run(gen, b) for b in batches]
     assert rtrace.flush(30)
@@ -424,12 +436,72 @@ def test_the_doc_s_ray_form_through_a_collector_writes_what_one_process_writes(t
     def key(t):
         return (t["validate"], t["step"], t["sample_index"], t["rollout_n"])
 
+    # an id too: the job's (collector.env's RTRACE_JOB_ID), which one process has not (_normal drops it)
+    assert all(t.root.attributes["rtrace.job_id"] == collector.job_id for t in read_jsonl(through))
     a = sorted((_normal(t) for t in read_jsonl(one)), key=key)
     b = sorted((_normal(t) for t in read_jsonl(through)), key=key)
-    for t in b:  # an id too: the job's (collector.env's RTRACE_JOB_ID), which one process has not
-        assert t["spans"][0]["attributes"].pop("rtrace.job_id") == collector.job_id
     assert len(a) == 8 and a[0]["reward"] == 1.0
     assert [m["role"] for m in a[0]["messages"]] == ["system", "user", "assistant", "user", "assistant"]
     assert all(s["attributes"].get("rtrace.response_text") for t in a for s in t["spans"] if s["kind"] != "rollout")
     assert b == a
     assert stats.get("token2text_tokenizer_unloadable", 0) == 0
+
+
+# ----------------------------------------------------------------------------- issue 33: per-token values
+
+
+@pytest.mark.parametrize("step_wise", [False, True], ids=["trajectory rows", "step-wise rows"])
+def test_rollout_logprobs_and_loss_masks_are_on_the_turns(tmp_path, tok, db_root, step_wise):
+    """sampling_params.logprobs set: SkyRL's rollout_logprobs (the engine's logprobs, 0 on the
+    environment's tokens) and loss_masks are cut into the turns: each generation carries its
+    reply's logprobs and loss mask, equal to SkyRL's lists at its place in the response; the
+    observation's tokens are on no span. Step-wise rows (one per turn) are joined first."""
+    cfg = config(db_root, step_wise_trajectories=step_wise)
+    cfg.generator.sampling_params.logprobs = 0
+    gen = generator(cfg, tok)
+    b = batch(["q0", "q1", "q2"], 2, 1, "train")
+    (out,), trajs = traced(tmp_path, gen, [b])
+    assert len(trajs) == 6
+    for t in trajs:
+        rows = [i for i, tid in enumerate(out["trajectory_ids"] or b["trajectory_ids"])
+                if (tid.instance_id, tid.repetition_id) == (t.group_id, t.rollout_n)]
+        if not step_wise:
+            rows = rows[:1]
+        logprobs = [v for r in rows for v in out["rollout_logprobs"][r]]
+        mask = [v for r in rows for v in out["loss_masks"][r]]
+        pos = 0
+        for span in (s for s in t.spans[1:] if s.response_ids is not None):
+            k = len(span.response_ids)
+            if span.kind == "generation":
+                assert span.token_values["logprob"] == logprobs[pos:pos + k]
+                # the engine's own values for this reply (its turn as the engine counts it)
+                assert any(span.token_values["logprob"] == [engine_logprob(turn, j) for j in range(k)]
+                           for turn in (1, 2, 3))
+                assert span.token_values["loss_mask"] == [float(v) for v in mask[pos:pos + k]]
+            else:
+                assert span.token_values is None and set(logprobs[pos:pos + k]) <= {0.0}
+            pos += k
+        assert pos == len(logprobs) == len(mask)
+        assert not [f for f in t.health if f["check"] == "token_arrays"]
+
+
+def test_a_response_that_does_not_lay_out_the_turns_gets_no_values(tmp_path, tok, db_root):
+    """use_conversation_multi_turn=False: SkyRL's response is not the turns' tokens end to end
+    (each reply's end token dropped to continue it, one added at the end), so its lists do not
+    lay out the turns: no values on them (never a shifted overlay), counted, no health finding."""
+    cfg = config(db_root, use_conversation_multi_turn=False)
+    cfg.generator.sampling_params.logprobs = 0
+    gen = generator(cfg, tok)
+    path = tmp_path / "t.jsonl"
+    rtrace.configure(exporter="jsonl", jsonl_path=str(path), export_interval_s=0.05)
+    out = run(gen, batch(["q0"], 2, 1, "train"))
+    assert rtrace.flush(30)
+    stats = rtrace.stats()
+    rtrace.shutdown()
+    trajs = read_jsonl(path)
+    assert out["rollout_logprobs"] is not None and len(trajs) == 2
+    assert stats["skyrl_token_values_unaligned"] == 2
+    for t in trajs:
+        assert all(s.token_values is None for s in t.spans) and t.health == []
+        turns = sum(len(s.response_ids) for s in t.spans[1:] if s.response_ids is not None)
+        assert len(out["response_ids"][t.rollout_n]) != turns

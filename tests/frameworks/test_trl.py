@@ -72,7 +72,10 @@ def dataset(questions=QUESTIONS):
                               for a, b in questions])
 
 
-def train(tmp_path, tok, callbacks, run_name, report_to="trackio", eval_questions=QUESTIONS, **overrides):
+def train(tmp_path, tok, callbacks, run_name, report_to="trackio", eval_questions=QUESTIONS, outputs=None,
+          rollout_func=None, **overrides):
+    """A GRPOTrainer on the tiny model, trained. ``outputs``: a list that gets a copy of every
+    generation batch TRL computes (``(validate, global_step, output)``: TRL's own tensors)."""
     from trl import GRPOConfig, GRPOTrainer
 
     config = dict(output_dir=str(tmp_path / run_name), per_device_train_batch_size=4, num_generations=2,
@@ -83,9 +86,24 @@ def train(tmp_path, tok, callbacks, run_name, report_to="trackio", eval_question
     config.update(overrides)
     trainer = GRPOTrainer(model=tiny_model(tok), reward_funcs=[correct, brevity], args=GRPOConfig(**config),
                           train_dataset=dataset(), eval_dataset=dataset(eval_questions), processing_class=tok,
-                          callbacks=callbacks)
+                          callbacks=callbacks, rollout_func=rollout_func)
+    if outputs is not None:
+        keep_outputs(trainer, outputs)
     trainer.train()
     return trainer
+
+
+def keep_outputs(trainer, into):
+    """Keep a copy of each generation batch's output (the callback's wrapper runs inside)."""
+    inner = trainer._generate_and_score_completions
+
+    def kept(inputs, *args, **kwargs):
+        out = inner(inputs, *args, **kwargs)
+        into.append((not trainer.model.training, trainer.state.global_step,
+                     {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in out.items()}))
+        return out
+
+    trainer._generate_and_score_completions = kept
 
 
 def trl_completions(run_name):
@@ -106,12 +124,14 @@ def traced(tmp_path_factory, trackio_dir):
 
     tmp = tmp_path_factory.mktemp("trl")
     tok = build_tokenizer()
+    outputs = []
     trainer = train(tmp, tok, [RTraceCallback(exporter="jsonl,trackio", jsonl_path=str(tmp / "t.jsonl"),
-                                                  token2text_keep_ids=True)], "traced")
+                                                  token2text_keep_ids=True)], "traced", outputs=outputs)
     assert rtrace.flush(60)
     stats = rtrace.stats()
     rtrace.shutdown()
-    return {"trainer": trainer, "trajs": read_jsonl(tmp / "t.jsonl"), "tok": tok, "tmp": tmp, "stats": stats}
+    return {"trainer": trainer, "trajs": read_jsonl(tmp / "t.jsonl"), "tok": tok, "tmp": tmp, "stats": stats,
+            "outputs": outputs}
 
 
 def test_every_completion_is_a_trajectory_with_exact_coordinates(traced):
@@ -321,3 +341,176 @@ def test_one_process_and_collector_write_the_same(tmp_path):
     assert len(a) == 16 and all(t["annotations"].get("advantage") is not None for t in a)
     assert all(s["attributes"].get("rtrace.response_text") for t in a for s in t["spans"] if s["kind"] == "generation")
     assert b == a
+
+
+# ----------------------------------------------------------------------------- issue 33: per-token values
+
+
+def _expected(values):
+    """A tensor row as rtrace's JSONL writes it (float32, 6 significant digits)."""
+    from rtrace.trajectory import token_list
+
+    return token_list(values.detach().float().numpy())
+
+
+def _row(outputs, traj, validate=False):
+    """TRL's output of the generation batch a trajectory came from, and its row there (one
+    process: a step's prompts are rows sample_index * num_generations + rollout_n)."""
+    ((out),) = [o for v, _, o in outputs if v == validate]
+    return out, traj.sample_index * 2 + traj.rollout_n
+
+
+def test_per_token_values_are_trl_s_own_tensors(traced):
+    """Each training completion's generation carries TRL's old_per_token_logps (the trainer's
+    recompute: steps_per_generation=2), its advantage on each completion token and its
+    completion_mask as the loss mask, equal to TRL's tensors for that row: in JSONL at its 6
+    significant digits, in trackio bit for bit (float32). TRL's generation here returns no
+    sampler logprobs, so no mismatch is measured."""
+    from trackio.sqlite_storage import SQLiteStorage
+
+    from rtrace.trajectory import read_token_field
+
+    trajs = [t for t in traced["trajs"] if not t.validate]
+    assert len(trajs) == 8
+    exact = {}
+    for trace in SQLiteStorage.get_traces(PROJECT, run="traced"):
+        meta = trace["metadata"]
+        if not meta.get("validate"):  # left out at its default (false)
+            (gen,) = [s for s in trace["spans"] if s["kind"] == "generation"]
+            exact[(meta["sample_index"], meta["rollout_n"])] = read_token_field(gen["metadata"]["rtrace.token_values"])
+    assert len(exact) == 8
+    for t in trajs:
+        out, j = _row(traced["outputs"], t)
+        (gen,) = t.spans_of_kind("generation")
+        n = len(gen.response_ids)
+        assert n == int(out["completion_mask"][j].sum())
+        assert set(gen.token_values) == {"old_logprob", "advantage", "loss_mask"}
+        assert gen.token_values["old_logprob"] == _expected(out["old_per_token_logps"][j, :n])
+        assert gen.token_values["advantage"] == _expected(out["advantages"][j].expand(n))
+        assert gen.token_values["loss_mask"] == _expected(out["completion_mask"][j, :n])
+        back = exact[(t.sample_index, t.rollout_n)]
+        assert back["old_logprob"] == out["old_per_token_logps"][j, :n].tolist()  # float32, exact
+        assert back["advantage"] == [out["advantages"][j].item()] * n
+        # the advantage is also the completion's own annotation (one number), as before
+        assert t.annotations["advantage"] == pytest.approx(out["advantages"][j].item(), rel=1e-6, abs=1e-7)
+        assert "logprob_mismatch_k3" not in t.annotations
+        assert not [f for f in t.health if f["check"] in ("token_arrays", "logprob_mismatch")]
+    for t in (t for t in traced["trajs"] if t.validate):  # evaluation: TRL's eval batch has them too
+        (gen,) = t.spans_of_kind("generation")
+        assert {"old_logprob", "advantage", "loss_mask"} <= set(gen.token_values)
+
+
+#: what the environment inserts after the model's first turn (kv_cache_sampler with env=True)
+ENV_TEXT = "<tool_response>\n4\n</tool_response>"
+
+
+def kv_cache_sampler(prompts, trainer, env=False):
+    """A TRL ``rollout_func`` that samples like an inference engine: token by token with a KV
+    cache, at temperature 1 with no top-k / top-p, returning each sampled token's logprob
+    under the trainer's current weights (what vLLM returns with ``logprobs=0``). With ``env``,
+    a completion that has not ended after 3 tokens gets the environment's tokens
+    (:data:`ENV_TEXT`, logprob 0, ``env_mask`` 0: TRL's tool mask), then the model goes on."""
+    tok = trainer.processing_class
+    model = trainer.model
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    env_ids = tok.encode(ENV_TEXT, add_special_tokens=False)
+    gen = torch.Generator().manual_seed(1000 + trainer.state.global_step)
+    out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []}
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            step_in, past, completion, logps, mask = torch.tensor([ids]), None, [], [], []
+            for turn, budget in enumerate((3, 5) if env else (trainer.max_completion_length,)):
+                if turn:  # the environment's tokens: fed to the model, not sampled
+                    completion += env_ids
+                    logps += [0.0] * len(env_ids)
+                    mask += [0] * len(env_ids)
+                    step_in = torch.cat([step_in, torch.tensor([env_ids])], dim=1)
+                for _ in range(budget):
+                    o = model(input_ids=step_in, past_key_values=past, use_cache=True)
+                    past = o.past_key_values
+                    logp = torch.log_softmax(o.logits[0, -1].float(), dim=-1)
+                    token = int(torch.multinomial(logp.exp(), 1, generator=gen))
+                    completion.append(token)
+                    logps.append(float(logp[token]))
+                    mask.append(1)
+                    step_in = torch.tensor([[token]])
+                    if token == eos:
+                        break
+                if completion[-1] == eos:
+                    break
+            out["prompt_ids"].append(ids)
+            out["completion_ids"].append(completion)
+            out["logprobs"].append(logps)
+            out["env_mask"].append(mask)
+    if not env:
+        del out["env_mask"]
+    return out
+
+
+def _mismatch(sampler, trainer, mask):
+    """The logprob_mismatch values of docs/token-values.md, from TRL's own tensors."""
+    keep = mask.bool()
+    s, t = sampler[keep].double(), trainer[keep].double()
+    delta = t - s
+    return {"logprob_mismatch_k1": (s - t).mean().item(),
+            "logprob_mismatch_k3": (torch.expm1(delta) - delta).mean().item(),
+            "logprob_mismatch_max": delta.abs().max().item(),
+            "logprob_mismatch_frac": (delta.abs() > math.log(1.05)).double().mean().item()}
+
+
+@pytest.mark.parametrize("env", [False, True], ids=["single-turn", "with-env-tokens"])
+def test_sampler_and_trainer_logprobs_and_their_mismatch(tmp_path, monkeypatch, capsys, env):
+    """With a sampler that returns logprobs (a rollout_func; vLLM's importance sampling
+    correction gives the same field), each completion carries TRL's sampling_per_token_logps
+    as `logprob` beside its old_per_token_logps, and the mismatch rtrace computes equals the
+    one computed from TRL's tensors over TRL's loss mask (completion_mask x tool_mask). With
+    environment tokens in the completion (env_mask, TRL's tool mask) the rows are cut into the
+    model's turns, the environment's tokens on none. Sampler and trainer use the same weights
+    (a KV-cached token-by-token pass vs TRL's padded batch forward): no finding, and the size
+    of the difference is printed."""
+    import functools
+
+    from rtrace.demo import build_tokenizer
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    path = tmp_path / "t.jsonl"
+    outputs = []
+    callback = RTraceCallback(exporter="jsonl", jsonl_path=str(path), token2text_keep_ids=True)
+    train(tmp_path, build_tokenizer(), [callback], "sampler", report_to="none", eval_strategy="no", outputs=outputs,
+          rollout_func=functools.partial(kv_cache_sampler, env=env), max_completion_length=16)
+    assert rtrace.flush(60)
+    rtrace.shutdown()
+    trajs = read_jsonl(path)
+    assert len(trajs) == 8
+    worst, tokens, with_env = 0.0, 0, 0
+    for t in trajs:
+        out, j = _row(outputs, t)
+        gens = t.spans_of_kind("generation")
+        n = int(out["completion_mask"][j].sum())
+        loss = out["completion_mask"][j, :n] * out["tool_mask"][j, :n] if env else out["completion_mask"][j, :n]
+        # the row, cut into the model's turns (the environment's tokens between them on none)
+        pos = 0
+        for span in sorted(t.spans, key=lambda s: s.start_ns)[1:]:
+            k = len(span.response_ids)
+            if span.kind == "generation":
+                assert span.token_values["logprob"] == _expected(out["sampling_per_token_logps"][j, pos:pos + k])
+                assert span.token_values["old_logprob"] == _expected(out["old_per_token_logps"][j, pos:pos + k])
+                assert span.token_values["loss_mask"] == [1.0] * k
+            else:
+                assert span.token_values is None and not loss[pos:pos + k].any()
+            pos += k
+        assert pos == n
+        with_env += len(gens) > 1
+        expected = _mismatch(out["sampling_per_token_logps"][j, :n], out["old_per_token_logps"][j, :n], loss)
+        for key, value in expected.items():
+            assert t.annotations[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+        assert not [f for f in t.health if f["check"] in ("token_arrays", "logprob_mismatch")]
+        worst = max(worst, t.annotations["logprob_mismatch_max"])
+        tokens += int(loss.sum())
+    assert with_env > 0 if env else with_env == 0
+    with capsys.disabled():
+        print(f"\nTRL ({'with env tokens' if env else 'single turn'}), same weights, KV-cached sampler vs TRL's "
+              f"old_per_token_logps: max |Δlogprob| {worst:.3g} over {tokens} loss-masked tokens")
+    assert worst < 1e-5

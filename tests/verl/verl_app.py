@@ -165,6 +165,65 @@ class ScriptedServer:
                            stop_reason="completed", num_preempted=0)
 
 
+def write_model_weights(path: Path, seed: int = 0) -> Any:
+    """Random weights for the model directory's tiny qwen2 config (seeded), saved beside it:
+    the sampler (:class:`ModelServer`) and the trainer's log-prob pass load the same ones."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), torch_dtype=torch.float32)
+    model.save_pretrained(str(path))
+    return model
+
+
+class ModelServer(ScriptedServer):
+    """:class:`ScriptedServer` whose log probs come from a real model: the scripted reply is
+    fed to the model token by token with a KV cache, as an inference engine decodes, and each
+    token's log prob under the model (temperature 1) is returned in ``TokenOutput.log_probs``.
+    The trainer's recompute (veRL's engine forward over the whole sequence) sees the same
+    weights: the difference between the two is numerics only.
+
+    The rollouts of a group differ (a GRPO group of identical rollouts would hide a row given
+    to the wrong rollout): the k-th call for a question at a turn writes the sum the other
+    way round (``B + A``) when k is odd, and answers in other words."""
+
+    def __init__(self, tokenizer: Any, model: Any) -> None:
+        super().__init__(tokenizer)
+        self.model = model.eval()
+        self._seen: dict[tuple[int, int, bool], int] = {}
+
+    def reply(self, prompt_ids: list[int]) -> str:
+        text = self.tokenizer.decode(prompt_ids)
+        match = QUESTION.findall(text)
+        a, b = (int(x) for x in match[-1]) if match else (0, 0)
+        answering = "<tool_response>" in text
+        k = self._seen.get((a, b, answering), 0)  # the k-th rollout of this question at this turn
+        self._seen[(a, b, answering)] = k + 1
+        if answering:
+            return answer_text(a, b) if k % 2 == 0 else f"So {a} + {b} = {a + b}."
+        return tool_call_text(a, b) if k % 2 == 0 else tool_call_text(b, a)
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any],
+                       image_data: Optional[list[Any]] = None, video_data: Optional[list[Any]] = None,
+                       **kwargs: Any) -> TokenOutput:
+        import torch
+
+        await asyncio.sleep(0)
+        self.calls.append({"request_id": request_id, "prompt_ids": list(prompt_ids),
+                           "sampling_params": dict(sampling_params)})
+        ids = self.tokenizer.encode(self.reply(list(prompt_ids)), add_special_tokens=False) + [self.end_id]
+        log_probs = []
+        with torch.no_grad():
+            step_in, past = torch.tensor([list(prompt_ids)]), None
+            for token in ids:
+                out = self.model(input_ids=step_in, past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                log_probs.append(float(torch.log_softmax(out.logits[0, -1].float(), dim=-1)[token]))
+                step_in = torch.tensor([[token]])
+        return TokenOutput(token_ids=ids, log_probs=log_probs, stop_reason="completed", num_preempted=0)
+
+
 class LocalActor:
     """A Ray actor handle's call shape for an in-process object: ``handle.m.remote(...)``
     returns an awaitable that runs ``obj.m(...)`` (started at once, as Ray does, so a
@@ -276,14 +335,15 @@ def make_batch(samples: list[int], n: int, step: int, validate: bool = False, ag
 # ----------------------------------------------------------------------------- the worker
 
 
-def make_worker(config: Any, tokenizer: Any) -> tuple[Any, ScriptedServer]:
+def make_worker(config: Any, tokenizer: Any, server: Optional[ScriptedServer] = None) -> tuple[Any, ScriptedServer]:
     """veRL's ``AgentLoopWorker`` with a real ``LLMServerClient`` whose load balancer and
-    server are in-process (:class:`LocalActor`)."""
+    server are in-process (:class:`LocalActor`); the server is a :class:`ScriptedServer`
+    unless given."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
     from verl.workers.rollout.llm_server import LLMServerClient
     from verl.workers.rollout.router import GlobalRequestLoadBalancer
 
-    server = ScriptedServer(tokenizer)
+    server = server or ScriptedServer(tokenizer)
     balancer = GlobalRequestLoadBalancer(servers={SERVER_ADDRESS: LocalActor(server)})
     client = LLMServerClient(config=config, load_balancer_handle=LocalActor(balancer))
     return AgentLoopWorker(config, client), server
@@ -351,3 +411,100 @@ def write_agent_loop_config(path: Path) -> Path:
     path.write_text("- name: chat_agent\n  _target_: verl_app.ChatAgentLoop\n"
                     "- name: compact_chat_agent\n  _target_: verl_app.CompactChatAgentLoop\n")
     return path
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+class InProcessActor:
+    """veRL's actor worker group in this process: ``compute_log_prob`` runs veRL's own FSDP
+    engine code (``FSDPEngineWithLMHead.forward_step``: its input preparation, the model's
+    forward, ``logprobs_from_logits`` / ``entropy_from_logits`` and the no-padding layout)
+    on the plain model, as one micro-batch, without FSDP or a process group (veRL's engine
+    has no CPU platform: its device helpers are pointed at the CPU); ``update_actor`` returns
+    metrics and trains nothing. ``dp`` data-parallel ranks for ``_balance_batch``."""
+
+    def __init__(self, model: Any, dp: int = 2) -> None:
+        import torch
+        from omegaconf import OmegaConf
+        from verl.workers.engine.fsdp import transformer_impl
+
+        transformer_impl.get_device_id = lambda: "cpu"
+        transformer_impl.get_device_name = lambda: "cpu"
+
+        class Engine(transformer_impl.FSDPEngineWithLMHead):
+            def __init__(self, module: Any) -> None:  # the attributes forward_step reads
+                self.module = module
+                self.engine_config = OmegaConf.create({"entropy_checkpointing": False,
+                                                       "entropy_from_logits_chunk_size": 0})
+                self.use_ulysses_sp = False
+                self.pad_to_length = None
+                self._autocast_dtype = torch.float32
+
+        self.engine = Engine(model)
+        self._dispatch_info = {"actor": list(range(dp))}
+
+    def compute_log_prob(self, data: Any) -> Any:
+        import torch
+        from verl.utils import tensordict_utils as tu
+
+        # padded batches (veRL's use_remove_padding=False path): packed sequences need flash attention
+        tu.assign_non_tensor(data, use_remove_padding=False, temperature=1.0)
+        with torch.no_grad():
+            _, output = self.engine.forward_step(data, loss_function=None, forward_only=True)
+        model_output = output["model_output"]
+        return tu.get_tensordict(tensor_dict={"log_probs": model_output["log_probs"],
+                                              "entropy": model_output["entropy"]},
+                                 non_tensor_dict={"metrics": {"mfu": 0.0}})
+
+    def update_actor(self, data: Any) -> Any:
+        from verl.utils import tensordict_utils as tu
+
+        return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {"mfu": 0.0}})
+
+
+def make_trainer(config: Any, model: Any, step: int, dp: int = 2) -> Any:
+    """veRL's ``RayPPOTrainer`` with its actor in this process (:class:`InProcessActor`): the
+    attributes ``fit`` gives the methods it calls between rollout and update."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    trainer = object.__new__(RayPPOTrainer)
+    trainer.config = config
+    trainer.actor_rollout_wg = InProcessActor(model, dp)
+    trainer.global_steps = step
+    return trainer
+
+
+def length_rewards(batch: Any) -> Any:
+    """veRL's token-level scores: one reward per rollout on its last response token (as its
+    reward loop's rm_scores), here a function of the response's length, so that the rollouts
+    of a group differ and GRPO's advantages are not all 0."""
+    import torch
+
+    prompt_len = batch.batch["prompts"].shape[1]
+    lengths = batch.batch["attention_mask"][:, prompt_len:].sum(dim=1)
+    scores = torch.zeros_like(batch.batch["response_mask"], dtype=torch.float32)
+    scores[torch.arange(len(lengths)), lengths - 1] = (lengths % 5).float() / 4
+    return scores
+
+
+def train_step(trainer: Any, batch: Any, rewards: Any = length_rewards) -> tuple[Any, Any]:
+    """What ``RayPPOTrainer.fit`` does with a generated batch, in its order: balance the batch
+    across ranks, recompute the log probs (and the entropy, which fit drops after its metric),
+    compute GRPO advantages from token-level rewards, update the actor. Returns the batch
+    (as the update saw it) and the entropy."""
+    from verl.trainer.ppo import ray_trainer
+
+    trainer._balance_batch(batch, metrics={})
+    old_log_prob, _ = trainer._compute_old_log_prob(batch)
+    entropy = old_log_prob.batch.pop("entropys")
+    batch = batch.union(old_log_prob)
+    batch.batch["token_level_scores"] = rewards(batch)
+    batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+    algorithm = trainer.config.algorithm
+    batch = ray_trainer.compute_advantage(batch, adv_estimator=algorithm.adv_estimator, gamma=algorithm.gamma,
+                                          lam=algorithm.lam, num_repeat=trainer.config.actor_rollout_ref.rollout.n,
+                                          norm_adv_by_std_in_grpo=algorithm.get("norm_adv_by_std_in_grpo", True),
+                                          config=algorithm)
+    trainer._update_actor(batch)
+    return batch, entropy
