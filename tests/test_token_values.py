@@ -203,10 +203,17 @@ class TestBadInput:
         t = self._one(old_logprob=[row])
         assert {"check": "token_arrays", "detail": "old_logprob: 1 of 7 values are NaN or infinite"} in t.health
 
-    def test_a_mask_that_selects_nothing_is_said(self):
-        t = self._one(old_logprob=[RESPONSE], loss_mask=[[0] * 7])
-        assert {"check": "token_arrays", "detail": "the loss mask selects no token with both logprobs"} in t.health
-        assert "logprob_mismatch_k3" not in t.annotations
+    def test_a_mask_that_selects_nothing_is_counted(self):
+        """A loss mask of zeros (a trainer's overlong filtering, masked truncated completions)
+        measures nothing: counted, no finding, no mismatch values."""
+        with rtrace.testing.capture(await_annotations="old_logprob", annotation_timeout_s=30) as got:
+            rollout(0)
+            rtrace.annotate_batch(step=1, sample_index=[0], rollout_n=[0], old_logprob=[RESPONSE],
+                                  loss_mask=[[0] * 7])
+            (t,) = got.trajectories
+            stats = got.stats()
+        assert t.health == [] and "logprob_mismatch_k3" not in t.annotations
+        assert stats["logprob_mismatch_mask_empty"] == 1
 
     def test_a_column_of_another_batch_size_raises(self):
         with rtrace.testing.capture():

@@ -56,7 +56,7 @@ import json
 from typing import Any, Callable, Iterable, Mapping
 
 from .._serialize import attr_ok, fast_json, json_default, plain_json, strict_json, truncate, vouched
-from ..trajectory import SpanRecord, Trajectory, token_field, token_list
+from ..trajectory import SpanRecord, Trajectory, token_field
 from .semconv import (DUPLICATES, INPUT_CHARS_FACTOR, MODES, Conversation, evaluation_events,
                       genai_attributes, span_name)
 
@@ -423,8 +423,8 @@ def encode_compact(trajectories: Iterable[Trajectory], resource_attributes: Mapp
                 record["prompt_ids"] = rec.prompt_ids[:max_value_chars]
             if rec.response_ids is not None:
                 record["response_ids"] = rec.response_ids[:max_value_chars]
-            if rec.token_values:
-                record["token_values"] = {k: token_list(v) for k, v in rec.token_values.items()}
+            if rec.token_values:  # float32 exactly (base64): the collector measures what the worker had
+                record["token_values"] = token_field(rec.token_values)
             text = to_json(record)  # UTF-8 bytes, valid: protobuf takes them for a string
             if text is None:
                 try:

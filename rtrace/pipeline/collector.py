@@ -39,7 +39,7 @@ from .. import _stats
 from .._serialize import only_ints
 from ..config import ConfigError, Secret, Settings, load_settings
 from ..exporters.otel import RECORD_ATTR
-from ..trajectory import RL_FIELDS, SpanRecord
+from ..trajectory import RL_FIELDS, SpanRecord, read_token_field
 from . import annotations as _annotations
 from .annotations import Annotation, coord_key
 from .builder import SpanConverter
@@ -389,9 +389,15 @@ def _record(span: Any, attrs: dict[str, Any], packed: dict[str, Any] | None) -> 
 
 
 def _token_values(data: Any) -> dict[str, Any] | None:
-    """A worker's per-token values (JSON lists, None where not finite) as float32 arrays."""
+    """A worker's per-token values as float32 arrays: the compact field (base64 float32,
+    :func:`rtrace.trajectory.token_field`), or JSON lists (None where not finite)."""
     if not isinstance(data, dict):
         raise _Refused("record")
+    if data.get("encoding") is not None:
+        try:
+            return {k: as_float32(v) for k, v in read_token_field(data).items()} or None
+        except (ValueError, TypeError, KeyError, AttributeError):
+            raise _Refused("record") from None
     out = {}
     for name, values in data.items():
         arr = as_float32([float("nan") if v is None else v for v in values]) if isinstance(values, list) else None
@@ -425,7 +431,7 @@ def _annotation(attrs: dict[str, Any]) -> Annotation:
         raise _Refused("annotation")
     for key, value in values.items():
         if isinstance(value, dict) and TOKENS_KEY in value:  # a trainer's per-token row (pipeline/stream.py)
-            row = _token_values({key: value[TOKENS_KEY]})
+            row = _token_values(value[TOKENS_KEY])
             values[key] = TokenRow(TokenBatch({key: [row[key]]}), 0) if row else None
     trace_hex = attrs.get("rtrace.annotation.trace_id")
     trace_id = None

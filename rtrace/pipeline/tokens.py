@@ -41,8 +41,9 @@ from typing import Any, Sequence
 from .. import _stats
 from ..trajectory import SpanRecord
 
-__all__ = ["TokenBatch", "TokenRow", "TOKENS_KEY", "wire_values", "LOGPROB_KEYS", "TOKEN_PROBLEM", "has_rows", "SAMPLER", "TRAINER", "LOSS_MASK", "sampler_logprobs",
-           "attach", "merge", "ROW_ASIDE", "mismatch", "Mismatch", "MISMATCH_KEYS", "as_float32"]
+__all__ = ["TokenBatch", "TokenRow", "TOKENS_KEY", "wire_values", "LOGPROB_KEYS", "TOKEN_PROBLEM", "has_rows",
+           "SAMPLER", "TRAINER", "LOSS_MASK", "sampler_logprobs", "attach", "mismatch", "Mismatch", "MISMATCH_KEYS",
+           "as_float32", "merge", "ROW_ASIDE"]
 
 #: Keys of a generation's output read as the sampler's per-token logprobs.
 LOGPROB_KEYS = ("logprobs", "log_probs", "rollout_log_probs", "rollout_logprobs")
@@ -190,7 +191,7 @@ def _rows(np: Any, value: Any) -> list[Any]:
 
 
 #: How a per-token row travels in an annotation span to a collector in another process:
-#: ``{TOKENS_KEY: [values]}`` (JSON numbers, None where not finite).
+#: ``{TOKENS_KEY: field}``, the row exactly as float32 (:func:`rtrace.trajectory.token_field`).
 TOKENS_KEY = "rtrace.tokens"
 
 
@@ -217,17 +218,17 @@ class TokenRow:
 
 def wire_values(values: dict[str, Any]) -> dict[str, Any]:
     """An annotation's values for the hop to a collector in another process: a per-token
-    row as ``{TOKENS_KEY: [numbers]}`` (read on the worker's stream thread), an unreadable
+    row as ``{TOKENS_KEY: field}`` (float32 exactly; read on the worker's stream thread), an unreadable
     one as None (counted)."""
     if not has_rows(values):
         return values
-    from ..trajectory import token_list
+    from ..trajectory import token_field
 
     out = {}
     for key, value in values.items():
         if type(value) is TokenRow:
-            row, _ = value.values(key)
-            value = {TOKENS_KEY: token_list(row)} if row is not None else None
+            row, _ = value.values(key)  # float32 exactly, as the compact field (base64)
+            value = {TOKENS_KEY: token_field({key: row})} if row is not None else None
         out[key] = value
     return out
 
