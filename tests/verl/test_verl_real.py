@@ -476,6 +476,34 @@ class TestHealth:
         assert [t.health for t in trajs] == [[], [], [], []]
         assert all(t.spans_of_kind("generation") for t in trajs)
 
+    async def test_a_dropped_parallel_call_is_flagged(self, model_dir, tool_config, tokenizer, tmp_path):
+        """The model writes two parallel calculator calls; veRL's ToolAgentLoop with its default
+        multi_turn.max_parallel_calls 1 runs the first and silently drops the second: flagged,
+        with 2 for max_parallel_calls it is not (issue 31, item 12)."""
+
+        class Parallel(app.ScriptedServer):
+            async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+                out = await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
+                                             **kwargs)
+                text = self.tokenizer.decode(out.token_ids)
+                if "<tool_call>" in text:  # the same call twice, in one reply
+                    body = self.tokenizer.decode(out.token_ids[:-1])
+                    out.token_ids = self.tokenizer.encode(body + "\n" + body, add_special_tokens=False) + \
+                        [self.end_id]
+                    out.log_probs = [-0.01] * len(out.token_ids)
+                return out
+
+        for step, parallel in ((1, 1), (2, 2)):
+            config = app.compose_config(model_dir, tool_config, trace_overrides(
+                **{"actor_rollout_ref.rollout.multi_turn.max_parallel_calls": parallel}))
+            worker, _ = app.make_worker(config, tokenizer, Parallel(tokenizer))
+            await worker.generate_sequences(app.make_batch([0], n=1, step=step))
+        one, two = sorted(read_traces(tmp_path), key=lambda t: t.step)
+        assert len(one.spans_of_kind("tool")) == 1 and len(two.spans_of_kind("tool")) == 2
+        assert [f["detail"] for f in one.health if f["check"] == "generation"] == [
+            "turn 1: the model called 2 tools but 1 ran; not run: calculator"]
+        assert [f for f in two.health if f["check"] == "generation"] == []
+
     async def test_a_loop_that_re_renders_the_template_is_flagged(self, model_dir, tool_config, tokenizer, tmp_path):
         """A custom loop that renders the chat template again at every turn, its parser having
         re-serialized the call's arguments (CompactChatAgentLoop), is flagged token_continuity at
