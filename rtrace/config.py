@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Callable, Mapping
 
-__all__ = ["ConfigError", "Settings", "PARAMS", "EXPORTERS", "load_settings", "env_exporters",
+__all__ = ["ConfigError", "Settings", "PARAMS", "EXPORTERS", "load_settings", "env_exporters", "env_setting",
            "writable_path", "dataset_path", "uri_scheme"]
 
 #: Sink names accepted by ``RTRACE_EXPORTER`` (besides ``none``).
@@ -706,6 +706,20 @@ def load_settings(overrides: Mapping[str, Any] | None = None,
             raise ConfigError(f"{_PARAMS_BY_NAME[given].env} is set but {_PARAMS_BY_NAME[missing].env} is not: "
                               "a certificate needs its private key; accepted values: both, or neither")
     return settings
+
+
+def env_setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """One setting from the environment alone (its default when its variable is unset):
+    for commands that need one value and must not fail on another's (``rtrace serve``
+    reads ``RTRACE_COLLECTOR_TOKEN``).
+
+    Raises:
+        ConfigError: the variable's value does not parse (the message names it).
+    """
+    param = _PARAMS_BY_NAME[name]
+    environ = os.environ if environ is None else environ
+    raw = environ.get(param.env) if param.env else None
+    return param.default if raw is None else _parse(param, raw, "env")
 
 
 def env_exporters(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:

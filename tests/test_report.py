@@ -251,13 +251,15 @@ class TestPageData:
                         ("assistant", "m9")]
 
     def test_page_embeds_the_data_safely_and_nothing_external(self, records, run_files):
-        """The page's data block decodes to page_data; a message with </script> stays data; no external resource."""
+        """The page's data block decodes to page_data; a message with </script> stays data (and text in the
+        run-wide snapshot's table: escaped); no external resource."""
         recs, _ = read_records(run_files["paths"])
         recs[0].traj.messages.append({"role": "assistant", "content": "</script><script>alert(1)</script><!--"})
         page = render(recs, run_files["paths"])
         block = re.search(r'<script type="application/octet-stream" id="rtrace-data"[^>]*>([^<]*)</script>', page)
         assert decode_data(block.group(1)) == page_data(recs)
-        assert "alert(1)" not in page
+        assert "<script>alert(1)" not in page
+        assert "&lt;/script&gt;&lt;script&gt;alert(1)&lt;/script&gt;&lt;!--" in page  # the answer, as text
         assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)
         assert "<link rel=\"stylesheet\"" not in page and "<script src" not in page
         for name in STATIC_FILES[1:]:

@@ -1,0 +1,493 @@
+"""The runs ``rtrace serve`` shows, kept up to date while they are written, and their queries.
+
+A :class:`RunSource` is one run: a dataset (a folder or URL written by the parquet sink,
+read with :func:`rtrace.open_run`) or JSONL files. JSONL files are copied, as they grow,
+into a dataset in a temporary folder (:class:`JsonlIngest`): the views then run the same
+SQL on both, DuckDB reads Parquet columns instead of parsing every line at every query
+(a sort over all steps reads one column, not the run's text), and the copy is made once,
+line by line as the run appends, by the dataset's own encoder and writer. What that
+costs: a JSONL run is parsed once at start (about 10,000 trajectories a second on this
+project's machine) and takes disk space in the temporary folder while served.
+
+:class:`Sources` refreshes every run on one thread (``refresh_s``): new files are listed
+(and new JSONL lines copied), and the caches the pages read (the step table, the
+outcome keys, per-step curves, health rates) are computed again for the steps that
+changed only. A page reads one immutable :class:`Snapshot` of them.
+
+Queries run on a DuckDB cursor of the run's connection, each with a time limit
+(:class:`TimedDb`): past it the query is interrupted and the page says so
+(:class:`QueryTimeout`), as Datasette does with ``sql_time_limit_ms``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ..report import queries as Q
+
+__all__ = ["RunSource", "Sources", "Snapshot", "TimedDb", "QueryTimeout", "JsonlIngest", "sources_from_paths"]
+
+logger = logging.getLogger("rtrace")
+
+
+class QueryTimeout(Exception):
+    """A query ran past its time limit and was interrupted."""
+
+    def __init__(self, limit_ms: float) -> None:
+        super().__init__(f"the query took longer than {limit_ms:,.0f} ms and was stopped")
+        self.limit_ms = limit_ms
+
+
+class TimedDb:
+    """A :class:`rtrace.report.queries.Db` on a fresh cursor of the run's connection per
+    query, interrupted after ``limit_ms`` (DuckDB's ``interrupt()``, from a timer thread)."""
+
+    def __init__(self, source: "RunSource", limit_ms: float) -> None:
+        self.source, self.limit_ms = source, limit_ms
+        #: milliseconds spent in SQL by this page's queries (shown in its footer and JSON)
+        self.spent_ms = 0.0
+        self.queries = 0
+
+    def _run(self, sql: str, params: Sequence[Any] | None, fetch: str) -> Any:
+        cursor = self.source.cursor()
+        timer = threading.Timer(self.limit_ms / 1000.0, cursor.interrupt)
+        timer.daemon = True
+        t0 = time.perf_counter()
+        timer.start()
+        try:
+            cursor.execute(sql, list(params) if params else None)
+            if fetch == "arrow":
+                from ..dataset.reader import _arrow
+
+                return _arrow(cursor)
+            return [d[0] for d in cursor.description], cursor.fetchall()
+        except Exception as exc:
+            if type(exc).__name__ == "InterruptException" or "Interrupted" in str(exc):
+                raise QueryTimeout(self.limit_ms) from None
+            raise
+        finally:
+            timer.cancel()
+            self.spent_ms += (time.perf_counter() - t0) * 1000
+            self.queries += 1
+            try:
+                cursor.close()
+            except Exception:  # pragma: no cover - closing never matters here
+                pass
+
+    def rows(self, sql: str, params: Sequence[Any] | None = None) -> tuple[list[str], list[tuple]]:
+        return self._run(sql, params, "rows")
+
+    def arrow(self, sql: str, params: Sequence[Any] | None = None) -> Any:
+        return self._run(sql, params, "arrow")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the pages of one run read, as of one refresh (replaced whole, never changed)."""
+
+    version: int = 0
+    #: why there is nothing to show, in words (no dataset yet, an empty one, an error)
+    problem: str | None = None
+    trajectories: int = 0
+    columns: tuple[Q.Column, ...] = tuple(Q.BASE_COLUMNS)
+    #: the step table's rows (:data:`rtrace.report.table.Row`), training then validation, steps ascending
+    steps: tuple[Any, ...] = ()
+    #: (validate, step) -> pass rate, mean outcome keys, mismatch (queries.step_extras)
+    extras: dict[tuple[bool, int], dict[str, float]] = field(default_factory=dict)
+    #: (validate, step) -> health/<check>_rate
+    rates: dict[tuple[bool, int], dict[str, float]] = field(default_factory=dict)
+    #: every (validate, step) with files, NULL steps included
+    partitions: tuple[tuple[bool, int | None], ...] = ()
+    notes: tuple[str, ...] = ()
+    updated: float = 0.0
+
+
+def _partition_key(part: tuple[bool, int | None]) -> tuple[bool, bool, int]:
+    return part[0], part[1] is None, part[1] or 0
+
+
+class JsonlIngest:
+    """JSONL files copied into a dataset as they grow: each poll reads the complete lines
+    written since the last one (up to the last newline) and writes their trajectories with
+    the dataset's writer. A file that shrinks or is replaced is read again from its start
+    (the copy is made again from every file)."""
+
+    #: bytes read per file per poll, so one poll of a large backlog does not hold the refresh
+    CHUNK = 32 * 1024 * 1024
+
+    def __init__(self, paths: Sequence[str], folder: str, run: str) -> None:
+        self.paths = [os.path.abspath(p) for p in paths]
+        self.folder, self.run = folder, run
+        self.offsets: dict[str, int] = {}
+        self.inodes: dict[str, int] = {}
+        self.bad_lines = 0
+        self.lines = 0
+        self.missing: list[str] = []
+        self._writer: Any = None
+
+    @property
+    def writer(self) -> Any:
+        if self._writer is None:
+            from ..dataset.layout import open_store
+            from ..dataset.writer import DatasetWriter
+
+            os.makedirs(self.folder, exist_ok=True)
+            self._writer = DatasetWriter(open_store(self.folder), self.run, compact_files=8, idle_s=5.0,
+                                         stats_prefix="serve.jsonl_copy")
+        return self._writer
+
+    def _reset(self) -> None:
+        """Start the copy again (a file shrank or was replaced)."""
+        if self._writer is not None:
+            self._writer.close()
+        self._writer = None
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self.offsets.clear()
+        self.inodes.clear()
+        self.lines = self.bad_lines = 0
+
+    def poll(self) -> int:
+        """Copy what was appended since the last poll; returns the trajectories copied."""
+        from ..report.load import _health, _loads
+        from ..trajectory import Trajectory
+
+        for path in self.paths:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if path in self.inodes and (st.st_ino != self.inodes[path] or st.st_size < self.offsets.get(path, 0)):
+                logger.info("rtrace serve: %s was replaced or cut: copying every file again", path)
+                self._reset()
+                break
+        copied = 0
+        missing = []
+        for path in self.paths:
+            try:
+                st = os.stat(path)
+            except OSError:
+                missing.append(path)
+                continue
+            self.inodes[path] = st.st_ino
+            start = self.offsets.get(path, 0)
+            if st.st_size <= start:
+                continue
+            with open(path, "rb") as f:
+                f.seek(start)
+                data = f.read(min(self.CHUNK, st.st_size - start))
+            end = data.rfind(b"\n")
+            if end < 0:
+                if len(data) >= self.CHUNK:  # one line longer than a chunk: skip it rather than stall
+                    self.bad_lines += 1
+                    self.offsets[path] = start + len(data)
+                continue
+            trajs = []
+            for line in data[:end].split(b"\n"):
+                if not line.strip():
+                    continue
+                self.lines += 1
+                try:
+                    raw = _loads(line)
+                    traj = Trajectory.from_dict(raw)
+                    traj.health = _health(raw.get("health", None))
+                    trajs.append(traj)
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    self.bad_lines += 1
+            self.offsets[path] = start + end + 1
+            if trajs:
+                self.writer.write(trajs)
+                copied += len(trajs)
+        self.missing = missing
+        if self._writer is not None:
+            self._writer.compact(idle_only=True)
+        return copied
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+class RunSource:
+    """One served run: ``dataset`` (a folder or URL) or ``jsonl`` files (copied into
+    ``cache_dir``). Build with :func:`sources_from_paths`."""
+
+    def __init__(self, name: str, dataset: str | None = None, jsonl: Sequence[str] = (),
+                 cache_dir: str | None = None) -> None:
+        self.name = name
+        self.jsonl = list(jsonl)
+        self.ingest: JsonlIngest | None = None
+        if self.jsonl:
+            assert cache_dir is not None
+            self.path = os.path.join(cache_dir, "copy", name)
+            self.ingest = JsonlIngest(self.jsonl, self.path, name)
+            self.shown_path = ", ".join(self.jsonl)
+        else:
+            assert dataset is not None
+            self.path = dataset
+            self.shown_path = dataset
+        self.run: Any = None
+        self.snapshot = Snapshot(problem="not read yet")
+        self._lock = threading.Lock()  # the run's connection: refresh and cursor creation
+        self._files: dict[str, frozenset[str]] = {}
+        self._seen: set[str] = set()
+        self._keys: set[tuple[str, str, str]] = set()
+        self._steps: dict[tuple[bool, int], Any] = {}
+        self._extras: dict[tuple[bool, int], dict[str, float]] = {}
+        self._rates: dict[tuple[bool, int], dict[str, float]] = {}
+        self._read_once = False
+
+    # ----------------------------------------------------------------- queries
+    def cursor(self) -> Any:
+        with self._lock:
+            if self.run is None:
+                raise LookupError(self.snapshot.problem or "no dataset")
+            return self.run.cursor()
+
+    def db(self, limit_ms: float) -> TimedDb:
+        return TimedDb(self, limit_ms)
+
+    # ----------------------------------------------------------------- refreshing
+    def _open(self) -> str | None:
+        """Open the run if it can be; None, or why not in words."""
+        from ..dataset.layout import is_url
+        from ..dataset.reader import DatasetError, open_run
+
+        if not is_url(self.path) and not os.path.isdir(self.path):
+            if self.ingest is not None:
+                return ("no trajectory in " + self.shown_path + " yet (waiting for the first line)"
+                        if not self.ingest.missing else f"no file {', '.join(self.ingest.missing)} yet")
+            return f"no dataset at {self.path} yet: nothing written (waiting for the run's first trajectories)"
+        try:
+            self.run = open_run(self.path)
+        except DatasetError as exc:
+            return str(exc)
+        except (OSError, ValueError) as exc:
+            return f"cannot read {self.path}: {exc}"
+        return None
+
+    def refresh(self) -> bool:
+        """List the run's files again (copy new JSONL lines first) and update the caches of
+        the steps whose files changed. True when something changed."""
+        if self.ingest is not None:
+            self.ingest.poll()
+        with self._lock:
+            if self.run is None:
+                problem = self._open()
+                if problem is not None:
+                    if problem != self.snapshot.problem:
+                        self.snapshot = Snapshot(version=self.snapshot.version + 1, problem=problem,
+                                                 updated=time.time())
+                        return True
+                    return False
+            else:
+                self.run.refresh()
+            files = self._partition_files()
+        changed = {p for p in set(files) | set(self._files) if files.get(p) != self._files.get(p)}
+        if not changed and self._read_once:
+            return False
+        self._read_once = True
+        self._update(files, changed)
+        return True
+
+    def _partition_files(self) -> dict[str, frozenset[str]]:
+        """Partition folder -> its data files (of both tables), from the run's listing."""
+        from ..dataset.schema import SPANS, TRAJECTORIES
+
+        out: dict[str, set[str]] = {}
+        for table in (TRAJECTORIES, SPANS):
+            for rel in self.run.files[table]:
+                folder, _, name = rel.rpartition("/")
+                out.setdefault(folder.split("/", 1)[1], set()).add(f"{table}/{name}")
+        return {k: frozenset(v) for k, v in out.items()}
+
+    def _update(self, files: dict[str, frozenset[str]], changed: set[str]) -> None:
+        from ..dataset.layout import parse_partition
+        from ..dataset.schema import TRAJECTORIES
+        from ..report.queries import RelationDb
+
+        db = RelationDb(_CursorTarget(self))
+        parts = {}
+        for folder in files:
+            parsed = parse_partition(f"{TRAJECTORIES}/{folder}")
+            if parsed is not None:
+                parts[folder] = (parsed[1], parsed[2])
+        # outcome and annotation keys: from the files not read before only
+        new_files = [rel for rel in self.run.files[TRAJECTORIES] if rel not in self._seen]
+        if new_files and self.run.store.local:
+            paths = ", ".join(Q._literal(self.run.store.path(r)) for r in new_files)
+            self._keys |= Q.discover_keys(db, f"read_parquet([{paths}])")
+        elif new_files:
+            self._keys = Q.discover_keys(db)
+        self._seen = set(self.run.files[TRAJECTORIES])
+        # the step table, curves and health of the steps whose files changed
+        steps = {parts[f] for f in changed if f in parts and parts[f][1] is not None}
+        gone = {parts.get(f) for f in changed if f not in files}
+        for key in gone:
+            if key is not None:
+                for cache in (self._steps, self._extras, self._rates):
+                    cache.pop(key, None)  # type: ignore[arg-type]
+        if steps:
+            if len(steps) > 64:
+                where, params = "true", []
+            else:
+                where = " OR ".join("(validate = ? AND step = ?)" for _ in steps)
+                params = [x for key in sorted(steps, key=_partition_key) for x in key]
+            for row in Q.step_rows(db, where, params):
+                self._steps[(row[0], row[1])] = row
+            extras = Q.step_extras(db, where, params)
+            rates = Q.step_health_rates(db, where, params)
+            for key in steps:
+                self._extras[key] = extras.get(key, {})
+                self._rates[key] = rates.get(key, {})
+        names, rows = db.rows("SELECT validate, step, count(*) FROM trajectories GROUP BY ALL")
+        counts = {(bool(v), s): n for v, s, n in rows}
+        total = sum(counts.values())
+        notes = [f"skipped {s.path}: {s.reason}" for s in self.run.skipped]
+        if self.ingest is not None and self.ingest.bad_lines:
+            notes.append(f"{self.ingest.bad_lines:,} lines of {self.shown_path} are not rtrace trajectories (skipped)")
+        problem = None if total else f"{self.shown_path}: the run has no trajectory yet"
+        self._files = files
+        self.snapshot = Snapshot(
+            version=self.snapshot.version + 1, problem=problem, trajectories=total,
+            columns=tuple(Q.columns_of(self._keys)),
+            steps=tuple(self._steps[k] for k in sorted(self._steps, key=_partition_key) if k in counts),
+            extras=dict(self._extras), rates=dict(self._rates),
+            partitions=tuple(sorted(counts, key=_partition_key)), notes=tuple(notes), updated=time.time())
+
+    def close(self) -> None:
+        if self.ingest is not None:
+            self.ingest.close()
+        with self._lock:
+            if self.run is not None:
+                self.run.close()
+                self.run = None
+
+
+class _CursorTarget:
+    """``sql(query, params=...)`` on a fresh cursor (the refresh thread's queries)."""
+
+    def __init__(self, source: RunSource) -> None:
+        self.source = source
+
+    def sql(self, query: str, params: Any = None) -> Any:
+        return _Materialized(self.source.run.cursor(), query, params)
+
+
+class _Materialized:
+    def __init__(self, cursor: Any, query: str, params: Any) -> None:
+        cursor.execute(query, params or None)
+        self.columns = [d[0] for d in cursor.description]
+        self._rows = cursor.fetchall()
+        cursor.close()
+
+    def fetchall(self) -> list[tuple]:
+        return self._rows
+
+
+class Sources:
+    """Every served run, by name, refreshed on one thread every ``refresh_s`` seconds."""
+
+    def __init__(self, runs: Sequence[RunSource], refresh_s: float = 1.0, cache_dir: str | None = None) -> None:
+        self.runs = {r.name: r for r in runs}
+        self.refresh_s = refresh_s
+        self.cache_dir = cache_dir
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._warned: set[str] = set()
+
+    def refresh(self) -> bool:
+        changed = False
+        for source in self.runs.values():
+            try:
+                changed |= source.refresh()
+            except Exception as exc:  # a bad file, a vanished folder: said on the page, never the end of the server
+                if source.name not in self._warned:
+                    self._warned.add(source.name)
+                    logger.warning("rtrace serve: cannot refresh run %s: %s", source.name, exc)
+                source.snapshot = Snapshot(version=source.snapshot.version + 1, problem=f"cannot read the run: {exc}",
+                                           updated=time.time())
+        return changed
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="rtrace-serve-refresh", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            self.refresh()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        for source in self.runs.values():
+            source.close()
+        if self.cache_dir is not None:
+            shutil.rmtree(self.cache_dir, ignore_errors=True)
+
+
+def _name_of(path: str) -> str:
+    from ..dataset.layout import run_name
+
+    base = os.path.basename(path.rstrip("/").split("?")[0]) or "run"
+    if base.endswith(".jsonl"):
+        base = base[: -len(".jsonl")]
+    return run_name(base)
+
+
+def sources_from_paths(paths: Sequence[str], refresh_s: float = 1.0) -> Sources:
+    """The runs of ``rtrace serve PATH ...``:
+
+    - a folder or URL holding a run's dataset (``trajectories/``): that run;
+    - a dataset root holding runs (the parquet sink's ``RTRACE_PARQUET_PATH``): each of them;
+    - JSONL files: one run (several workers' files merge, as ``rtrace report`` reads them);
+    - ``NAME=PATH``: names the run (JSONL files with the same name are one run);
+    - a path that does not exist yet: a run that will appear there (its page says it is waiting).
+    """
+    from ..dataset.layout import is_url
+    from ..dataset.reader import list_runs
+
+    datasets: list[tuple[str, str]] = []
+    jsonl: dict[str, list[str]] = {}
+    default_jsonl: str | None = None
+    for spec in paths:
+        name, sep, path = spec.partition("=")
+        if not sep or "/" in name or not name or os.path.exists(spec):
+            name, path = "", spec
+        if path.endswith(".jsonl") or (os.path.isfile(path) and not is_url(path)):
+            if not name:
+                default_jsonl = default_jsonl or _name_of(path)
+                name = default_jsonl
+            jsonl.setdefault(name, []).append(path)
+            continue
+        local = not is_url(path)
+        if local and os.path.isdir(path) and not os.path.isdir(os.path.join(path, "trajectories")):
+            runs = list_runs(path)
+            if runs:
+                datasets += [(r, os.path.join(path, r)) for r in runs]
+                continue
+        datasets.append((name or _name_of(path), path))
+    cache_dir = tempfile.mkdtemp(prefix="rtrace-serve-") if jsonl else None
+    sources: list[RunSource] = []
+    taken: set[str] = set()
+    for name, path in datasets:
+        sources.append(RunSource(_unique(name, taken), dataset=path))
+    for name, files in jsonl.items():
+        sources.append(RunSource(_unique(name, taken), jsonl=files, cache_dir=cache_dir))
+    return Sources(sources, refresh_s=refresh_s, cache_dir=cache_dir)
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    out, i = name, 2
+    while out in taken:
+        out, i = f"{name}-{i}", i + 1
+    taken.add(out)
+    return out
