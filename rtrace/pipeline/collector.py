@@ -505,6 +505,14 @@ class Collector:
             self.pipeline.shutdown(1.0)
             raise
         self._stopped = False
+        #: called first by stop(): what runs beside the collector (the live viewer, rtrace._setup)
+        self._on_stop: list[Any] = []
+        #: the live viewer serving what this collector writes (start_collector(serve_port=...)), or None
+        self.viewer: Any = None
+
+    def on_stop(self, callback: Any) -> None:
+        """Call ``callback()`` when the collector stops (before it stops receiving)."""
+        self._on_stop.append(callback)
 
     @property
     def endpoint(self) -> str:
@@ -600,6 +608,11 @@ class Collector:
         if self._stopped:
             return
         self._stopped = True
+        for callback in self._on_stop:
+            try:
+                callback()
+            except Exception:  # what runs beside it never keeps the collector from stopping
+                _log.exception("rtrace collector: stopping %r", callback)
         if _annotations.local_target == self.annotate:
             _annotations.local_target = None
         self.receiver.stop(grace_s=2.0)

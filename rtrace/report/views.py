@@ -63,7 +63,7 @@ def fmt(value: Any, kind: str = "float") -> str:
     if isinstance(value, float):
         if not math.isfinite(value):
             return str(value)
-        return plots.fmt_number(round(value, 1) if kind == "ms" else value)
+        return plots.fmt_number(round(value, 1) if kind == "ms" and abs(value) >= 10 else value)
     if isinstance(value, int):
         return f"{value:,}"
     return str(value)
@@ -281,7 +281,7 @@ def rollouts_section(result: dict[str, Any], hist: dict[str, Any], state: TableS
     body = []
     for row in result["rows"]:
         passed = row["pass"]
-        cls = f"r-{row['verdict']} " + ("pass" if passed is True else "fail" if passed is False else "unk")
+        cls = f"r-{row['verdict']} " + ("row-pass" if passed is True else "row-fail" if passed is False else "row-unk")
         body.append(h("tr", {"class_": cls, "data_trace": row["trace_id"]},
                       h("td", {"class_": "l"}, h("a", {"class_": "tid", "href": links.rollout(row["trace_id"]),
                                                        "title": row["trace_id"]}, row["trace_id"][:8])),

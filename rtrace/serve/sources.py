@@ -62,11 +62,11 @@ class TimedDb:
         t0 = time.perf_counter()
         timer.start()
         try:
-            cursor.execute(sql, list(params) if params else None)
             if fetch == "arrow":
                 from ..dataset.reader import _arrow
 
-                return _arrow(cursor)
+                return _arrow(cursor.sql(sql, params=list(params)) if params else cursor.sql(sql))
+            cursor.execute(sql, list(params) if params else None)
             return [d[0] for d in cursor.description], cursor.fetchall()
         except Exception as exc:
             if type(exc).__name__ == "InterruptException" or "Interrupted" in str(exc):
