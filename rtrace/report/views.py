@@ -570,9 +570,9 @@ def retokenization_context(traj: Any, detail: str, around: int = 4) -> Raw | Non
 
 
 def _visible(text: str) -> str:
-    """A token's text with its whitespace made visible (a lone newline would vanish in a line)."""
-    return text.replace("\n", "↵\n").replace("\t", "→\t") if text.strip() else text.replace(" ", "␣").replace(
-        "\n", "↵\n").replace("\t", "→") or "∅"
+    """A token's text with its whitespace made visible: where one token ends and the next
+    begins is the point of the retokenization context."""
+    return text.replace(" ", "␣").replace("\n", "↵").replace("\t", "→") or "∅"
 
 
 def failures_section(result: dict[str, Any], links: Links, reason: str | None = None, check: str | None = None,
