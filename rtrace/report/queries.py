@@ -9,8 +9,13 @@ module made (an outcome or annotation key found in the data is written as a quot
 string literal).
 
 Queries run through a :class:`Db`: anything with ``rows(sql, params)`` and
-``arrow(sql, params)``. The server's runs each query with a time limit
-(:mod:`rtrace.serve.sources`); :func:`memory_db` wraps trajectories held in memory.
+``arrow(sql, params)``, and ``table`` / ``flat``: the relation the views read
+(``trajectories``, the run's view), or, on the server, a flat copy of it in a local DuckDB
+file (:func:`index_select`: every column the views sort, filter and search on, map lookups
+already done, no conversation), which sorts a million rollouts in tens of milliseconds where
+the Parquet files take a second or more. :data:`FIELDS` are the expressions that differ
+between the two. The server's queries run with a time limit (:mod:`rtrace.serve.sources`);
+:func:`memory_db` wraps trajectories held in memory.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from typing import Any, Iterable, Protocol, Sequence
 __all__ = ["Db", "RelationDb", "memory_db", "Column", "Filter", "TableState", "BASE_COLUMNS", "PROMPT_SQL", "PASS_SQL",
            "discover_keys", "columns_of", "parse_state", "where_sql", "rollouts", "histograms", "HISTOGRAMS",
            "prompt_list", "prompt_steps", "failures", "FAILURE_REASONS", "mismatch_top", "step_extras",
-           "load_trajectories", "step_rows", "step_health_rates", "trace_id_ok"]
+           "load_trajectories", "step_rows", "step_health_rates", "trace_id_ok", "FIELDS", "INDEX_COLUMNS",
+           "flat_columns", "index_select", "ident"]
 
 #: the prompt a rollout answers (:func:`rtrace.pipeline.sampling.prompt_key`'s rule, in SQL)
 PROMPT_SQL = ("coalesce(extra_str['prompt_id'], CAST(extra_int['prompt_id'] AS VARCHAR), group_id, "
@@ -31,6 +37,40 @@ PROMPT_SQL = ("coalesce(extra_str['prompt_id'], CAST(extra_int['prompt_id'] AS V
 #: pass (:func:`rtrace.report.data.passed`): ``outcome.correct`` when a boolean, else reward > 0
 PASS_SQL = "coalesce(outcome_bool['correct'], reward > 0)"
 _TEXT_CHARS = 240  # a table cell's text: the head of a prompt, the end of an answer
+#: what the views read beyond plain columns: name -> SQL over the trajectories view; the
+#: flat index holds each as a column of that name
+FIELDS = {
+    "_prompt": PROMPT_SQL,
+    "_pass": PASS_SQL,
+    "_correct": "outcome_bool['correct']",
+    "_expected": ("coalesce(outcome_str['expected'], CAST(outcome_int['expected'] AS VARCHAR), "
+                  "CAST(outcome_double['expected'] AS VARCHAR))"),
+    "_checks": "list_transform(health, lambda x: x.check)",
+    "_mk1": "annotations_double['logprob_mismatch_k1']",
+    "_mk3": "annotations_double['logprob_mismatch_k3']",
+    "_mmax": "annotations_double['logprob_mismatch_max']",
+    "_mfrac": "annotations_double['logprob_mismatch_frac']",
+}
+#: the trajectories columns the flat index copies as they are
+INDEX_COLUMNS = ("trace_id", "step", "validate", "group_key", "rollout_n", "sample_index", "reward", "advantage",
+                 "verdict", "status", "error", "partial", "truncated", "finish_reason", "in_sample", "num_turns",
+                 "num_tool_calls", "input_tokens", "output_tokens", "duration_ms", "policy_version", "task", "answer",
+                 "kept")
+
+
+def _t(db: Any) -> str:
+    """The relation the views read on ``db``."""
+    return getattr(db, "table", "trajectories")
+
+
+def _x(db: Any, name: str) -> str:
+    """A :data:`FIELDS` expression on ``db`` (its column on the flat index)."""
+    return name if getattr(db, "flat", False) else FIELDS[name]
+
+
+def ident(name: str) -> str:
+    """A quoted SQL identifier."""
+    return '"' + name.replace('"', '""') + '"'
 
 
 class Db(Protocol):
@@ -180,6 +220,31 @@ def columns_of(keys: Iterable[tuple[str, str, str]]) -> list[Column]:
     return cols[:_AFTER_REWARD] + outcome + cols[_AFTER_REWARD:] + annotation
 
 
+#: the base columns whose SQL reads a :data:`FIELDS` expression: their SQL on the flat index
+_FLAT_SQL = {"prompt": "_prompt", "pass": "_pass", "health": "array_to_string(_checks, ', ')"}
+
+
+def flat_columns(columns: Sequence[Column]) -> list[Column]:
+    """``columns`` as they read the flat index: an outcome or annotation column is the
+    index's column of its name; the rest read the same columns (or :data:`FIELDS`)."""
+    out = []
+    for c in columns:
+        if c.name.startswith(("outcome.", "annotation.")):
+            sql = ident(c.name)
+        else:
+            sql = _FLAT_SQL.get(c.name, c.sql)
+        out.append(Column(c.name, c.label, sql, c.kind, c.shown, c.doc))
+    return out
+
+
+def index_select(columns: Sequence[Column]) -> str:
+    """The SELECT list of the flat index over the trajectories view: :data:`INDEX_COLUMNS`,
+    :data:`FIELDS`, and each outcome and annotation column of ``columns`` (raw form) under its name."""
+    parts = list(INDEX_COLUMNS) + [f"{sql} AS {name}" for name, sql in FIELDS.items()]
+    parts += [f"{c.sql} AS {ident(c.name)}" for c in columns if c.name.startswith(("outcome.", "annotation."))]
+    return ", ".join(parts)
+
+
 # ----------------------------------------------------------------------------- the table's state
 _OPS = {"eq": "=", "ne": "<>", "gt": ">", "ge": ">=", "lt": "<", "le": "<=", "contains": "ILIKE",
         "null": "IS NULL", "notnull": "IS NOT NULL"}
@@ -320,8 +385,12 @@ def where_sql(state: TableState, columns: Sequence[Column], extra: Sequence[tupl
         params.append(_value(col, f.op, f.value))
     if state.q:
         pattern = "%" + state.q.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-        parts.append("(task ILIKE ? ESCAPE '\\' OR answer ILIKE ? ESCAPE '\\')")
+        search = "task ILIKE ? ESCAPE '\\' OR answer ILIKE ? ESCAPE '\\'"
         params += [pattern, pattern]
+        if re.fullmatch(r"[0-9a-f]{6,32}", state.q):  # a trace id, or its start
+            search += " OR starts_with(trace_id, ?)"
+            params.append(state.q)
+        parts.append(search)
     for sql, p in extra:
         parts.append(sql)
         params += list(p)
@@ -347,25 +416,40 @@ def _cell_sql(col: Column) -> str:
 
 def rollouts(db: Db, state: TableState, columns: Sequence[Column]) -> dict[str, Any]:
     """One page of the rollouts table: ``columns`` (the shown ones), ``rows`` (dicts with
-    ``trace_id``, ``verdict``, ``pass``, ``step``, ``validate`` always), and the SQL's text."""
+    ``trace_id``, ``verdict``, ``pass``, ``step``, ``validate`` always), ``more``. Two
+    queries: the page's trace ids in order (reading only what the filters and the sort
+    need), then those rows' cells (their steps' data only)."""
     shown = shown_columns(state, columns)
     names = {c.name: c for c in columns}
     where, params = where_sql(state, columns)
-    select = ["trace_id AS _trace", "verdict AS _verdict", f"{PASS_SQL} AS _pass", "step AS _step",
-              "validate AS _validate"] + [f"{_cell_sql(c)} AS c{i}" for i, c in enumerate(shown)]
     if state.sort is not None:
         order = f"({names[state.sort].sql}) {'DESC' if state.desc else 'ASC'} NULLS LAST, trace_id"
     else:  # the newest steps first: a live run's latest rollouts on top
         order = "step DESC NULLS LAST, validate, group_key, rollout_n, trace_id"
-    sql = (f"SELECT {', '.join(select)} FROM trajectories WHERE {where} ORDER BY {order} "
+    table = _t(db)
+    sql = (f"SELECT trace_id, step FROM {table} WHERE {where} ORDER BY {order} "
            f"LIMIT {int(state.size) + 1} OFFSET {int(state.offset)}")
-    _, rows = db.rows(sql, params)
-    more = len(rows) > state.size
+    _, ids = db.rows(sql, params)
+    more = len(ids) > state.size
+    ids = ids[: state.size]
     out = []
-    for row in rows[: state.size]:
-        trace, verdict, passed, step, validate = row[:5]
-        out.append({"trace_id": trace, "verdict": verdict, "pass": passed, "step": step, "validate": validate,
-                    "cells": {c.name: row[5 + i] for i, c in enumerate(shown)}})
+    if ids:
+        select = ["trace_id AS _trace", "verdict AS _verdict", f"{_x(db, '_pass')} AS _pass", "step AS _step",
+                  "validate AS _validate"] + [f"{_cell_sql(c)} AS c{i}" for i, c in enumerate(shown)]
+        steps = sorted({s for _, s in ids if s is not None})
+        step_sql = " OR ".join(x for x in ([f"step IN ({', '.join(str(int(s)) for s in steps)})"] if steps else [])
+                               + (["step IS NULL"] if any(s is None for _, s in ids) else []))
+        marks = ", ".join("?" for _ in ids)
+        _, rows = db.rows(f"SELECT {', '.join(select)} FROM {table} WHERE ({step_sql}) AND trace_id IN ({marks})",
+                          [t for t, _ in ids])
+        by_id = {r[0]: r for r in rows}
+        for trace, _ in ids:
+            row = by_id.get(trace)
+            if row is None:  # gone between the two queries (a compaction): the next refresh shows it again
+                continue
+            _, verdict, passed, step, validate = row[:5]
+            out.append({"trace_id": trace, "verdict": verdict, "pass": passed, "step": step, "validate": validate,
+                        "cells": {c.name: row[5 + i] for i, c in enumerate(shown)}})
     return {"columns": shown, "rows": out, "more": more, "sql": sql, "params": params}
 
 
@@ -400,7 +484,7 @@ def histograms(db: Db, state: TableState, columns: Sequence[Column],
         f"SELECT {i} AS h, CASE WHEN s.d{i} <= {MAX_CATEGORIES} THEN v{i} ELSE least(s.k{i} - 1, "
         f"floor((v{i} - s.lo{i}) / (nullif(s.hi{i} - s.lo{i}, 0) / s.k{i}))) END AS x, count(*) AS n "
         f"FROM f, s WHERE isfinite(v{i}) GROUP BY ALL" for i in range(len(cols)))
-    sql = (f"WITH f AS MATERIALIZED (SELECT {sel} FROM trajectories WHERE {where}), "
+    sql = (f"WITH f AS MATERIALIZED (SELECT {sel} FROM {_t(db)} WHERE {where}), "
            f"s AS (SELECT count(*) AS n, {stats} FROM f) "
            f"SELECT -1 AS h, CAST(NULL AS DOUBLE) AS x, n, {head} FROM s UNION ALL BY NAME {bars} ORDER BY h, x")
     _, rows = db.rows(sql, params)
@@ -448,17 +532,18 @@ def prompt_list(db: Db, q: str = "", sort: str = "last", desc: bool = True, offs
                 ) -> dict[str, Any]:
     """Every prompt of the run (by :data:`PROMPT_SQL`): its question, steps it appears at,
     rollouts, pass rate and mean reward, first and last step; ``q`` searches keys and questions."""
-    where, params = f"{PROMPT_SQL} IS NOT NULL", []
+    prompt, ok = _x(db, "_prompt"), _x(db, "_pass")
+    where, params = f"{prompt} IS NOT NULL", []
     if q:
         pattern = "%" + q.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-        where += f" AND ({PROMPT_SQL} ILIKE ? ESCAPE '\\' OR task ILIKE ? ESCAPE '\\')"
+        where += f" AND ({prompt} ILIKE ? ESCAPE '\\' OR task ILIKE ? ESCAPE '\\')"
         params += [pattern, pattern]
     order = PROMPT_SORTS.get(sort, "last_step")
-    sql = (f"WITH p AS (SELECT {PROMPT_SQL} AS prompt, left(any_value(task), {_TEXT_CHARS}) AS task, "
+    sql = (f"WITH p AS (SELECT {prompt} AS prompt, left(any_value(task), {_TEXT_CHARS}) AS task, "
            f"count(DISTINCT (validate, step)) AS steps, count(*) AS n, "
-           f"avg(CASE WHEN {PASS_SQL} THEN 1.0 WHEN NOT {PASS_SQL} THEN 0.0 END) AS pass_rate, "
+           f"avg(CASE WHEN {ok} THEN 1.0 WHEN NOT {ok} THEN 0.0 END) AS pass_rate, "
            f"avg(reward) AS reward, min(step) AS first_step, max(step) AS last_step "
-           f"FROM trajectories WHERE {where} GROUP BY 1) "
+           f"FROM {_t(db)} WHERE {where} GROUP BY 1) "
            f"SELECT *, count(*) OVER () AS total FROM p ORDER BY {order} {'DESC' if desc else 'ASC'} NULLS LAST, "
            f"prompt LIMIT {int(size) + 1} OFFSET {int(offset)}")
     names, rows = db.rows(sql, params)
@@ -470,68 +555,81 @@ def prompt_list(db: Db, q: str = "", sort: str = "last", desc: bool = True, offs
 def prompt_steps(db: Db, key: str, answers: int = 16, offset: int = 0, size: int = 100) -> dict[str, Any]:
     """One prompt across steps: per (validate, step) its rollouts, pass count, mean reward
     and up to ``answers`` answers (the end of each), in step order; and its question."""
-    sql = (f"SELECT validate, step, count(*) AS n, count(*) FILTER (WHERE {PASS_SQL}) AS passed, "
-           f"count({PASS_SQL}) AS judged, avg(reward) AS reward, "
-           f"list({{'trace_id': trace_id, 'rollout': rollout_n, 'reward': reward, 'pass': {PASS_SQL}, "
+    prompt, ok, table = _x(db, "_prompt"), _x(db, "_pass"), _t(db)
+    sql = (f"SELECT validate, step, count(*) AS n, count(*) FILTER (WHERE {ok}) AS passed, "
+           f"count({ok}) AS judged, avg(reward) AS reward, "
+           f"list({{'trace_id': trace_id, 'rollout': rollout_n, 'reward': reward, 'pass': {ok}, "
            f"'verdict': verdict, 'answer': right(answer, {_TEXT_CHARS})}} ORDER BY rollout_n NULLS LAST, trace_id)"
            f"[1:{int(answers)}] AS answers "
-           f"FROM trajectories WHERE {PROMPT_SQL} = ? GROUP BY ALL ORDER BY validate, step NULLS LAST "
+           f"FROM {table} WHERE {prompt} = ? GROUP BY ALL ORDER BY validate, step NULLS LAST "
            f"LIMIT {int(size) + 1} OFFSET {int(offset)}")
     names, rows = db.rows(sql, [key])
     steps = [dict(zip(names, r)) for r in rows]
-    _, task = db.rows(f"SELECT task FROM trajectories WHERE {PROMPT_SQL} = ? AND task IS NOT NULL LIMIT 1", [key])
+    _, task = db.rows(f"SELECT task FROM {table} WHERE {prompt} = ? AND task IS NOT NULL LIMIT 1", [key])
     return {"key": key, "task": task[0][0] if task else None, "steps": steps[:size], "more": len(steps) > size}
 
 
 # ----------------------------------------------------------------------------- failures
-#: reason -> (words on a chip, SQL): why a rollout is listed as a failure
+#: reason -> (words on a chip, SQL; ``{correct}`` and ``{checks}`` are :data:`FIELDS`): why a
+#: rollout is listed as a failure
 FAILURE_REASONS = {
     "error": ("error", "status = 'error'"),
     "truncated": ("truncated", "truncated"),
     "partial": ("partial", "partial"),
-    "wrong": ("wrong answer", "outcome_bool['correct'] = false"),
+    "wrong": ("wrong answer", "{correct} = false"),
     "reward_le_0": ("reward ≤ 0", "reward <= 0"),
     "no_reward": ("no reward", "reward IS NULL"),
-    "unhealthy": ("unhealthy", "len(health) > 0"),
+    "unhealthy": ("unhealthy", "len({checks}) > 0"),
 }
 
 
 def failures(db: Db, reason: str | None = None, check: str | None = None, step: int | None = None,
              offset: int = 0, size: int = 50) -> dict[str, Any]:
     """The rollouts that failed (any of :data:`FAILURE_REASONS`) or carry a health finding,
-    newest step first, with what is needed to say why in words; counts per reason and per
-    health check. ``reason`` / ``check`` / ``step`` narrow the list."""
-    any_reason = " OR ".join(f"({sql})" for _, sql in FAILURE_REASONS.values())
+    newest step first, with what is needed to say why in words (the page's rows' health
+    findings read from the run itself); counts per reason and per health check.
+    ``reason`` / ``check`` / ``step`` narrow the list."""
+    table, checks = _t(db), _x(db, "_checks")
+    sql_of = {k: v.format(correct=_x(db, "_correct"), checks=checks) for k, (_, v) in FAILURE_REASONS.items()}
+    any_reason = " OR ".join(f"({v})" for v in sql_of.values())
     where, params = [f"({any_reason})"], []
     if reason in FAILURE_REASONS:
-        where.append(FAILURE_REASONS[reason][1])
+        where.append(sql_of[reason])
     if check:
-        where.append("list_contains(list_transform(health, lambda x: x.check), ?)")
+        where.append(f"list_contains({checks}, ?)")
         params.append(check)
     if step is not None:
         where.append("step = ?")
         params.append(step)
     clause = " AND ".join(where)
     sql = (f"SELECT trace_id, step, validate, group_key, rollout_n, reward, status, left(error, 600) AS error, "
-           f"partial, truncated, finish_reason, output_tokens, outcome_bool['correct'] AS correct, "
-           f"coalesce(outcome_str['expected'], CAST(outcome_int['expected'] AS VARCHAR), "
-           f"CAST(outcome_double['expected'] AS VARCHAR)) AS expected, health, verdict, "
-           f"right(answer, {_TEXT_CHARS}) AS answer FROM trajectories WHERE {clause} "
-           f"ORDER BY step DESC NULLS LAST, validate, group_key, rollout_n, trace_id "
+           f"partial, truncated, finish_reason, output_tokens, {_x(db, '_correct')} AS correct, "
+           f"{_x(db, '_expected')} AS expected, verdict, right(answer, {_TEXT_CHARS}) AS answer FROM {table} "
+           f"WHERE {clause} ORDER BY step DESC NULLS LAST, validate, group_key, rollout_n, trace_id "
            f"LIMIT {int(size) + 1} OFFSET {int(offset)}")
     names, rows = db.rows(sql, params)
-    items = [dict(zip(names, r)) for r in rows]
+    items = [dict(zip(names, r)) for r in rows][: size + 1]
+    if items:  # the findings' details of this page's rollouts, from the run (their steps' files only)
+        page = items[:size]
+        steps = sorted({r["step"] for r in page if r["step"] is not None})
+        step_sql = " OR ".join(([f"step IN ({', '.join(str(int(x)) for x in steps)})"] if steps else [])
+                               + (["step IS NULL"] if any(r["step"] is None for r in page) else []))
+        marks = ", ".join("?" for _ in page)
+        _, found = db.rows(f"SELECT trace_id, health FROM trajectories WHERE ({step_sql}) AND trace_id IN ({marks})",
+                           [r["trace_id"] for r in page])
+        health = dict(found)
+        for r in items:
+            r["health"] = health.get(r["trace_id"])
     step_where, step_params = ("step = ?", [step]) if step is not None else ("true", [])
-    counts_sql = ("SELECT " + ", ".join(f"count(*) FILTER (WHERE {sql}) AS {name}"
-                                        for name, (_, sql) in FAILURE_REASONS.items())
-                  + f", count(*) FILTER (WHERE {any_reason}) AS all_, count(*) AS total FROM trajectories "
+    counts_sql = ("SELECT " + ", ".join(f"count(*) FILTER (WHERE {v}) AS {name}" for name, v in sql_of.items())
+                  + f", count(*) FILTER (WHERE {any_reason}) AS all_, count(*) AS total FROM {table} "
                   f"WHERE {step_where}")
     cnames, crow = db.rows(counts_sql, step_params)
     counts = dict(zip(cnames, crow[0])) if crow else {}
-    _, checks = db.rows("SELECT h.check, count(*) FROM (SELECT unnest(health) AS h FROM trajectories WHERE "
-                        f"{step_where}) GROUP BY 1 ORDER BY 2 DESC, 1", step_params)
+    _, found_checks = db.rows(f"SELECT c, count(*) FROM (SELECT unnest({checks}) AS c FROM {table} WHERE "
+                              f"{step_where} AND len({checks}) > 0) GROUP BY 1 ORDER BY 2 DESC, 1", step_params)
     return {"rows": items[:size], "more": len(items) > size, "counts": counts,
-            "checks": [(c, n) for c, n in checks if c is not None]}
+            "checks": [(c, n) for c, n in found_checks if c is not None]}
 
 
 # ----------------------------------------------------------------------------- a step
@@ -541,11 +639,13 @@ _MISMATCH = ("k1", "k3", "max", "frac")
 def mismatch_top(db: Db, validate: bool, step: int | None, limit: int = 20) -> list[dict[str, Any]]:
     """The rollouts of a step with the largest train-inference mismatch (``logprob_mismatch_k3``,
     docs/token-values.md), largest first."""
-    cols = ", ".join(f"annotations_double['logprob_mismatch_{k}'] AS {k}" for k in _MISMATCH)
+    names = {"k1": "_mk1", "k3": "_mk3", "max": "_mmax", "frac": "_mfrac"}
+    cols = ", ".join(f"{_x(db, names[k])} AS {k}" for k in _MISMATCH)
+    k3 = _x(db, "_mk3")
     step_sql = "step IS NULL" if step is None else "step = ?"
-    sql = (f"SELECT trace_id, group_key, rollout_n, reward, {cols}, output_tokens FROM trajectories "
-           f"WHERE validate = ? AND {step_sql} AND annotations_double['logprob_mismatch_k3'] IS NOT NULL "
-           f"ORDER BY annotations_double['logprob_mismatch_k3'] DESC, trace_id LIMIT {int(limit)}")
+    sql = (f"SELECT trace_id, group_key, rollout_n, reward, {cols}, output_tokens FROM {_t(db)} "
+           f"WHERE validate = ? AND {step_sql} AND {k3} IS NOT NULL "
+           f"ORDER BY {k3} DESC, trace_id LIMIT {int(limit)}")
     names, rows = db.rows(sql, [validate] + ([] if step is None else [step]))
     return [dict(zip(names, r)) for r in rows]
 

@@ -132,7 +132,7 @@ def create_app(sources: Sources, token: str | None = None, loopback: bool = True
         state = Q.parse_state(_pairs(request), snap.columns)
         t0 = time.perf_counter()
         result = Q.rollouts(db, state, snap.columns)
-        hist = Q.histograms(db, state, snap.columns)
+        hist = run.cached(("hist", tuple(state.filters), state.q), lambda: Q.histograms(db, state, snap.columns))
         ms = (time.perf_counter() - t0) * 1000
         body = views.rollouts_section(result, hist, state, snap.columns, links(run))
         body = Raw(body + h("p", {"class_": "muted small", "id": "timing"},
@@ -181,14 +181,20 @@ def create_app(sources: Sources, token: str | None = None, loopback: bool = True
         trace, _ = _suffix(request.path_params["trace"])
         if not Q.trace_id_ok(trace):
             raise _NotFound(f"{trace!r} is not a trace id (32 hexadecimal digits)")
-        found = Q.load_trajectories(db, "trace_id = ?", [trace], "trace_id = ?", [trace], limit=1)
+        # its step first (the flat index: one column), then its row and spans from that step's files only
+        _, where_is = db.rows(f"SELECT validate, step FROM {db.table} WHERE trace_id = ? LIMIT 1", [trace])
+        if not where_is:
+            raise _NotFound(f"no rollout {trace} in run {run.name!r}")
+        validate, number = where_is[0]
+        where = "trace_id = ? AND validate = ? AND " + ("step IS NULL" if number is None else "step = ?")
+        params = [trace, validate] + ([] if number is None else [number])
+        found = Q.load_trajectories(db, where, params, where, params, limit=1)
         if not found:
             raise _NotFound(f"no rollout {trace} in run {run.name!r}")
         traj = found[0]
         _, rows = db.rows("SELECT output_tokens, truncated, partial, status, error, reward, health, "
-                          "outcome_bool['correct'] AS correct, coalesce(outcome_str['expected'], "
-                          "CAST(outcome_int['expected'] AS VARCHAR), CAST(outcome_double['expected'] AS VARCHAR)) "
-                          "FROM trajectories WHERE trace_id = ? LIMIT 1", [trace])
+                          f"{Q.FIELDS['_correct']} AS correct, {Q.FIELDS['_expected']} AS expected "
+                          f"FROM trajectories WHERE {where} LIMIT 1", params)
         row = dict(zip(("output_tokens", "truncated", "partial", "status", "error", "reward", "health", "correct",
                         "expected"), rows[0])) if rows else {}
         row["trace_id"] = trace
@@ -340,12 +346,16 @@ def _pairs(request: Any) -> list[tuple[str, str]]:
 
 def _retokenization(db: Any, rows: list[dict[str, Any]]) -> dict[tuple[str, int], Any]:
     """The token context of each retokenization finding on the page (its trajectories' spans, read once)."""
-    wanted = [r["trace_id"] for r in rows if any((f or {}).get("check") == "retokenization" for f in r.get("health") or ())]
+    wanted = [r for r in rows if any((f or {}).get("check") == "retokenization" for f in r.get("health") or ())]
     if not wanted:
         return {}
     marks = ", ".join("?" for _ in wanted)
+    steps = sorted({r["step"] for r in wanted if r["step"] is not None})
+    where = f"trace_id IN ({marks}) AND " + (f"(step IN ({', '.join(str(int(s)) for s in steps)}) OR step IS NULL)"
+                                             if steps else "step IS NULL")  # those steps' files only
+    ids = [r["trace_id"] for r in wanted]
     out = {}
-    for traj in Q.load_trajectories(db, f"trace_id IN ({marks})", wanted, f"trace_id IN ({marks})", wanted):
+    for traj in Q.load_trajectories(db, where, ids, where, ids):
         for i, finding in enumerate(traj.health or ()):
             if finding.get("check") == "retokenization":
                 ctx = views.retokenization_context(traj, finding.get("detail") or "")
@@ -357,11 +367,15 @@ def _retokenization(db: Any, rows: list[dict[str, Any]]) -> dict[tuple[str, int]
 def _prompts_in_both(a: RunSource, b: RunSource, limit_ms: float) -> list[dict[str, Any]]:
     """The prompts both runs have, with each run's rollouts and pass rate, the largest
     difference first."""
-    sql = (f"SELECT {Q.PROMPT_SQL} AS prompt, count(*) AS n, left(any_value(task), 200) AS task, "
-           f"avg(CASE WHEN {Q.PASS_SQL} THEN 1.0 WHEN NOT {Q.PASS_SQL} THEN 0.0 END) AS pass FROM trajectories "
-           f"WHERE {Q.PROMPT_SQL} IS NOT NULL GROUP BY 1")
-    _, rows_a = a.db(limit_ms).rows(sql)
-    _, rows_b = b.db(limit_ms).rows(sql)
+    def sql(db: Any) -> str:
+        prompt, ok = Q._x(db, "_prompt"), Q._x(db, "_pass")
+        return (f"SELECT {prompt} AS prompt, count(*) AS n, left(any_value(task), 200) AS task, "
+                f"avg(CASE WHEN {ok} THEN 1.0 WHEN NOT {ok} THEN 0.0 END) AS pass FROM {db.table} "
+                f"WHERE {prompt} IS NOT NULL GROUP BY 1")
+
+    db_a, db_b = a.db(limit_ms), b.db(limit_ms)
+    _, rows_a = db_a.rows(sql(db_a))
+    _, rows_b = db_b.rows(sql(db_b))
     by_b = {r[0]: r for r in rows_b}
     out = []
     for prompt, n, task, pass_a in rows_a:
