@@ -18,7 +18,10 @@ as TRL records them) and ``correct``. Scripted, so the tests know every value:
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+import time
 from typing import Any
 
 import rtrace
@@ -127,9 +130,11 @@ def calculator(expression: str, crash: bool = False) -> str:
     return "4"
 
 
-def run(folder: str, experiment: str = "job", steps: int = STEPS, jsonl: bool = True) -> dict[str, Any]:
+def run(folder: str, experiment: str = "job", steps: int = STEPS, jsonl: bool = True, pause_s: float = 0.0,
+        on_step: Any = None) -> dict[str, Any]:
     """Trace the job into ``folder`` (its dataset under ``folder/ds/<experiment>``, its JSONL
-    at ``folder/<experiment>.jsonl``); returns those paths and each rollout's trace id."""
+    at ``folder/<experiment>.jsonl``); returns those paths and each rollout's trace id.
+    ``on_step(step)`` is called once a step is written; ``pause_s`` waits before the next."""
     jsonl_path = os.path.join(folder, f"{experiment}.jsonl")
     rtrace.configure(exporter="parquet,jsonl" if jsonl else "parquet", parquet_path=os.path.join(folder, "ds"),
                      jsonl_path=jsonl_path, experiment=experiment, token2text=True, tokenizer=WordTokenizer(),
@@ -161,5 +166,15 @@ def run(folder: str, experiment: str = "job", steps: int = STEPS, jsonl: bool = 
                               loss_mask=[[0] + [1] * (len(reply) - 1) for _, reply in rows],
                               entropy=[entropy(reply) for _, reply in rows])
         assert rtrace.flush(60)
+        if on_step is not None:
+            on_step(step)
+        if pause_s and step < steps:
+            time.sleep(pause_s)
     rtrace.shutdown()
     return {"dataset": os.path.join(folder, "ds", experiment), "jsonl": jsonl_path, "trace_ids": ids}
+
+
+if __name__ == "__main__":  # python tests/serve_job.py FOLDER STEPS PAUSE_S: a run written a step at a time
+    folder, steps, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    run(folder, steps=steps, jsonl=False, pause_s=pause,
+        on_step=lambda step: print(json.dumps({"step": step, "written": time.time()}), flush=True))
