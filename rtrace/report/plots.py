@@ -104,7 +104,7 @@ def _legend(labels: Sequence[str]) -> tuple[list[str], int]:
         if x > LEFT and x + width > W - RIGHT:
             line, x = line + 1, LEFT
         tip = f"<title>{_esc(label)}</title>" if text != label else ""
-        out.append(f'<text class="s{i % MAX_SERIES} l" x="{x:.0f}" y="{TOP + 2 + LEGEND * line}">{tip}&#9632; '
+        out.append(f'<text class="s{i % MAX_SERIES} l" x="{x:.0f}" y="{TOP + 4 + LEGEND * line}">{tip}&#9632; '
                    f'{_esc(text)}</text>')
         x += width
     return out, (line + 1 if labels else 0)

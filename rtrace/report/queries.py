@@ -20,6 +20,7 @@ between the two. The server's queries run with a time limit (:mod:`rtrace.serve.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass, field
@@ -422,34 +423,42 @@ def rollouts(db: Db, state: TableState, columns: Sequence[Column]) -> dict[str, 
     shown = shown_columns(state, columns)
     names = {c.name: c for c in columns}
     where, params = where_sql(state, columns)
-    if state.sort is not None:
-        order = f"({names[state.sort].sql}) {'DESC' if state.desc else 'ASC'} NULLS LAST, trace_id"
-    else:  # the newest steps first: a live run's latest rollouts on top
-        order = "step DESC NULLS LAST, validate, group_key, rollout_n, trace_id"
     table = _t(db)
-    sql = (f"SELECT trace_id, step FROM {table} WHERE {where} ORDER BY {order} "
+    # the flat index's rows are found again by rowid (a table's own, read in one snapshot:
+    # `pinned`); the run's view has none, its rows are found by trace id in their steps' files
+    key = "rowid" if getattr(db, "flat", False) else "trace_id"
+    if state.sort is not None:
+        order = f"({names[state.sort].sql}) {'DESC' if state.desc else 'ASC'} NULLS LAST, {key}"
+    else:  # the newest steps first: a live run's latest rollouts on top
+        order = f"step DESC NULLS LAST, validate, group_key, rollout_n, {key}"
+    sql = (f"SELECT {key}, step FROM {table} WHERE {where} ORDER BY {order} "
            f"LIMIT {int(state.size) + 1} OFFSET {int(state.offset)}")
-    _, ids = db.rows(sql, params)
-    more = len(ids) > state.size
-    ids = ids[: state.size]
     out = []
-    if ids:
-        select = ["trace_id AS _trace", "verdict AS _verdict", f"{_x(db, '_pass')} AS _pass", "step AS _step",
-                  "validate AS _validate"] + [f"{_cell_sql(c)} AS c{i}" for i, c in enumerate(shown)]
-        steps = sorted({s for _, s in ids if s is not None})
-        step_sql = " OR ".join(x for x in ([f"step IN ({', '.join(str(int(s)) for s in steps)})"] if steps else [])
-                               + (["step IS NULL"] if any(s is None for _, s in ids) else []))
-        marks = ", ".join("?" for _ in ids)
-        _, rows = db.rows(f"SELECT {', '.join(select)} FROM {table} WHERE ({step_sql}) AND trace_id IN ({marks})",
-                          [t for t, _ in ids])
-        by_id = {r[0]: r for r in rows}
-        for trace, _ in ids:
-            row = by_id.get(trace)
-            if row is None:  # gone between the two queries (a compaction): the next refresh shows it again
-                continue
-            _, verdict, passed, step, validate = row[:5]
-            out.append({"trace_id": trace, "verdict": verdict, "pass": passed, "step": step, "validate": validate,
-                        "cells": {c.name: row[5 + i] for i, c in enumerate(shown)}})
+    with getattr(db, "pinned", contextlib.nullcontext)():
+        _, ids = db.rows(sql, params)
+        more = len(ids) > state.size
+        ids = ids[: state.size]
+        if ids:
+            select = [f"{key} AS _key", "trace_id AS _trace", "verdict AS _verdict", f"{_x(db, '_pass')} AS _pass",
+                      "step AS _step", "validate AS _validate"] + [f"{_cell_sql(c)} AS c{i}" for i, c in enumerate(shown)]
+            if key == "rowid":
+                found = f"rowid IN ({', '.join(str(int(k)) for k, _ in ids)})"
+                args: list[Any] = []
+            else:
+                steps = sorted({s for _, s in ids if s is not None})
+                found = " OR ".join(([f"step IN ({', '.join(str(int(s)) for s in steps)})"] if steps else [])
+                                    + (["step IS NULL"] if any(s is None for _, s in ids) else []))
+                found = f"({found}) AND trace_id IN ({', '.join('?' for _ in ids)})"
+                args = [k for k, _ in ids]
+            _, rows = db.rows(f"SELECT {', '.join(select)} FROM {table} WHERE {found}", args)
+            by_key = {r[0]: r for r in rows}
+            for k, _ in ids:
+                row = by_key.get(k)
+                if row is None:  # pragma: no cover - both queries read one snapshot
+                    continue
+                _, trace, verdict, passed, step, validate = row[:6]
+                out.append({"trace_id": trace, "verdict": verdict, "pass": passed, "step": step, "validate": validate,
+                            "cells": {c.name: row[6 + i] for i, c in enumerate(shown)}})
     return {"columns": shown, "rows": out, "more": more, "sql": sql, "params": params}
 
 

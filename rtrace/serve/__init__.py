@@ -150,7 +150,17 @@ def serve_paths(paths: Sequence[str], host: str, port: int, time_limit_ms: float
         sources.close()
         out.write(f"rtrace serve: cannot listen on {host}:{port}: {exc.strerror or exc}\n")
         return 2
+    import signal
+    import threading
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a clean stop and exit code 0, as rtrace collect
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
     out.write(f"rtrace serve: {server.url}" + ("  (sign in with RTRACE_COLLECTOR_TOKEN)" if token else "") + "\n")
     out.flush()
-    server.run()
+    while not stop.wait(1.0):
+        pass
+    server.stop()
+    out.write("rtrace serve: stopped\n")
     return 0

@@ -30,6 +30,7 @@ Queries run on a DuckDB cursor of the run's connection, each with a time limit
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -63,12 +64,30 @@ class TimedDb:
         self.source, self.limit_ms = source, limit_ms
         self.table = table
         self.flat = table != "trajectories"
+        self._pinned: Any = None
         #: milliseconds spent in SQL by this page's queries (shown in its footer and JSON)
         self.spent_ms = 0.0
         self.queries = 0
 
-    def _run(self, sql: str, params: Sequence[Any] | None, fetch: str) -> Any:
+    @contextlib.contextmanager
+    def pinned(self) -> Any:
+        """Queries in the block run on one cursor, in one transaction: they read one snapshot
+        of the run (a refresh in between changes none of their answers)."""
         cursor = self.source.cursor()
+        cursor.execute("BEGIN TRANSACTION")
+        self._pinned = cursor
+        try:
+            yield self
+        finally:
+            self._pinned = None
+            try:
+                cursor.execute("COMMIT")
+                cursor.close()
+            except Exception:  # pragma: no cover - an interrupted query left it aborted
+                pass
+
+    def _run(self, sql: str, params: Sequence[Any] | None, fetch: str) -> Any:
+        cursor = self._pinned or self.source.cursor()
         timer = threading.Timer(self.limit_ms / 1000.0, cursor.interrupt)
         timer.daemon = True
         t0 = time.perf_counter()
@@ -88,10 +107,11 @@ class TimedDb:
             timer.cancel()
             self.spent_ms += (time.perf_counter() - t0) * 1000
             self.queries += 1
-            try:
-                cursor.close()
-            except Exception:  # pragma: no cover - closing never matters here
-                pass
+            if cursor is not self._pinned:
+                try:
+                    cursor.close()
+                except Exception:  # pragma: no cover - closing never matters here
+                    pass
 
     def rows(self, sql: str, params: Sequence[Any] | None = None) -> tuple[list[str], list[tuple]]:
         return self._run(sql, params, "rows")

@@ -359,8 +359,9 @@ def test_a_million_rollouts_other_views(page, runs):
     rollout's tokens."""
     render = _go(page, "/run/big/overview")
     assert page.locator("section.split-training table.run tbody tr").count() == 50
-    assert page.locator("svg[aria-label='reward mean'] text", has_text="mean of 5 steps per point").count() == 1
-    assert page.locator("svg[aria-label='reward/accuracy (mean)']").count() == 1
+    train = page.locator("section.split-training")
+    assert train.locator("svg[aria-label='reward mean'] text", has_text="mean of 5 steps per point").count() == 1
+    assert train.locator("svg[aria-label='reward/accuracy (mean)']").count() == 1
     overview_bytes = page.evaluate("() => performance.getEntriesByType('navigation')[0].encodedBodySize")
     assert overview_bytes < 400_000
     _shot(page, "13-big-overview")
