@@ -27,7 +27,7 @@ from ..report import queries as Q
 from ..report import views
 from ..report.markup import Raw, h
 from . import pages
-from .sources import QueryTimeout, RunSource, Sources
+from .sources import NoData, QueryTimeout, RunSource, Sources
 
 __all__ = ["create_app", "STATIC"]
 
@@ -100,7 +100,7 @@ def create_app(sources: Sources, token: str | None = None, loopback: bool = True
                 return respond(request, "rtrace · too slow", pages.message_page(
                     "this query took too long", str(exc), "Narrow it (a step, a filter) or start the server with a "
                     "larger --time-limit-ms."), {"error": str(exc)}, run, active, 503)
-            except LookupError as exc:
+            except NoData as exc:
                 return respond(request, "rtrace · nothing yet", pages.message_page("nothing to show", str(exc)),
                                {"error": str(exc)}, None, None, 200)
         return endpoint

@@ -51,9 +51,10 @@ def header(runs: Sequence[str], run: str | None, active: str | None, snapshot: A
         tabs.append(h("a", {"href": "/compare" + (query_string([("a", run)]) if run else ""),
                             "class_": "on" if active == "compare" else None, "data_tab": "compare"}, "compare runs"))
     switch = None
-    if len(runs) > 1 and run is not None:
+    if len(runs) > 1 and run is not None:  # the same tab of another run
+        tab = active if active in {name for name, _, _ in TABS} else "overview"
         switch = h("details", {"class_": "switch"}, h("summary", None, "other runs"),
-                   h("div", None, [h("div", None, h("a", {"href": f"/run/{_seg(r)}/{active if active in dict((t[0], 1) for t in TABS) else 'overview'}"}, r))
+                   h("div", None, [h("div", None, h("a", {"href": f"/run/{_seg(r)}/{tab}"}, r))
                                    for r in runs if r != run]))
     live = None
     if snapshot is not None:

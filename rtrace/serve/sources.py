@@ -42,9 +42,14 @@ from typing import Any, Sequence
 
 from ..report import queries as Q
 
-__all__ = ["RunSource", "Sources", "Snapshot", "TimedDb", "QueryTimeout", "JsonlIngest", "sources_from_paths"]
+__all__ = ["RunSource", "Sources", "Snapshot", "TimedDb", "QueryTimeout", "NoData", "JsonlIngest", "FlatIndex",
+           "sources_from_paths"]
 
 logger = logging.getLogger("rtrace")
+
+
+class NoData(LookupError):
+    """The run has nothing to query yet (no dataset, or it could not be opened)."""
 
 
 class QueryTimeout(Exception):
@@ -338,7 +343,7 @@ class RunSource:
     def cursor(self) -> Any:
         with self._lock:
             if self.run is None:
-                raise LookupError(self.snapshot.problem or "no dataset")
+                raise NoData(self.snapshot.problem or "no dataset")
             return self.run.cursor()
 
     def db(self, limit_ms: float) -> TimedDb:
