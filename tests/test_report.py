@@ -373,6 +373,7 @@ class TestPackage:
         (wheel,) = glob.glob(str(tmp_path / "dist" / "rtrace-*.whl"))
         names = zipfile.ZipFile(wheel).namelist()
         assert {f"rtrace/report/static/{n}" for n in STATIC_FILES} <= set(names)
+        assert {"rtrace/serve/static/serve.js", "rtrace/serve/static/serve.css"} <= set(names)  # rtrace serve's
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--disable-pip-version-check",
                         "--target", str(tmp_path / "site"), wheel], check=True, capture_output=True, timeout=300)
         code = ("import rtrace.report.page as p, sys; from rtrace.report.load import Record;"

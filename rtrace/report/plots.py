@@ -225,8 +225,11 @@ def histogram_bars(title: str, bars: Sequence[tuple[float, float | None, int]],
         else:
             close = "]" if i == len(bars) - 1 else ")"
             drawn.append(("", count, f"[{fmt_number(low)}, {fmt_number(high)}{close}: {count}"))
-    edges = [] if not binned else [fmt_number(bars[0][0]), fmt_number((bars[0][0] + bars[-1][1]) / 2),
-                                    fmt_number(bars[-1][1])]
+    lo_edge, hi_edge = bars[0][0], bars[-1][1] if binned else bars[-1][0]
+    mid = (lo_edge + hi_edge) / 2
+    if abs(mid) < 1e-9 * abs(hi_edge - lo_edge):  # -1.2e-7 between -2.6 and 2.6 is 0, rounding apart
+        mid = 0.0
+    edges = [] if not binned else [fmt_number(lo_edge), fmt_number(mid), fmt_number(hi_edge)]
     # headroom over the tallest bar: its count is written above it, never over the title
     top_count = max(c for _, c, _ in drawn)
     yt = [t for t in ticks(0, top_count * 1.1 if top_count >= 4 else top_count + 1, 4) if t == int(t)] or [0, 1]
@@ -252,9 +255,10 @@ def histogram_bars(title: str, bars: Sequence[tuple[float, float | None, int]],
         if label:
             out.append(f'<text class="a" x="{x + (slot - gap) / 2:.1f}" y="{H - 12}" text-anchor="middle">'
                        f'{_esc(label)}</text>')
-        if count and (slot > 14 or not edges):
+        label_count = f"{count:,}"
+        if count and 5.6 * len(label_count) <= slot + 2:  # a count wider than its bar is left to the tooltip
             out.append(f'<text class="v" x="{x + (slot - gap) / 2:.1f}" y="{max(TOP - 2, y - 2):.1f}" '
-                       f'text-anchor="middle">{count:,}</text>')
+                       f'text-anchor="middle">{label_count}</text>')
     for label, anchor, x in zip(edges, ("start", "middle", "end"), (LEFT, LEFT + span / 2, W - RIGHT)):
         out.append(f'<text class="a" x="{x:.1f}" y="{H - 12}" text-anchor="{anchor}">{_esc(label)}</text>')
     out.append("</svg>")
