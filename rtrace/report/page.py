@@ -106,7 +106,7 @@ def snapshot_db(records: Sequence[Record]) -> Any:
     try:
         from .queries import memory_db
 
-        return memory_db([r.traj for r in records])
+        return memory_db([r.traj for r in records], spans=False)
     except ImportError:
         return None
 

@@ -104,14 +104,22 @@ class RelationDb:
         return _arrow(self._rel(sql, params))
 
 
-def memory_db(trajectories: Sequence[Any], run: str = "report") -> RelationDb:
+def memory_db(trajectories: Sequence[Any], run: str = "report", spans: bool = True) -> RelationDb:
     """The two tables of ``trajectories`` (:class:`~rtrace.trajectory.Trajectory`), in
-    memory, as a :class:`Db` (``rtrace report --html`` on JSONL files). Needs pyarrow and duckdb."""
+    memory, as a :class:`Db` (``rtrace report --html`` on JSONL files; ``spans=False``: an
+    empty spans table, the run-wide views read none). Needs pyarrow and duckdb."""
     import duckdb
 
-    from ..dataset.encode import encode_safely
+    from ..dataset.encode import encode_safely, rows_of, tables
 
-    ttable, stable, _, _ = encode_safely(list(trajectories), run)
+    if spans:
+        ttable, stable, _, _ = encode_safely(list(trajectories), run)
+    else:
+        try:
+            ttable, stable = tables([(trow, [], messages) for trow, _, messages in
+                                     (rows_of(t, run) for t in trajectories)])
+        except Exception:  # a value Arrow refuses: the careful path (degrades it)
+            ttable, stable, _, _ = encode_safely(list(trajectories), run)
     con = duckdb.connect()
     con.register("_rtrace_t", ttable)
     con.register("_rtrace_s", stable)
