@@ -4,8 +4,8 @@
 # SQLite, in-process OTLP receivers); `make test-integration` runs the tests marked
 # `integration` (a real mlflow server, Ray, collector worker processes, the demo, torchrun).
 # `make test-verl` runs tests/verl against the real verl in its own venv (.venv-verl).
-# `make test-ui` runs tests/ui: trackio's traces page, rtrace report's page, and the GenAI conventions in MLflow's and
-# Phoenix's UIs, in a real browser (Debian's chromium, Playwright).
+# `make test-ui` runs tests/ui: trackio's traces page, rtrace report's page, rtrace serve, and the GenAI conventions in
+# MLflow's and Phoenix's UIs, in a real browser (Debian's chromium, Playwright).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -19,7 +19,7 @@ VERL_BIN := $(VERL_VENV)/bin
 VERL_STAMP := $(VERL_VENV)/.rtrace-verl-installed
 PIP_QUIET := -q --disable-pip-version-check
 
-.PHONY: install install-verl install-phoenix demo test test-integration test-py test-ui test-verl test-frameworks test-gateway soak bench bench-dataset clean
+.PHONY: install install-verl install-phoenix demo test test-integration test-py test-ui test-verl test-frameworks test-gateway soak bench bench-dataset bench-serve clean
 
 install: $(STAMP)
 
@@ -76,9 +76,11 @@ test-py:
 	  HF_HUB_OFFLINE=1 $$venv/bin/python -m pytest -q -p no:cacheprovider -m "not integration"; \
 	done
 
-# What a person sees (issues #14, #22, #36): tests/ui drives Debian's chromium with Playwright through
-# trackio's traces page, its Media page, the page `rtrace report --html` writes, and the GenAI
-# conventions as a real `mlflow server` and a real Phoenix render them. Installs what
+# What a person sees (issues #14, #22, #35, #36): tests/ui drives Debian's chromium with Playwright through
+# trackio's traces page, its Media page, the page `rtrace report --html` writes, `rtrace serve` (on the
+# demo's run and on a generated run of 1,000,000 trajectories, built once into $(UI_CACHE) by
+# tests/ui/big_run.py, about a minute), and the GenAI conventions as a real `mlflow server` and a
+# real Phoenix render them. Installs what
 # it needs: chromium (apt, as root) when it is not on PATH,
 # playwright into the venv (its own browser download is not used: the test launches chromium),
 # and Phoenix in its own venv (.venv-phoenix: ~850 MB, ~2 min to install; its dependencies are
@@ -95,10 +97,12 @@ $(PHOENIX_STAMP):
 
 install-phoenix: $(PHOENIX_STAMP)
 
+UI_CACHE ?= $(HOME)/.cache/rtrace
 test-ui: $(STAMP) $(PHOENIX_STAMP)
 	command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium; }
 	$(BIN)/python -m pip install $(PIP_QUIET) "playwright>=1.45"
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests/ui
+	RTRACE_UI_CACHE=$(UI_CACHE) $(BIN)/python tests/ui/big_run.py
+	RTRACE_UI_CACHE=$(UI_CACHE) HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests/ui
 
 # The seed trainers' adapters against their real packages (tests/frameworks, issue #21), each in
 # its own venv built here: torch pinned to the CPU wheel on disk first, so no dependency pulls a
@@ -192,6 +196,10 @@ bench: $(STAMP)
 # (about 10 minutes, a few GB of temporary files).
 bench-dataset: $(STAMP)
 	$(BIN)/python benchmarks/bench_dataset.py
+
+# rtrace serve on 1,000,000 trajectories: each view's server time with and without the flat index (docs/serve.md)
+bench-serve: $(STAMP)
+	RTRACE_UI_CACHE=$(UI_CACHE) HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_serve.py
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV) .venv-py3.* $(TRL_VENV) $(SKYRL_VENV) $(AREAL_VENV) $(PHOENIX_VENV) $(GATEWAY_VENV) .pytest_cache

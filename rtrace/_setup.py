@@ -323,7 +323,8 @@ def current_settings() -> Settings | None:
 
 # ----------------------------------------------------------------------------- collector
 def start_collector(*, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None,
-                    settle_s: float = 2.0, gateway_port: int = 0, **settings: Any) -> Any:
+                    settle_s: float = 2.0, gateway_port: int = 0, serve_port: int | None = None,
+                    serve_host: str | None = None, **settings: Any) -> Any:
     """Start an rtrace collector in this process (its own threads, no subprocess).
 
     ``settings`` are those of :func:`configure` (``exporter="trackio,mlflow"``,
@@ -340,6 +341,11 @@ def start_collector(*, host: str = "127.0.0.1", port: int = 0, http_port: int | 
         http_port: also serve OTLP/HTTP ``/v1/traces`` there (0: a free port).
         settle_s: how long a finished trajectory waits for spans of other processes
             still in flight.
+        serve_port: also serve the live viewer (``rtrace serve``, docs/serve.md) over what
+            the collector writes (its ``parquet`` sink's run, else its ``jsonl`` file) on
+            this port (0: a free one; ``collector.viewer.url``). It binds ``serve_host``
+            (default: ``host``) and, beyond loopback, requires the collector's token.
+            Needs the ``serve`` extra.
 
     Security (docs/collector.md): ``collector_token=...`` (``RTRACE_COLLECTOR_TOKEN``)
     makes the receiver refuse requests without it (UNAUTHENTICATED / 401, counted); bound
@@ -376,6 +382,16 @@ def start_collector(*, host: str = "127.0.0.1", port: int = 0, http_port: int | 
         except BaseException:
             collector.stop()
             raise
+    if serve_port is not None:
+        try:
+            from .serve import viewer_for_collector
+
+            viewer = viewer_for_collector(collector, serve_host or host, serve_port)
+        except BaseException:
+            collector.stop()
+            raise
+        collector.viewer = viewer
+        collector.on_stop(viewer.stop)
     return collector
 
 

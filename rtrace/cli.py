@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(mutual TLS; default: $RTRACE_COLLECTOR_TLS_CLIENT_CA)")
     collect.add_argument("--tls-ca", default=None, help="PEM CA workers verify the collector with, handed to them as "
                          "OTEL_EXPORTER_OTLP_CERTIFICATE (default: $RTRACE_COLLECTOR_TLS_CA)")
+    collect.add_argument("--serve-port", type=_non_negative, default=None, metavar="PORT",
+                         help="also serve the live viewer (rtrace serve) over what the collector writes (its parquet "
+                              "or jsonl exporter) on this port (0: any); bound like the collector (--host), its token "
+                              "beyond loopback (docs/serve.md)")
     collect.add_argument("--env-file", default=None, metavar="PATH",
                          help="also write the worker environment here, mode 0600 (with a token: default "
                               "rtrace-collector.env; the token is never printed)")
@@ -167,6 +171,30 @@ def build_parser() -> argparse.ArgumentParser:
                              "a job that computes rewards elsewhere, as veRL's agent loops by default)")
     report.add_argument("--max-chars", type=_positive, default=None,
                         help="the page cuts message contents to this many characters (default 4000)")
+    serve = sub.add_parser(
+        "serve", help="a live view of whole runs in the browser: every step in one table, filters, histograms, "
+                      "curves, prompts, failures, tokens, runs compared",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve a read-only web app over runs (docs/serve.md), refreshed while they are written: a run's "
+                    "dataset written by the parquet exporter (a folder or URL; a folder of runs: each), or JSONL "
+                    "files written by the jsonl exporter (together: one run; NAME=PATH names a run). Binds "
+                    "127.0.0.1 unless --host says otherwise; beyond loopback it requires RTRACE_COLLECTOR_TOKEN.",
+        epilog="examples:\n"
+               "  rtrace serve rtrace_dataset/run-7\n"
+               "  rtrace serve rtrace_dataset                      # every run under it; compare any two\n"
+               "  rtrace serve worker0.jsonl worker1.jsonl\n"
+               "  rtrace serve base=runs/a new=runs/b\n"
+               "  RTRACE_COLLECTOR_TOKEN=... rtrace serve --host 0.0.0.0 --tls-cert c.pem --tls-key k.pem runs")
+    serve.add_argument("paths", nargs="+", metavar="PATH", help="a run's dataset, a folder of runs, JSONL files; "
+                                                               "NAME=PATH to name a run")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=_non_negative, default=None, help="port (default 8765; 0: any)")
+    serve.add_argument("--time-limit-ms", type=_positive, default=None,
+                       help="a query running longer is stopped and its page says so (default 3000)")
+    serve.add_argument("--refresh-s", type=float, default=1.0,
+                       help="how often the runs are read again while they are written (default 1)")
+    serve.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve HTTPS")
+    serve.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     query = sub.add_parser(
         "query", help="run SQL (DuckDB) over a run's dataset written by the parquet exporter",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -261,6 +289,7 @@ def _start(args: argparse.Namespace):
     from . import _setup
 
     return _setup.start_collector(host=args.host, port=args.port, http_port=args.http_port,
+                                  serve_port=args.serve_port,
                                   exporter=args.exporter, project=args.project, experiment=args.experiment,
                                   max_traces_per_step=args.max_traces_per_step, flush_on_sigterm=False,
                                   collector_tls_cert=args.tls_cert, collector_tls_key=args.tls_key,
@@ -289,6 +318,7 @@ def _serve_collector(collector, args: argparse.Namespace, stop) -> int:
     print(f"rtrace collector listening on {collector.endpoint}; worker environment:", flush=True)
     if collector.gateway is not None:
         print(f"# capture gateway: {collector.gateway.url}/v1 -> {collector.settings.gateway_upstream}", flush=True)
+    viewer = getattr(collector, "viewer", None)
     for key, value in env.items():
         if key in ("RTRACE_COLLECTOR_TOKEN", "RTRACE_GATEWAY_SECRET"):  # never printed: logs are read by others
             print(f"# {key}: in {env_file} (mode 0600)", flush=True)
@@ -296,6 +326,8 @@ def _serve_collector(collector, args: argparse.Namespace, stop) -> int:
         print(f"export {key}={value}", flush=True)
     if env_file:
         print(f"# the whole worker environment: source {env_file}", flush=True)
+    if viewer is not None:
+        print(f"# the live viewer: {viewer.url}" + ("  (sign in with the token)" if collector.token else ""), flush=True)
     while not stop.wait(1.0):
         pass
     collector.stop()
@@ -377,6 +409,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _collect(args)
     if args.command == "query":
         return _query(args)
+    if args.command == "serve":
+        from .serve import DEFAULT_PORT, serve_paths
+        from .serve.app import TIME_LIMIT_MS
+
+        if not args.refresh_s > 0:
+            parser.error("--refresh-s must be > 0")
+        return serve_paths(args.paths, args.host, DEFAULT_PORT if args.port is None else args.port,
+                           float(args.time_limit_ms or TIME_LIMIT_MS), args.refresh_s, args.tls_cert, args.tls_key,
+                           sys.stdout)
     if args.command == "gateway":
         return _gateway(args)
     if args.command == "report":

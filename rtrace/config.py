@@ -792,7 +792,8 @@ def load_settings(overrides: Mapping[str, Any] | None = None,
 def env_setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
     """One setting from the environment alone (its default when unset), parsed as
     ``load_settings`` parses it: for code that reads a setting outside ``configure()``
-    (``rtrace.gateway_access()`` in a worker that may trace nothing itself).
+    (``rtrace.gateway_access()`` in a worker that may trace nothing itself; ``rtrace serve``
+    reads ``RTRACE_COLLECTOR_TOKEN`` and must not fail on another setting's value).
 
     Raises:
         ConfigError: a value that does not parse, naming the variable and the accepted values.

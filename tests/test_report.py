@@ -252,13 +252,15 @@ class TestPageData:
                         ("assistant", "m9")]
 
     def test_page_embeds_the_data_safely_and_nothing_external(self, records, run_files):
-        """The page's data block decodes to page_data; a message with </script> stays data; no external resource."""
+        """The page's data block decodes to page_data; a message with </script> stays data (and text in the
+        run-wide snapshot's table: escaped); no external resource."""
         recs, _ = read_records(run_files["paths"])
         recs[0].traj.messages.append({"role": "assistant", "content": "</script><script>alert(1)</script><!--"})
         page = render(recs, run_files["paths"])
         block = re.search(r'<script type="application/octet-stream" id="rtrace-data"[^>]*>([^<]*)</script>', page)
         assert decode_data(block.group(1)) == page_data(recs)
-        assert "alert(1)" not in page
+        assert "<script>alert(1)" not in page
+        assert "&lt;/script&gt;&lt;script&gt;alert(1)&lt;/script&gt;&lt;!--" in page  # the answer, as text
         assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)
         assert "<link rel=\"stylesheet\"" not in page and "<script src" not in page
         for name in STATIC_FILES[1:]:
@@ -372,6 +374,7 @@ class TestPackage:
         (wheel,) = glob.glob(str(tmp_path / "dist" / "rtrace-*.whl"))
         names = zipfile.ZipFile(wheel).namelist()
         assert {f"rtrace/report/static/{n}" for n in STATIC_FILES} <= set(names)
+        assert {"rtrace/serve/static/serve.js", "rtrace/serve/static/serve.css"} <= set(names)  # rtrace serve's
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--disable-pip-version-check",
                         "--target", str(tmp_path / "site"), wheel], check=True, capture_output=True, timeout=300)
         code = ("import rtrace.report.page as p, sys; from rtrace.report.load import Record;"

@@ -29,6 +29,7 @@ import contextlib
 import contextvars
 import hashlib
 import json
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -187,8 +188,9 @@ class Policy:
         """Sample a response to ``prompt_ids``.
 
         Returns:
-            ``{"response_ids": [...], "finish_reason": "stop" | "length"}``: the fields
-            rtrace's generation spans read token ids and the finish reason from.
+            ``{"response_ids": [...], "finish_reason": "stop" | "length", "logprobs": [...]}``:
+            the fields rtrace's generation spans read token ids, the finish reason and the
+            sampler's per-token log-probabilities from (docs/token-values.md).
         """
         ids = list(prompt_ids)  # the caller may extend its list while we run
         loop = asyncio.get_running_loop()
@@ -203,6 +205,7 @@ class Policy:
 
         generator = torch.Generator().manual_seed(seed)
         response: list[int] = []
+        logprobs: list[float] = []  # each sampled token's, as an inference engine returns them
         with torch.no_grad():
             out = self.model(input_ids=torch.tensor([prompt_ids], dtype=torch.long), use_cache=True,
                              logits_to_keep=1)
@@ -211,15 +214,17 @@ class Policy:
                 if temperature > 0:
                     probs = torch.softmax(logits / temperature, dim=-1)
                     token = int(torch.multinomial(probs, 1, generator=generator))
+                    logprobs.append(round(math.log(max(float(probs[token]), 1e-45)), 6))
                 else:
                     token = int(logits.argmax())
+                    logprobs.append(round(float(torch.log_softmax(logits, dim=-1)[token]), 6))
                 response.append(token)
                 if token in self.stop_ids:
                     break
                 out = self.model(input_ids=torch.tensor([[token]], dtype=torch.long),
                                  past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
         finish = "stop" if response and response[-1] in self.stop_ids else "length"
-        return {"response_ids": response, "finish_reason": finish}
+        return {"response_ids": response, "finish_reason": finish, "logprobs": logprobs}
 
     async def update(self, episodes: Sequence[tuple[Sequence[tuple[list[int], list[int]]], float]]) -> dict[str, float]:
         """One policy-gradient step (see :meth:`_update`), in the generation thread."""

@@ -251,9 +251,14 @@ def open_commands(where: dict[str, Any]) -> list[str]:
             page = str(Path(where["jsonl_path"]).with_name("report.html"))
             lines.append(f"          {_command('rtrace')} report {q(where['jsonl_path'])} --html {q(page)}   "
                          "(the step table here, and a page: GRPO groups side by side, failures, health)")
+            if "parquet" not in where["names"]:
+                lines.append(f"          {_command('rtrace')} serve {q(where['jsonl_path'])}   (every rollout in the "
+                             "browser: one table over all steps, filters, curves, tokens; docs/serve.md)")
         elif name == "parquet":
             lines.append(f"parquet:  {_command('rtrace')} query {q(where['parquet_run'])} \"SELECT step, avg(reward) "
                          "FROM trajectories GROUP BY step ORDER BY step\"   (docs/dataset.md)")
+            lines.append(f"          {_command('rtrace')} serve {q(where['parquet_run'])}   (every rollout in the browser: "
+                         "one table over all steps, filters, curves, tokens; docs/serve.md)")
         elif name == "otlp":
             lines.append(f"otlp:     sent to {where['otlp_endpoint'] or 'http://localhost:4318'}; open your "
                          "collector's UI (Jaeger: http://localhost:16686, see docker-compose.yml)")

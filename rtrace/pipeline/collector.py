@@ -514,6 +514,14 @@ class Collector:
         #: a capture gateway served beside the collector (``start_collector(gateway_upstream=...)``,
         #: rtrace/gateway/server.py): its ``env`` joins :attr:`env`; :meth:`stop` stops it first
         self.gateway: Any = None
+        #: called first by stop(): what runs beside the collector (the live viewer, rtrace._setup)
+        self._on_stop: list[Any] = []
+        #: the live viewer serving what this collector writes (start_collector(serve_port=...)), or None
+        self.viewer: Any = None
+
+    def on_stop(self, callback: Any) -> None:
+        """Call ``callback()`` when the collector stops (before it stops receiving)."""
+        self._on_stop.append(callback)
 
     @property
     def endpoint(self) -> str:
@@ -614,6 +622,11 @@ class Collector:
         self._stopped = True
         if self.gateway is not None:  # no new calls; its spans still in flight reach the pipeline
             self.gateway.stop()
+        for callback in self._on_stop:
+            try:
+                callback()
+            except Exception:  # what runs beside it never keeps the collector from stopping
+                _log.exception("rtrace collector: stopping %r", callback)
         if _annotations.local_target == self.annotate:
             _annotations.local_target = None
         self.receiver.stop(grace_s=2.0)

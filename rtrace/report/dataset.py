@@ -17,11 +17,12 @@ from .health import StepHealth
 from .load import Record
 from .table import Row
 
-__all__ = ["is_dataset", "open_dataset", "step_table_sql", "step_health_sql", "load_records", "STEP_SQL"]
+__all__ = ["is_dataset", "open_dataset", "step_table_sql", "step_health_sql", "load_records", "STEP_SQL", "step_sql"]
 
-#: one row per (validate, step) of the sample: the values the table shows
-STEP_SQL = """
-WITH t AS (SELECT * FROM trajectories WHERE in_sample AND step IS NOT NULL),
+#: one row per (validate, step) of the sample: the values the table shows (``{where}``
+#: narrows it to some steps: ``rtrace serve`` computes again only the steps that changed)
+_STEP_SQL = """
+WITH t AS (SELECT * FROM trajectories WHERE in_sample AND step IS NOT NULL AND ({where})),
 g AS (SELECT validate, step, group_key, count(*) AS n, min(reward) AS lo, max(reward) AS hi
       FROM t WHERE reward IS NOT NULL AND group_key IS NOT NULL GROUP BY ALL),
 z AS (SELECT validate, step, count(*) FILTER (WHERE n >= 2) AS multi,
@@ -39,6 +40,14 @@ SELECT t.validate, t.step, count(*) AS n,
 FROM t LEFT JOIN z ON t.validate = z.validate AND t.step = z.step
 GROUP BY t.validate, t.step ORDER BY t.validate, t.step
 """
+
+
+def step_sql(where: str = "true") -> str:
+    """:data:`STEP_SQL` over the trajectories ``where`` (SQL over the trajectories view) selects."""
+    return _STEP_SQL.replace("{where}", where)
+
+
+STEP_SQL = step_sql()
 
 
 def is_dataset(path: str) -> bool:

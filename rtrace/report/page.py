@@ -1,10 +1,16 @@
 """The HTML page: the static template shipped in this package, the run's table and plots
 (static HTML: readable before any script runs), and the page data as one JSON block.
 
-The page is one self-contained file: its stylesheet and script are inlined from
-``static/`` (no server, no network, no CDN; it works from ``file://``), the data is one
-compressed block (:func:`encode_data`). The script renders the selected step lazily
-(docs/report.md).
+The page ``rtrace report --html`` writes is one self-contained file: its stylesheet and
+script are inlined from ``static/`` (no server, no network, no CDN; it works from
+``file://``), the data is one compressed block (:func:`encode_data`). The script renders
+the selected step lazily (docs/report.md). Above it, a snapshot of the run-wide views
+``rtrace serve`` shows live (:mod:`rtrace.report.views`, the same code): the rollouts of
+every step (newest first), their histograms, and a curve per reward component.
+
+``rtrace serve`` shows a step with the same page and script (:func:`render` with
+``live``): stylesheet and script are then files of the server (its content security
+policy allows no inline script), and the page holds that step's trajectories only.
 """
 
 from __future__ import annotations
@@ -14,39 +20,51 @@ import gzip
 import html
 import json
 import re
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Sequence
 
-from . import plots
+from . import views
 from .data import MAX_CHARS, MAX_MESSAGES, page_data
 from .health import step_health
 from .load import Record
-from .table import COLUMNS, Row, cell, step_table
+from .markup import Raw, h
+from .table import Row, step_table
 
 try:
     import orjson
 except ImportError:  # pragma: no cover - depends on the installed extras
     orjson = None  # type: ignore[assignment]
 
-__all__ = ["render", "encode_data", "decode_data", "STATIC_FILES"]
+__all__ = ["render", "encode_data", "decode_data", "STATIC_FILES", "RUN_PLOTS", "Live", "snapshot_db"]
 
 #: the files of ``rtrace/report/static`` the page is made of (the wheel must ship them)
 STATIC_FILES = ("report.html", "report.css", "report.js")
 
 #: ``<!--NAME-->`` or ``/*NAME*/`` in the template: where render() puts each part
-_MARKER = re.compile(r"<!--([A-Z]+)-->|/\*([A-Z]+)\*/")
+_MARKER = re.compile(r"<!--([A-Z0-9]+)-->|/\*([A-Z]+)\*/")
 
 #: (title, [(series label, metric)], unit) of the plots across steps
-RUN_PLOTS = (
-    ("reward mean", [("mean", "reward_mean")], ""),
-    ("zero-variance groups", [("groups", "zero_variance_groups_frac")], "%"),
-    ("errors, truncations, partial", [("error", "error_rate"), ("truncated", "truncated_rate"),
-                                      ("partial", "partial_rate")], "%"),
-    ("latency (ms)", [("p50", "latency_ms_p50"), ("p90", "latency_ms_p90"), ("max", "latency_ms_max")], ""),
-    ("per trajectory", [("turns", "turns_mean"), ("tool calls", "tool_calls_mean")], ""),
-    ("tokens out per trajectory", [("tokens", "tokens_out_mean")], ""),
-    ("advantage", [("mean", "advantage_mean"), ("std", "advantage_std")], ""),
-)
+RUN_PLOTS = views.RUN_PLOTS
+#: rows of the run-wide table in the page's snapshot
+SNAPSHOT_ROWS = 100
+
+
+@dataclass
+class Live:
+    """How ``rtrace serve`` embeds the page: its header, the step's own part, where its files are."""
+
+    #: the run's base URL (``/run/<name>``): the script links a trajectory's full view there
+    base: str
+    #: the server's header (navigation), escaped HTML
+    nav: str
+    #: what replaces the run's table: the step's navigation, its mismatch list... (escaped HTML)
+    run: str
+    #: stylesheet and script URLs
+    styles: Sequence[str] = ("/static/report.css", "/static/serve.css")
+    scripts: Sequence[str] = ("/static/report.js", "/static/serve.js")
+    #: the ``data-*`` attributes of ``<body>`` (the serve script's live updates)
+    body: dict[str, str] | None = None
 
 
 def _static(name: str) -> str:
@@ -70,49 +88,71 @@ def decode_data(text: str) -> Any:
     return json.loads(gzip.decompress(base64.b64decode(text)))
 
 
-def _run_section(rows: Sequence[Row], health_rates: dict[tuple[bool, int], dict[str, float]]) -> str:
-    esc = html.escape
+def _run_section(rows: Sequence[Row], health_rates: dict[tuple[bool, int], dict[str, float]],
+                 extras: dict[tuple[bool, int], dict[str, float]] | None = None) -> str:
+    links = views.StaticLinks()
     out = []
     for validate in (False, True):
         part = [r for r in rows if r[0] == validate]
-        if not part:
-            continue
-        out.append(f"<h2>{'validation' if validate else 'training'}</h2><div class='scroll'><table class='run'>"
-                   "<thead><tr>" + "".join(f"<th>{esc(h)}</th>" for h, _, _ in COLUMNS)
-                   + "<th>slowest trace</th></tr></thead><tbody>")
-        for _, step, values, slowest in part:
-            key = f"{'v' if validate else 't'}{step}"
-            out.append(f"<tr data-step='{key}' title='open {esc(key)}'>" + "".join(
-                f"<td>{esc(cell(values, name, fmt, step))}</td>" for _, name, fmt in COLUMNS))
-            link = f"<a class='tid' href='#trace={esc(slowest)}'>{esc(slowest)}</a>" if slowest else "-"
-            out.append(f"<td>{link}</td></tr>")
-        out.append("</tbody></table></div><div class='plots'>")
-        for title, series, unit in RUN_PLOTS:
-            out.append(plots.line_plot(title, [(label, [(step, values.get(name)) for _, step, values, _ in part])
-                                               for label, name in series], unit))
-        checks = sorted({name for (v, _), rates in health_rates.items() if v == validate for name in rates})
-        failing = [c for c in checks if any(health_rates.get((validate, s), {}).get(c) for _, s, _, _ in part)]
-        if checks:
-            shown = (failing or checks)[:plots.MAX_SERIES]
-            out.append(plots.line_plot(
-                "health: trajectories failing", [(c[len("health/"):-len("_rate")],
-                                                  [(s, health_rates.get((validate, s), {}).get(c)) for _, s, _, _ in
-                                                   part]) for c in shown], "%"))
-        out.append("</div>")
+        if part:
+            out.append(views.steps_table(part, links))
+            out.append(views.run_curves(part, extras, health_rates, validate=validate))
     return "".join(out)
 
 
+def snapshot_db(records: Sequence[Record]) -> Any:
+    """The records' two tables in memory (:func:`rtrace.report.queries.memory_db`), for
+    the run-wide snapshot; None without pyarrow and duckdb (the ``parquet`` extra)."""
+    try:
+        from .queries import memory_db
+
+        return memory_db([r.traj for r in records], spans=False)
+    except ImportError:
+        return None
+
+
+def _snapshot(db: Any) -> tuple[str, dict[tuple[bool, int], dict[str, float]]]:
+    """The run-wide rollouts table (the newest steps first) and its histograms, as
+    ``rtrace serve`` draws them; and the per-step extras for the curves."""
+    from . import queries as Q
+
+    if db is None:
+        return (str(h("p", {"class_": "note"}, "The run-wide rollouts table needs pyarrow and duckdb: "
+                      "pip install 'rtrace[parquet]'")), {})
+    columns = Q.columns_of(Q.discover_keys(db))
+    state = Q.TableState(size=SNAPSHOT_ROWS)
+    result = Q.rollouts(db, state, columns)
+    hist = Q.histograms(db, state, columns)
+    note = (f"A snapshot: the first {SNAPSHOT_ROWS} of {hist['total']:,} rollouts, the newest step first; "
+            "rtrace serve sorts, filters and searches every step." if hist["total"] > SNAPSHOT_ROWS else
+            "Every rollout of the run, the newest step first (rtrace serve sorts, filters and searches them).")
+    section = views.rollouts_section(result, hist, state, columns, views.StaticLinks(), note)
+    return str(h("h2", None, "rollouts of every step")) + section, Q.step_extras(db)
+
+
 def render(records: Sequence[Record], paths: Sequence[str], notes: Sequence[str] = (), max_chars: int = MAX_CHARS,
-           max_messages: int = MAX_MESSAGES) -> str:
-    """The whole page for ``records`` read from ``paths``."""
-    rows = step_table(r.traj for r in records)
-    rates = {(h.validate, h.step): h.rates() for h in step_health(records) if h.step is not None}
+           max_messages: int = MAX_MESSAGES, db: Any = "auto", live: Live | None = None) -> str:
+    """The whole page for ``records`` read from ``paths``. ``db``: the run's tables for
+    the run-wide snapshot (a :class:`rtrace.report.queries.Db`; ``"auto"``: built from
+    ``records`` in memory; None: left out). ``live``: the page ``rtrace serve`` shows for a step."""
     files = ", ".join(str(p) for p in paths)
-    summary = f"{len(records):,} trajectories from {len(paths)} file(s): {files}"
-    values = {"CSS": _static("report.css"), "TITLE": html.escape(f"rtrace report: {files}"),
-              "SUMMARY": html.escape(summary),
-              "NOTES": "".join(f"<p class='note'>{html.escape(n)}</p>" for n in notes),
-              "RUN": _run_section(rows, rates), "JS": _static("report.js"),
-              "DATA": encode_data(page_data(records, max_chars, max_messages))}
+    esc = html.escape
+    data = encode_data(page_data(records, max_chars, max_messages))
+    if live is None:
+        rows = step_table(r.traj for r in records)
+        rates = {(h_.validate, h_.step): h_.rates() for h_ in step_health(records) if h_.step is not None}
+        snapshot, extras = _snapshot(snapshot_db(records) if db == "auto" else db) if db is not None else ("", {})
+        summary = f"{len(records):,} trajectories from {len(paths)} file(s): {files}"
+        values = {"STYLE": f"<style>{_static('report.css')}</style>", "BODY": "<body>", "NAV": "",
+                  "H1": "<h1>rtrace report</h1>", "RUN": _run_section(rows, rates, extras) + snapshot,
+                  "SCRIPT": f"<script>{_static('report.js')}</script>", "TITLE": esc(f"rtrace report: {files}")}
+    else:
+        summary = f"{len(records):,} trajectories of {files}"
+        body = {"data-base": live.base, **(live.body or {})}
+        values = {"STYLE": "".join(str(h("link", {"rel": "stylesheet", "href": u})) for u in live.styles),
+                  "BODY": "<body" + "".join(f' {k}="{esc(v)}"' for k, v in body.items()) + ">", "NAV": live.nav,
+                  "H1": "", "RUN": live.run, "TITLE": esc(f"rtrace · {files}"),
+                  "SCRIPT": "".join(str(h("script", {"src": u})) for u in live.scripts)}
+    values.update(SUMMARY=esc(summary), NOTES="".join(f"<p class='note'>{esc(n)}</p>" for n in notes), DATA=data)
     # one pass over the template: a value is never searched for markers (the data may hold any text)
     return _MARKER.sub(lambda m: values[m.group(1) or m.group(2)], _static("report.html"))

@@ -6,6 +6,10 @@
  * when it is opened. The state lives in the URL's hash (#step=t3&tab=groups&group=p1, #trace=<id>): links can be shared, the back
  * button works. Texts from the data are only ever set as textContent; the one innerHTML
  * is the SVG that rtrace/report/plots.py escaped.
+ *
+ * Served by `rtrace serve` (body[data-base] = the run's URL, e.g. /run/run-7), the page
+ * holds one step: a trajectory links its full view (tokens, spans) on the server, a prompt
+ * its view across every step, and a search that finds nothing here asks the server.
  */
 "use strict";
 async function rtraceData() {
@@ -20,6 +24,7 @@ rtraceData().then(function (D) {
   D.fields.forEach((name, i) => { F[name] = i; });
   const S = D.strings, T = D.trajectories, STEPS = D.steps, FAILURES = D.failures;
   const PAGE = 100;
+  const BASE = document.body.dataset.base || null;  // rtrace serve: the run's URL
   const TABS = ["overview", "groups", "failures", "latency", "health", "prompts"];
   const str = (i) => (i === null || i === undefined ? null : S[i]);
   const val = (t, name) => t[F[name]];
@@ -489,7 +494,10 @@ rtraceData().then(function (D) {
     const items = prompts().get(name);
     const box = h("div", {id: "prompt", "data-prompt": name});
     if (!items) { box.append(h("p", {class: "muted", text: "No prompt named " + name + "."})); return box; }
-    box.append(h("h3", null, "prompt " + name + " across steps · ", h("a", {href: href({prompt: null}), text: "all prompts"})));
+    box.append(h("h3", null, "prompt " + name + (BASE ? " at this step · " : " across steps · "),
+      h("a", {href: href({prompt: null}), text: "all prompts"}),
+      BASE ? [" · ", h("a", {href: BASE + "/prompt?" + new URLSearchParams({key: name}).toString(),
+                              text: "across every step →"})] : null));
     const q = task(items[0]);
     if (q) box.append(h("pre", {class: "text task", text: q}));
     const bySteps = new Map();
@@ -556,7 +564,9 @@ rtraceData().then(function (D) {
     }, text: "copy"});
     const facts = [
       ["trace id", h("span", null, h("code", {class: "tid", id: "trace-id", text: id}), copy, " ",
-        h("a", {href: "#trace=" + id, text: "link"}))],
+        h("a", {href: "#trace=" + id, text: "link"}),
+        BASE ? [" · ", h("a", {id: "full-view", href: BASE + "/rollout/" + encodeURIComponent(id),
+                               text: "full view: tokens, spans →"})] : null)],
       ["step", h("a", {href: href({step: st.key, tab: "overview"}, false), text: st.label})],
       ["sample / rollout", num(val(t, "sample_index")) + " / " + num(val(t, "rollout_n"))],
       ["group", str(val(t, "group")) === null ? "–" : h("a", {href: href({step: st.key, tab: "groups", group: str(val(t, "group"))}, false),
@@ -643,6 +653,7 @@ rtraceData().then(function (D) {
       if (groups(si).has(q)) { go({step: STEPS[si].key, tab: "groups", group: q}, false); return; }
     }
     if (prompts().has(q)) { go({step: STEPS[cur].key, tab: "prompts", prompt: q}, false); return; }
+    if (BASE) { location.href = BASE + "/rollouts?" + new URLSearchParams({q: q}).toString(); return; }
     msg.textContent = "no trace id, group or prompt " + q;
   }
 

@@ -1,0 +1,417 @@
+"""``rtrace serve`` in a real browser (issue #35): every view on the demo's run, on a job with
+hostile text and per-token values, on a generated run of 1,000,000 trajectories, and a run
+that appears and grows while the page is open.
+
+The server is the real command (``python -m rtrace serve ...`` in a process of its own,
+stopped by pid); the runs are real: ``rtrace demo --exporter parquet,jsonl`` (the tiny
+policy on CPU), tests/serve_job.py (traced with rtrace's decorators), and
+tests/ui/big_run.py (written in the dataset's schema with pyarrow, cached under
+``$RTRACE_UI_CACHE`` or ``~/.cache/rtrace``: built once, about a minute). Playwright drives
+Debian's chromium; no test passes with a console error, an uncaught exception, a dialog
+(an injected ``alert``) or a request to anything but the server. Timings are measured and
+written to ``artifacts/ui/serve-timings.json`` (docs/serve.md quotes them), never asserted;
+what is asserted is behaviour: rows, orders, filters, counts, bounded page weight.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="make test-ui installs playwright")
+pytest.importorskip("starlette")
+pytest.importorskip("duckdb")
+
+from tests import serve_job as job  # noqa: E402
+from tests.servers import free_port  # noqa: E402
+from tests.ui import big_run  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+CHROMIUM = os.environ.get("RTRACE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+ARTIFACTS = Path(os.environ.get("RTRACE_UI_ARTIFACTS") or REPO / "artifacts" / "ui")
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1",
+       "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+TIMINGS: dict[str, object] = {}
+
+
+def _record(name: str, value: object) -> None:
+    TIMINGS[name] = value
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    (ARTIFACTS / "serve-timings.json").write_text(json.dumps(TIMINGS, indent=1))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The demo's run, the job's run (and its JSONL), the 1,000,000-trajectory run, and the
+    folder a run will be written to later (nothing there yet)."""
+    out = tmp_path_factory.mktemp("serve-ui")
+    demo = subprocess.run([sys.executable, "-m", "rtrace", "demo", "--exporter", "parquet,jsonl", "--out-dir",
+                           str(out / "demo")], env=ENV, capture_output=True, text=True, timeout=900)
+    assert demo.returncode == 0, demo.stderr[-3000:]
+    (demo_ds,) = glob.glob(str(out / "demo" / "dataset" / "*"))
+    ran = job.run(str(out / "job"))
+    t0 = time.perf_counter()
+    big = big_run.ensure()
+    _record("big_run_ready_s", round(time.perf_counter() - t0, 1))
+    return {"demo": demo_ds, "demo_jsonl": str(out / "demo" / "traces.jsonl"), "job": ran, "big": str(big),
+            "live": str(out / "live"), "out": out}
+
+
+@pytest.fixture(scope="module")
+def server(runs):
+    """``rtrace serve`` over the five runs, on a free port; stopped (SIGTERM, then SIGKILL) at the end."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "rtrace", "serve", f"demo={runs['demo']}", f"job={runs['job']['dataset']}",
+           f"jobcopy={runs['job']['jsonl']}", f"big={runs['big']}", f"live={runs['live']}/ds/job",
+           "--port", str(port), "--refresh-s", "1"]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if line.startswith("rtrace serve: http"):
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    ok = ready.wait(600)
+    assert ok, "".join(lines)[-3000:]
+    _record("serve_start_s_with_1M_index", round(time.perf_counter() - t0, 1))
+    yield {"url": f"http://127.0.0.1:{port}", "lines": lines}
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no chromium at {CHROMIUM} (make test-ui installs it)")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser, server):
+    """A page of the server, with every console error, page error, dialog and outside request
+    recorded: none may occur."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    context = browser.new_context(viewport={"width": 1500, "height": 1100})
+    pg = context.new_page()
+    pg.set_default_timeout(30_000)
+    problems: list[str] = []
+    pg.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning")
+          else None)
+    pg.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    pg.on("dialog", lambda d: (problems.append(f"dialog: {d.message}"), d.dismiss()))
+    pg.on("request", lambda r: problems.append(f"request: {r.url}")
+          if not r.url.startswith((server["url"], "data:")) else None)
+    pg.base = server["url"]  # type: ignore[attr-defined]
+    yield pg
+    context.close()
+    assert problems == []
+
+
+def _go(page, path: str) -> float:
+    """Open ``path``; returns the first render's time (navigation start to the load event), in ms."""
+    page.goto(page.base + path)
+    return page.evaluate("() => { const n = performance.getEntriesByType('navigation')[0]; "
+                         "return n.loadEventEnd - n.startTime; }")
+
+
+def _shot(page, name: str, full: bool = False) -> None:
+    page.screenshot(path=str(ARTIFACTS / f"serve-{name}.png"), full_page=full)
+
+
+def _sql_ms(page) -> float:
+    text = page.locator("#timing").text_content()  # "2 queries, 15 ms in SQL"
+    return float(text.split(",")[1].split("ms")[0].replace(",", "").strip())
+
+
+def _total(page) -> int:
+    text = page.locator("p.pager .count").first.text_content()  # "rollouts 1–50 of 1,001,250"
+    return int(text.rsplit("of", 1)[1].replace(",", "").strip())
+
+
+def _column(page, name: str) -> list[str]:
+    return page.locator(f"table.rollouts tbody td[data-col='{name}']").all_text_contents()
+
+
+# ----------------------------------------------------------------------------- the demo's run
+def test_demo_overview_curves_fit(page, runs):
+    """The demo's run: its step table (3 training steps), curves whose y axes start at 0 and whose
+    legends stay inside the plot and off the title; one curve per reward component."""
+    _go(page, "/run/demo/overview")
+    assert page.locator("section.split-training table.run tbody tr").count() == 3
+    reward = page.locator("svg[aria-label='reward mean']").first
+    ticks = reward.locator("text.a").all_text_contents()
+    assert ticks[0] in ("0.0", "0.00", "0")
+    for svg in page.locator("svg.plot").all():
+        boxes = svg.evaluate("""s => {
+            const r = s.getBoundingClientRect(), title = s.querySelector('text.t').getBoundingClientRect();
+            return [...s.querySelectorAll('text.l, text.v')].map(t => { const b = t.getBoundingClientRect();
+              return {right: b.right - r.right, overTitle: b.top < title.bottom - 1 && b.bottom > title.top + 1 &&
+                      b.left < title.right && b.right > title.left}; }); }""")
+        assert all(b["right"] <= 1 and not b["overTitle"] for b in boxes), svg.get_attribute("aria-label")
+    _shot(page, "01-demo-overview", full=True)
+
+
+def test_demo_rollouts_sort_filter_search_columns(page, runs):
+    """The demo's rollouts in one table: sorted by a click on a header, filtered by a click on a
+    value, narrowed by a histogram bar, searched, and a column hidden with the chooser."""
+    _go(page, "/run/demo/rollouts")
+    total = _total(page)
+    assert total == len(open(runs["demo_jsonl"]).read().splitlines())
+    _shot(page, "02-demo-rollouts")
+    with page.expect_navigation():
+        page.click("table.rollouts th[data-col='reward'] a")
+    rewards = [float(x) for x in _column(page, "reward") if x != "–"]
+    assert rewards == sorted(rewards, reverse=True)
+    with page.expect_navigation():
+        page.locator("table.rollouts td[data-col='verdict'] a", has_text="wrong").first.click()
+    assert set(_column(page, "verdict")) == {"wrong"} and _total(page) < total
+    wrong = _total(page)
+    with page.expect_navigation():
+        page.locator("#filters .chip[data-filter='verdict'] a.x").click()  # remove the filter
+    assert _total(page) == total
+    bar = page.locator("[data-hist='reward'] a.bar").first
+    count = int(bar.locator("rect.b title").text_content().rsplit(":", 1)[1].replace(",", ""))
+    with page.expect_navigation():
+        bar.click()
+    assert _total(page) == count
+    page.goto(page.base + "/run/demo/rollouts")
+    page.fill("form.search input[name=q]", "answer")
+    with page.expect_navigation():
+        page.press("form.search input[name=q]", "Enter")
+    assert 0 < _total(page) <= total and "answer" in page.locator("#filters").text_content()
+    page.goto(page.base + "/run/demo/rollouts")
+    page.click("details.cols summary")
+    with page.expect_navigation():
+        page.uncheck("details.cols input[value='answer']")
+    assert page.locator("table.rollouts th[data-col='answer']").count() == 0
+    assert page.locator("table.rollouts th[data-col='reward']").count() == 1
+    assert wrong < total
+
+
+def test_demo_step_group_conversation_and_tokens(page, runs):
+    """Step 2 of the demo: its groups side by side (today's report view), a rollout's conversation,
+    and from there its full view: the tokens coloured by the sampler's log-probability, values on hover."""
+    _go(page, "/run/demo/step/t2#tab=groups")
+    page.wait_for_selector("body[data-ready='1']")
+    page.locator("#groups tr[data-group]").first.click()
+    cols = page.locator("#group .col")
+    assert cols.count() == 4
+    _shot(page, "03-demo-group")
+    cols.first.locator("a.tid").last.click()
+    page.locator("#drawer").wait_for(state="visible")
+    assert page.locator("#drawer .msg .role").first.text_content() == "system"
+    with page.expect_navigation():
+        page.click("#full-view")
+    page.wait_for_selector("section#rollout")
+    assert page.locator("#colors a.chip.on").text_content() == "logprob"
+    token = page.locator(".tokens .tk").first
+    assert "logprob" in token.get_attribute("title")
+    assert page.locator(".tlegend[data-color='logprob']").count() == 1
+    token.hover()
+    _shot(page, "04-demo-tokens")
+
+
+def test_demo_prompts_failures_and_health(page, runs):
+    """A prompt across steps from the run-wide prompt list; the failures with why in words."""
+    _go(page, "/run/demo/prompts")
+    rows = page.locator("table.prompts tbody tr")
+    assert rows.count() > 0
+    recurring = [r for r in rows.all() if int(r.locator("td").nth(2).text_content()) > 1]
+    assert recurring, "the demo draws prompts from a small pool: some recur"
+    with page.expect_navigation():
+        recurring[0].locator("td a").first.click()
+    page.wait_for_selector("section#prompt")
+    assert page.locator("table.prompt tbody tr").count() > 1
+    _shot(page, "05-demo-prompt")
+    _go(page, "/run/demo/failures")
+    reasons = page.locator("table.failures td.why .reason").all_text_contents()
+    assert reasons and all(r.strip() for r in reasons)
+    assert any(r.startswith(("wrong answer", "truncated:", "error:", "reward")) for r in reasons)
+    _shot(page, "06-demo-failures")
+
+
+# ----------------------------------------------------------------------------- untrusted text, tokens, compare
+def test_hostile_text_is_text(page, runs):
+    """An answer holding <script> and an onerror= attribute, a prompt with <b> and <script>, an error with
+    <svg onload=>: shown as characters in the table, the rollout page and the step viewer; no element made
+    from them, no script run (a dialog would fail the test)."""
+    tid = runs["job"]["trace_ids"]["-".join(map(str, job.HOSTILE))]
+    _go(page, "/run/job/rollouts?q=onerror")
+    assert _total(page) == 1
+    answer = page.locator("table.rollouts td[data-col='answer']").text_content()
+    assert answer.endswith('</pre><script>alert("x")</script><img src=x onerror=alert(1)>')
+    task = page.locator("table.rollouts td[data-col='task']").text_content()
+    assert task == job.HOSTILE_TASK
+    assert page.locator("main img, main b, main svg:not(.plot) script").count() == 0
+    _shot(page, "07-hostile-table")
+    _go(page, f"/run/job/rollout/{tid}")
+    assert '<img src=x onerror=alert(1)>' in page.locator(".tokens").text_content()
+    assert page.locator("main img").count() == 0
+    crash = runs["job"]["trace_ids"]["-".join(map(str, job.CRASH))]
+    _go(page, f"/run/job/rollout/{crash}")
+    assert job.CRASH_ERROR in page.locator("#why").text_content() and page.locator("main svg").count() == 0
+    _go(page, f"/run/job/step/t2#trace={tid}")
+    page.locator("#drawer").wait_for(state="visible")
+    texts = page.locator("#drawer .msg pre").all_text_contents()
+    assert job.HOSTILE_TASK in texts and page.locator("#drawer img, #drawer b").count() == 0
+    _shot(page, "08-hostile-drawer")
+
+
+def test_mismatch_at_a_step_and_its_tokens(page, runs):
+    """Step 2's rollouts by train-inference mismatch: the scripted one first; its tokens coloured by
+    trainer - sampler logprob, the changed token the darkest, its values on hover; a legend."""
+    tid = runs["job"]["trace_ids"]["-".join(map(str, job.MISMATCH))]
+    _go(page, "/run/job/step/t2")
+    first = page.locator("#mismatch tbody tr").first
+    assert first.get_attribute("data-trace") == tid
+    with page.expect_navigation():
+        first.locator("a.tid").click()
+    page.wait_for_selector("section#rollout")
+    assert page.locator("#colors a.chip.on").text_content() == "mismatch"
+    toks = page.locator(".tokens .tk")
+    assert [t.get_attribute("class") for t in toks.all()] == ["tk d5", "tk d5", "tk d5", "tk d0", "tk d5"]
+    assert "mismatch -2" in toks.nth(3).get_attribute("title")
+    toks.nth(3).hover()
+    _shot(page, "09-mismatch-tokens")
+    with page.expect_navigation():
+        page.click("#colors a[data-color='loss_mask']")
+    assert page.locator(".tokens .tk").first.get_attribute("class") == "tk m0"
+
+
+def test_two_runs_compared(page, runs):
+    """The job's dataset and its JSONL copy: step metrics overlaid (a legend naming both runs), the
+    prompts both have, and one prompt in both runs side by side."""
+    _go(page, "/compare?a=job&b=jobcopy")
+    legend = page.locator("svg[aria-label='reward mean'] text.l").all_text_contents()
+    assert [x.split(" ", 1)[1] for x in legend] == ["job", "jobcopy"]
+    rows = page.locator("table.compare tbody tr")
+    assert sorted(r.get_attribute("data-prompt") for r in rows.all()) == ["q0", "q1", "q2"]
+    _shot(page, "10-compare")
+    with page.expect_navigation():
+        rows.first.locator("a").click()
+    page.wait_for_selector("section#prompt")
+    assert page.locator("table.prompt thead th").count() == 7
+    _shot(page, "11-compare-prompt")
+
+
+# ----------------------------------------------------------------------------- 1,000,000 trajectories
+def test_a_million_rollouts(page, runs):
+    """The generated run: the table's first render, a sort and filters over every step (their time
+    in SQL on the server), a histogram bar, and the page's weight, which does not grow with the run."""
+    render = _go(page, "/run/big/rollouts")
+    assert _total(page) == 1_001_250
+    assert page.locator("table.rollouts tbody tr").count() == 50
+    weight = page.evaluate("() => performance.getEntriesByType('resource').concat(performance.getEntriesByType("
+                           "'navigation')).reduce((s, e) => s + (e.transferSize || e.encodedBodySize || 0), 0)")
+    html_bytes = page.evaluate("() => performance.getEntriesByType('navigation')[0].encodedBodySize")
+    assert html_bytes < 300_000  # 50 rows and fixed-size histograms, whatever the run's size
+    first_sql = _sql_ms(page)
+    _shot(page, "12-big-rollouts")
+    with page.expect_navigation():
+        page.click("table.rollouts th[data-col='reward'] a")
+    rewards = [float(x) for x in _column(page, "reward")]
+    assert rewards == sorted(rewards, reverse=True) and rewards[0] == pytest.approx(1.2)
+    sort_ms = _sql_ms(page)
+    _go(page, "/run/big/rollouts?verdict=wrong")
+    assert set(_column(page, "verdict")) == {"wrong"}
+    filter_ms = _sql_ms(page)
+    _go(page, "/run/big/rollouts?step__ge=900&outcome.reward/format=0.5&_sort=latency&_desc=1")
+    steps = [int(x.replace(",", "")) for x in _column(page, "step")]
+    assert all(s >= 900 for s in steps)
+    combined_ms = _sql_ms(page)
+    bar = page.locator("[data-hist='latency'] a.bar").nth(3)
+    count = int(bar.locator("rect.b title").text_content().rsplit(":", 1)[1].replace(",", ""))
+    with page.expect_navigation():
+        bar.click()
+    assert _total(page) == count
+    _go(page, "/run/big/rollouts?q=Question+1999%3A")
+    search_ms = _sql_ms(page)
+    assert _total(page) > 0 and all("Question 1999:" in t for t in _column(page, "task"))
+    _record("big_rollouts", {"first_render_ms": round(render), "first_page_sql_ms": first_sql, "sort_sql_ms": sort_ms,
+                             "filter_sql_ms": filter_ms, "filter_and_sort_sql_ms": combined_ms,
+                             "text_search_sql_ms": search_ms, "html_bytes": html_bytes, "page_bytes": weight})
+
+
+def test_a_million_rollouts_other_views(page, runs):
+    """The generated run's overview (1,000 steps: the table a page at a time, curves averaged in
+    buckets), a step with its groups and mismatch list, a prompt across steps, the failures, and a
+    rollout's tokens."""
+    render = _go(page, "/run/big/overview")
+    assert page.locator("section.split-training table.run tbody tr").count() == 50
+    train = page.locator("section.split-training")
+    assert train.locator("svg[aria-label='reward mean'] text", has_text="mean of 5 steps per point").count() == 1
+    assert train.locator("svg[aria-label='reward/accuracy (mean)']").count() == 1
+    overview_bytes = page.evaluate("() => performance.getEntriesByType('navigation')[0].encodedBodySize")
+    assert overview_bytes < 400_000
+    _shot(page, "13-big-overview")
+    step_render = _go(page, "/run/big/step/t950#tab=groups")
+    page.wait_for_selector("body[data-ready='1']")
+    assert page.locator("#groups tr[data-group]").count() == 125
+    assert page.locator("#mismatch tbody tr").count() == 20
+    _shot(page, "14-big-step")
+    prompt_render = _go(page, "/run/big/prompt?key=gsm8k-17")
+    assert page.locator("table.prompt tbody tr").count() > 10
+    failures_render = _go(page, "/run/big/failures?check=retokenization")
+    assert page.locator("table.failures tbody tr").count() == 50
+    # the newest step has token texts: its findings show the text at the first different token
+    assert page.locator("table.failures .retok .tk.at").count() >= 1
+    _shot(page, "15-big-failures")
+    _go(page, "/run/big/step/t1000")
+    tid = page.locator("#mismatch a.tid").first.get_attribute("title")
+    rollout_render = _go(page, f"/run/big/rollout/{tid}?color=mismatch")
+    assert page.locator(".tokens .tk").count() > 5
+    _shot(page, "16-big-tokens")
+    _record("big_other_views", {"overview_render_ms": round(render), "overview_bytes": overview_bytes,
+                                "step_render_ms": round(step_render), "prompt_render_ms": round(prompt_render),
+                                "failures_render_ms": round(failures_render), "rollout_render_ms": round(rollout_render)})
+
+
+# ----------------------------------------------------------------------------- live
+def test_a_run_appears_and_a_new_step_shows_while_it_writes(page, runs):
+    """A run that does not exist yet: its page says so; a process then writes it a step at a time
+    and the open page (no reload) shows each new step; the time from a step's files in place to
+    its row on the page is recorded."""
+    _go(page, "/run/live/overview")
+    assert "nothing to show yet" in page.locator("main").text_content()
+    writer = subprocess.Popen([sys.executable, str(REPO / "tests" / "serve_job.py"), runs["live"], "3", "6"], env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: dict[int, float] = {}
+    written: dict[int, float] = {}
+    try:
+        def follow() -> None:
+            for line in writer.stdout:  # type: ignore[union-attr]
+                item = json.loads(line)
+                written[item["step"]] = item["written"]
+
+        threading.Thread(target=follow, daemon=True).start()
+        for step in (1, 2, 3):
+            page.wait_for_selector(f"table.run tr[data-step='t{step}']", timeout=120_000)
+            seen[step] = time.time()
+        _shot(page, "17-live")
+        assert writer.wait(120) == 0, writer.stderr.read()
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+    assert page.evaluate("document.body.dataset.version") != "0"
+    _record("live_new_step_s", {s: round(seen[s] - written[s], 2) for s in (2, 3) if s in written})
