@@ -193,7 +193,12 @@ class SinkWorker:
             item.set()
             return
         with self._lock:
-            if self._abandoned:  # counted as abandoned already: a late thread writes nothing
+            if self._abandoned:
+                # A late thread writes nothing. Shutdown counted what was inside export() and
+                # what it drained from the queue itself; this batch the thread took from the
+                # queue meanwhile (back from the export shutdown gave up on), so it is in
+                # neither: it is counted here, else it would be in no counter at all
+                self._count("abandoned_trajectories", len(item))
                 return
             self._in_flight = item
         failed = len(item)
