@@ -53,6 +53,8 @@ class CollectorSink(Sink):
         self._grpc = grpc
         self._channel = _channel(grpc, settings)
         self._stub = TraceServiceStub(self._channel)
+        self._compression = {"gzip": grpc.Compression.Gzip, "deflate": grpc.Compression.Deflate}.get(
+            settings.otlp_compression, grpc.Compression.NoCompression)
         # OTEL_EXPORTER_OTLP_HEADERS (an OpenTelemetry Collector in front, with its own auth),
         # then rtrace's token; gRPC metadata keys are lower case
         headers = {k.lower(): v for k, v in settings.otlp_headers.items()}
@@ -74,7 +76,8 @@ class CollectorSink(Sink):
         while True:
             left = deadline - time.monotonic()
             try:
-                response = self._stub.Export(request, timeout=max(0.05, left), metadata=self._metadata)
+                response = self._stub.Export(request, timeout=max(0.05, left), metadata=self._metadata,
+                                             compression=self._compression)
             except grpc.RpcError as exc:
                 # the collector's push-back names its delay (RetryInfo, as OTLP says); else
                 # exponential backoff. Either way the whole request again, within the timeout
