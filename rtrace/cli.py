@@ -137,9 +137,10 @@ def _collect(args: argparse.Namespace) -> int:
                                        max_traces_per_step=args.max_traces_per_step, flush_on_sigterm=False,
                                        collector_tls_cert=args.tls_cert, collector_tls_key=args.tls_key,
                                        collector_tls_client_ca=args.tls_client_ca, collector_tls_ca=args.tls_ca)
-    from .pipeline.collector import tune_gc
+    from .pipeline.collector import release_memory, tune_gc, tune_malloc
 
     tune_gc()  # this process is the collector's alone
+    tune_malloc()
     env = dict(collector.env)
     if args.host in ("0.0.0.0", "::"):  # workers need an address they can reach
         scheme = "https://" if env["RTRACE_COLLECTOR_ENDPOINT"].startswith("https://") else ""
@@ -160,8 +161,15 @@ def _collect(args: argparse.Namespace) -> int:
         print(f"export {key}={value}", flush=True)
     if env_file:
         print(f"# the whole worker environment: source {env_file}", flush=True)
+    requests, idle = -1, 0
     while not stop.wait(1.0):
-        pass
+        # once no request came for a second, and for the next few while the sinks finish,
+        # the free pages of the threads' heaps go back to the system: after a burst the
+        # collector's memory returns near where it was
+        now = collector.receiver.stats()["requests"]
+        idle, requests = (idle + 1 if now == requests else 0), now
+        if 1 <= idle <= 10:
+            release_memory()
     collector.stop()
     print("rtrace collector stopped", flush=True)
     return 0
