@@ -70,6 +70,24 @@ class TestPushBackBeforeAccepting:
         assert stats["receiver.accepted_spans"] == 240 and stats["collector_backpressure_spans"] == 120
         assert "trajectories_dropped_open_limit" not in stats and "spans_dropped_open_limit" not in stats
 
+    def test_annotations_reserve_no_room(self, collector, tmp_path):
+        """A driver's annotations (one span each, on a trace of its own) open no trajectory: a
+        request of 50 is taken while 60 new trajectories are on their way into a table of 100,
+        and every trajectory is written with its annotation."""
+        from rtrace.pipeline.annotations import Annotation, coord_key
+        from rtrace.pipeline.stream import _annotation_shell
+
+        c = collector(max_open_trajectories=100, export_interval_s=3600)
+        _stats.reset()
+        assert export(c.endpoint, request_of(*trajectories(0, 60)))[0] == grpc.StatusCode.OK
+        notes = [_annotation_shell(Annotation(coord_key({"step": 1, "sample_index": i, "rollout_n": 0, "validate": False}), None,
+                                              {"advantage": i / 10})) for i in range(50)]
+        code, answer, _ = export(c.endpoint, request_of(*notes))
+        assert code == grpc.StatusCode.OK and answer.partial_success.rejected_spans == 0
+        trajs = written(c, tmp_path)
+        assert sorted(t.sample_index for t in trajs if "advantage" in t.annotations) == list(range(50))
+        assert "collector_backpressure_spans" not in c.stats()
+
     def test_http_push_back_is_429_with_retry_after(self, collector, tmp_path):
         """The same over OTLP/HTTP: 429 with Retry-After, nothing taken."""
         c = collector(max_open_trajectories=100, export_interval_s=3600, http_port=0)

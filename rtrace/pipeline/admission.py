@@ -41,6 +41,7 @@ from typing import Any, Callable
 from .. import _stats
 from .otlp_receiver import Backpressure, PartialSuccess
 from .registry import TrajectoryRegistry
+from .stream import ANNOTATION_SPAN
 
 __all__ = ["Admission", "Ticket", "REFUSED", "RETRY_AFTER_S"]
 
@@ -161,8 +162,8 @@ class Admission:
                     sizes.append(size)
                     nbytes += size
                     trace_id = span.trace_id
-                    if trace_id != last:  # a worker sends a trace's spans together
-                        last = trace_id
+                    if trace_id != last and span.name != ANNOTATION_SPAN:  # an annotation opens nothing
+                        last = trace_id  # a worker sends a trace's spans together
                         traces[int.from_bytes(trace_id, "big")] = None
         return sizes, traces, refused, nbytes
 
@@ -200,11 +201,11 @@ class Admission:
         what is taken (spans, new trajectories, bytes), the trajectories refused and
         their spans."""
         registry = self.registry
-        per_trace: dict[int, list[int]] = {tid: [0, 0] for tid in traces}  # spans, bytes
+        per_trace: dict[int, list[int]] = {}  # spans, bytes (annotations: opening nothing, by their trace)
         k = 0
         for span in _spans(request):
             if sizes[k] >= 0:
-                entry = per_trace[int.from_bytes(span.trace_id, "big")]
+                entry = per_trace.setdefault(int.from_bytes(span.trace_id, "big"), [0, 0])
                 entry[0] += 1
                 entry[1] += sizes[k]
             k += 1
@@ -214,7 +215,7 @@ class Admission:
         spans = opens = nbytes = 0
         refused_traces: set[int] = set()
         for tid, (n, b) in per_trace.items():
-            new = registry.lookup(tid) is None and not registry.was_finished(tid)
+            new = tid in traces and registry.lookup(tid) is None and not registry.was_finished(tid)
             if not refused_traces and spans + n <= room_spans and opens + new <= room_open and nbytes + b <= room_bytes:
                 spans, opens, nbytes = spans + n, opens + new, nbytes + b
             else:
