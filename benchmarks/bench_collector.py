@@ -336,12 +336,16 @@ def main() -> None:
                       f"dropped in the collector {r['dropped']}, last request {r['behind']:.1f} s behind its time")
             clean = [r for r in results if r["lost"] == 0 and r["written"] == r["sent"]]
             pushed = [r["rate"] for r in results if r["pushed"]]
+            smooth = [r["rate"] for r in clean if not r["pushed"]]
             if clean:
                 best = max(clean, key=lambda r: r["spans_per_s"])
                 print(f"    largest rate written with nothing lost: {best['spans_per_s']:,.0f} spans/s "
                       f"(offered {best['rate']:,} traj/s)")
-            print(f"    push-back starts at: {min(pushed):,} traj/s offered" if pushed
-                  else "    no push-back at these rates")
+            if smooth:
+                print(f"    largest offered rate taken as offered (no push-back, nothing lost): {max(smooth):,} traj/s "
+                      f"({max(smooth) * SPANS_PER_TRAJECTORY:,} spans/s)")
+            print(f"    push-back starts at: {min(pushed):,} traj/s offered "
+                  f"({min(pushed) * SPANS_PER_TRAJECTORY:,} spans/s)" if pushed else "    no push-back at these rates")
         if "b" not in parts:
             return
 

@@ -70,6 +70,21 @@ class TestPushBackBeforeAccepting:
         assert stats["receiver.accepted_spans"] == 240 and stats["collector_backpressure_spans"] == 120
         assert "trajectories_dropped_open_limit" not in stats and "spans_dropped_open_limit" not in stats
 
+    def test_a_full_queue_pushes_back_until_the_worker_drained_it(self, collector, tmp_path):
+        """max_queue_size spans queued (the worker has not run): the next request is pushed back,
+        nothing of it taken; once the queue is assembled it is taken."""
+        c = collector(max_queue_size=10, export_interval_s=3600)
+        _stats.reset()
+        assert export(c.endpoint, request_of(*trajectories(0, 4)))[0] == grpc.StatusCode.OK  # 8 spans
+        assert export(c.endpoint, request_of(*trajectories(4, 1)))[0] == grpc.StatusCode.OK  # 10: full
+        code, _, trailers = export(c.endpoint, request_of(*trajectories(5, 1)))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "google.rpc.retryinfo-bin" in trailers
+        assert c.stats()["queued_spans"] == 10
+        assert c.flush(30)
+        assert export(c.endpoint, request_of(*trajectories(5, 1)))[0] == grpc.StatusCode.OK
+        assert sorted(t.sample_index for t in written(c, tmp_path)) == list(range(6))
+        assert c.stats()["collector_backpressure_spans"] == 2
+
     def test_annotations_reserve_no_room(self, collector, tmp_path):
         """A driver's annotations (one span each, on a trace of its own) open no trajectory: a
         request of 50 is taken while 60 new trajectories are on their way into a table of 100,

@@ -39,7 +39,7 @@ from collections import Counter, deque
 from typing import Any, Callable
 
 from .. import _stats
-from .otlp_receiver import Backpressure, PartialSuccess
+from .otlp_receiver import Backpressure, PartialSuccess, count_spans
 from .registry import TrajectoryRegistry
 from .stream import ANNOTATION_SPAN
 
@@ -107,6 +107,10 @@ class Admission:
     def admit(self, request: Any) -> PartialSuccess | None:
         """Take ``request`` (queued for the worker) or raise ``Backpressure``; returns the
         spans refused for good, if any, as a :class:`PartialSuccess`."""
+        if self.queued >= self.max_queue:  # no room for a single span: not worth walking it
+            with self._lock:
+                if self.queued >= self.max_queue:
+                    raise self._push_back(f"queue full ({self.max_queue} spans)", count_spans(request))
         sizes, traces, refused, nbytes = self._check(request)
         spans = len(sizes) - sum(refused.values())
         registry = self.registry
