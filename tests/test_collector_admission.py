@@ -71,18 +71,41 @@ class TestPushBackBeforeAccepting:
         assert "trajectories_dropped_open_limit" not in stats and "spans_dropped_open_limit" not in stats
 
     def test_a_full_queue_pushes_back_until_the_worker_drained_it(self, collector, tmp_path):
-        """max_queue_size spans queued (the worker has not run): the next request is pushed back,
-        nothing of it taken; once the queue is assembled it is taken."""
-        c = collector(max_queue_size=10, export_interval_s=3600)
+        """max_queue_size spans queued while the worker is busy (a sink's prepare holds it): the
+        next request is pushed back, nothing of it taken; once the worker drained the queue it
+        is taken."""
+        import threading
+
+        import rtrace
+
+        class Stall(rtrace.Sink):
+            name = "stall"
+
+            def __init__(self):
+                super().__init__(None)
+                self.entered, self.release = threading.Event(), threading.Event()
+
+            def prepare(self, trajectories):  # on the collector's worker thread
+                self.entered.set()
+                assert self.release.wait(30)
+
+            def export(self, trajectories):
+                pass
+
+        stall = Stall()
+        c = collector(max_queue_size=10, sinks=[stall])
         _stats.reset()
-        assert export(c.endpoint, request_of(*trajectories(0, 4)))[0] == grpc.StatusCode.OK  # 8 spans
-        assert export(c.endpoint, request_of(*trajectories(4, 1)))[0] == grpc.StatusCode.OK  # 10: full
-        code, _, trailers = export(c.endpoint, request_of(*trajectories(5, 1)))
+        assert export(c.endpoint, request_of(*trajectories(0, 1)))[0] == grpc.StatusCode.OK
+        assert stall.entered.wait(30)  # the worker is inside prepare() now
+        assert export(c.endpoint, request_of(*trajectories(1, 4)))[0] == grpc.StatusCode.OK  # 8 spans
+        assert export(c.endpoint, request_of(*trajectories(5, 1)))[0] == grpc.StatusCode.OK  # 10: full
+        code, _, trailers = export(c.endpoint, request_of(*trajectories(6, 1)))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "google.rpc.retryinfo-bin" in trailers
         assert c.stats()["queued_spans"] == 10
+        stall.release.set()
         assert c.flush(30)
-        assert export(c.endpoint, request_of(*trajectories(5, 1)))[0] == grpc.StatusCode.OK
-        assert sorted(t.sample_index for t in written(c, tmp_path)) == list(range(6))
+        assert export(c.endpoint, request_of(*trajectories(6, 1)))[0] == grpc.StatusCode.OK
+        assert sorted(t.sample_index for t in written(c, tmp_path)) == list(range(7))
         assert c.stats()["collector_backpressure_spans"] == 2
 
     def test_annotations_reserve_no_room(self, collector, tmp_path):
