@@ -29,7 +29,6 @@ import ipaddress
 import json
 import logging
 import secrets
-import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -137,7 +136,8 @@ class CollectorPipeline(Pipeline):
         if self._pressure:  # the receiver pushed back since the last round: free a tenth of the table
             self._pressure = False
             room = registry.max_open * 9 // 10 - admission.reserved_open
-            self._evicted += registry.evict(max(0, room), self._max_held_bytes * 9 // 10)
+            room_bytes = self._max_held_bytes * 9 // 10 - admission.reserved_bytes
+            self._evicted += registry.evict(max(0, room), max(0, room_bytes))
         for ticket in admission.take():
             _stats.incr("collector_spans_received", ticket.spans)
             sizes = ticket.sizes
