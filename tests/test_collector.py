@@ -484,8 +484,8 @@ class TestGc:
         spans (written) and 10 of one 48 MiB span (refused): once written, its memory is back near
         where it was before them, without a collection. Measured in the collector's own process.
         Before: every gRPC body stayed in a reference cycle until a full collection (+963 MiB here);
-        with that fixed, glibc's heaps still kept the freed blocks (+150-250 MiB) until
-        tune_malloc and release_memory (a fixed mmap threshold; malloc_trim once idle)."""
+        with that fixed, glibc's heaps still kept the freed blocks (~+580 MiB; +150-250 with the
+        fixed mmap threshold alone) until tune_malloc and release_memory (malloc_trim once idle)."""
         import grpc
 
         from rtrace.exporters.otel import encode_compact
