@@ -70,11 +70,16 @@ class SinkWorker:
             _stats.warn_once(f"sink-prepare-{self.name}", "rtrace sink %r failed in prepare", self.name,
                              exc_info=True)
 
-    def submit(self, batch: list[Trajectory]) -> None:
-        """Queue a batch (never blocks). ``batch`` may be queued for other sinks too: it
-        is never changed; a full queue makes new lists (:meth:`_thin`)."""
+    def submit(self, batch: list[Trajectory], wait_until: float | None = None) -> None:
+        """Queue a batch: at once, or, with ``wait_until`` (a ``time.monotonic()`` deadline:
+        a flush or a stop, whose caller waits anyway), waiting until then for room. Only
+        then does a full queue thin what it holds. ``batch`` may be queued for other sinks
+        too: it is never changed; a full queue makes new lists (:meth:`_thin`)."""
         try:
-            self.queue.put_nowait(batch)
+            if wait_until is None:
+                self.queue.put_nowait(batch)
+            else:
+                self.queue.put(batch, timeout=max(0.0, wait_until - time.monotonic()))
             return
         except queue.Full:
             pass
@@ -313,17 +318,21 @@ class Fanout:
         them (a fifth of the worker's time with a JSONL or OTLP sink alone)."""
         return any(_implements(w.sink, "export_step_metrics") for w in self.workers)
 
-    def submit(self, trajectories: list[Trajectory]) -> None:
+    def submit(self, trajectories: list[Trajectory], wait_until: float | None = None) -> None:
+        """Hand ``trajectories`` to every sink, in batches; with ``wait_until`` (a flush or
+        a stop), a sink whose queue is full is waited for until then before it thins: a
+        flush releases everything held at once (a collector's table: up to
+        ``max_open_trajectories``, more than a sink's queue holds), and its caller waits."""
         for worker in self._preparing:
             # a sink that is behind (its queue full) thins what it gets: encoding it here
             # would spend the worker's time on trajectories it may drop; its export does it
-            if not worker.queue.full():
+            if wait_until is not None or not worker.queue.full():
                 worker.prepare(trajectories)
         size = self.batch_size
         for i in range(0, len(trajectories), size):
             batch = trajectories[i:i + size]
             for worker in self.workers:
-                worker.submit(batch)
+                worker.submit(batch, wait_until)
 
     def submit_metrics(self, metrics: list[StepMetrics]) -> None:
         for worker in self.workers:

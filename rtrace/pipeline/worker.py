@@ -85,6 +85,10 @@ class Pipeline:
 
     #: True while a flush is being served (the collector releases what it holds)
     _flushing = False
+    #: a flush's or a stop's deadline (``time.monotonic()``) while the worker serves it: a
+    #: sink whose queue is full is waited for until then before it thins what it holds
+    _wait_until: float | None = None
+    _flush_deadline = 0.0
     #: a step's metrics wait this long after its last trajectory once a later step began
     metrics_linger_s = 1.0
     #: refuse new trajectories once shutdown starts (one process: the hot path may still
@@ -191,6 +195,10 @@ class Pipeline:
                     stopping = self._stopping
                 now = time.monotonic()
                 expire = stopping or now - last_expiry > min(1.0, self.settings.orphan_timeout_s)
+                # a flush's caller waits until its deadline anyway; a stop gives the worker
+                # sink_timeout_s (shutdown joins it that long): half of it for full sink queues
+                self._wait_until = (now + self.settings.sink_timeout_s / 2 if stopping
+                                    else self._flush_deadline if requests else None)
                 try:
                     self._round(now, expire, stopping)
                 except Exception:
@@ -372,7 +380,7 @@ class Pipeline:
         if health is not None:
             self._step(health.check_text, out, "health")  # with the decoded text and the conversation
         _stats.incr("trajectories_completed", len(out))
-        self.fanout.submit(out)
+        self.fanout.submit(out, self._wait_until)
         if self.metrics is not None:
             # observe() releases the steps these trajectories show are done: they go to
             # the sinks now, after the trajectories (a step's rows were lost here before)
@@ -401,6 +409,7 @@ class Pipeline:
         if not self._worker.is_alive():
             return False
         done, markers = threading.Event(), []
+        self._flush_deadline = deadline  # a full sink queue is waited for until then
         self._flushing = True  # releases what the selector holds, skips settle times
         try:
             with self._cond:
