@@ -280,10 +280,10 @@ class TestEviction:
 class TestFlushReleasesEverything:
     def test_a_flush_waits_for_room_in_a_sinks_queue_instead_of_dropping(self, collector, tmp_path):
         """A flush releases everything the collector holds at once (here 40 trajectories still
-        settling, 10 batches of 4, into a sink whose queue holds 2): the worker waits for room,
-        as the flush's caller does, and the sink gets all 40; before, the queue thinned 32 of them
-        (counted as dropped) and flush() was False. Found by bench_collector (c), where a flush
-        of a full table overran the JSONL sink's queue."""
+        settling, 10 batches of 4, into a sink whose queue holds 2): the collector's worker waits
+        for room while the sink makes progress, and the sink gets all 40; before, the queue
+        thinned 32 of them (counted as dropped) and flush() was False. Found by bench_collector
+        (c), where a flush of a full table overran the JSONL sink's queue."""
         import time as time_mod
 
         import rtrace
@@ -307,3 +307,76 @@ class TestFlushReleasesEverything:
         assert sorted(t.sample_index for t in slow.got) == list(range(40))
         stats = c.stats()
         assert stats["sink.slow.exported"] == 40 and "sink.slow.dropped_trajectories" not in stats
+
+
+class TestASinkBehind:
+    def test_a_slow_sink_holds_the_senders_back_instead_of_dropping(self, collector, tmp_path):
+        """A sink slower than the senders, its queue small: the collector's worker waits for room
+        while the sink makes progress, its queue fills, the receiver pushes back, and rtrace's
+        worker sink waits and sends again: every trajectory reaches the slow sink, none thinned
+        (before: the sink's full queue thinned what the senders had been told was taken; the
+        16-client load test saw it on a busy machine)."""
+        import time as time_mod
+
+        import rtrace
+
+        class Slow(rtrace.Sink):
+            name = "slow"
+
+            def __init__(self):
+                super().__init__(None)
+                self.got = []
+
+            def export(self, trajectories):
+                time_mod.sleep(0.01 * len(trajectories))  # 100 trajectories/s
+                self.got.extend(trajectories)
+
+        slow = Slow()
+        c = collector(settle_s=0.05, sinks=[slow], sink_queue_size=1, max_export_batch_size=4,
+                      max_queue_size=64, max_open_trajectories=40)
+        _stats.reset()
+        sink = CollectorSink(load_settings({"exporter": "collector", "collector_endpoint": c.endpoint,
+                                            "otlp_timeout_s": 60}))
+        try:
+            for i in range(10):  # 200 trajectories, 20 a request: 2 s of the slow sink's time
+                sink.export(trajectories(20 * i, 20))
+        finally:
+            sink.shutdown()
+        assert c.flush(60)
+        assert sorted(t.sample_index for t in slow.got) == list(range(200))
+        stats = c.stats()
+        assert "sink.slow.dropped_trajectories" not in stats and stats["sink.slow.exported"] == 200
+        assert stats["receiver.backpressure_requests"] >= 1  # the senders were held back
+
+    def test_a_stuck_sink_is_not_waited_for(self, collector, tmp_path):
+        """A sink stuck in one export longer than sink_timeout_s is not waited for: it thins what it
+        cannot take (counted), and the other sink gets every trajectory."""
+        import threading
+
+        import rtrace
+        from rtrace.testing import MemorySink
+
+        class Stuck(rtrace.Sink):
+            name = "stuck"
+
+            def __init__(self):
+                super().__init__(None)
+                self.release = threading.Event()
+
+            def export(self, trajectories):
+                self.release.wait(60)
+
+        stuck, memory = Stuck(), MemorySink()
+        c = collector(settle_s=0.05, sinks=[stuck, memory], sink_queue_size=1, max_export_batch_size=2,
+                      sink_timeout_s=0.5)
+        _stats.reset()
+        try:
+            for i in range(4):
+                assert export(c.endpoint, request_of(*trajectories(10 * i, 10)))[0] == grpc.StatusCode.OK
+            assert not c.flush(30)  # the stuck sink did not write (and dropped) what it got
+            assert sorted(t.sample_index for t in memory.trajectories) == sorted(
+                10 * i + k for i in range(4) for k in range(10))
+            stats = c.stats()
+            assert stats["sink.stuck.dropped_trajectories"] >= 30 and stats["sink.memory.exported"] == 40
+        finally:
+            stuck.release.set()

@@ -440,7 +440,10 @@ class Collector:
         self._tokenizer = check_tokenizer(settings.tokenizer) if settings.tokenizer is not None else None
         post = [Token2Text(lambda: self._tokenizer, settings.token2text_skip_special_tokens,
                            settings.token2text_keep_ids)] if settings.token2text else []
-        fanout = Fanout(sinks, settings.max_export_batch_size, settings.sink_queue_size, settings.sink_timeout_s)
+        # hold_back: a sink that is behind makes the worker wait, and the receiver push back,
+        # instead of thinning trajectories the senders were told were taken
+        fanout = Fanout(sinks, settings.max_export_batch_size, settings.sink_queue_size, settings.sink_timeout_s,
+                        hold_back=True)
         #: the bearer token workers must send (generated when binding beyond loopback)
         self.token: str | None = settings.collector_token or None
         local = is_loopback(host)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, attach, detach, set_value
 
@@ -53,6 +53,8 @@ class SinkWorker:
         self._abandoned = False
         #: set by request_stop(): the thread ends once its queue is drained
         self._stop_requested = False
+        #: ``time.monotonic()`` when the thread took the item it works on (None: waiting)
+        self._busy_since: float | None = None
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name=f"rtrace-sink-{self.name}", daemon=True)
         self.thread.start()
@@ -70,17 +72,29 @@ class SinkWorker:
             _stats.warn_once(f"sink-prepare-{self.name}", "rtrace sink %r failed in prepare", self.name,
                              exc_info=True)
 
-    def submit(self, batch: list[Trajectory], wait_until: float | None = None) -> None:
-        """Queue a batch: at once, or, with ``wait_until`` (a ``time.monotonic()`` deadline:
-        a flush or a stop, whose caller waits anyway), waiting until then for room. Only
-        then does a full queue thin what it holds. ``batch`` may be queued for other sinks
-        too: it is never changed; a full queue makes new lists (:meth:`_thin`)."""
+    def submit(self, batch: list[Trajectory], wait: Callable[[], bool] | None = None) -> None:
+        """Queue a batch: at once, or, with ``wait``, waiting for room as long as ``wait()``
+        says so (:meth:`Fanout.submit`: a flush or a stop, whose caller waits anyway; the
+        collector, while the sink makes progress). Only then does a full queue thin what it
+        holds. ``batch`` may be queued for other sinks too: it is never changed; a full
+        queue makes new lists (:meth:`_thin`)."""
+        q = self.queue
         try:
-            if wait_until is None:
-                self.queue.put_nowait(batch)
-            else:
-                self.queue.put(batch, timeout=max(0.0, wait_until - time.monotonic()))
-            return
+            if wait is None:
+                q.put_nowait(batch)
+                return
+            while True:
+                try:
+                    q.put_nowait(batch)
+                    return
+                except queue.Full:
+                    if not wait():
+                        raise
+                try:
+                    q.put(batch, timeout=0.05)
+                    return
+                except queue.Full:
+                    pass
         except queue.Full:
             pass
         lost = self._thin(batch) if self.sample_when_behind else len(batch)
@@ -168,6 +182,12 @@ class SinkWorker:
             return None
         return marker
 
+    def stalled(self) -> bool:
+        """Has the sink's thread been on one item (an export, a flush) longer than
+        ``timeout_s``? Then nobody waits for room in its queue."""
+        since = self._busy_since
+        return since is not None and time.monotonic() - since > self.timeout_s
+
     def _run(self) -> None:
         token = attach(set_value(_SUPPRESS_INSTRUMENTATION_KEY, True))
         try:
@@ -175,7 +195,9 @@ class SinkWorker:
                 item = self.queue.get()
                 if item is None:
                     break
+                self._busy_since = time.monotonic()
                 self._handle(item)
+                self._busy_since = None
                 if self._stop_requested and self.queue.empty():
                     break  # stop was requested while the queue was full: it is drained now
             # The end: everything queued before is exported. The sink shuts down here, on
@@ -305,9 +327,16 @@ class _Marker(threading.Event):
 class Fanout:
     """Every sink's worker; batches go to all of them."""
 
-    def __init__(self, sinks: Sequence[Sink], batch_size: int, queue_size: int, timeout_s: float) -> None:
+    def __init__(self, sinks: Sequence[Sink], batch_size: int, queue_size: int, timeout_s: float,
+                 hold_back: bool = False) -> None:
         self.batch_size = batch_size
         self.workers = [SinkWorker(sink, queue_size, timeout_s, batch_size) for sink in sinks]
+        #: wait for room in a sink's full queue while the sink makes progress (the collector:
+        #: its worker waits, its queue and table fill, its receiver pushes back, and the
+        #: senders wait, instead of a sink thinning what was accepted); never for a sink
+        #: stuck on one item longer than ``timeout_s``, nor once stopping
+        self.hold_back = hold_back
+        self.stopping = False
         #: the sinks that encode on the pipeline's thread, while the trajectories are hot (Sink.prepare)
         self._preparing = [w for w in self.workers if _implements(w.sink, "prepare")]
 
@@ -319,20 +348,33 @@ class Fanout:
         return any(_implements(w.sink, "export_step_metrics") for w in self.workers)
 
     def submit(self, trajectories: list[Trajectory], wait_until: float | None = None) -> None:
-        """Hand ``trajectories`` to every sink, in batches; with ``wait_until`` (a flush or
-        a stop), a sink whose queue is full is waited for until then before it thins: a
-        flush releases everything held at once (a collector's table: up to
-        ``max_open_trajectories``, more than a sink's queue holds), and its caller waits."""
+        """Hand ``trajectories`` to every sink, in batches. With ``hold_back`` (the
+        collector), a sink whose queue is full is waited for while it makes progress, and
+        once stopping until ``wait_until``; without, it thins what it holds at once (one
+        process: the traced program's spans must not wait behind the worker)."""
+        waits = self.hold_back
         for worker in self._preparing:
             # a sink that is behind (its queue full) thins what it gets: encoding it here
             # would spend the worker's time on trajectories it may drop; its export does it
-            if wait_until is not None or not worker.queue.full():
+            if waits or not worker.queue.full():
                 worker.prepare(trajectories)
         size = self.batch_size
         for i in range(0, len(trajectories), size):
             batch = trajectories[i:i + size]
             for worker in self.workers:
-                worker.submit(batch, wait_until)
+                worker.submit(batch, self._waiting(worker, wait_until) if waits else None)
+
+    def _waiting(self, worker: SinkWorker, wait_until: float | None) -> Callable[[], bool]:
+        """Whether to go on waiting for room in ``worker``'s queue: never for a sink stuck on
+        one item longer than its timeout; while the pipeline is not stopping; once it is,
+        until ``wait_until`` (a stop's last round)."""
+        def wait() -> bool:
+            if worker.stalled():
+                return False
+            if not self.stopping:
+                return True
+            return wait_until is not None and time.monotonic() < wait_until
+        return wait
 
     def submit_metrics(self, metrics: list[StepMetrics]) -> None:
         for worker in self.workers:
@@ -348,6 +390,7 @@ class Fanout:
         """Stop every sink, in parallel (each in its own thread, which exists already),
         within ``timeout_s`` in all: a hung sink is abandoned (counted) and never keeps the
         others from shutting down. Starts no thread (safe at interpreter exit)."""
+        self.stopping = True
         for w in self.workers:
             w.request_stop()
         deadline = time.monotonic() + timeout_s

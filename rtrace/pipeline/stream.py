@@ -89,7 +89,7 @@ class StreamPipeline(Pipeline):
         conv.count()
         if out:
             _stats.incr("segments_streamed", len(out))
-            self.fanout.submit(out, self._wait_until)
+            self.fanout.submit(out)
 
     def _stamp(self, state: TrajectoryState, record: SpanRecord, is_root: bool,
                stamps: dict[int, dict[str, Any]], conv: SpanConverter) -> None:

@@ -85,10 +85,9 @@ class Pipeline:
 
     #: True while a flush is being served (the collector releases what it holds)
     _flushing = False
-    #: a flush's or a stop's deadline (``time.monotonic()``) while the worker serves it: a
-    #: sink whose queue is full is waited for until then before it thins what it holds
+    #: a stop's deadline (``time.monotonic()``) while the worker serves its last round: a
+    #: collector's sink whose queue is full is waited for until then (Fanout.hold_back)
     _wait_until: float | None = None
-    _flush_deadline = 0.0
     #: a step's metrics wait this long after its last trajectory once a later step began
     metrics_linger_s = 1.0
     #: refuse new trajectories once shutdown starts (one process: the hot path may still
@@ -195,10 +194,9 @@ class Pipeline:
                     stopping = self._stopping
                 now = time.monotonic()
                 expire = stopping or now - last_expiry > min(1.0, self.settings.orphan_timeout_s)
-                # a flush's caller waits until its deadline anyway; a stop gives the worker
-                # sink_timeout_s (shutdown joins it that long): half of it for full sink queues
-                self._wait_until = (now + self.settings.sink_timeout_s / 2 if stopping
-                                    else self._flush_deadline if requests else None)
+                # a stop gives the worker sink_timeout_s (shutdown joins it that long): half of
+                # it for full sink queues, in the collector (Fanout.hold_back)
+                self._wait_until = now + self.settings.sink_timeout_s / 2 if stopping else None
                 try:
                     self._round(now, expire, stopping)
                 except Exception:
@@ -409,7 +407,6 @@ class Pipeline:
         if not self._worker.is_alive():
             return False
         done, markers = threading.Event(), []
-        self._flush_deadline = deadline  # a full sink queue is waited for until then
         self._flushing = True  # releases what the selector holds, skips settle times
         try:
             with self._cond:
@@ -433,6 +430,7 @@ class Pipeline:
         timeout_s = self.settings.sink_timeout_s if timeout_s is None else timeout_s
         if self.refuse_new_at_shutdown:
             self.registry.close()
+        self.fanout.stopping = True  # a worker waiting for a sink's room (the collector) stops waiting
         with self._cond:
             self._stopping = True
             self._cond.notify()
