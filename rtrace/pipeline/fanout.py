@@ -5,7 +5,9 @@ program, and it loses them evenly across steps: when its queue is full, a new ba
 first merged into the queued batches that have room, and if that is not enough the sink
 samples fewer trajectories of every step (:meth:`SinkWorker._thin`), so a sink that
 falls behind still shows every step, with failures and tail-kept trajectories kept
-longest, rather than missing whole batches at random. Sinks run with OTel
+longest, rather than missing whole batches at random. (In the collector, whose senders
+can be told to wait, the worker waits for room instead while the sink makes progress:
+``Fanout(hold_back=True)``.) Sinks run with OTel
 instrumentation suppressed, so a backend's own HTTP calls are not traced into the
 trajectories. Shutdown is bounded per sink: each sink gets its
 own deadline, a sink that hangs is abandoned (its thread is a daemon) and everything
@@ -74,9 +76,8 @@ class SinkWorker:
 
     def submit(self, batch: list[Trajectory], wait: Callable[[], bool] | None = None) -> None:
         """Queue a batch: at once, or, with ``wait``, waiting for room as long as ``wait()``
-        says so (:meth:`Fanout.submit`: a flush or a stop, whose caller waits anyway; the
-        collector, while the sink makes progress). Only then does a full queue thin what it
-        holds. ``batch`` may be queued for other sinks too: it is never changed; a full
+        says so (:meth:`Fanout.submit` with ``hold_back``: the collector, while the sink
+        makes progress). Only then does a full queue thin what it holds. ``batch`` may be queued for other sinks too: it is never changed; a full
         queue makes new lists (:meth:`_thin`)."""
         q = self.queue
         try:
@@ -334,7 +335,8 @@ class Fanout:
         #: wait for room in a sink's full queue while the sink makes progress (the collector:
         #: its worker waits, its queue and table fill, its receiver pushes back, and the
         #: senders wait, instead of a sink thinning what was accepted); never for a sink
-        #: stuck on one item longer than ``timeout_s``, nor once stopping
+        #: stuck on one item longer than ``timeout_s``; once stopping, until the last
+        #: round's deadline only
         self.hold_back = hold_back
         self.stopping = False
         #: the sinks that encode on the pipeline's thread, while the trajectories are hot (Sink.prepare)
