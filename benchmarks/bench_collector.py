@@ -18,7 +18,17 @@
     times (default 3) and the median of each is printed: a noisy machine slows the
     set-ups alike instead of one of them.
 
-Run: ``.venv/bin/python benchmarks/bench_collector.py [--n 3000]``.
+(c) Sustained rate from 16 clients: 16 processes each send trajectories (the same 6-span
+    requests, 64 per request) at a fixed rate for ``--seconds``, open loop (a request is due
+    at its time whether or not the previous one was answered late), into a collector set up
+    as `rtrace collect` with its defaults (20,000 open trajectories, each settling 2 s). A
+    pushed-back request (RESOURCE_EXHAUSTED) is sent again after the delay its RetryInfo
+    names, within 10 s (OTEL_EXPORTER_OTLP_TIMEOUT's default), as rtrace's workers do. For
+    each offered rate: spans/s written (first request sent to last trajectory written),
+    push-backs, and what was lost (requests that failed after their retries). The largest
+    rate written with nothing lost, and the rate at which push-back starts, are printed.
+
+Run: ``.venv/bin/python benchmarks/bench_collector.py [--n 3000] [--parts a,b,c]``.
 """
 
 from __future__ import annotations
@@ -103,40 +113,46 @@ def sdk_worker(endpoint, n, out):
     os._exit(0)
 
 
+def worker_trajectory(worker, i):
+    """Trajectory ``i`` of sender ``worker``: 6 spans, the attributes rtrace's workers send."""
+    from rtrace import _ids
+    from rtrace.trajectory import SpanRecord, Trajectory
+
+    coords = {"rl.step": i // 256, "rl.sample_index": i % 256 + worker * 256, "rl.rollout_n": 0,
+              "rl.validate": False}
+    root, agent = f"{_ids.span_id():016x}", f"{_ids.span_id():016x}"
+    spans = [SpanRecord(root, None, "rollout", "rollout", 1, 100, attributes={
+                 **coords, "rtrace.root": True, "rl.reward": 1.0}),
+             SpanRecord(agent, root, "agent", "agent", 2, 99, attributes=coords, input={"prompt_ids": "8 ids"},
+                        output={"finish_reason": "stop"})]
+    for k in range(2):
+        spans.append(SpanRecord(f"{_ids.span_id():016x}", agent, "generate", "generation", 3 + k, 4 + k,
+                                attributes={"gen_ai.operation.name": "chat", "gen_ai.usage.input_tokens": 8,
+                                            "gen_ai.usage.output_tokens": 4},
+                                output={"finish_reason": "stop"}, prompt_ids=[1, 2, 3, 4, 5, 6, 7, 8],
+                                response_ids=[1, 2, 3, 4]))
+        spans.append(SpanRecord(f"{_ids.span_id():016x}", agent, "calculator", "tool", 5 + k, 6 + k,
+                                attributes={"gen_ai.operation.name": "execute_tool",
+                                            "gen_ai.tool.name": "calculator", "gen_ai.tool.call.id": f"c{k}"},
+                                input={"expression": "6*7"}, output="42"))
+    return Trajectory(f"{_ids.trace_id():032x}", "rollout", spans)
+
+
+def encoded_requests(worker, n, per_request):
+    """``n`` trajectories of ``worker`` as encoded OTLP requests (what workers send)."""
+    from rtrace.exporters.otel import encode_compact
+
+    resource = {"service.name": f"worker-{worker}"}
+    return [encode_compact([worker_trajectory(worker, i) for i in range(start, min(n, start + per_request))],
+                           resource).SerializeToString() for start in range(0, n, per_request)]
+
+
 def sender(endpoint, worker, n, per_request, ready, go, out):
     """Pre-encodes ``n`` worker-shaped trajectories into OTLP requests, then sends them
     (retrying on RESOURCE_EXHAUSTED, the collector's backpressure)."""
     import grpc
-    from rtrace import _ids
-    from rtrace.exporters.otel import encode_compact
-    from rtrace.trajectory import SpanRecord, Trajectory
 
-    resource = {"service.name": f"worker-{worker}"}
-
-    def trajectory(i):
-        coords = {"rl.step": i // 256, "rl.sample_index": i % 256 + worker * 256, "rl.rollout_n": 0,
-                  "rl.validate": False}
-        root, agent = f"{_ids.span_id():016x}", f"{_ids.span_id():016x}"
-        spans = [SpanRecord(root, None, "rollout", "rollout", 1, 100, attributes={
-                     **coords, "rtrace.root": True, "rl.reward": 1.0}),
-                 SpanRecord(agent, root, "agent", "agent", 2, 99, attributes=coords, input={"prompt_ids": "8 ids"},
-                            output={"finish_reason": "stop"})]
-        for k in range(2):
-            spans.append(SpanRecord(f"{_ids.span_id():016x}", agent, "generate", "generation", 3 + k, 4 + k,
-                                    attributes={"gen_ai.operation.name": "chat", "gen_ai.usage.input_tokens": 8,
-                                                "gen_ai.usage.output_tokens": 4},
-                                    output={"finish_reason": "stop"}, prompt_ids=[1, 2, 3, 4, 5, 6, 7, 8],
-                                    response_ids=[1, 2, 3, 4]))
-            spans.append(SpanRecord(f"{_ids.span_id():016x}", agent, "calculator", "tool", 5 + k, 6 + k,
-                                    attributes={"gen_ai.operation.name": "execute_tool",
-                                                "gen_ai.tool.name": "calculator", "gen_ai.tool.call.id": f"c{k}"},
-                                    input={"expression": "6*7"}, output="42"))
-        return Trajectory(f"{_ids.trace_id():032x}", "rollout", spans)
-
-    requests = []
-    for start in range(0, n, per_request):
-        shells = [trajectory(i) for i in range(start, min(n, start + per_request))]
-        requests.append(encode_compact(shells, resource).SerializeToString())  # what workers send
+    requests = encoded_requests(worker, n, per_request)
     # the encoded bytes go out as they are (the standard method, no re-encoding): the
     # senders cost the shared cores as little as possible
     export = grpc.insecure_channel(endpoint).unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
@@ -158,6 +174,86 @@ def sender(endpoint, worker, n, per_request, ready, go, out):
     out.close()
     out.join_thread()
     os._exit(0)
+
+
+def paced_sender(endpoint, worker, rate, seconds, per_request, ready, go, out):
+    """(c): ``rate`` trajectories/s for ``seconds``, ``per_request`` per request, each request
+    due at its own time (open loop). A push-back is retried after the delay the collector's
+    RetryInfo names, within 10 s of the request's first try (rtrace's worker sink does the
+    same); a request still refused then is lost. Reports (trajectories sent, lost,
+    push-backs, seconds the last request started behind its time)."""
+    import grpc
+    from rtrace.exporters.collector import _retry_delay
+
+    n = max(per_request, int(rate * seconds))
+    requests = encoded_requests(worker, n, per_request)
+    interval = per_request / rate
+    export = grpc.insecure_channel(endpoint).unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
+    ready.set()
+    go.wait()
+    t0 = time.monotonic() + worker * interval / 16  # the 16 clients spread over one interval
+    lost = pushed = 0
+    behind = 0.0
+    for k, body in enumerate(requests):
+        due = t0 + k * interval
+        now = time.monotonic()
+        if due > now:
+            time.sleep(due - now)
+        else:
+            behind = now - due
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                export(body, timeout=max(0.05, deadline - time.monotonic()))
+                break
+            except grpc.RpcError as exc:
+                delay = _retry_delay(exc) or 0.05
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() + delay >= deadline:
+                    lost += min(per_request, n - k * per_request)
+                    break
+                pushed += 1
+                time.sleep(delay)
+    out.put((n, lost, pushed, behind))
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+def sustained(rate: int, seconds: float, path: str, clients: int = 16, per_request: int = 64) -> dict:
+    """(c) at one offered rate (trajectories/s, all clients together)."""
+    import rtrace
+    from rtrace import _stats
+    from rtrace.exporters.jsonl import read_jsonl
+
+    _stats.reset()  # this rate's counters only
+    collector = rtrace.start_collector(exporter="jsonl", jsonl_path=path)  # `rtrace collect`'s defaults
+    ctx = mp.get_context("spawn")
+    go = ctx.Event()
+    procs = []
+    for w in range(clients):
+        ready, q = ctx.Event(), ctx.Queue()
+        p = ctx.Process(target=paced_sender, args=(collector.endpoint, w, rate / clients, seconds, per_request,
+                                                   ready, go, q))
+        p.start()
+        procs.append((p, q, ready))
+    for _, _, ready in procs:
+        assert ready.wait(600)
+    t0 = time.perf_counter()
+    go.set()
+    reports = [q.get(timeout=600) for _, q, _ in procs]
+    collector.flush(600)  # False when the sink dropped (counted below)
+    elapsed = time.perf_counter() - t0
+    for p, _, _ in procs:
+        p.join(60)
+    stats = collector.stats()
+    collector.stop()
+    written = len(read_jsonl(path))
+    os.remove(path)
+    sent, lost = sum(r[0] for r in reports), sum(r[1] for r in reports)
+    return {"rate": rate, "sent": sent, "written": written, "lost": lost, "pushed": sum(r[2] for r in reports),
+            "behind": max(r[3] for r in reports), "spans_per_s": written * SPANS_PER_TRAJECTORY / elapsed,
+            "dropped": stats.get("spans_dropped_open_limit", 0) + stats.get("trajectories_dropped_open_limit", 0),
+            "sink_dropped": stats.get("sink.jsonl.dropped_trajectories", 0), "elapsed": elapsed}
 
 
 def run(target, *args):
@@ -208,7 +304,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=3000, help="trajectories per worker")
     parser.add_argument("--repeat", type=int, default=3, help="rounds of (b); the median is printed")
+    parser.add_argument("--parts", default="a,b,c", help="which measurements: a, b, c (comma list)")
+    parser.add_argument("--rates", default="2000,3000,4000,5000,6000,7000",
+                        help="(c): offered rates, trajectories/s from the 16 clients together")
+    parser.add_argument("--seconds", type=float, default=10.0, help="(c): how long each rate is offered")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     import rtrace
     from rtrace.pipeline.otlp_receiver import OtlpReceiver, count_spans
 
@@ -217,11 +318,39 @@ def main() -> None:
         # (a) throughput: 4 senders -> one collector -> JSONL; first inside this process
         # with Python's GC as it is (start_collector in an application's process), then
         # with the GC set up as `rtrace collect` sets up its own process (tune_gc)
-        throughput(args.n, os.path.join(tmp, "a.jsonl"), "in an application's process (GC untouched)")
         from rtrace.pipeline.collector import tune_gc
 
+        if "a" in parts:
+            throughput(args.n, os.path.join(tmp, "a.jsonl"), "in an application's process (GC untouched)")
         tune_gc()
-        throughput(args.n, os.path.join(tmp, "a2.jsonl"), "as `rtrace collect` (tune_gc)")
+        if "a" in parts:
+            throughput(args.n, os.path.join(tmp, "a2.jsonl"), "as `rtrace collect` (tune_gc)")
+        if "c" in parts:
+            print(f"(c) 16 clients, {args.seconds:g} s at each offered rate, into a collector as `rtrace collect` "
+                  "(defaults: 20,000 open trajectories, settle 2 s):")
+            results = []
+            for rate in (int(r) for r in args.rates.split(",")):
+                r = sustained(rate, args.seconds, os.path.join(tmp, "c.jsonl"))
+                results.append(r)
+                print(f"    offered {rate:6,} traj/s ({rate * SPANS_PER_TRAJECTORY:7,} spans/s): written "
+                      f"{r['spans_per_s']:7,.0f} spans/s ({r['written']:,} of {r['sent']:,} trajectories in "
+                      f"{r['elapsed']:.1f} s), push-backs {r['pushed']:,}, lost at the senders {r['lost']:,}, "
+                      f"dropped in the collector {r['dropped']}, by the JSONL sink behind (counted) "
+                      f"{r['sink_dropped']:,}, last request {r['behind']:.1f} s behind its time")
+            clean = [r for r in results if r["lost"] == 0 and r["written"] == r["sent"] and not r["sink_dropped"]]
+            pushed = [r["rate"] for r in results if r["pushed"]]
+            smooth = [r["rate"] for r in clean if not r["pushed"]]
+            if clean:
+                best = max(clean, key=lambda r: r["spans_per_s"])
+                print(f"    largest rate written with nothing lost: {best['spans_per_s']:,.0f} spans/s "
+                      f"(offered {best['rate']:,} traj/s)")
+            if smooth:
+                print(f"    largest offered rate taken as offered (no push-back, nothing lost): {max(smooth):,} traj/s "
+                      f"({max(smooth) * SPANS_PER_TRAJECTORY:,} spans/s)")
+            print(f"    push-back starts at: {min(pushed):,} traj/s offered "
+                  f"({min(pushed) * SPANS_PER_TRAJECTORY:,} spans/s)" if pushed else "    no push-back at these rates")
+        if "b" not in parts:
+            return
 
         # (b) worker CPU per trajectory, one process at a time, the set-ups in turn. The
         # senders' spans go to a receiver that counts them: the collector's own work (a)

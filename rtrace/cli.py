@@ -298,9 +298,10 @@ def _start(args: argparse.Namespace):
 
 
 def _serve_collector(collector, args: argparse.Namespace, stop) -> int:
-    from .pipeline.collector import tune_gc
+    from .pipeline.collector import release_memory, tune_gc, tune_malloc
 
     tune_gc()  # this process is the collector's alone
+    tune_malloc()
     env = dict(collector.env)
     if args.host in ("0.0.0.0", "::"):  # workers need an address they can reach
         scheme = "https://" if env["RTRACE_COLLECTOR_ENDPOINT"].startswith("https://") else ""
@@ -328,8 +329,15 @@ def _serve_collector(collector, args: argparse.Namespace, stop) -> int:
         print(f"# the whole worker environment: source {env_file}", flush=True)
     if viewer is not None:
         print(f"# the live viewer: {viewer.url}" + ("  (sign in with the token)" if collector.token else ""), flush=True)
+    requests, idle = -1, 0
     while not stop.wait(1.0):
-        pass
+        # once no request came for a second, and for the next few while the sinks finish,
+        # the free pages of the threads' heaps go back to the system: after a burst the
+        # collector's memory returns near where it was
+        now = collector.receiver.stats()["requests"]
+        idle, requests = (idle + 1 if now == requests else 0), now
+        if 1 <= idle <= 10:
+            release_memory()
     collector.stop()
     print("rtrace collector stopped", flush=True)
     return 0

@@ -407,6 +407,9 @@ class Param:
     env_scale: float = 1.0
     #: The field's type in :class:`Settings` (for readers and type checkers).
     type: str = "Any"
+    #: OTel's per-signal variable (``OTEL_EXPORTER_OTLP_TRACES_*``), read before ``env``
+    #: as the OTel specification says (blank: unset, then ``env`` is read)
+    signal_env: str | None = None
 
 
 def _tokenizer(raw: Any) -> Any:
@@ -565,13 +568,14 @@ PARAMS: tuple[Param, ...] = (
           "OTEL_EXPORTER_OTLP_CERTIFICATE (for a self-signed certificate, the certificate itself).",
           type="str | None"),
     Param("otlp_certificate", "OTEL_EXPORTER_OTLP_CERTIFICATE", _pem_file, None, "a readable PEM file",
-          "Workers: the CA certificate that verifies an `https://` collector (unset: the system's roots).",
-          type="str | None"),
+          "The CA certificate that verifies an `https://` rtrace collector or OTLP endpoint (unset: the system's "
+          "roots).", type="str | None", signal_env="OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE"),
     Param("otlp_client_certificate", "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", _pem_file, None,
-          "a readable PEM file", "Workers: the client certificate for a collector that asks for one (mutual TLS).",
-          type="str | None"),
+          "a readable PEM file", "The client certificate for a collector or OTLP endpoint that asks for one "
+          "(mutual TLS).", type="str | None", signal_env="OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE"),
     Param("otlp_client_key", "OTEL_EXPORTER_OTLP_CLIENT_KEY", _pem_file, None, "a readable PEM file",
-          "Workers: the private key of the client certificate.", type="str | None"),
+          "The private key of the client certificate.", type="str | None",
+          signal_env="OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY"),
     Param("collector_max_span_bytes", "RTRACE_COLLECTOR_MAX_SPAN_BYTES", _int(1024), 4 * 1024 * 1024,
           "an integer >= 1024",
           "Collector: a span larger than this on the wire is refused (counted). A 128k-token prompt's ids take "
@@ -656,11 +660,16 @@ PARAMS: tuple[Param, ...] = (
     Param("otlp_protocol", "OTEL_EXPORTER_OTLP_PROTOCOL", _choice("http/protobuf", "grpc"), "http/protobuf",
           "http/protobuf or grpc", "OTLP transport.", type="str"),
     Param("otlp_headers", "OTEL_EXPORTER_OTLP_HEADERS", _headers, {}, "key=value,key2=value2",
-          "Headers sent with every OTLP request.", type="dict[str, str]"),
+          "Headers sent with every OTLP request.", type="dict[str, str]",
+          signal_env="OTEL_EXPORTER_OTLP_TRACES_HEADERS"),
     # The OTel spec gives OTEL_EXPORTER_OTLP_TIMEOUT in milliseconds; configure() takes seconds.
     Param("otlp_timeout_s", "OTEL_EXPORTER_OTLP_TIMEOUT", _float(0.001, 3600.0), 10.0,
-          "milliseconds in the environment, seconds in configure()", "Per-request OTLP timeout.",
-          env_scale=0.001, type="float"),
+          "milliseconds in the environment, seconds in configure()",
+          "Per-request OTLP timeout, retries included (the collector's push-back is retried within it).",
+          env_scale=0.001, type="float", signal_env="OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"),
+    Param("otlp_compression", "OTEL_EXPORTER_OTLP_COMPRESSION", _choice("none", "gzip", "deflate"), "none",
+          "none, gzip or deflate", "Compression of OTLP requests (the otlp sink, and the worker's requests to an "
+          "rtrace collector).", type="str", signal_env="OTEL_EXPORTER_OTLP_TRACES_COMPRESSION"),
     # The one conversion to OTel spans (otlp and mlflow sinks, the collector's output)
     Param("semconv", "RTRACE_SEMCONV", _choice("both", "genai", "rtrace"), "rtrace", "rtrace, both or genai",
           "Names on exported OTel spans (otlp, mlflow sinks, the collector's output): `rtrace` writes rtrace's "
@@ -719,11 +728,11 @@ Settings.__doc__ = ("Validated settings. Build with :func:`load_settings`; every
                     "(docs/configuration.md).")
 
 
-def _parse(param: Param, raw: Any, source: str) -> Any:
+def _parse(param: Param, raw: Any, source: str, var: str | None = None) -> Any:
     try:
         return param.parse(raw)
     except ValueError as exc:
-        where = param.env if source == "env" else f"configure({param.name}=...)"
+        where = (var or param.env) if source == "env" else f"configure({param.name}=...)"
         env = f" (env {param.env})" if source != "env" and param.env else ""
         raise ConfigError(f"{where}{env}: {exc}; accepted values: {param.accepted}", param.name, str(exc),
                           param.accepted) from None
@@ -765,16 +774,20 @@ def load_settings(overrides: Mapping[str, Any] | None = None,
     for param in PARAMS:
         if overrides.get(param.name) is not None:
             values[param.name] = _parse(param, overrides[param.name], "arg")
-        elif param.env and environ.get(param.env) is not None:
-            raw = environ[param.env]
-            if param.env.startswith("OTEL_") and not raw.strip():
+            continue
+        for var in (param.signal_env, param.env):
+            if not var or environ.get(var) is None:
+                continue
+            raw = environ[var]
+            if var.startswith("OTEL_") and not raw.strip():
                 continue  # the OTel specification: an empty variable is the same as unset
             if param.env_scale != 1.0:  # e.g. milliseconds in the environment, seconds in configure()
                 try:
                     raw = float(raw) * param.env_scale
                 except ValueError:
                     pass  # the parser names the variable and the accepted values
-            values[param.name] = _parse(param, raw, "env")
+            values[param.name] = _parse(param, raw, "env", var)
+            break
     if sinks is not None:
         values["sinks"] = tuple(sinks) if isinstance(sinks, (list, tuple)) else (sinks,)
     settings = Settings(**values)
@@ -831,7 +844,8 @@ def reference_markdown() -> str:
     rows = ["| configure() keyword | environment variable | default | accepted values | meaning |",
             "| --- | --- | --- | --- | --- |"]
     for p in PARAMS:
-        rows.append(f"| `{p.name}` | `{p.env}` | {fmt(p.default)} | {p.accepted} | {p.doc} |")
+        env = f"`{p.signal_env}`, else `{p.env}`" if p.signal_env else f"`{p.env}`"
+        rows.append(f"| `{p.name}` | {env} | {fmt(p.default)} | {p.accepted} | {p.doc} |")
     return "\n".join(rows) + "\n"
 
 

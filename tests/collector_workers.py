@@ -215,3 +215,42 @@ def health_worker(env: dict[str, str], worker: int) -> None:
     health_job(worker)
     time.sleep(1.5)
     os._exit(0)
+
+
+def load_client(endpoint: str, client: int, n: int, per_request: int, timeout_s: float, ready: Any, go: Any,
+                out: Any) -> None:
+    """``n`` whole trajectories (a root and two tool spans each) of trace ids ``client * n + 1
+    ...``, sent ``per_request`` at a time by rtrace's worker sink (``CollectorSink``, with its
+    retries on push-back) once ``go`` is set. Reports (trajectories in batches that failed,
+    spans the collector refused, push-back retries)."""
+    from rtrace import _stats
+    from rtrace.config import load_settings
+    from rtrace.exporters.collector import CollectorSink
+    from rtrace.trajectory import SpanRecord, Trajectory
+
+    def trajectory(i: int) -> Trajectory:
+        trace = client * n + i + 1
+        attrs = {"rl.step": i // 400, "rl.sample_index": client * n + i, "rl.rollout_n": 0, "rl.validate": False,
+                 "rtrace.root": True, "rl.reward": 1.0}
+        root = SpanRecord(f"{trace:016x}", None, "rollout", "rollout", 10, 100, attributes=attrs)
+        kids = [SpanRecord(f"{trace:08x}{c + 1:08x}", f"{trace:016x}", "calculator", "tool", 20 + c, 30 + c,
+                           input={"expression": "6*7"}, output="42") for c in range(2)]
+        return Trajectory(f"{trace:032x}", "rollout", [root] + kids)
+
+    batches = [[trajectory(i) for i in range(start, min(n, start + per_request))] for start in range(0, n, per_request)]
+    sink = CollectorSink(load_settings({"exporter": "collector", "collector_endpoint": endpoint,
+                                        "otlp_timeout_s": timeout_s}))
+    ready.set()
+    go.wait()
+    failed = 0
+    for batch in batches:
+        try:
+            sink.export(batch)
+        except ConnectionError:
+            failed += len(batch)
+    sink.shutdown()
+    counts = _stats.snapshot()
+    out.put((failed, counts.get("sink.collector.rejected_spans", 0), counts.get("sink.collector.backpressure_retries", 0)))
+    out.close()
+    out.join_thread()
+    os._exit(0)

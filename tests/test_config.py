@@ -89,6 +89,24 @@ def test_otlp_timeout_env_is_milliseconds(monkeypatch):
     assert load_settings({"otlp_timeout_s": 3}).otlp_timeout_s == 3.0
 
 
+def test_otlp_per_signal_variables_come_first(tmp_path):
+    """OTEL_EXPORTER_OTLP_TRACES_* is read before OTEL_EXPORTER_OTLP_* (the OTel spec); a blank
+    one is unset (the generic one is read); a bad one fails naming itself."""
+    ca, other = tmp_path / "ca.pem", tmp_path / "other.pem"
+    for path in (ca, other):
+        path.write_text("-----BEGIN CERTIFICATE-----\n-----END CERTIFICATE-----\n")
+    env = {"OTEL_EXPORTER_OTLP_CERTIFICATE": str(other), "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE": str(ca),
+           "OTEL_EXPORTER_OTLP_TIMEOUT": "1000", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "2500",
+           "OTEL_EXPORTER_OTLP_COMPRESSION": "deflate", "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION": " ",
+           "OTEL_EXPORTER_OTLP_HEADERS": "a=1", "OTEL_EXPORTER_OTLP_TRACES_HEADERS": "b=2"}
+    s = load_settings({}, env)
+    assert (s.otlp_certificate, s.otlp_timeout_s, s.otlp_compression, s.otlp_headers) == (
+        str(ca), 2.5, "deflate", {"b": "2"})
+    with pytest.raises(ConfigError, match="OTEL_EXPORTER_OTLP_TRACES_COMPRESSION: got 'zstd'; accepted values: "
+                                          "none, gzip or deflate"):
+        load_settings({}, {"OTEL_EXPORTER_OTLP_TRACES_COMPRESSION": "zstd"})
+
+
 def test_otlp_headers_parse(monkeypatch):
     """OTEL_EXPORTER_OTLP_HEADERS parses k=v pairs, URL-decoded."""
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-mlflow-experiment-id=1,Authorization=Bearer%20abc")

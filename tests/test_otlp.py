@@ -19,6 +19,7 @@ from rtrace.exporters.jsonl import read_jsonl
 from rtrace.exporters.otlp import traces_endpoint
 from tests.otlp_receiver import OtlpGrpcReceiver, OtlpHttpReceiver
 from tests.servers import free_port
+from tests.test_collector_security import pki  # noqa: F401 - the fixture: a CA and certificates made here
 
 ROOT = Path(__file__).resolve().parents[1]
 UNSET, ERROR = 0, 2  # OTLP status codes
@@ -212,6 +213,72 @@ def test_non_primitive_attributes_become_json_text(receiver):
 
     assert _attributes({"a": {"k": 1}, "b": [1, "two"], "c": 2**70, "d": [1.5, 2.5], "e": None}) == {
         "a": '{"k": 1}', "b": '[1, "two"]', "c": str(2**70), "d": [1.5, 2.5]}
+
+
+# ----------------------------------------------------------------------------- settings, passed explicitly
+@pytest.mark.parametrize("var", ["OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE"])
+def test_a_blank_certificate_variable_leaves_exports_alone(receiver, monkeypatch, var):
+    """A blank OTEL_EXPORTER_OTLP_*CLIENT_* variable is unset for configure() (the OTel rule), and
+    so for the exporter too: the TLS files are passed to it explicitly (before, it read the raw
+    variable itself, loaded a certificate named '   ' and failed every export)."""
+    monkeypatch.setenv(var, "   ")
+    rtrace.configure(exporter="otlp", otlp_endpoint=receiver.base_url, export_interval_s=0.05, otlp_timeout_s=5)
+    _run_one()
+    assert rtrace.flush(30)
+    assert len(receiver.wait_for_spans(6, 10)) == 6
+    stats = rtrace.stats()
+    assert stats["sink.otlp.exported"] == 1 and "sink.otlp.failed_batches" not in stats
+
+
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+def test_tls_files_and_compression_from_configure_are_what_the_exporter_uses(protocol, pki, monkeypatch):
+    """Mutual TLS to a real receiver (rtrace's own, a certificate from a CA made here): the CA,
+    client certificate and key given to configure() are the ones the exporter uses, and so is
+    the compression; variables configure() did not take (blank ones) change nothing."""
+    from rtrace.pipeline.otlp_receiver import OtlpReceiver, TlsFiles
+
+    for var in ("OTEL_EXPORTER_OTLP_CERTIFICATE", "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE",
+                "OTEL_EXPORTER_OTLP_CLIENT_KEY", "OTEL_EXPORTER_OTLP_COMPRESSION", "OTEL_EXPORTER_OTLP_TIMEOUT"):
+        monkeypatch.setenv(var, " ")
+    spans = []
+    tls = TlsFiles(str(pki / "server.pem"), str(pki / "server.key"), client_ca=str(pki / "ca.pem"))
+    with OtlpReceiver(lambda request: spans.extend(s for rs in request.resource_spans for ss in rs.scope_spans
+                                                   for s in ss.spans), http_port=0, tls=tls) as rx:
+        endpoint = rx.endpoint if protocol == "grpc" else rx.http_endpoint
+        rtrace.configure(exporter="otlp", otlp_protocol=protocol, otlp_endpoint=endpoint, otlp_timeout_s=5,
+                         otlp_certificate=str(pki / "ca.pem"), otlp_client_certificate=str(pki / "client.pem"),
+                         otlp_client_key=str(pki / "client.key"), otlp_compression="gzip", export_interval_s=0.05)
+        _run_one()
+        assert rtrace.flush(30)
+        assert sorted(s.name for s in spans) == ["agent", "calculator", "calculator", "parse", "rollout", "tiny-chat"]
+    assert "sink.otlp.failed_batches" not in rtrace.stats()
+
+
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+def test_without_the_client_certificate_mutual_tls_refuses(protocol, pki):
+    """The converse, so the test above can fail: without the client certificate the same receiver
+    refuses, and the batch is counted as failed."""
+    from rtrace.pipeline.otlp_receiver import OtlpReceiver, TlsFiles
+
+    tls = TlsFiles(str(pki / "server.pem"), str(pki / "server.key"), client_ca=str(pki / "ca.pem"))
+    with OtlpReceiver(lambda request: None, http_port=0, tls=tls) as rx:
+        endpoint = rx.endpoint if protocol == "grpc" else rx.http_endpoint
+        rtrace.configure(exporter="otlp", otlp_protocol=protocol, otlp_endpoint=endpoint, otlp_timeout_s=1,
+                         otlp_certificate=str(pki / "ca.pem"), export_interval_s=0.05)
+        _run_one()
+        assert not rtrace.flush(30)
+    assert rtrace.stats()["sink.otlp.failed_batches"] == 1
+
+
+def test_http_compression_reaches_the_wire(receiver, monkeypatch):
+    """OTEL_EXPORTER_OTLP_TRACES_COMPRESSION (read before OTEL_EXPORTER_OTLP_COMPRESSION) is the
+    compression the exporter sends with."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "deflate")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "gzip")
+    rtrace.configure(exporter="otlp", otlp_endpoint=receiver.base_url, export_interval_s=0.05)
+    _run_one()
+    assert rtrace.flush(30)
+    assert {s.headers.get("content-encoding") for s in receiver.wait_for_spans(6, 10)} == {"gzip"}
 
 
 # ----------------------------------------------------------------------------- gRPC

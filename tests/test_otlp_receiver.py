@@ -535,3 +535,24 @@ def test_grpc_refusals_are_counted(body, compression, code, counter):
         stats = rx.stats()
     assert got == []
     assert stats[counter] == 1 and stats["grpc_calls"] == 1 and stats["requests"] == 0
+
+
+@pytest.mark.parametrize("messages", [0, 2], ids=["none", "two"])
+def test_a_grpc_call_carries_exactly_one_request(messages):
+    """Export is unary: a call whose stream ends with no message, or carries two, is refused
+    (INVALID_ARGUMENT) and counted; its stream is read to its end either way (reading only its
+    first message kept the body in a reference cycle until a full GC, issue #37)."""
+    from rtrace.pipeline.otlp_receiver import _EXPORT_METHOD
+
+    got = []
+    body = _request(_readable_spans(1)).SerializeToString()
+    with OtlpReceiver(got.append) as rx:
+        channel = grpc.insecure_channel(rx.endpoint)
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                channel.stream_unary(_EXPORT_METHOD)(iter([body] * messages), timeout=WAIT_S)
+        finally:
+            channel.close()
+        stats = rx.stats()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert got == [] and stats["grpc_refused_calls"] == 1 and stats["requests"] == 0

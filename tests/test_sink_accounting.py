@@ -185,6 +185,13 @@ def shutdown_in_thread(limit_s=30.0):
     assert not t.is_alive(), "rtrace.shutdown() did not return"
 
 
+def _one(i):
+    from rtrace.trajectory import SpanRecord, Trajectory
+
+    return Trajectory(f"{i + 1:032x}", "rollout", [SpanRecord(f"{i + 1:016x}", None, "rollout", "rollout", 1, 2)],
+                      step=1, sample_index=i)
+
+
 class TestBoundedShutdown:
     def test_queued_batches_are_counted_as_abandoned(self):
         """A stalled sink at shutdown: the batches still queued for it and the one inside its export
@@ -207,6 +214,60 @@ class TestBoundedShutdown:
         assert stats["sink.gate.shutdown_timeouts"] == 1
         assert len(other.trajectories) == 9 and stats["sink.recorder.exported"] == 9
         assert stats["trajectories_completed"] == 9
+
+    def test_a_batch_the_sinks_thread_takes_while_shutdown_drains_is_counted(self):
+        """The interleaving of issue #37 item 4, forced with events: shutdown gives up on a stalled
+        export and starts draining the queue; the stalled export returns and the sink's thread takes
+        the next queued batch before the drain reaches it. That batch is counted as abandoned (before:
+        dropped as "counted already" and in no counter), so handed = exported + failed + dropped +
+        abandoned holds."""
+        import queue as queue_mod
+
+        from rtrace.pipeline.fanout import SinkWorker
+
+        gate = Gate()
+        abandoning, taken, handled, drained = (threading.Event() for _ in range(4))
+
+        class Interleave(queue_mod.Queue):
+            """The sink's queue, with the two threads' turns fixed: shutdown's drain (get_nowait)
+            waits until the sink's thread has taken one batch (get), and that thread's next get
+            waits until the drain is over."""
+
+            def get(self, block=True, timeout=None):  # the sink's thread
+                if taken.is_set():
+                    handled.set()  # it came back for more: the batch it took is handled
+                    assert drained.wait(10)
+                item = super().get(block, timeout)
+                if abandoning.is_set():
+                    taken.set()
+                return item
+
+            def get_nowait(self):  # shutdown's drain
+                if not abandoning.is_set():
+                    abandoning.set()
+                    gate.release.set()  # the stalled export returns now
+                    assert taken.wait(10)
+                try:
+                    return super().get(block=False)  # Queue.get, not the sink thread's get above
+                except queue_mod.Empty:
+                    drained.set()
+                    raise
+
+        worker = SinkWorker(gate, queue_size=8, timeout_s=0.1, batch_size=2)
+        batches = [[_one(i), _one(i + 100)] for i in range(4)]
+        worker.submit(batches[0])
+        assert gate.entered.wait(10)  # the first batch is inside export(), which stalls
+        worker.queue = Interleave(maxsize=8)  # the thread reads it again at its next get
+        for batch in batches[1:]:
+            worker.submit(batch)
+        worker.stop(0.05)  # gives up on the stalled sink: _abandon drains, interleaved
+        assert handled.wait(10)
+        stats = rtrace.stats()
+        assert "sink.gate.exported" not in stats  # the stalled export returned after shutdown gave up on it
+        # 8 handed = 0 exported + 0 failed + 0 dropped + 8 abandoned: 2 inside export(), 2 the
+        # thread took, 4 drained (before the fix: 6, the thread's 2 in no counter)
+        assert stats["sink.gate.abandoned_trajectories"] == 8
+        assert stats["sink.gate.shutdown_timeouts"] == 1
 
     def test_a_hanging_sink_does_not_stop_the_next_ones_shutdown(self):
         """Sinks shut down in parallel, each within sink_timeout_s: the one after a hung sink is

@@ -9,11 +9,14 @@ as JSON-safe data, ``rl.*`` coordinates stamped, the trajectory root marked
 rtrace's record as one JSON attribute: the SDK's generic encoder would cost the worker
 more than all the rest of its tracing) and sent with the standard OTLP/gRPC service
 (opentelemetry-proto's ``TraceService/Export``), retrying UNAVAILABLE and
-RESOURCE_EXHAUSTED (the collector's backpressure) with backoff within
-``OTEL_EXPORTER_OTLP_TIMEOUT``. No decoding and no backend work happens here: the
-tokenizer and the sinks live in the collector. ``sink.collector.exported`` counts
-segments; a failed export (collector down, or refusing) counts the segment batch as
-failed, and a full queue drops it (``sink.collector.dropped_batches``).
+RESOURCE_EXHAUSTED (the collector's push-back: after the delay its ``RetryInfo`` names,
+else with exponential backoff) within ``OTEL_EXPORTER_OTLP_TIMEOUT``. No decoding and no
+backend work happens here: the tokenizer and the sinks live in the collector.
+``sink.collector.exported`` counts segments; a failed export (collector down, or still
+pushing back at the timeout) counts the segment batch as failed, and a full queue drops
+it (``sink.collector.dropped_batches``). Spans the collector refused for good (answered
+``partial_success``) are counted in ``sink.collector.rejected_spans``, and the next
+``flush()`` returns False.
 """
 
 from __future__ import annotations
@@ -50,12 +53,16 @@ class CollectorSink(Sink):
         self._grpc = grpc
         self._channel = _channel(grpc, settings)
         self._stub = TraceServiceStub(self._channel)
+        self._compression = {"gzip": grpc.Compression.Gzip, "deflate": grpc.Compression.Deflate}.get(
+            settings.otlp_compression, grpc.Compression.NoCompression)
         # OTEL_EXPORTER_OTLP_HEADERS (an OpenTelemetry Collector in front, with its own auth),
         # then rtrace's token; gRPC metadata keys are lower case
         headers = {k.lower(): v for k, v in settings.otlp_headers.items()}
         if settings.collector_token:
             headers["authorization"] = f"Bearer {settings.collector_token}"
         self._metadata = tuple(headers.items()) or None
+        #: the collector refused spans (a partial success) since the previous flush
+        self._rejected = False
         self._resource = {"service.name": settings.service_name, "process.pid": os.getpid()}
         if settings.job_id:
             self._resource["rtrace.job_id"] = settings.job_id
@@ -65,13 +72,18 @@ class CollectorSink(Sink):
         grpc = self._grpc
         retry = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
         deadline = time.monotonic() + self.settings.otlp_timeout_s
-        delay = 0.05
+        backoff = 0.05
         while True:
             left = deadline - time.monotonic()
             try:
-                self._stub.Export(request, timeout=max(0.05, left), metadata=self._metadata)
-                return
+                response = self._stub.Export(request, timeout=max(0.05, left), metadata=self._metadata,
+                                             compression=self._compression)
             except grpc.RpcError as exc:
+                # the collector's push-back names its delay (RetryInfo, as OTLP says); else
+                # exponential backoff. Either way the whole request again, within the timeout
+                delay = _retry_delay(exc)
+                if delay is None:
+                    delay, backoff = backoff, min(backoff * 2, 1.0)
                 if exc.code() not in retry or left <= delay:
                     if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                         _stats.warn_once("collector-auth", "the rtrace collector at %s refused this worker's "
@@ -79,11 +91,43 @@ class CollectorSink(Sink):
                                          self.settings.collector_endpoint)
                     raise ConnectionError(f"the rtrace collector at {self.settings.collector_endpoint} did not "
                                           f"take the spans: {exc.code().name}") from None
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    _stats.incr("sink.collector.backpressure_retries")
+                time.sleep(delay)
+                continue
+            rejected = response.partial_success.rejected_spans
+            if rejected:  # refused for good (OTLP: never resent): counted here, the sender
+                self._rejected = True
+                _stats.incr("sink.collector.rejected_spans", rejected)
+                _stats.warn_once("collector-rejected", "the rtrace collector refused spans of this worker: %s "
+                                 "(counted in sink.collector.rejected_spans)", response.partial_success.error_message)
+            return
+
+    def flush(self, timeout_s: float) -> bool:
+        """False when the collector refused spans since the previous flush (partial success)."""
+        rejected, self._rejected = self._rejected, False
+        return not rejected
 
     def shutdown(self) -> None:
         self._channel.close()
+
+
+def _retry_delay(exc: Any) -> float | None:
+    """The delay a RESOURCE_EXHAUSTED / UNAVAILABLE status asks for (``google.rpc.RetryInfo``
+    in the trailers), in seconds; None when it names none."""
+    try:
+        value = dict(exc.trailing_metadata() or ()).get("google.rpc.retryinfo-bin")
+    except Exception:  # noqa: BLE001 - a local error (no trailers): no delay named
+        return None
+    if not value:
+        return None
+    try:
+        from google.rpc.error_details_pb2 import RetryInfo
+
+        delay = RetryInfo.FromString(value).retry_delay
+    except Exception:  # noqa: BLE001 - googleapis-common-protos missing, or garbage
+        return None
+    return max(0.0, min(delay.seconds + delay.nanos / 1e9, 60.0))
 
 
 def _channel(grpc: Any, settings: Settings) -> Any:

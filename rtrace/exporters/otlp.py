@@ -16,9 +16,10 @@ start/end times, status (error -> ERROR, else UNSET), events, and all its attrib
 * on the root: ``rtrace.partial`` / ``rtrace.dropped_spans`` when relevant.
 
 Transport: ``opentelemetry-exporter-otlp`` over HTTP/protobuf (default) or gRPC
-(``OTEL_EXPORTER_OTLP_PROTOCOL=grpc``). Endpoint, headers and timeout come from
-:class:`~rtrace.config.Settings` (config.py is the one reader of the environment) and are
-passed to the exporter explicitly. The exporter retries transient failures (connection
+(``OTEL_EXPORTER_OTLP_PROTOCOL=grpc``). Endpoint, headers, timeout, compression and the
+TLS files (CA, client certificate and key) come from :class:`~rtrace.config.Settings`
+(config.py is the one reader of the environment) and are passed to the exporter
+explicitly, so what ``configure()`` accepted is what is used. The exporter retries transient failures (connection
 refused, 429/502/503/504, gRPC UNAVAILABLE) with exponential backoff inside
 ``otlp_timeout_s``; a batch still failing then makes :meth:`OtlpSink.export` raise, and
 the pipeline counts it (``sink.otlp.failed_batches`` / ``failed_trajectories``). All of
@@ -76,6 +77,40 @@ def _check_installed(protocol: str) -> None:
             "not installed; install it with: pip install 'rtrace[otlp]'")
 
 
+#: settings.otlp_compression -> the exporters' own values
+_GRPC_COMPRESSION = {"none": lambda grpc: grpc.Compression.NoCompression, "gzip": lambda grpc: grpc.Compression.Gzip,
+                     "deflate": lambda grpc: grpc.Compression.Deflate}
+_HTTP_COMPRESSION = {"none": lambda c: c.NoCompression, "gzip": lambda c: c.Gzip, "deflate": lambda c: c.Deflate}
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _pinned_session(verify: bool | str, cert: tuple[str, str] | None) -> Any:
+    """A ``requests.Session`` that sends every request with ``verify`` and ``cert``: the
+    TLS settings configure() accepted. The OTLP/HTTP exporter takes a session (a public
+    parameter), but where a certificate argument is None it also reads the environment
+    variables itself (``OTEL_EXPORTER_OTLP_[TRACES_]CLIENT_CERTIFICATE`` ...) and sets what
+    it found on the session or on each request; pinned here, what it found is not used."""
+    import requests
+
+    class PinnedSession(requests.Session):
+        # what the exporter sets on the session is ignored (a request without its own value
+        # takes the session's), and so is what it passes with each request (older versions)
+        verify = property(lambda self: verify, lambda self, value: None)  # type: ignore[assignment]
+        cert = property(lambda self: cert, lambda self, value: None)  # type: ignore[assignment]
+
+        def request(self, method: Any, url: Any, *args: Any, **kwargs: Any) -> Any:
+            kwargs["verify"], kwargs["cert"] = verify, cert
+            return super().request(method, url, *args, **kwargs)
+
+    return PinnedSession()
+
+
 class OtlpSink(Sink):
     """Sends trajectories to an OTLP endpoint (a collector, Jaeger, Tempo, MLflow's
     ``/v1/traces``...). Settings: ``otlp_endpoint``, ``otlp_traces_endpoint``,
@@ -104,17 +139,34 @@ class OtlpSink(Sink):
             from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
             s = self.settings
-            timeout = s.otlp_timeout_s
+            # Every setting is passed explicitly, as configure() validated it: left unset, the
+            # exporter reads the OTEL_EXPORTER_OTLP_* variables itself, raw (a blank
+            # OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE, unset for configure(), made it load a
+            # certificate named '   ' and fail every export)
             if self.protocol == "grpc":
+                import grpc
                 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 
-                # An empty dict would make the exporter fall back to reading the env itself.
-                exporter = GrpcExporter(endpoint=self.endpoint, headers=dict(s.otlp_headers) or None,
-                                        timeout=timeout)
+                secure = self.endpoint.startswith("https://")
+                exporter = GrpcExporter(
+                    endpoint=self.endpoint, insecure=not secure,
+                    credentials=grpc.ssl_channel_credentials(
+                        root_certificates=_read(s.otlp_certificate), private_key=_read(s.otlp_client_key),
+                        certificate_chain=_read(s.otlp_client_certificate)) if secure else None,
+                    # an empty dict would make the exporter fall back to reading the env itself
+                    headers=tuple(s.otlp_headers.items()) or None, timeout=s.otlp_timeout_s,
+                    compression=_GRPC_COMPRESSION[s.otlp_compression](grpc))
             else:
+                from opentelemetry.exporter.otlp.proto.http import Compression
                 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 
-                exporter = HttpExporter(endpoint=self.endpoint, headers=dict(s.otlp_headers), timeout=timeout)
+                client = (s.otlp_client_certificate, s.otlp_client_key) if s.otlp_client_certificate else None
+                exporter = HttpExporter(
+                    endpoint=self.endpoint, certificate_file=s.otlp_certificate,
+                    client_key_file=s.otlp_client_key, client_certificate_file=s.otlp_client_certificate,
+                    headers=dict(s.otlp_headers), timeout=s.otlp_timeout_s,
+                    compression=_HTTP_COMPRESSION[s.otlp_compression](Compression),
+                    session=_pinned_session(s.otlp_certificate or True, client))
             from .. import __version__
 
             self._resource = Resource.create({"service.name": s.service_name})

@@ -29,10 +29,9 @@ import ipaddress
 import json
 import logging
 import secrets
-import threading
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict
 from typing import Any
 
 from .. import _stats
@@ -44,7 +43,8 @@ from . import annotations as _annotations
 from .annotations import Annotation, coord_key
 from .builder import SpanConverter
 from .fanout import Fanout
-from .otlp_receiver import Backpressure, OtlpReceiver, TlsFiles, attributes, count_spans, spans_of
+from .admission import Admission
+from .otlp_receiver import OtlpReceiver, PartialSuccess, TlsFiles, attributes
 from .records import TrajectoryState
 from .sampling import selector_for
 from .stream import ANNOTATION_SPAN, ANNOTATIONS_ATTR, MESSAGES_ATTR, TOKENIZER_ATTR
@@ -52,7 +52,7 @@ from .token2text import Token2Text, check_tokenizer, load_tokenizer
 from .tokens import TOKENS_KEY, TokenBatch, TokenRow, as_float32
 from .worker import Pipeline
 
-__all__ = ["Collector", "start_collector", "unpack", "is_loopback", "tune_gc"]
+__all__ = ["Collector", "start_collector", "unpack", "is_loopback", "tune_gc", "tune_malloc", "release_memory"]
 _log = logging.getLogger("rtrace")
 _POPPED = frozenset(("rtrace.kind", "rtrace.input", "rtrace.output", "rtrace.prompt_ids", "rtrace.response_ids",
                      "rtrace.root"))
@@ -77,47 +77,43 @@ class CollectorPipeline(Pipeline):
                  health_tokenizer: Any = lambda: None) -> None:
         self.settle_s = settle_s
         self.metrics_linger_s = settings.step_linger_s
-        self._requests: deque[tuple[Any, int]] = deque()
-        self._queued = 0
-        self._qlock = threading.Lock()
         super().__init__(settings, fanout, postprocessors, health_tokenizer)
         self.selector = selector_for(settings, linger_s=settings.step_linger_s, on_drop=self.dropped)
-        self._max_span_bytes = settings.collector_max_span_bytes
-        self._max_attributes = settings.collector_max_attributes
         self._max_held_bytes = settings.collector_max_held_bytes
+        #: set when the receiver pushed back because the table was full
+        self._pressure = False
+        #: what the receiver takes, checked and reserved before it answers (admission.py)
+        self.admission = Admission(self.registry, self._max_queue, settings.collector_max_span_bytes,
+                                   settings.collector_max_attributes, settings.collector_max_held_bytes,
+                                   on_pressure=self._pushed_back)
+        self._max_attributes = settings.collector_max_attributes
         #: trajectories evicted (least recently active, as partial) to make room
         self._evicted: list[TrajectoryState] = []
+        #: trace ids the worker found no room for (counted once each; their later spans
+        #: are dropped too, so a trajectory is never both dropped and written partial)
+        self._dropped_traces: OrderedDict[int, None] = OrderedDict()
         # a span of a trajectory already written (or sampled out, evicted, expired) is
         # late, not the first span of a new one: written again, it would be a second
         # trajectory of the same trace id (a duplicate row in every sink and step metric)
         self.registry.remember_finished(FINISHED_TRACE_IDS)
-        #: set by the receiver when it pushed back because the table was full
-        self._pressure = False
 
     # ------------------------------------------------------------------ receiver threads
-    def on_request(self, request: Any) -> None:
-        """OtlpReceiver callback: queue the request, or push back when full."""
-        n = count_spans(request)
-        registry = self.registry
-        if len(registry) >= registry.max_open or registry.held_bytes >= self._max_held_bytes:
-            # full: the worker thread evicts the least recently active trajectories (written
-            # partial) in its next round; until then the sender waits and sends it all again
-            _stats.incr("collector_backpressure_spans", n)
-            self._pressure = True
+    def on_request(self, request: Any) -> PartialSuccess | None:
+        """OtlpReceiver callback: check and queue the request (spans refused for good are
+        answered as a partial success), or push back (``Backpressure``) when taking it
+        would pass a limit once the requests queued before it are assembled."""
+        answer = self.admission.admit(request)
+        if self.admission.queued >= self._wake_at:
             with self._cond:
                 self._cond.notify()
-            raise Backpressure(f"rtrace collector holds {len(registry)} open trajectories "
-                               f"({registry.held_bytes} bytes); retry", retry_after_s=1.0)
-        with self._qlock:
-            if self._queued + n > self._max_queue:
-                _stats.incr("collector_backpressure_spans", n)
-                raise Backpressure(f"rtrace collector queue full ({self._max_queue} spans)", retry_after_s=1.0)
-            self._requests.append((request, n))
-            self._queued += n
-            wake = self._queued >= self._wake_at
-        if wake:
-            with self._cond:
-                self._cond.notify()
+        return answer
+
+    def _pushed_back(self) -> None:
+        # the table is full: the worker evicts the least recently active trajectories still
+        # waiting for their root (written partial) in its next round; the sender retries
+        self._pressure = True
+        with self._cond:
+            self._cond.notify()
 
     def _evict(self) -> list[TrajectoryState]:
         evicted, self._evicted = self._evicted, []
@@ -126,7 +122,8 @@ class CollectorPipeline(Pipeline):
     def gauges(self) -> dict[str, int]:
         out = super().gauges()
         out["held_bytes"] = self.registry.held_bytes
-        out["queued_spans"] = self._queued
+        out["queued_spans"] = self.admission.queued
+        out["reserved_trajectories"] = self.admission.reserved_open
         out["held_for_sampling"] = self.selector.held()
         return out
 
@@ -134,37 +131,42 @@ class CollectorPipeline(Pipeline):
     def _assemble(self, spans: list, conv: SpanConverter) -> list[TrajectoryState]:
         """Every queued request's spans into their trajectories, one span at a time: a span
         that cannot be read is refused and counted (``collector_spans_refused``, and
-        ``collector_refused.<why>``), never the request or the round it came in."""
+        ``collector_refused.<why>``), never the request or the round it came in. Spans
+        refused at the request (admission.py) are skipped."""
         arrived: list[TrajectoryState] = []
         registry = self.registry
+        admission = self.admission
         if self._pressure:  # the receiver pushed back since the last round: free a tenth of the table
             self._pressure = False
-            self._evicted += registry.evict(registry.max_open * 9 // 10, self._max_held_bytes * 9 // 10)
-        for _ in range(len(self._requests)):
-            request, n = self._requests.popleft()
-            with self._qlock:
-                self._queued -= n
-            _stats.incr("collector_spans_received", n)
-            for _resource, _scope, span in spans_of(request):
-                try:
-                    self._span(span, arrived)
-                except _Refused as why:
-                    _refuse(str(why))
-                except Exception:  # noqa: BLE001 - a span this code did not foresee: refused alone
-                    _refuse("unreadable")
-                    _stats.warn_once("collector-span", "rtrace collector refused a span it could not read "
-                                     "(counted in collector_spans_refused)", exc_info=True)
+            room = registry.max_open * 9 // 10 - admission.reserved_open
+            room_bytes = self._max_held_bytes * 9 // 10 - admission.reserved_bytes
+            self._evicted += registry.evict(max(0, room), max(0, room_bytes))
+        for ticket in admission.take():
+            _stats.incr("collector_spans_received", ticket.spans)
+            sizes = ticket.sizes
+            k = 0
+            for resource_spans in ticket.request.resource_spans:
+                for scope_spans in resource_spans.scope_spans:
+                    for span in scope_spans.spans:
+                        size = sizes[k]
+                        k += 1
+                        if size < 0:
+                            continue
+                        try:
+                            self._span(span, size, arrived)
+                        except _Refused as why:
+                            _refuse(str(why))
+                        except Exception:  # noqa: BLE001 - a span this code did not foresee: refused alone
+                            _refuse("unreadable")
+                            _stats.warn_once("collector-span", "rtrace collector refused a span it could not "
+                                             "read (counted in collector_spans_refused)", exc_info=True)
+            admission.done(ticket)  # its trajectories are in the table now: its reservation is free
         return arrived
 
-    def _span(self, span: Any, arrived: list[TrajectoryState]) -> None:
-        """One span: checked and converted first; the registry is touched only once
-        nothing can fail, so a refused span leaves no trajectory half-changed."""
-        _check_ids(span)
-        size = span.ByteSize()
-        if size > self._max_span_bytes:
-            raise _Refused("size")
-        if len(span.attributes) > self._max_attributes:
-            raise _Refused("attributes")
+    def _span(self, span: Any, size: int, arrived: list[TrajectoryState]) -> None:
+        """One span (its ids, size and attribute count checked at the request): converted
+        first; the registry is touched only once nothing can fail, so a refused span
+        leaves no trajectory half-changed."""
         attrs, record_data = unpack(span)
         if len(attrs) > self._max_attributes:
             raise _Refused("attributes")
@@ -178,16 +180,13 @@ class CollectorPipeline(Pipeline):
             _stats.incr("collector_spans_repaired_times")
         registry = self.registry
         trace_id = int.from_bytes(span.trace_id, "big")
-        if registry.lookup(trace_id) is None and registry.was_finished(trace_id):
-            _stats.incr("collector_spans_late")
-            return
-        state = registry.open_or_get(trace_id, lambda: TrajectoryState(trace_id, None, "rollout", "rollout", {}))
-        if state is None:  # requests queued before the receiver pushed back: evict one, not the span
-            self._evicted += registry.evict(registry.max_open - 1, self._max_held_bytes)
-            state = registry.open_or_get(trace_id, lambda: TrajectoryState(trace_id, None, "rollout", "rollout",
-                                                                            {}))
-            if state is None:  # every open trajectory has its root and waits (annotations, settle)
-                _stats.incr("spans_dropped_open_limit")
+        state = registry.lookup(trace_id)
+        if state is None:
+            if registry.was_finished(trace_id):
+                _stats.incr("collector_spans_late")
+                return
+            state = self._open(trace_id)
+            if state is None:
                 return
         seen = state.span_ids
         if seen is None:
@@ -219,6 +218,32 @@ class CollectorPipeline(Pipeline):
             arrived.append(state)
         state.add(record)
 
+    def _open(self, trace_id: int) -> TrajectoryState | None:
+        """A new trajectory for ``trace_id``. Admission reserved room for it; should the
+        table still be full (a trace id that left the table longer ago than the collector
+        remembers, or that several queued requests share), the least recently active
+        trajectory waiting for its root is evicted (O(1)); with none, the span is dropped
+        and its trajectory counted once (``trajectories_dropped_open_limit``)."""
+        dropped = self._dropped_traces
+        if trace_id in dropped:
+            _stats.incr("spans_dropped_open_limit")
+            return None
+        registry = self.registry
+        new = lambda: TrajectoryState(trace_id, None, "rollout", "rollout", {})  # noqa: E731
+        state = registry.open_or_get(trace_id, new)
+        if state is None:
+            self._evicted += registry.evict(registry.max_open - 1, self._max_held_bytes)
+            state = registry.open_or_get(trace_id, new)
+        if state is None:  # every open trajectory has its root and waits (annotations, settle)
+            _stats.incr("spans_dropped_open_limit")
+            _stats.incr("trajectories_dropped_open_limit")
+            _stats.warn_once("collector-open-limit", "rtrace collector: no room for a new trajectory "
+                             "(max_open_trajectories); it is dropped (counted)")
+            dropped[trace_id] = None
+            if len(dropped) > FINISHED_TRACE_IDS:
+                dropped.popitem(last=False)
+        return state
+
 
 def _uncarry(state: TrajectoryState, attrs: dict[str, Any]) -> None:
     """A prebuilt trajectory's conversation and annotations, carried on its root by the
@@ -238,22 +263,6 @@ class _Refused(Exception):
 def _refuse(why: str) -> None:
     _stats.incr("collector_spans_refused")
     _stats.incr(f"collector_refused.{why}")
-
-
-_ZERO_TRACE, _ZERO_SPAN = bytes(16), bytes(8)
-
-
-def _check_ids(span: Any) -> None:
-    """OTLP's rules: a 16-byte trace id and an 8-byte span id, neither all zero; a parent
-    id empty (a root) or 8 bytes, not all zero."""
-    trace_id, span_id, parent = span.trace_id, span.span_id, span.parent_span_id
-    if len(trace_id) != 16 or trace_id == _ZERO_TRACE:
-        raise _Refused("trace_id")
-    if len(span_id) != 8 or span_id == _ZERO_SPAN:
-        raise _Refused("span_id")
-    if parent and (len(parent) != 8 or parent == _ZERO_SPAN):
-        raise _Refused("parent_span_id")
-
 
 
 def unpack(span: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -486,7 +495,10 @@ class Collector:
         post = [Token2Text(self._decoder if settings.token2text else self._auto_decoder,
                            settings.token2text_skip_special_tokens, settings.token2text_keep_ids,
                            required=bool(settings.token2text))] if settings.token2text is not False else []
-        fanout = Fanout(sinks, settings.max_export_batch_size, settings.sink_queue_size, settings.sink_timeout_s)
+        # hold_back: a sink that is behind makes the worker wait, and the receiver push back,
+        # instead of thinning trajectories the senders were told were taken
+        fanout = Fanout(sinks, settings.max_export_batch_size, settings.sink_queue_size, settings.sink_timeout_s,
+                        hold_back=True)
         #: the bearer token workers must send (generated when binding beyond loopback)
         self.token: str | None = settings.collector_token or None
         local = is_loopback(host)
@@ -659,6 +671,46 @@ def tune_gc() -> tuple[int, int, int]:
     gc.freeze()
     gc.set_threshold(*COLLECTOR_GC_THRESHOLD)
     return before
+
+
+#: the smallest block glibc's malloc puts in a mapping of its own (returned to the system at
+#: free) in a process that is only a collector (``rtrace collect``)
+COLLECTOR_MMAP_THRESHOLD = 1 << 20
+
+
+def tune_malloc() -> bool:
+    """Set up glibc's malloc for a process that runs only the collector: every block of
+    :data:`COLLECTOR_MMAP_THRESHOLD` or more (a large span, a request body, a JSONL line
+    of it) gets a mapping of its own, given back to the system when it is freed. By
+    default glibc raises that threshold to the largest block freed so far (up to 32 MiB),
+    and then serves such blocks from the threads' heaps, which give memory back only from
+    their top: after ten requests of sixteen 3 MiB spans had been written and freed, the
+    collector stayed at ~620 MiB instead of ~180. ``rtrace collect`` calls it; returns
+    False where there is no glibc ``mallopt`` (macOS, musl: nothing changed)."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    m_mmap_threshold = -3  # glibc's malloc.h; setting it also stops the dynamic adjustment
+    return bool(mallopt(m_mmap_threshold, COLLECTOR_MMAP_THRESHOLD))
+
+
+def release_memory() -> bool:
+    """Give the free pages of glibc's heaps back to the system (``malloc_trim(0)``). The
+    collector's threads (gRPC's, the receiver's, the worker, the sinks) each allocate from
+    a heap of their own, and a heap returns memory only from its top: after a burst of
+    large requests, ~100-200 MiB stayed free inside them. ``rtrace collect`` calls this
+    once a second for the first ten seconds without a request. False without glibc."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
 
 
 def is_loopback(host: str) -> bool:

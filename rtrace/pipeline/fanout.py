@@ -5,7 +5,9 @@ program, and it loses them evenly across steps: when its queue is full, a new ba
 first merged into the queued batches that have room, and if that is not enough the sink
 samples fewer trajectories of every step (:meth:`SinkWorker._thin`), so a sink that
 falls behind still shows every step, with failures and tail-kept trajectories kept
-longest, rather than missing whole batches at random. Sinks run with OTel
+longest, rather than missing whole batches at random. (In the collector, whose senders
+can be told to wait, the worker waits for room instead while the sink makes progress:
+``Fanout(hold_back=True)``.) Sinks run with OTel
 instrumentation suppressed, so a backend's own HTTP calls are not traced into the
 trajectories. Shutdown is bounded per sink: each sink gets its
 own deadline, a sink that hangs is abandoned (its thread is a daemon) and everything
@@ -25,7 +27,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, attach, detach, set_value
 
@@ -53,6 +55,8 @@ class SinkWorker:
         self._abandoned = False
         #: set by request_stop(): the thread ends once its queue is drained
         self._stop_requested = False
+        #: ``time.monotonic()`` when the thread took the item it works on (None: waiting)
+        self._busy_since: float | None = None
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name=f"rtrace-sink-{self.name}", daemon=True)
         self.thread.start()
@@ -70,12 +74,28 @@ class SinkWorker:
             _stats.warn_once(f"sink-prepare-{self.name}", "rtrace sink %r failed in prepare", self.name,
                              exc_info=True)
 
-    def submit(self, batch: list[Trajectory]) -> None:
-        """Queue a batch (never blocks). ``batch`` may be queued for other sinks too: it
-        is never changed; a full queue makes new lists (:meth:`_thin`)."""
+    def submit(self, batch: list[Trajectory], wait: Callable[[], bool] | None = None) -> None:
+        """Queue a batch: at once, or, with ``wait``, waiting for room as long as ``wait()``
+        says so (:meth:`Fanout.submit` with ``hold_back``: the collector, while the sink
+        makes progress). Only then does a full queue thin what it holds. ``batch`` may be queued for other sinks too: it is never changed; a full
+        queue makes new lists (:meth:`_thin`)."""
+        q = self.queue
         try:
-            self.queue.put_nowait(batch)
-            return
+            if wait is None:
+                q.put_nowait(batch)
+                return
+            while True:
+                try:
+                    q.put_nowait(batch)
+                    return
+                except queue.Full:
+                    if not wait():
+                        raise
+                try:
+                    q.put(batch, timeout=0.05)
+                    return
+                except queue.Full:
+                    pass
         except queue.Full:
             pass
         lost = self._thin(batch) if self.sample_when_behind else len(batch)
@@ -163,6 +183,12 @@ class SinkWorker:
             return None
         return marker
 
+    def stalled(self) -> bool:
+        """Has the sink's thread been on one item (an export, a flush) longer than
+        ``timeout_s``? Then nobody waits for room in its queue."""
+        since = self._busy_since
+        return since is not None and time.monotonic() - since > self.timeout_s
+
     def _run(self) -> None:
         token = attach(set_value(_SUPPRESS_INSTRUMENTATION_KEY, True))
         try:
@@ -170,7 +196,9 @@ class SinkWorker:
                 item = self.queue.get()
                 if item is None:
                     break
+                self._busy_since = time.monotonic()
                 self._handle(item)
+                self._busy_since = None
                 if self._stop_requested and self.queue.empty():
                     break  # stop was requested while the queue was full: it is drained now
             # The end: everything queued before is exported. The sink shuts down here, on
@@ -193,7 +221,12 @@ class SinkWorker:
             item.set()
             return
         with self._lock:
-            if self._abandoned:  # counted as abandoned already: a late thread writes nothing
+            if self._abandoned:
+                # A late thread writes nothing. Shutdown counted what was inside export() and
+                # what it drained from the queue itself; this batch the thread took from the
+                # queue meanwhile (back from the export shutdown gave up on), so it is in
+                # neither: it is counted here, else it would be in no counter at all
+                self._count("abandoned_trajectories", len(item))
                 return
             self._in_flight = item
         failed = len(item)
@@ -295,9 +328,17 @@ class _Marker(threading.Event):
 class Fanout:
     """Every sink's worker; batches go to all of them."""
 
-    def __init__(self, sinks: Sequence[Sink], batch_size: int, queue_size: int, timeout_s: float) -> None:
+    def __init__(self, sinks: Sequence[Sink], batch_size: int, queue_size: int, timeout_s: float,
+                 hold_back: bool = False) -> None:
         self.batch_size = batch_size
         self.workers = [SinkWorker(sink, queue_size, timeout_s, batch_size) for sink in sinks]
+        #: wait for room in a sink's full queue while the sink makes progress (the collector:
+        #: its worker waits, its queue and table fill, its receiver pushes back, and the
+        #: senders wait, instead of a sink thinning what was accepted); never for a sink
+        #: stuck on one item longer than ``timeout_s``; once stopping, until the last
+        #: round's deadline only
+        self.hold_back = hold_back
+        self.stopping = False
         #: the sinks that encode on the pipeline's thread, while the trajectories are hot (Sink.prepare)
         self._preparing = [w for w in self.workers if _implements(w.sink, "prepare")]
 
@@ -308,17 +349,34 @@ class Fanout:
         them (a fifth of the worker's time with a JSONL or OTLP sink alone)."""
         return any(_implements(w.sink, "export_step_metrics") for w in self.workers)
 
-    def submit(self, trajectories: list[Trajectory]) -> None:
+    def submit(self, trajectories: list[Trajectory], wait_until: float | None = None) -> None:
+        """Hand ``trajectories`` to every sink, in batches. With ``hold_back`` (the
+        collector), a sink whose queue is full is waited for while it makes progress, and
+        once stopping until ``wait_until``; without, it thins what it holds at once (one
+        process: the traced program's spans must not wait behind the worker)."""
+        waits = self.hold_back
         for worker in self._preparing:
             # a sink that is behind (its queue full) thins what it gets: encoding it here
             # would spend the worker's time on trajectories it may drop; its export does it
-            if not worker.queue.full():
+            if waits or not worker.queue.full():
                 worker.prepare(trajectories)
         size = self.batch_size
         for i in range(0, len(trajectories), size):
             batch = trajectories[i:i + size]
             for worker in self.workers:
-                worker.submit(batch)
+                worker.submit(batch, self._waiting(worker, wait_until) if waits else None)
+
+    def _waiting(self, worker: SinkWorker, wait_until: float | None) -> Callable[[], bool]:
+        """Whether to go on waiting for room in ``worker``'s queue: never for a sink stuck on
+        one item longer than its timeout; while the pipeline is not stopping; once it is,
+        until ``wait_until`` (a stop's last round)."""
+        def wait() -> bool:
+            if worker.stalled():
+                return False
+            if not self.stopping:
+                return True
+            return wait_until is not None and time.monotonic() < wait_until
+        return wait
 
     def submit_metrics(self, metrics: list[StepMetrics]) -> None:
         for worker in self.workers:
@@ -334,6 +392,7 @@ class Fanout:
         """Stop every sink, in parallel (each in its own thread, which exists already),
         within ``timeout_s`` in all: a hung sink is abandoned (counted) and never keeps the
         others from shutting down. Starts no thread (safe at interpreter exit)."""
+        self.stopping = True
         for w in self.workers:
             w.request_stop()
         deadline = time.monotonic() + timeout_s

@@ -305,14 +305,14 @@ class OtlpReceiver:
             self._count(unauthenticated_requests=1)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a bearer token is required")
         try:
-            body = await asyncio.wait_for(requests.__anext__(), MESSAGE_TIMEOUT_S)
+            body = await asyncio.wait_for(_only_message(requests), MESSAGE_TIMEOUT_S)
         except asyncio.TimeoutError:
             self._count(grpc_refused_calls=1)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"no request within {MESSAGE_TIMEOUT_S:g} s of the call's start")
-        except StopAsyncIteration:
+        except _NoMessage as exc:
             self._count(grpc_refused_calls=1)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception:  # noqa: BLE001 - gRPC refused the message (too large once decompressed, ...)
             self._count(grpc_refused_calls=1)
             raise
@@ -478,6 +478,29 @@ class OtlpReceiver:
         with self._lock:
             self._counts["invalid_requests"] += 1
             self._last_error = why
+
+
+class _NoMessage(Exception):
+    """A gRPC call whose stream did not carry exactly one request message."""
+
+
+async def _only_message(requests: Any) -> bytes:
+    """The one message of an Export call's request stream, read to its end.
+
+    ``async for`` to the end, not ``requests.__anext__()``: one ``__anext__`` leaves
+    grpc.aio's message receiver (an async generator) suspended with the message in its
+    frame, in a reference cycle that only Python's cyclic GC frees: every request body
+    (up to 64 MiB) stayed in memory until a full collection, which ``rtrace collect``
+    makes rare (tune_gc). A generator run to its end keeps nothing."""
+    body, more = None, 0
+    async for message in requests:
+        if body is None:
+            body = message
+        else:  # let go at once, and read on: leaving the stream early would keep it
+            more += 1
+    if body is None or more:
+        raise _NoMessage("no request message" if body is None else f"{more + 1} request messages, not one")
+    return body
 
 
 def _host_for_url(host: str) -> str:

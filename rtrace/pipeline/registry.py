@@ -64,16 +64,25 @@ class TrajectoryRegistry:
         #: unknown trace is never opened as a new trajectory)
         self.finished_bound = 0
         self._finished: OrderedDict[int, None] = OrderedDict()
+        #: collector: the open trajectories still waiting for their root, least recently
+        #: active first (:meth:`touch` moves one to the end): eviction takes them from the
+        #: front, O(1) each, instead of sorting the table for every one
+        self._waiting: OrderedDict[int, TrajectoryState] = OrderedDict()
 
     # ------------------------------------------------------------------ hot path
     def register(self, state: TrajectoryState) -> bool:
+        if self._add(state):
+            return True
+        _stats.incr("trajectories_dropped_open_limit")
+        _stats.warn_once("open-limit", "rtrace: more than %d open trajectories; new ones are not traced",
+                         self.max_open)
+        return False
+
+    def _add(self, state: TrajectoryState) -> bool:
         with self._lock:
             if not self._closed and len(self._open) < self.max_open:
                 self._open[state.trace_id] = state
                 return True
-        _stats.incr("trajectories_dropped_open_limit")
-        _stats.warn_once("open-limit", "rtrace: more than %d open trajectories; new ones are not traced",
-                         self.max_open)
         return False
 
     def lookup(self, trace_id: int) -> TrajectoryState | None:
@@ -97,12 +106,18 @@ class TrajectoryRegistry:
     # ------------------------------------------------------------------ worker side
     def open_or_get(self, trace_id: int, factory: Callable[[], TrajectoryState]) -> TrajectoryState | None:
         """The open trajectory of ``trace_id``, opening it with ``factory()`` when new
-        (the collector: the first span of a trace opens it). None over the cap."""
+        (the collector: the first span of a trace opens it). None over the cap (not
+        counted: the collector counts each trajectory it loses once, not each span)."""
         state = self._open.get(trace_id)
         if state is not None:
             return state
         state = factory()
-        return state if self.register(state) else None
+        if not self._add(state):
+            return None
+        with self._lock:
+            if state.root_at is None and self._open.get(trace_id) is state:
+                self._waiting[trace_id] = state
+        return state
 
     def arrive(self, trace_id: int, span_id: int) -> tuple[TrajectoryState | None, bool]:
         """The state a span of ``trace_id`` belongs to, and whether it is the root (then
@@ -129,6 +144,7 @@ class TrajectoryRegistry:
                 return False
             state.root_span_id = span_id
             state.root_at = time.monotonic()
+            self._waiting.pop(state.trace_id, None)  # settling: never evicted
             return True
 
     def touch(self, state: TrajectoryState, nbytes: int) -> None:
@@ -138,6 +154,8 @@ class TrajectoryRegistry:
             state.held_bytes += nbytes
             if self._open.get(state.trace_id) is state:
                 self.held_bytes += nbytes
+                if state.trace_id in self._waiting:
+                    self._waiting.move_to_end(state.trace_id)  # now the most recently active
 
     def remove(self, state: TrajectoryState) -> None:
         """Forget a finished trajectory: spans of its trace that arrive later are late."""
@@ -149,6 +167,7 @@ class TrajectoryRegistry:
             for state in states:
                 if self._open.get(state.trace_id) is state:
                     del self._open[state.trace_id]
+                    self._waiting.pop(state.trace_id, None)
                     self.held_bytes -= state.held_bytes
                     self._left(state.trace_id)
 
@@ -173,15 +192,15 @@ class TrajectoryRegistry:
     def evict(self, max_open: int, max_bytes: int) -> list[TrajectoryState]:
         """Collector under pressure: remove the least recently active trajectories still
         waiting for their root until at most ``max_open`` are open and at most
-        ``max_bytes`` held; returned marked partial (written with what arrived)."""
+        ``max_bytes`` held; returned marked partial (written with what arrived). O(1) per
+        trajectory evicted: they are kept in the order of their last activity."""
+        evicted = []
         with self._lock:
-            if len(self._open) <= max_open and self.held_bytes <= max_bytes:
-                return []
-            waiting = sorted((st for st in self._open.values() if st.root_at is None), key=lambda st: st.touched)
-            evicted = []
-            for state in waiting:
-                if len(self._open) <= max_open and self.held_bytes <= max_bytes:
-                    break
+            waiting = self._waiting
+            while waiting and (len(self._open) > max_open or self.held_bytes > max_bytes):
+                _, state = waiting.popitem(last=False)
+                if self._open.get(state.trace_id) is not state:  # pragma: no cover - kept in step
+                    continue
                 del self._open[state.trace_id]
                 self.held_bytes -= state.held_bytes
                 self._left(state.trace_id)
@@ -200,6 +219,7 @@ class TrajectoryRegistry:
                        if st.root_at is None and (force or st.root_lost or now - st.created > timeout_s)]
             for state in expired:
                 del self._open[state.trace_id]
+                self._waiting.pop(state.trace_id, None)
                 self.held_bytes -= state.held_bytes
                 self._left(state.trace_id)
                 state.partial = True

@@ -88,6 +88,9 @@ class Pipeline:
     #: selector holds and settle times are skipped (a round that was already running when
     #: flush() was called does not: the rest of the backlog is in the next round)
     _serving_flush = False
+    #: a stop's deadline (``time.monotonic()``) while the worker serves its last round: a
+    #: collector's sink whose queue is full is waited for until then (Fanout.hold_back)
+    _wait_until: float | None = None
     #: a step's metrics wait this long after its last trajectory once a later step began
     metrics_linger_s = 1.0
     #: refuse new trajectories once shutdown starts (one process: the hot path may still
@@ -198,6 +201,9 @@ class Pipeline:
                 now = time.monotonic()
                 expire = stopping or now - last_expiry > min(1.0, self.settings.orphan_timeout_s)
                 self._serving_flush = bool(requests)
+                # a stop gives the worker sink_timeout_s (shutdown joins it that long): half of
+                # it for full sink queues, in the collector (Fanout.hold_back)
+                self._wait_until = now + self.settings.sink_timeout_s / 2 if stopping else None
                 try:
                     self._round(now, expire, stopping)
                 except Exception:
@@ -402,7 +408,7 @@ class Pipeline:
             for traj in out:
                 traj.health_checks = health.ran(traj)
         _stats.incr("trajectories_completed", len(out))
-        self.fanout.submit(out)
+        self.fanout.submit(out, self._wait_until)
         if self.metrics is not None:
             # observe() releases the steps these trajectories show are done: they go to
             # the sinks now, after the trajectories (a step's rows were lost here before)
@@ -450,6 +456,7 @@ class Pipeline:
         timeout_s = self.settings.sink_timeout_s if timeout_s is None else timeout_s
         if self.refuse_new_at_shutdown:
             self.registry.close()
+        self.fanout.stopping = True  # a worker waiting for a sink's room (the collector) stops waiting
         with self._cond:
             self._stopping = True
             self._cond.notify()
