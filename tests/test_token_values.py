@@ -391,3 +391,38 @@ def test_token_texts_for_the_views(tok):
     pieces = first.attributes["rtrace.response_tokens"]
     assert len(pieces) == len(ids) and "".join(pieces) == "The answer is 4."
     assert "rtrace.response_tokens" not in second.attributes
+
+
+def test_the_static_report_colours_the_worst_rollouts_tokens(tmp_path, tok):
+    """rtrace report --html: the rollouts with the largest mismatch, each generation's tokens
+    coloured by it (trainer - sampler) with a legend and the values in each token's tooltip,
+    the worst first; their text escaped (an answer's markup stays text)."""
+    import re
+
+    from rtrace.report import run
+
+    path = tmp_path / "t.jsonl"
+    rtrace.configure(exporter="jsonl", jsonl_path=str(path), token2text=True, tokenizer=tok,
+                     await_annotations="old_logprob", annotation_timeout_s=30)
+    ids = tok.encode("<b>The answer is 4.</b>", add_special_tokens=False)
+    rows = []
+    for i in range(3):
+        with rtrace.rollout_context(step=1, sample_index=i, rollout_n=0):
+            gen([1, 2, 3], ids, [-0.5] * len(ids))
+            rtrace.record_reward(1.0)
+        row = [-0.5] * len(ids)
+        row[2] = -0.5 - i  # rollout i is off by i at its third token
+        rows.append(row)
+    rtrace.annotate_batch(step=1, sample_index=[0, 1, 2], rollout_n=[0, 0, 0], old_logprob=rows)
+    assert rtrace.flush(30)
+    page = tmp_path / "r.html"
+    import io
+    assert run([str(path)], io.StringIO(), str(page)) == 0
+    text = page.read_text()
+    section = text[text.index('<section id="tokens">'):]
+    order = re.findall(r'class="token-rollout" data-trace="([0-9a-f]{32})"', section)
+    k3 = {t.trace_id: t.annotations["logprob_mismatch_k3"] for t in read_jsonl(path)}
+    assert order == sorted(k3, key=k3.get, reverse=True)  # the worst first
+    assert "tlegend" in section and 'data-color="mismatch"' in section
+    assert "mismatch -2" in section  # the worst token's value in its tooltip
+    assert ">&lt;</span>" in section and "<b>The" not in section  # each token's text escaped

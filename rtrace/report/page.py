@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Sequence
 
-from . import views
+from . import tokens, views
 from .data import MAX_CHARS, MAX_MESSAGES, page_data
 from .health import step_health
 from .load import Record
@@ -130,6 +130,45 @@ def _snapshot(db: Any) -> tuple[str, dict[tuple[bool, int], dict[str, float]]]:
     return str(h("h2", None, "rollouts of every step")) + section, Q.step_extras(db)
 
 
+#: rollouts whose tokens the static page colours (the largest train-inference mismatch first)
+TOKEN_ROLLOUTS = 5
+
+
+def _token_section(records: Sequence[Record]) -> str:
+    """The rollouts with the largest train-inference mismatch (else the first ones with
+    per-token values), each generation's tokens coloured by the mismatch (else its first
+    array), with a legend and each token's values in its tooltip: the page a person opens
+    from disk shows what ``rtrace serve``'s rollout page shows (docs/token-values.md)."""
+    with_values = [r.traj for r in records if any(s.kind == "generation" and s.token_values for s in r.traj.spans)]
+    if not with_values:
+        return ""
+
+    def k3(t: Any) -> float:
+        v = t.annotations.get("logprob_mismatch_k3")
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else -1.0
+
+    chosen = sorted(with_values, key=k3, reverse=True)[:TOKEN_ROLLOUTS]
+    parts: list[Any] = [h("h2", None, "tokens: the largest train-inference mismatch" if k3(chosen[0]) >= 0
+                          else "tokens"),
+                        h("p", {"class_": "note"}, f"{len(chosen)} of {len(with_values):,} rollouts with per-token "
+                          "values; rtrace serve shows any rollout and colours by any array.")]
+    for t in chosen:
+        gens = [s for s in t.spans if s.kind == "generation"]
+        names = tokens.available(gens)
+        color = tokens.MISMATCH if tokens.MISMATCH in names else tokens.default_color(names)
+        scale = tokens.scale_for(color, [v for g in gens for v in tokens.arrays_of(g).get(color or "", [])]) \
+            if color else None
+        facts = f"step {t.step} · sample {t.sample_index} · rollout {t.rollout_n} · reward {views.fmt(t.reward)}"
+        if k3(t) >= 0:
+            facts += f" · k3 {views.fmt(k3(t))}"
+        parts.append(h("div", {"class_": "token-rollout", "data_trace": t.trace_id},
+                       h("h3", None, h("code", {"class_": "tid"}, t.trace_id[:8]), " ", facts),
+                       tokens.legend(color, scale) if scale is not None else None,
+                       [h("div", {"class_": "turn"}, h("div", {"class_": "muted"}, f"turn {i}"),
+                          tokens.overlay(g, color, scale)) for i, g in enumerate(gens, 1)]))
+    return str(h("section", {"id": "tokens"}, parts))
+
+
 def render(records: Sequence[Record], paths: Sequence[str], notes: Sequence[str] = (), max_chars: int = MAX_CHARS,
            max_messages: int = MAX_MESSAGES, db: Any = "auto", live: Live | None = None) -> str:
     """The whole page for ``records`` read from ``paths``. ``db``: the run's tables for
@@ -144,7 +183,8 @@ def render(records: Sequence[Record], paths: Sequence[str], notes: Sequence[str]
         snapshot, extras = _snapshot(snapshot_db(records) if db == "auto" else db) if db is not None else ("", {})
         summary = f"{len(records):,} trajectories from {len(paths)} file(s): {files}"
         values = {"STYLE": f"<style>{_static('report.css')}</style>", "BODY": "<body>", "NAV": "",
-                  "H1": "<h1>rtrace report</h1>", "RUN": _run_section(rows, rates, extras) + snapshot,
+                  "H1": "<h1>rtrace report</h1>",
+                  "RUN": _run_section(rows, rates, extras) + snapshot + _token_section(records),
                   "SCRIPT": f"<script>{_static('report.js')}</script>", "TITLE": esc(f"rtrace report: {files}")}
     else:
         summary = f"{len(records):,} trajectories of {files}"
