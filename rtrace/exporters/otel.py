@@ -1,9 +1,11 @@
 """The one conversion from trajectories to OpenTelemetry spans, shared by the OTel sinks.
 
-The OTLP sink exports :func:`to_readable_spans` with the SDK's own exporter; the MLflow
-sink takes :func:`to_otlp_protos` (the same spans through the SDK's own OTLP encoder,
-with MLflow's attributes added on top) and hands them to ``Span.from_otel_proto``. Both
-therefore show a trajectory the same way:
+:func:`otel_spans` is the conversion; its spans are made into OTLP protobuf bytes by
+:func:`encode_request` (:mod:`rtrace.exporters.otlp_wire`: the bytes the OTel SDK's OTLP
+encoder makes of the same spans, at a fraction of its cost), which the OTLP sink sends, and
+into SDK ``ReadableSpan`` objects by :func:`to_readable_spans`. The MLflow sink takes
+:func:`to_otlp_protos` (those bytes parsed, MLflow's attributes added on top) and hands them
+to ``Span.from_otel_proto``. Every output therefore shows a trajectory the same way:
 
 * **ids**: the trace id and span ids of the trajectory (hex in the Trajectory, ints in
   the SDK, bytes in OTLP); span kind INTERNAL; start / end times (an end before the start
@@ -55,13 +57,14 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
-from . import otlp_wire
 from .._serialize import attr_ok, fast_json, json_default, plain_json, strict_json, truncate, vouched
 from ..trajectory import SpanRecord, Trajectory, token_field
+from . import otlp_wire
 from .semconv import (DUPLICATES, INPUT_CHARS_FACTOR, MODES, Conversation, evaluation_events,
                       genai_attributes, span_name)
 
-__all__ = ["encode_compact", "RECORD_ATTR", "to_readable_spans", "otel_spans", "OtelSpan", "encode_request", "to_otlp_request", "to_otlp_protos", "otlp_spans",
+__all__ = ["encode_compact", "RECORD_ATTR", "to_readable_spans", "otel_spans", "OtelSpan", "encode_request",
+           "to_otlp_request", "to_otlp_protos", "otlp_spans",
            "attribute_value", "attributes", "any_value", "set_any_value", "bounded", "json_text", "utf8",
            "is_valid_attribute", "DEFAULT_MAX_VALUE_CHARS", "DEFAULT_SEMCONV"]
 
@@ -110,13 +113,19 @@ def utf8(text: str) -> str:
 bounded = truncate
 
 
+#: ``json.dumps(value, ensure_ascii=False, allow_nan=False, default=json_default)``, with the
+#: encoder made once (json.dumps makes one per call for non-default options: ~1.5 µs, more
+#: than encoding a short value). ``encode`` is reentrant: threads may share it.
+_TEXT_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, default=json_default)
+
+
 def json_text(value: Any, limit: int | None = None) -> str:
     """``value`` as strict JSON text (non-finite floats as strings), bounded when a
     ``limit`` is given."""
     try:
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False, default=json_default)
+        text = _TEXT_JSON.encode(value)
     except ValueError:  # a NaN or infinity inside: written as strings (one C-speed pass before)
-        text = json.dumps(strict_json(value), ensure_ascii=False, allow_nan=False, default=json_default)
+        text = _TEXT_JSON.encode(strict_json(value))
     return utf8(text if limit is None else bounded(text, limit))
 
 
