@@ -210,6 +210,11 @@ class OtlpHttpReceiver(_Receiver):
         with self._fail_lock:
             self._fail.extend([(status, retry_after)] * n)
 
+    def failures_left(self) -> int:
+        """How many of the failures asked for are still to be answered."""
+        with self._fail_lock:
+            return len(self._fail)
+
     def _next_failure(self) -> tuple[int, str | None] | None:
         with self._fail_lock:
             return self._fail.pop(0) if self._fail else None

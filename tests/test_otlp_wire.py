@@ -107,10 +107,14 @@ def test_what_the_sdk_encoder_cannot_encode_is_still_readable():
     "é", [], [1, 2], ["a"], (1.5,), [[1], ["x"]], {"k": "v", "n": [None, 1]}, {}, None, b"\x00\xff",
 ])
 def test_any_value(value):
-    """otlp_wire.any_value is the SDK's AnyValue for each kind of value it takes."""
-    from opentelemetry.exporter.otlp.proto.common._internal import _encode_value
+    """otlp_wire.any_value is the SDK's AnyValue for each kind of value it takes (read from
+    the SDK encoder's output for a span holding it as its one attribute)."""
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.trace import SpanContext
 
-    assert otlp_wire.any_value(value) == _encode_value(value).SerializeToString()
+    span = ReadableSpan("s", SpanContext(1, 1, False), resource=RESOURCE, attributes={"v": value})
+    [proto] = otel.otlp_spans(encode_spans([span]))
+    assert otlp_wire.any_value(value) == proto.attributes[0].value.SerializeToString()
 
 
 def test_empty_batch_is_the_empty_request():
@@ -185,6 +189,47 @@ def test_http_retry_after_is_the_delay_waited():
         assert len(rx.wait_for_spans(2, 10)) == 2
     stats = rtrace.stats()
     assert stats["sink.otlp.exported"] == 1 and "sink.otlp.failed_batches" not in stats
+
+
+def test_a_server_that_keeps_naming_no_delay_is_asked_six_times():
+    """Attempts are bounded (6, the SDK exporters' number): a server answering 429 with
+    Retry-After: 0 again and again is not asked until the timeout; the batch is counted."""
+    with OtlpHttpReceiver() as rx:
+        rx.fail_next(20, 429, retry_after="0")
+        rtrace.configure(exporter="otlp", otlp_endpoint=rx.base_url, otlp_timeout_s=30, export_interval_s=0.02)
+        _one_rollout()
+        assert not rtrace.flush(20)
+        assert rx.failures_left() == 14 and rx.spans == []
+    assert rtrace.stats()["sink.otlp.failed_batches"] == 1
+
+
+def test_closing_ends_a_retry_wait():
+    """shutdown() (the sender's close) ends a retry's wait at once: a request told to come
+    back in 20 s gives up as soon as the sender is closed, and raises."""
+    import threading
+
+    from rtrace.exporters.otlp_transport import ExportFailed, HttpSender
+
+    with OtlpHttpReceiver() as rx:
+        rx.fail_next(1, 503, retry_after="20")
+        sender = HttpSender(rx.traces_url, {}, timeout_s=30)
+        outcome = []
+
+        def send():
+            try:
+                sender.send(otel.encode_request(odd_trajectory(), RESOURCE, SCOPE))
+            except ExportFailed as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        for _ in range(1000):  # (bounded) until the first attempt was answered: the sender then waits
+            if not rx.failures_left():
+                break
+            thread.join(0.01)
+        sender.close()
+        thread.join(10)  # (bounded: without close() it would wait 20 s)
+        assert not thread.is_alive() and len(outcome) == 1 and rx.spans == []
 
 
 def test_http_without_a_named_delay_backs_off_within_the_timeout():

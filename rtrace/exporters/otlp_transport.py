@@ -19,8 +19,9 @@ pooled connection; then with backoff); gRPC CANCELLED, DEADLINE_EXCEEDED,
 RESOURCE_EXHAUSTED, ABORTED, OUT_OF_RANGE, UNAVAILABLE, DATA_LOSS. The delay is the one the
 server names (HTTP ``Retry-After``, seconds or a date; gRPC ``google.rpc.RetryInfo``: an
 rtrace collector's push-back names it), else exponential backoff from 1 s with ±20 %
-jitter (the SDK's); a retry whose delay would pass the timeout is not made, and the
-request fails (:class:`ExportFailed`). ``close()`` ends a backoff at once.
+jitter (the SDK's); at most 6 attempts (the SDK's); a retry whose delay would pass the
+timeout is not made, and the request fails (:class:`ExportFailed`). ``close()`` ends a
+backoff at once.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ TRACE_EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Expo
 _HTTP_RETRY = frozenset({429, 502, 503, 504})
 _GRPC_RETRY = ("CANCELLED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "OUT_OF_RANGE", "UNAVAILABLE",
                "DATA_LOSS")
+#: Attempts per request at most (the SDK exporters' number): a server that keeps naming a
+#: delay of 0 is not asked again and again until the timeout.
+_MAX_ATTEMPTS = 6
 #: The longest delay a server may ask for (a bad Retry-After must not park the sink).
 _MAX_NAMED_DELAY = 60.0
 
@@ -67,17 +71,19 @@ class _Sender:
         """Deliver one serialized ``ExportTraceServiceRequest``, retrying as the module
         docstring says. Raises :class:`ExportFailed`."""
         deadline = time.monotonic() + self.timeout_s
-        retry = 0
-        while True:
+        backoff = 0
+        for attempt in range(1, _MAX_ATTEMPTS + 1):
             outcome = self._attempt(body, max(deadline - time.monotonic(), 0.001))
             if outcome is None:
                 return
             retryable, delay, reason = outcome
             if delay is None:
-                delay = 2 ** retry * self._random.uniform(0.8, 1.2)
-                retry += 1
-            if not retryable or delay > deadline - time.monotonic() or self._closed.wait(delay):
-                raise ExportFailed(reason + (" (retryable: out of time, or closed)" if retryable else ""))
+                delay = 2 ** backoff * self._random.uniform(0.8, 1.2)
+                backoff += 1
+            if not retryable or attempt == _MAX_ATTEMPTS or delay > deadline - time.monotonic() \
+                    or self._closed.wait(delay):
+                break
+        raise ExportFailed(reason + (f" (retryable; gave up after {attempt} attempts)" if retryable else ""))
 
     def close(self) -> None:
         self._closed.set()

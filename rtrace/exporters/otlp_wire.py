@@ -96,7 +96,7 @@ def _any_other(value: Any) -> bytes:
         return any_value(int(value))
     if isinstance(value, float):
         return any_value(float(value))
-    if isinstance(value, (bytes, bytearray)):
+    if isinstance(value, bytes):
         return _BYTES + _message(bytes(value))
     if isinstance(value, Sequence):
         return any_value(list(value))
