@@ -676,7 +676,8 @@ PARAMS: tuple[Param, ...] = (
           "names; `both` adds the OpenTelemetry GenAI conventions (span names `invoke_agent` / `chat` / "
           "`execute_tool`, `gen_ai.*` messages, rewards as `gen_ai.evaluation.result` events), which MLflow and "
           "Phoenix render natively; `genai` leaves out rtrace's copies of what those carry. `rl.*` are always "
-          "written. Not `both` by default: it costs the OTLP sink ~1.4x the CPU (docs/semconv.md).", type="str"),
+          "written. Not `both` by default: it costs the OTLP sink ~1.8x the CPU of `rtrace` (docs/semconv.md).",
+          type="str"),
 )
 
 _PARAMS_BY_NAME = {p.name: p for p in PARAMS}

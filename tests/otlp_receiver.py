@@ -1,9 +1,12 @@
 """A real OTLP receiver for tests: OTLP/HTTP (protobuf) and OTLP/gRPC on 127.0.0.1.
 
 It decodes ``ExportTraceServiceRequest`` with opentelemetry-proto and keeps every span as
-a plain :class:`ReceivedSpan` (hex ids, decoded attribute values), bounded by
-``max_spans`` (beyond it spans are counted in ``overflow`` and not kept). For retry
-tests, ``fail_next(n, status)`` makes the next ``n`` HTTP requests answer ``status``.
+a plain :class:`ReceivedSpan` (hex ids, decoded attribute values, and the span's protobuf
+bytes as the receiver re-serialises them), bounded by ``max_spans`` (beyond it spans are
+counted in ``overflow`` and not kept). For retry tests, ``fail_next(n, status, retry_after)``
+makes the next ``n`` HTTP requests answer ``status`` (with a ``Retry-After`` header when
+given), and ``fail_next(n, code, retry_delay_s)`` the next ``n`` gRPC calls ``code`` (with
+``google.rpc.RetryInfo`` in the trailers when given).
 
 Usage::
 
@@ -68,6 +71,8 @@ class ReceivedSpan:
     scope: str
     flags: int
     headers: dict[str, str] = field(default_factory=dict)
+    #: the Span message, serialised again by the receiver's protobuf
+    proto: bytes = b""
 
 
 class _Store:
@@ -94,7 +99,8 @@ class _Store:
                         attributes=_attrs(s.attributes),
                         events=[{"name": e.name, "time_ns": e.time_unix_nano, "attributes": _attrs(e.attributes)}
                                 for e in s.events],
-                        resource=resource, scope=ss.scope.name, flags=s.flags, headers=headers))
+                        resource=resource, scope=ss.scope.name, flags=s.flags, headers=headers,
+                        proto=s.SerializeToString()))
         with self._cond:
             self.requests += 1
             room = max(0, self.max_spans - len(self.spans))
@@ -149,7 +155,7 @@ class OtlpHttpReceiver(_Receiver):
     def __init__(self, max_spans: int = 200_000) -> None:
         super().__init__(max_spans)
         self._fail_lock = threading.Lock()
-        self._fail: list[int] = []
+        self._fail: list[tuple[int, str | None]] = []
         store, receiver = self.store, self
 
         class Handler(BaseHTTPRequestHandler):
@@ -161,9 +167,9 @@ class OtlpHttpReceiver(_Receiver):
                     self._reply(404 if length <= _MAX_BODY else 413, b"")
                     return
                 body = self.rfile.read(length)
-                status = receiver._next_failure()
-                if status is not None:
-                    self._reply(status, b"")
+                failure = receiver._next_failure()
+                if failure is not None:
+                    self._reply(failure[0], b"", failure[1])
                     return
                 encoding = (self.headers.get("Content-Encoding") or "").lower()
                 if encoding == "gzip":
@@ -179,8 +185,10 @@ class OtlpHttpReceiver(_Receiver):
                 store.add(request, {k.lower(): v for k, v in self.headers.items()})
                 self._reply(200, ExportTraceServiceResponse().SerializeToString())
 
-            def _reply(self, status: int, payload: bytes) -> None:
+            def _reply(self, status: int, payload: bytes, retry_after: str | None = None) -> None:
                 self.send_response(status)
+                if retry_after is not None:
+                    self.send_header("Retry-After", retry_after)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
@@ -196,12 +204,18 @@ class OtlpHttpReceiver(_Receiver):
         self.traces_url = self.base_url + "/v1/traces"
         self._thread: threading.Thread | None = None
 
-    def fail_next(self, n: int, status: int = 503) -> None:
-        """Answer the next ``n`` requests with ``status`` (503: the exporter retries)."""
+    def fail_next(self, n: int, status: int = 503, retry_after: str | None = None) -> None:
+        """Answer the next ``n`` requests with ``status`` (503: the exporter retries), with
+        a ``Retry-After`` header when given."""
         with self._fail_lock:
-            self._fail.extend([status] * n)
+            self._fail.extend([(status, retry_after)] * n)
 
-    def _next_failure(self) -> int | None:
+    def failures_left(self) -> int:
+        """How many of the failures asked for are still to be answered."""
+        with self._fail_lock:
+            return len(self._fail)
+
+    def _next_failure(self) -> tuple[int, str | None] | None:
         with self._fail_lock:
             return self._fail.pop(0) if self._fail else None
 
@@ -227,10 +241,23 @@ class OtlpGrpcReceiver(_Receiver):
         import grpc
         from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
-        store = self.store
+        store, receiver = self.store, self
+        self._fail_lock = threading.Lock()
+        self._fail: list[tuple[Any, float | None]] = []
 
         class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
             def Export(self, request, context):  # noqa: N802 (gRPC API)
+                with receiver._fail_lock:
+                    failure = receiver._fail.pop(0) if receiver._fail else None
+                if failure is not None:
+                    code, delay = failure
+                    if delay is not None:
+                        from google.rpc.error_details_pb2 import RetryInfo
+
+                        info = RetryInfo()
+                        info.retry_delay.FromNanoseconds(int(delay * 1e9))
+                        context.set_trailing_metadata((("google.rpc.retryinfo-bin", info.SerializeToString()),))
+                    context.abort(code, "told to fail")
                 store.add(request, {k: v for k, v in context.invocation_metadata()})
                 return ExportTraceServiceResponse()
 
@@ -238,6 +265,12 @@ class OtlpGrpcReceiver(_Receiver):
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Servicer(), self._server)
         self.port = self._server.add_insecure_port("127.0.0.1:0")
         self.address = f"127.0.0.1:{self.port}"
+
+    def fail_next(self, n: int, code: Any, retry_delay_s: float | None = None) -> None:
+        """Answer the next ``n`` calls with status ``code`` (a ``grpc.StatusCode``), naming
+        ``retry_delay_s`` as the delay to wait (``RetryInfo``) when given."""
+        with self._fail_lock:
+            self._fail.extend([(code, retry_delay_s)] * n)
 
     def start(self) -> None:
         self._server.start()

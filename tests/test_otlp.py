@@ -90,10 +90,11 @@ def test_endpoint_resolution(env, expected):
 
 
 def test_missing_exporter_package_names_the_extra():
-    """Without opentelemetry-exporter-otlp, configure(exporter='otlp') raises ConfigError naming rtrace[otlp]."""
+    """Without the HTTP client the OTLP sink sends with (requests, which rtrace[otlp] installs),
+    configure(exporter='otlp') raises ConfigError naming rtrace[otlp]."""
     code = textwrap.dedent("""
         import sys
-        sys.modules["opentelemetry.exporter.otlp.proto.http"] = None  # as if not installed
+        sys.modules["requests"] = None  # as if not installed
         import rtrace
         try:
             rtrace.configure(exporter="otlp")

@@ -158,6 +158,28 @@ class TestMessages:
     ])
     def test_message_parts(self, message, parts):
         assert semconv.message_parts(message) == parts
+        assert json.loads(semconv.encode_message(message)) == parts
+
+    @pytest.mark.parametrize("message", [
+        SYSTEM, USER, RESULT, ANSWER, ASK,  # the shorter road (plain text, a tool's answer) and the others
+        {"role": "assistant", "content": "<think>x"}, {"role": "tool", "tool_call_id": 7, "content": "1"},
+        {"role": "tool", "tool_call_id": None, "content": "1", "name": "t"}, {"role": "user", "content": ""},
+        {"role": "user", "content": "hi", "name": "ann"}, {"role": 5, "content": "x"}, "just text",
+    ])
+    def test_encode_message_is_the_json_of_message_parts(self, message):
+        """The plain messages' shorter road gives the same text as the general one."""
+        assert semconv.encode_message(message) == semconv._json(semconv.message_parts(message))
+
+    @pytest.mark.parametrize("raw", ['{"a": 1}', ' {"a": [1, 2.5]}\n', "not json", '{"a": 1} tail', "", "NaN",
+                                     "123456789012345678901234567890", '"\\ud800"', "\ufeff{}", "[1,"])
+    def test_tool_arguments_are_read_as_json_loads_reads_them(self, raw):
+        try:
+            expected = json.loads(raw)
+        except ValueError:
+            expected = raw
+        got = semconv._arguments(raw)
+        assert got == expected or (got != got and expected != expected)  # NaN
+        assert type(got) is type(expected)
 
     def test_input_messages_are_bounded_keeping_the_task_and_the_latest(self):
         encoded = [json.dumps({"n": i, "pad": "x" * 50}) for i in range(20)]
@@ -168,8 +190,8 @@ class TestMessages:
     def test_each_message_is_encoded_once_per_trajectory(self, monkeypatch):
         """A generation's input is a prefix of the conversation: N turns cost N encodings."""
         calls = []
-        real = semconv.message_parts
-        monkeypatch.setattr(semconv, "message_parts", lambda m: calls.append(m) or real(m))
+        real = semconv.encode_message
+        monkeypatch.setattr(semconv, "encode_message", lambda m: calls.append(m) or real(m))
         otel.to_readable_spans(trajectory(), _resource(), semconv="both")
         assert len(calls) == 5  # the five messages, whatever the spans that show them
 

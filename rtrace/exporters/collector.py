@@ -30,6 +30,7 @@ from ..config import ConfigError, Settings
 from ..trajectory import Trajectory
 from .base import Sink
 from .otel import encode_compact
+from .otlp_transport import retry_delay as _retry_delay
 
 __all__ = ["CollectorSink"]
 
@@ -110,24 +111,6 @@ class CollectorSink(Sink):
 
     def shutdown(self) -> None:
         self._channel.close()
-
-
-def _retry_delay(exc: Any) -> float | None:
-    """The delay a RESOURCE_EXHAUSTED / UNAVAILABLE status asks for (``google.rpc.RetryInfo``
-    in the trailers), in seconds; None when it names none."""
-    try:
-        value = dict(exc.trailing_metadata() or ()).get("google.rpc.retryinfo-bin")
-    except Exception:  # noqa: BLE001 - a local error (no trailers): no delay named
-        return None
-    if not value:
-        return None
-    try:
-        from google.rpc.error_details_pb2 import RetryInfo
-
-        delay = RetryInfo.FromString(value).retry_delay
-    except Exception:  # noqa: BLE001 - googleapis-common-protos missing, or garbage
-        return None
-    return max(0.0, min(delay.seconds + delay.nanos / 1e9, 60.0))
 
 
 def _channel(grpc: Any, settings: Settings) -> Any:

@@ -1,9 +1,11 @@
 """The one conversion from trajectories to OpenTelemetry spans, shared by the OTel sinks.
 
-The OTLP sink exports :func:`to_readable_spans` with the SDK's own exporter; the MLflow
-sink takes :func:`to_otlp_protos` (the same spans through the SDK's own OTLP encoder,
-with MLflow's attributes added on top) and hands them to ``Span.from_otel_proto``. Both
-therefore show a trajectory the same way:
+:func:`otel_spans` is the conversion; its spans are made into OTLP protobuf bytes by
+:func:`encode_request` (:mod:`rtrace.exporters.otlp_wire`: the bytes the OTel SDK's OTLP
+encoder makes of the same spans, at a fraction of its cost), which the OTLP sink sends, and
+into SDK ``ReadableSpan`` objects by :func:`to_readable_spans`. The MLflow sink takes
+:func:`to_otlp_protos` (those bytes parsed, MLflow's attributes added on top) and hands them
+to ``Span.from_otel_proto``. Every output therefore shows a trajectory the same way:
 
 * **ids**: the trace id and span ids of the trajectory (hex in the Trajectory, ints in
   the SDK, bytes in OTLP); span kind INTERNAL; start / end times (an end before the start
@@ -53,14 +55,16 @@ doubled the MLflow sink's conversion cost).
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 from .._serialize import attr_ok, fast_json, json_default, plain_json, strict_json, truncate, vouched
 from ..trajectory import SpanRecord, Trajectory, token_field
+from . import otlp_wire
 from .semconv import (DUPLICATES, INPUT_CHARS_FACTOR, MODES, Conversation, evaluation_events,
                       genai_attributes, span_name)
 
-__all__ = ["encode_compact", "RECORD_ATTR", "to_readable_spans", "to_otlp_request", "to_otlp_protos", "otlp_spans",
+__all__ = ["encode_compact", "RECORD_ATTR", "to_readable_spans", "otel_spans", "OtelSpan", "encode_request",
+           "to_otlp_request", "to_otlp_protos", "otlp_spans",
            "attribute_value", "attributes", "any_value", "set_any_value", "bounded", "json_text", "utf8",
            "is_valid_attribute", "DEFAULT_MAX_VALUE_CHARS", "DEFAULT_SEMCONV"]
 
@@ -70,6 +74,21 @@ DEFAULT_MAX_VALUE_CHARS = 20_000
 DEFAULT_SEMCONV = "rtrace"
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+class OtelSpan(NamedTuple):
+    """One span as the conversion makes it (:func:`otel_spans`)."""
+
+    trace_id: str  #: 32 hex digits
+    span_id: str  #: 16 hex digits
+    parent_id: str | None  #: 16 hex digits
+    remote: bool  #: the parent is in another process (a segment root's)
+    name: str
+    start_ns: int
+    end_ns: int  #: never before the start
+    attributes: dict[str, Any]
+    events: list[tuple[str, Mapping[str, Any], int]]  #: (name, attributes, time)
+    error: str | None | bool  #: False: status UNSET; else ERROR with this description (None: none)
+
 
 #: ``extra(trajectory, span, is_root) -> {key: value}``: attributes a sink adds on top.
 ExtraAttributes = Callable[[Trajectory, SpanRecord, bool], Mapping[str, Any]]
@@ -94,13 +113,19 @@ def utf8(text: str) -> str:
 bounded = truncate
 
 
+#: ``json.dumps(value, ensure_ascii=False, allow_nan=False, default=json_default)``, with the
+#: encoder made once (json.dumps makes one per call for non-default options: ~1.5 µs, more
+#: than encoding a short value). ``encode`` is reentrant: threads may share it.
+_TEXT_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, default=json_default)
+
+
 def json_text(value: Any, limit: int | None = None) -> str:
     """``value`` as strict JSON text (non-finite floats as strings), bounded when a
     ``limit`` is given."""
     try:
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False, default=json_default)
+        text = _TEXT_JSON.encode(value)
     except ValueError:  # a NaN or infinity inside: written as strings (one C-speed pass before)
-        text = json.dumps(strict_json(value), ensure_ascii=False, allow_nan=False, default=json_default)
+        text = _TEXT_JSON.encode(strict_json(value))
     return utf8(text if limit is None else bounded(text, limit))
 
 
@@ -257,6 +282,38 @@ def _token_attributes(attrs: dict[str, Any], values: dict[str, Any], limit: int)
         attrs["rtrace.token_values.left_out"] = sorted(left)
 
 
+def otel_spans(trajectories: Iterable[Trajectory], max_value_chars: int = DEFAULT_MAX_VALUE_CHARS,
+               semconv: str = DEFAULT_SEMCONV) -> Iterator[OtelSpan]:
+    """The one conversion: each span of the trajectories, in their order, as an
+    :class:`OtelSpan` (what the module docstring describes). :func:`to_readable_spans` makes
+    SDK spans of them, :func:`encode_request` OTLP protobuf bytes."""
+    if semconv not in MODES:
+        raise ValueError(f"semconv must be one of {', '.join(MODES)}, got {semconv!r}")
+    genai = semconv != "rtrace"
+    limit = max_value_chars * INPUT_CHARS_FACTOR
+    for traj in trajectories:
+        conversation = Conversation(traj, limit) if genai else None
+        for i, rec in enumerate(traj.spans):
+            is_root = i == 0
+            parent, remote = rec.parent_id, False
+            if is_root:
+                # A segment root points at the remote span it was extracted from (the
+                # builder blanks root parents; rtrace.extract records the remote one).
+                parent = parent or rec.attributes.get("rtrace.remote_parent")
+                remote = parent is not None
+            events = [(utf8(str(e.get("name") or "event")), attributes(e.get("attributes") or {}),
+                       int(e.get("time_ns") or rec.start_ns)) for e in rec.events] if rec.events else []
+            attrs = span_attributes(traj, rec, is_root, max_value_chars, semconv, conversation)
+            name = rec.name
+            if genai:
+                events.extend(evaluation_events(traj, rec, is_root))
+                name = span_name(rec) or name
+            # an error's description: its text, or None; False: status UNSET
+            error = (utf8(rec.error) if rec.error else None) if rec.status == "error" else False
+            yield OtelSpan(traj.trace_id, rec.span_id, parent or None, remote, utf8(name), rec.start_ns,
+                           max(rec.end_ns, rec.start_ns), attrs, events, error)
+
+
 def to_readable_spans(trajectories: Trajectory | Iterable[Trajectory], resource: Any, scope: Any = None,
                       max_value_chars: int = DEFAULT_MAX_VALUE_CHARS, semconv: str = DEFAULT_SEMCONV) -> list[Any]:
     """The SDK ``ReadableSpan`` objects of one or more trajectories, in their order.
@@ -272,7 +329,7 @@ def to_readable_spans(trajectories: Trajectory | Iterable[Trajectory], resource:
 
     Returns:
         One ``ReadableSpan`` per span, with the ids, parents, status, attributes and
-        events described in the module docstring.
+        events described in the module docstring (:func:`otel_spans`).
     """
     from opentelemetry.sdk.trace import Event, ReadableSpan
     from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
@@ -281,58 +338,70 @@ def to_readable_spans(trajectories: Trajectory | Iterable[Trajectory], resource:
         trajectories = (trajectories,)
     sampled = TraceFlags(TraceFlags.SAMPLED)
     unset = Status(StatusCode.UNSET)
-    internal = SpanKind.INTERNAL
-    genai = semconv != "rtrace"
-    if semconv not in MODES:
-        raise ValueError(f"semconv must be one of {', '.join(MODES)}, got {semconv!r}")
-    limit = max_value_chars * INPUT_CHARS_FACTOR
     out = []
-    for traj in trajectories:
-        trace_id = int(traj.trace_id, 16)
-        conversation = Conversation(traj, limit) if genai else None
-        for i, rec in enumerate(traj.spans):
-            is_root = i == 0
-            parent_hex, remote = rec.parent_id, False
-            if is_root:
-                # A segment root points at the remote span it was extracted from (the
-                # builder blanks root parents; rtrace.extract records the remote one).
-                parent_hex = parent_hex or rec.attributes.get("rtrace.remote_parent")
-                remote = parent_hex is not None
-            parent = (SpanContext(trace_id, int(parent_hex, 16), is_remote=remote, trace_flags=sampled)
-                      if parent_hex else None)
-            status = Status(StatusCode.ERROR, utf8(rec.error) if rec.error else None) if rec.status == "error" \
-                else unset
-            events = [Event(utf8(str(e.get("name") or "event")), attributes(e.get("attributes") or {}),
-                            timestamp=int(e.get("time_ns") or rec.start_ns)) for e in rec.events]
-            attrs = span_attributes(traj, rec, is_root, max_value_chars, semconv, conversation)
-            name = rec.name
-            if genai:
-                events.extend(Event(n, a, timestamp=ts) for n, a, ts in evaluation_events(traj, rec, is_root))
-                name = span_name(rec) or name
-            out.append(ReadableSpan(
-                name=utf8(name),
-                context=SpanContext(trace_id, int(rec.span_id, 16), is_remote=False, trace_flags=sampled),
-                parent=parent, resource=resource, attributes=attrs,
-                events=events, kind=internal, status=status, start_time=rec.start_ns,
-                end_time=max(rec.end_ns, rec.start_ns), instrumentation_scope=scope))
+    for s in otel_spans(trajectories, max_value_chars, semconv):
+        trace_id = int(s.trace_id, 16)
+        parent = (SpanContext(trace_id, int(s.parent_id, 16), is_remote=s.remote, trace_flags=sampled)
+                  if s.parent_id else None)
+        out.append(ReadableSpan(
+            name=s.name, context=SpanContext(trace_id, int(s.span_id, 16), is_remote=False, trace_flags=sampled),
+            parent=parent, resource=resource, attributes=s.attributes,
+            events=[Event(n, a, timestamp=ts) for n, a, ts in s.events], kind=SpanKind.INTERNAL,
+            status=unset if s.error is False else Status(StatusCode.ERROR, s.error),
+            start_time=s.start_ns, end_time=s.end_ns, instrumentation_scope=scope))
     return out
+
+
+def encode_request(trajectories: Trajectory | Iterable[Trajectory], resource: Any, scope: Any = None,
+                   max_value_chars: int = DEFAULT_MAX_VALUE_CHARS, semconv: str = DEFAULT_SEMCONV) -> bytes:
+    """The serialized OTLP ``ExportTraceServiceRequest`` of the trajectories' spans (an
+    OTLP/HTTP request body, a gRPC ``Export`` request): the same bytes as the OTel SDK's
+    encoder makes of :func:`to_readable_spans` (same arguments), written directly
+    (:mod:`rtrace.exporters.otlp_wire`: a fraction of the SDK encoder's cost).
+
+    ``resource`` and ``scope``: anything with the SDK ``Resource``'s ``attributes`` and the
+    ``InstrumentationScope``'s ``name`` / ``version`` (None: an empty scope).
+    """
+    if isinstance(trajectories, Trajectory):
+        trajectories = (trajectories,)
+    span = otlp_wire.span
+    spans: list[bytes] = []
+    fields: dict = {}  # attributes encoded in this request (otlp_wire.attributes)
+    trace_hex = trace_id = None
+    for s in otel_spans(trajectories, max_value_chars, semconv):
+        if s.trace_id is not trace_hex:
+            trace_hex, trace_id = s.trace_id, _id_bytes(s.trace_id, 16)
+        spans.append(span(trace_id, _id_bytes(s.span_id, 8), _id_bytes(s.parent_id, 8) if s.parent_id else None,
+                          s.remote, s.name, s.start_ns, s.end_ns, s.attributes, s.events, s.error, fields))
+    scope_body = otlp_wire.scope(scope.name, scope.version) if scope is not None else b""
+    return otlp_wire.request(resource.attributes, scope_body, spans)
+
+
+def _id_bytes(hex_id: str, size: int) -> bytes:
+    """A hex trace or span id as the SDK encodes it (``int.to_bytes``, big-endian, zero-padded)."""
+    if len(hex_id) == 2 * size:
+        try:
+            return bytes.fromhex(hex_id)
+        except ValueError:
+            pass
+    return int(hex_id, 16).to_bytes(size, "big")
 
 
 def to_otlp_request(trajectories: Trajectory | Iterable[Trajectory], resource: Any, scope: Any = None,
                     max_value_chars: int = DEFAULT_MAX_VALUE_CHARS, extra: ExtraAttributes | None = None,
                     semconv: str = DEFAULT_SEMCONV) -> Any:
-    """The trajectories' spans as one OTLP ``ExportTraceServiceRequest``: the
-    :func:`to_readable_spans` objects encoded by the OTel SDK's own encoder
-    (``opentelemetry.exporter.otlp.proto.common.trace_encoder.encode_spans``, what the
-    SDK's OTLP exporters send), then ``extra(trajectory, span, is_root)`` attributes,
-    if given, appended to each span with :func:`set_any_value`.
+    """The trajectories' spans as one OTLP ``ExportTraceServiceRequest`` message: the
+    bytes of :func:`encode_request` (what the OTel SDK's encoder makes of
+    :func:`to_readable_spans`) parsed, then ``extra(trajectory, span, is_root)``
+    attributes, if given, appended to each span with :func:`set_any_value`.
 
     Its ``SerializeToString()`` is an OTLP/HTTP request body.
     """
-    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
     trajectories = (trajectories,) if isinstance(trajectories, Trajectory) else tuple(trajectories)
-    request = encode_spans(to_readable_spans(trajectories, resource, scope, max_value_chars, semconv))
+    request = ExportTraceServiceRequest.FromString(
+        encode_request(trajectories, resource, scope, max_value_chars, semconv))
     if extra is not None:
         protos = iter(otlp_spans(request))  # one resource and scope: the spans' order
         for traj in trajectories:

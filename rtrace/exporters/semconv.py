@@ -35,7 +35,7 @@ from ..trajectory import (MESSAGE_INDEX, SpanRecord, Trajectory, chat_argument, 
                           tool_call_id)
 
 __all__ = ["MODES", "EVALUATION_EVENT", "span_name", "genai_attributes", "evaluation_events",
-           "message_parts", "Conversation", "DUPLICATES", "input_messages", "INPUT_CHARS_FACTOR"]
+           "message_parts", "encode_message", "Conversation", "DUPLICATES", "input_messages", "INPUT_CHARS_FACTOR"]
 
 #: ``RTRACE_SEMCONV``: GenAI names next to rtrace's, GenAI names only, rtrace's only.
 MODES = ("both", "genai", "rtrace")
@@ -102,14 +102,22 @@ def _content_text(content: Any) -> str:
     return _json(content)
 
 
+#: ``json.loads`` without its Python-level wrapping (a third of its time on a short text):
+#: the C scanner, then the same checks (whitespace around, nothing after the value).
+_scan_json = json.JSONDecoder().scan_once
+
+
 def _arguments(raw: Any) -> Any:
     """Tool call arguments as an object when they are JSON text of one (the conventions
-    expect an object and ask for a best-effort parse), else as given."""
+    expect an object and ask for a best-effort parse; what ``json.loads`` reads), else as
+    given."""
     if isinstance(raw, str):
+        text = raw.strip(" \t\n\r")  # JSON's whitespace, no other
         try:
-            return json.loads(raw)
-        except ValueError:
+            value, end = _scan_json(text, 0)
+        except (StopIteration, ValueError):  # not JSON (StopIteration: nothing at 0)
             return raw
+        return value if end == len(text) else raw
     return raw
 
 
@@ -164,6 +172,27 @@ def message_parts(msg: Any) -> dict[str, Any]:
     return out
 
 
+def encode_message(msg: Any) -> str:
+    """One chat message as JSON text of the GenAI message schema (:func:`message_parts`).
+
+    The usual messages take a shorter road to the same text: ``{"role", "content"}`` with
+    text content (a system prompt, a question, an answer without tool calls or leading
+    ``<think>``), and a tool's answer ``{"role": "tool", "tool_call_id", "content"[, "name"]}``.
+    """
+    if type(msg) is dict:
+        role, content = msg.get("role"), msg.get("content")
+        if type(role) is str and type(content) is str:
+            size = len(msg)
+            if size == 2 and role != "tool" and not (role == "assistant" and content.startswith(_THINK_OPEN)):
+                return _json({"role": role, "parts": [{"type": "text", "content": content}]})
+            if role == "tool" and (size == 3 or size == 4 and "name" in msg) and "tool_call_id" in msg:
+                call_id = msg["tool_call_id"]
+                return _json({"role": role, "parts": [{"type": "tool_call_response",
+                                                        "id": str(call_id) if call_id is not None else None,
+                                                        "response": content}]})
+    return _json(message_parts(msg))
+
+
 def input_messages(encoded: list[str], task: int, limit: int) -> str:
     """The JSON array of already-encoded messages, bounded: when it is longer than
     ``limit`` characters, the first ``task`` messages (system prompt and question) and the
@@ -185,7 +214,7 @@ def input_messages(encoded: list[str], task: int, limit: int) -> str:
 class Conversation:
     """A trajectory's conversation, each message encoded once (GenAI schema, JSON text)."""
 
-    __slots__ = ("traj", "limit", "_encoded", "_tool_results", "_calls", "_task")
+    __slots__ = ("traj", "limit", "_encoded", "_calls", "_task", "_prefixes")
 
     def __init__(self, traj: Trajectory, limit: int) -> None:
         self.traj = traj
@@ -193,22 +222,30 @@ class Conversation:
         self._encoded: list[str | None] = [None] * len(traj.messages)
         self._calls: dict[str, tuple[Any, str | None]] | None = None
         self._task: int | None = None
+        #: end -> prefix(end): the root and the first generation share the task
+        self._prefixes: dict[int, str] = {}
 
     def encoded(self, i: int) -> str:
         text = self._encoded[i]
         if text is None:
-            text = self._encoded[i] = _json(message_parts(self.traj.messages[i]))
+            text = self._encoded[i] = encode_message(self.traj.messages[i])
         return text
 
     def prefix(self, end: int) -> str:
         """The JSON array of the first ``end`` messages (bounded, see :func:`input_messages`)."""
-        task = min(self.task_length(), end)
-        return input_messages([self.encoded(i) for i in range(end)], task, self.limit)
+        text = self._prefixes.get(end)
+        if text is None:
+            task = min(self.task_length(), end)
+            text = self._prefixes[end] = input_messages([self.encoded(i) for i in range(end)], task, self.limit)
+        return text
 
     def task_length(self) -> int:
         """Messages up to and including the first user message (``Trajectory.task_messages``)."""
         if self._task is None:
-            self._task = len(self.traj.task_messages())
+            msgs = self.traj.messages
+            # (Trajectory.task_messages' rule, without making the list)
+            self._task = next((i + 1 for i, m in enumerate(msgs) if isinstance(m, dict) and m.get("role") == "user"),
+                              min(len(msgs), 1))
         return self._task
 
     def last_assistant(self) -> int | None:
@@ -222,17 +259,23 @@ class Conversation:
         """(the call's arguments as the conversation holds them, the tool's answer) for a
         tool call id of the conversation."""
         if self._calls is None:
-            calls: dict[str, list[Any]] = {}
+            calls: dict[str, Any] = {}
             for msg in self.traj.messages:
                 if not isinstance(msg, dict):
                     continue
                 for call in msg.get("tool_calls") or ():
-                    if isinstance(call, dict) and call.get("id") is not None:
-                        fn = call.get("function") if isinstance(call.get("function"), dict) else call
-                        calls[str(call["id"])] = [fn.get("arguments"), None]
-                if msg.get("role") == "tool" and str(msg.get("tool_call_id")) in calls:
-                    calls[str(msg["tool_call_id"])][1] = _content_text(msg.get("content"))
-            self._calls = {k: (v[0], v[1]) for k, v in calls.items()}
+                    if isinstance(call, dict):
+                        key = call.get("id")
+                        if key is not None:
+                            fn = call.get("function")
+                            calls[key if type(key) is str else str(key)] = \
+                                (call if not isinstance(fn, dict) else fn).get("arguments"), None
+                if msg.get("role") == "tool":
+                    key = str(msg.get("tool_call_id"))
+                    known = calls.get(key)
+                    if known is not None:
+                        calls[key] = known[0], _content_text(msg.get("content"))
+            self._calls = calls
         return self._calls.get(call_id)
 
 
@@ -263,17 +306,16 @@ def _error_type(rec: SpanRecord) -> str:
     return head if head and " " not in head else "_OTHER"
 
 
-def _generation_input(conv: Conversation, rec: SpanRecord) -> str | None:
+def _generation_input(conv: Conversation, rec: SpanRecord, linked: bool) -> str | None:
     """A generation's ``gen_ai.input.messages``: the conversation the call was given; else
-    the trajectory's conversation up to the turn it produced; else its decoded prompt as
-    one user message."""
+    the trajectory's conversation up to the turn it produced (``linked``: the pipeline
+    linked it to that turn); else its decoded prompt as one user message."""
     chat = chat_argument(rec.input)
     index = rec.attributes.get(MESSAGE_INDEX)
-    linked = conv.traj.turn_of(rec) is not None
     if chat is not None:
         if linked and conv.traj.messages[:index] == chat[1]:  # (the usual case) encoded once per trajectory
             return conv.prefix(index)
-        encoded = [_json(message_parts(m)) for m in chat[1]]
+        encoded = [encode_message(m) for m in chat[1]]
         task = next((i + 1 for i, m in enumerate(chat[1]) if m.get("role") == "user"), 1)
         return input_messages(encoded, task, conv.limit)
     if linked and index > 0:
@@ -301,20 +343,24 @@ def output_message(encoded: str, finish_reason: str | None) -> str:
     return "[" + encoded[:-1] + ',"finish_reason":' + _json(finish_reason) + "}]"
 
 
-def _generation_output(conv: Conversation, rec: SpanRecord) -> str | None:
+def _generation_output(conv: Conversation, rec: SpanRecord, linked: bool) -> str | None:
     """A generation's ``gen_ai.output.messages``: the assistant turn it produced (its text
     and the tool calls that followed), else its response text."""
-    if conv.traj.turn_of(rec) is not None:
+    if linked:
         return output_message(conv.encoded(rec.attributes[MESSAGE_INDEX]), _finish_reason(rec))
     text = response_text(rec)
     if isinstance(text, str):
-        return output_message(_json(message_parts({"role": "assistant", "content": text})), _finish_reason(rec))
+        return output_message(encode_message({"role": "assistant", "content": text}), _finish_reason(rec))
     return None
+
+
+#: The captured arguments _REQUEST_PARAMS reads.
+_PARAM_NAMES = frozenset(name for name, _, _ in _REQUEST_PARAMS)
 
 
 def _request_attributes(out: dict[str, Any], rec: SpanRecord) -> None:
     inputs, output = rec.input, rec.output
-    if isinstance(inputs, dict):
+    if isinstance(inputs, dict) and not inputs.keys().isdisjoint(_PARAM_NAMES):
         for key, attr, cast in _REQUEST_PARAMS:
             value = inputs.get(key)
             if type(value) in (int, float) and attr not in out:
@@ -350,10 +396,11 @@ def genai_attributes(conv: Conversation, rec: SpanRecord, is_root: bool) -> dict
         out["gen_ai.operation.name"] = "chat"
         out["gen_ai.conversation.id"] = traj.trace_id
         _request_attributes(out, rec)
-        messages = _generation_input(conv, rec)
+        linked = traj.turn_of(rec) is not None
+        messages = _generation_input(conv, rec, linked)
         if messages is not None:
             out["gen_ai.input.messages"] = messages
-        messages = _generation_output(conv, rec)
+        messages = _generation_output(conv, rec, linked)
         if messages is not None:
             out["gen_ai.output.messages"] = messages
     elif kind == "tool":
@@ -403,13 +450,14 @@ def _score(value: Any) -> tuple[float | None, str | None] | None:
     return None
 
 
-def reward_terms(traj: Trajectory) -> Iterable[tuple[str, float | None, str | None]]:
+def reward_terms(traj: Trajectory, verdict: str | None = None) -> Iterable[tuple[str, float | None, str | None]]:
     """(name, score, label) of each reward term: ``reward`` (the total, labelled with the
-    verdict), then each numeric or boolean outcome component under its key (``outcome.<key>``
-    when the key is ``reward`` or ``verdict``)."""
+    verdict, ``verdict`` if given, else ``traj.verdict()``), then each numeric or boolean
+    outcome component under its key (``outcome.<key>`` when the key is ``reward`` or
+    ``verdict``)."""
     reward = traj.reward
     score = reward if reward is not None and math.isfinite(reward) else None
-    yield "reward", score, traj.verdict()
+    yield "reward", score, verdict if verdict is not None else traj.verdict()
     for key, value in traj.outcome.items():
         scored = _score(value)
         if scored is not None:
@@ -421,11 +469,13 @@ def evaluation_events(traj: Trajectory, rec: SpanRecord, is_root: bool) -> list[
     on the root, one per reward term (:func:`reward_terms`), at the root's end; on a tool
     span with a step reward (``rl.tool.reward``), one named ``tool_reward``."""
     if is_root:
-        if traj.reward is None and not traj.outcome and traj.verdict() == "ok":
+        verdict = traj.verdict()
+        if traj.reward is None and not traj.outcome and verdict == "ok":
             return []  # nothing was judged
         explanation = traj.error if traj.status == "error" else None
-        return [(EVALUATION_EVENT, _evaluation(name, value, label, explanation if name == "reward" else None),
-                 max(rec.end_ns, rec.start_ns)) for name, value, label in reward_terms(traj)]
+        end = max(rec.end_ns, rec.start_ns)
+        return [(EVALUATION_EVENT, _evaluation(name, value, label, explanation if name == "reward" else None), end)
+                for name, value, label in reward_terms(traj, verdict)]
     if rec.kind == "tool":
         value = rec.attributes.get("rl.tool.reward")
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
