@@ -310,13 +310,14 @@ def test_mlflow_is_imported_only_when_configured(tmp_path):
     assert out.stdout.strip() == "False True", out.stderr
 
 
-def test_missing_otlp_encoder_fails_at_configure(tmp_path):
-    """Without the OTel SDK's OTLP encoder, configure(exporter='mlflow') raises ConfigError naming rtrace[mlflow]."""
-    code = ("import sys; sys.modules['opentelemetry.exporter.otlp.proto.common'] = None  # as if not installed\n"
+def test_missing_otlp_messages_fail_at_configure(tmp_path):
+    """Without opentelemetry-proto (the OTLP messages MLflow reads), configure(exporter='mlflow')
+    raises ConfigError naming rtrace[mlflow]."""
+    code = ("import sys; sys.modules['opentelemetry.proto'] = None  # as if not installed\n"
             "import rtrace\ntry:\n    rtrace.configure(exporter='mlflow')\n"
             "except rtrace.ConfigError as exc:\n    print('ConfigError:', exc)")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert out.stdout.startswith("ConfigError:") and "opentelemetry-exporter-otlp-proto-common" in out.stdout, out.stderr
+    assert out.stdout.startswith("ConfigError:") and "opentelemetry-proto" in out.stdout, out.stderr
     assert "pip install 'rtrace[mlflow]'" in out.stdout
 
 

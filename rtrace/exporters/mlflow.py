@@ -5,7 +5,8 @@ through the API MLflow itself uses to ingest OTLP: the trajectory's spans come f
 rtrace's one OTel conversion (:mod:`rtrace.exporters.otel`: ids, parents — a segment's
 remote parent included, so a trajectory that crossed processes is one trace with one
 root —, status, events, attributes) with MLflow's attributes added on top, encoded by
-the OTel SDK's own OTLP encoder; ``mlflow.entities.Span.from_otel_proto`` turns each
+rtrace's OTLP writer (the bytes the OTel SDK's encoder makes, exporters/otlp_wire.py) and
+read as ``opentelemetry-proto`` messages; ``mlflow.entities.Span.from_otel_proto`` turns each
 protobuf into an MLflow span, and one ``TracingClient.log_spans(experiment_id, spans)``
 call writes a whole batch of trajectories (against a ``mlflow server`` the same encoded
 request goes in one POST to ``/v1/traces``). The traces are then linked to the training
@@ -77,15 +78,15 @@ _MAX_SPANS_PER_CALL = 5000
 
 
 def check_mlflow_version() -> str:
-    """Check, without importing it, that MLflow is installed in the tested range (and the
-    OTel SDK's OTLP encoder, which turns the spans into the protobufs MLflow reads).
+    """Check, without importing it, that MLflow is installed in the tested range (and
+    ``opentelemetry-proto``, whose messages MLflow reads the spans from).
 
     Returns:
         The installed version.
 
     Raises:
-        ConfigError: MLflow is missing or outside :data:`MLFLOW_VERSION_RANGE`, or the
-            OTel SDK's OTLP encoder is missing.
+        ConfigError: MLflow is missing or outside :data:`MLFLOW_VERSION_RANGE`, or
+            ``opentelemetry-proto`` is.
     """
     lo, hi = MLFLOW_VERSION_RANGE
     wanted = f"mlflow>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"
@@ -107,13 +108,12 @@ def check_mlflow_version() -> str:
             "MLflow's span ingestion APIs (Span.from_otel_proto, TracingClient.log_spans), which change between "
             "minor versions; install a tested version with: pip install 'rtrace[mlflow]'")
     try:
-        encoder = importlib.util.find_spec("opentelemetry.exporter.otlp.proto.common.trace_encoder")
+        proto = importlib.util.find_spec("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
     except ImportError:  # a parent package is missing
-        encoder = None
-    if encoder is None:
-        raise ConfigError("RTRACE_EXPORTER=mlflow needs opentelemetry-exporter-otlp-proto-common (the OTel "
-                          "SDK's OTLP encoder), which is not installed; install it with: "
-                          "pip install 'rtrace[mlflow]'")
+        proto = None
+    if proto is None:
+        raise ConfigError("RTRACE_EXPORTER=mlflow needs opentelemetry-proto (the OTLP messages MLflow reads "
+                          "spans from), which is not installed; install it with: pip install 'rtrace[mlflow]'")
     return version
 
 
@@ -267,7 +267,7 @@ class _Converter:
 #: translation. Imported on the configuring thread (see APP_THREAD_IMPORTS for why); the
 #: store itself, with its database I/O, is still made in the sink thread.
 _FIRST_EXPORT_IMPORTS = ("mlflow.tracing.otel.translation", "mlflow.protos.internal_pb2",
-                         "opentelemetry.exporter.otlp.proto.common.trace_encoder")
+                         "opentelemetry.proto.collector.trace.v1.trace_service_pb2")
 _DB_STORE_IMPORTS = ("mlflow.store.tracking.sqlalchemy_store", "mlflow.store.db.utils",
                      "mlflow.store.tracking.sqlalchemy_workspace_store",
                      "mlflow.store.tracking.file_store", "mlflow.store.workspace.utils", "alembic.command",
