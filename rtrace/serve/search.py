@@ -57,8 +57,9 @@ def like_pattern(text: str) -> str:
 class WordIndex:
     """The answers' words of one run's flat index (``alias``: its attached database)."""
 
-    #: aim of one :meth:`build` slice, seconds
+    #: aim of one :meth:`build` slice, seconds; and its fewest rows
     SLICE_S = 0.5
+    MIN_SLICE_ROWS = 5_000
 
     def __init__(self, alias: str) -> None:
         self.words, self.vocab = f"{alias}.words", f"{alias}.vocab"
@@ -81,16 +82,16 @@ class WordIndex:
 
     def pending(self, cursor: Any, table: str) -> int:
         """Rows of ``table`` not indexed yet."""
-        return int(cursor.execute(f"SELECT count(*) FROM {table} WHERE _row > ?", [self.upto]).fetchone()[0])
+        return int(cursor.execute(f"SELECT count(*) FROM {table} WHERE _row > ?", [self.upto]).fetchall()[0][0])
 
     def build(self, cursor: Any, table: str, budget_s: float | None = None) -> int:
         """Index the next rows of ``table`` (past ``upto``), about ``budget_s`` seconds of
         work (default :attr:`SLICE_S`); returns how many. One transaction: a search reads
         the words of a slice whole or not at all, and ``upto`` moves after it commits."""
         self._create(cursor)
-        budget = max(5_000, int(self.rows_per_s * (budget_s if budget_s is not None else self.SLICE_S)))
+        budget = max(self.MIN_SLICE_ROWS, int(self.rows_per_s * (budget_s if budget_s is not None else self.SLICE_S)))
         hi, n = cursor.execute(f"SELECT max(_row), count(*) FROM (SELECT _row FROM {table} WHERE _row > ? "
-                               f"ORDER BY _row LIMIT {budget})", [self.upto]).fetchone()
+                               f"ORDER BY _row LIMIT {budget})", [self.upto]).fetchall()[0]
         if not n:
             return 0
         t0 = time.perf_counter()
@@ -115,12 +116,12 @@ class WordIndex:
             self.rows_per_s = 0.5 * self.rows_per_s + 0.5 * n / dt
         return int(n)
 
-    def compact(self, cursor: Any, table: str) -> bool:
+    def compact(self, cursor: Any, table: str, force: bool = False) -> bool:
         """Rewrite ``words`` without the rows no longer in ``table`` (a compaction's inputs)
-        when they are most of it; True when it did."""
+        when they are most of it (``force``: when there are any); True when it did."""
         self._create(cursor)
-        live = int(cursor.execute(f"SELECT count(*) FROM {table} WHERE _row <= ?", [self.upto]).fetchone()[0])
-        if self.posted <= 2 * live + 50_000:
+        live = int(cursor.execute(f"SELECT count(*) FROM {table} WHERE _row <= ?", [self.upto]).fetchall()[0][0])
+        if self.posted <= (live if force else 2 * live + 50_000):
             return False
         cursor.execute(f"CREATE OR REPLACE TABLE {self.words} AS SELECT h, r FROM {self.words} "
                        f"WHERE r IN (SELECT _row FROM {table}) ORDER BY h, r")
@@ -146,11 +147,16 @@ class WordIndex:
         lowered, parts, starts_word, ends_word = found[0]
         tokens = [p for p in parts if p]
         upto = int(self.upto)
-        selects: list[str] = []
+        terms: list[str] = []  # OR-ed (a filter each, not one IN over a union: DuckDB joins less)
+        term_params: list[Any] = []
+        selects: list[str] = []  # the answers' side: _row IN (their union)
         params: list[Any] = []
-        if "task" in columns:  # prompts: a scan (dictionary-compressed: each distinct prompt matched once)
-            selects.append(f"SELECT _row FROM {table} WHERE task ILIKE ? ESCAPE '\\'")
-            params.append(pattern)
+        if "task" in columns:
+            # prompts: a scan, but each distinct prompt of a column segment is lower-cased once (DuckDB
+            # keeps them dictionary-compressed: a group's rollouts share one, and prompts recur across
+            # steps); contains(lower(x), lower(q)) is ILIKE '%q%' (DuckDB's ILIKE lower-cases both sides)
+            terms.append("contains(lower(task), ?)")
+            term_params.append(lowered)
         if "answer" in columns:
             if not tokens or upto < 0:
                 selects.append(f"SELECT _row FROM {table} WHERE answer ILIKE ? ESCAPE '\\'")
@@ -164,23 +170,56 @@ class WordIndex:
                                                           ("ends_with(w, ?)" if right else "contains(w, ?)"))
                     conds.append(op)
                     cond_params.append(tok)
-                exact = len(tokens) == 1 and tokens[0] == lowered and not self._collides(db, conds[0], tokens[0])
-                candidates = " INTERSECT ".join(
-                    f"SELECT r FROM {self.words} WHERE h IN (SELECT h FROM {self.vocab} WHERE {c})" for c in conds)
-                if exact:  # the query is one word, shared by no other word's hash: the candidates are the answer
-                    selects.append(candidates)
+                postings = [f"SELECT r FROM {self.words} WHERE h IN (SELECT h FROM {self.vocab} WHERE {c})"
+                            for c in conds]
+                if len(tokens) == 1 and tokens[0] == lowered and not self._collides(db, conds[0], tokens[0]):
+                    # the query is one word, shared by no other word's hash: the candidates are the answer
+                    selects.append(postings[0])
                     params += cond_params
                 else:
-                    selects.append(f"SELECT _row FROM {table} WHERE _row IN ({candidates}) "
-                                   "AND answer ILIKE ? ESCAPE '\\'")
-                    params += cond_params + [pattern]
+                    sql, args = self._checked(db, table, postings, cond_params, pattern)
+                    selects.append(sql)
+                    params += args
                 # the rows not indexed yet: scanned (past upto: their row groups only)
                 selects.append(f"SELECT _row FROM {table} WHERE _row > {upto} AND answer ILIKE ? ESCAPE '\\'")
                 params.append(pattern)
+        if selects:
+            terms.append(f"_row IN ({' UNION ALL '.join(selects)})")
+            term_params += params
         if trace_ids and _HEX.fullmatch(q):
-            selects.append(f"SELECT _row FROM {table} WHERE starts_with(trace_id, ?)")
-            params.append(q)
-        return f"_row IN ({' UNION ALL '.join(selects)})", params
+            terms.append("starts_with(trace_id, ?)")
+            term_params.append(q)
+        return " OR ".join(terms), term_params
+
+    #: candidates checked against their answers once, here, and given to the page's queries as
+    #: a list; a word in more answers than this narrows nothing worth it and is left out
+    CHECK_MAX = 20_000
+
+    def _checked(self, db: Any, table: str, postings: list[str], cond_params: list[Any], pattern: str
+                 ) -> tuple[str, list[Any]]:
+        """The rows whose answer has the query (ILIKE), found from the rows holding each of its
+        rare words (in at most :attr:`CHECK_MAX` answers; the intersection of a few small
+        sets), checked against their answers once here (DuckDB reads a column segment of the
+        answers whole: a check costs about a scan of the segments that hold a candidate): a
+        constant list. A query whose every word is common (``the answer is``) scans the answers."""
+        rare = []
+        for sql, arg in zip(postings, cond_params):
+            _, n = db.rows(f"SELECT count(*) FROM (SELECT 1 FROM ({sql}) LIMIT {self.CHECK_MAX + 1})", [arg])
+            if n[0][0] <= self.CHECK_MAX:
+                rare.append((sql, arg))
+        if not rare:
+            return f"SELECT _row FROM {table} WHERE answer ILIKE ? ESCAPE '\\'", [pattern]
+        _, rows = db.rows(" INTERSECT ".join(sql for sql, _ in rare), [arg for _, arg in rare])
+        found = []
+        if rows:
+            listed = ", ".join(str(int(r[0])) for r in rows)
+            # a materialized CTE: the ILIKE is evaluated on the candidates only (pushed into the
+            # scan, DuckDB would evaluate it on every answer before the IN)
+            _, found = db.rows(f"WITH c AS MATERIALIZED (SELECT _row, answer FROM {table} WHERE _row IN ({listed})) "
+                               "SELECT _row FROM c WHERE answer ILIKE ? ESCAPE '\\'", [pattern])
+        if not found:
+            return "SELECT NULL::BIGINT WHERE false", []
+        return f"SELECT unnest([{', '.join(str(int(r[0])) for r in found)}]::BIGINT[])", []
 
     def _collides(self, db: Any, cond: str, token: str) -> bool:
         """A word that does not qualify shares a hash with one that does (its rollouts would be
