@@ -10,10 +10,11 @@
     CPU per trajectory, against the JSONL sink on the same trajectories.
 (c) Growth to 1,000,000 trajectories (1,000 steps x 1,000 rollouts, GRPO groups of 8) written
     through the sink; at 10^4, 10^5 and 10^6: the write rate of the last stretch, the files
-    on disk, and through DuckDB (``rtrace.open_run``): opening the run, "per-step reward mean
-    and zero-variance group fraction for all steps" (target <= 1 s) and "the 50 worst
-    rollouts of step k with their conversation" (target <= 300 ms), each cold (a new
-    ``open_run``) and warm (the same run again).
+    on disk (and how many hold 32 finished steps each, in steps/), and through DuckDB
+    (``rtrace.open_run``): opening the run, "per-step reward mean and zero-variance group
+    fraction for all steps" (target <= 1 s) and "the 50 worst rollouts of step k with their
+    conversation" (target <= 300 ms), each cold (a new ``open_run``) and warm (the same run
+    again).
 
 Run: ``.venv/bin/python benchmarks/bench_dataset.py [--n 5000] [--total 1000000]``.
 """
@@ -204,9 +205,11 @@ def growth(total: int, per_step: int, tmp: str, checkpoints: list[int]) -> list[
                 sink.flush(30)  # merge idle partitions, as a trainer's flush would
                 rate = (written - written_mark) / elapsed
                 files = sum(len(f) for _, _, f in os.walk(path))
+                many = sum(len(f) for d, _, f in os.walk(path) if os.path.basename(d) == "steps")
                 q = queries(path, step=(written // per_step) // 2)
                 results.append({"n": written, "rate": rate, "files": files, "rss": rss_mb() - rss_start, **q})
-                print(f"    {written:>9,}: write {rate:,.0f} traj/s (generation included), {files:,} files, "
+                print(f"    {written:>9,}: write {rate:,.0f} traj/s (generation included), {files:,} files "
+                      f"({many} of them of steps/), "
                       f"RSS +{rss_mb() - rss_start:.0f} MB; open_run {q['open'] * 1e3:.0f} ms; "
                       f"per-step mean + 0-var ({q['steps']} steps) cold {q['steps_cold'] * 1e3:.0f} ms, warm "
                       f"{q['steps_warm'] * 1e3:.0f} ms; 50 worst of a step cold {q['worst_cold'] * 1e3:.0f} ms, "
