@@ -20,8 +20,10 @@ lookups done, the conversation left out), one row per trajectory, kept in step w
 files (rows of new files added, rows of files a compaction replaced removed, in one
 transaction). Sorting a million rollouts by reward reads one column of it in tens of
 milliseconds; the Parquet files took a second or more (they are read for a page's rows,
-a step, a rollout). It costs about 40 bytes per trajectory on disk, and its build at start
-(about 15 s per million trajectories here).
+a step, a rollout). Beside it, the answers' words (:class:`~rtrace.serve.search.WordIndex`),
+built a slice per refresh after the start, for the text search. Their cost: their build
+(docs/serve.md, Performance) and their disk (for the generated million-rollout run, prompts
+and answers included, about 170 MB for the table and 90 MB for the words).
 
 Queries run on a DuckDB cursor of the run's connection, each with a time limit
 (:class:`TimedDb`): past it the query is interrupted and the page says so
