@@ -7,13 +7,15 @@
     the last file renamed into place. Baseline in the same run: the same collector writing
     JSONL. Target >= 5,000 trajectories/s with flat memory (RSS before and after).
 (b) The sink alone: ``prepare`` (the pipeline's thread) + ``export`` of ready trajectories,
-    CPU per trajectory, against the JSONL sink on the same trajectories.
+    CPU per trajectory, against the JSONL sink on the same trajectories (16,384 of them, 32 steps:
+    the sink's shutdown merges the 32 finished steps into a file of steps/).
 (c) Growth to 1,000,000 trajectories (1,000 steps x 1,000 rollouts, GRPO groups of 8) written
     through the sink; at 10^4, 10^5 and 10^6: the write rate of the last stretch, the files
-    on disk, and through DuckDB (``rtrace.open_run``): opening the run, "per-step reward mean
-    and zero-variance group fraction for all steps" (target <= 1 s) and "the 50 worst
-    rollouts of step k with their conversation" (target <= 300 ms), each cold (a new
-    ``open_run``) and warm (the same run again).
+    on disk (and how many hold 32 finished steps each, in steps/), and through DuckDB
+    (``rtrace.open_run``): opening the run, "per-step reward mean and zero-variance group
+    fraction for all steps" (target <= 1 s) and "the 50 worst rollouts of step k with their
+    conversation" (target <= 300 ms), each cold (a new ``open_run``) and warm (the same run
+    again).
 
 Run: ``.venv/bin/python benchmarks/bench_dataset.py [--n 5000] [--total 1000000]``.
 """
@@ -204,9 +206,11 @@ def growth(total: int, per_step: int, tmp: str, checkpoints: list[int]) -> list[
                 sink.flush(30)  # merge idle partitions, as a trainer's flush would
                 rate = (written - written_mark) / elapsed
                 files = sum(len(f) for _, _, f in os.walk(path))
+                many = sum(len(f) for d, _, f in os.walk(path) if os.path.basename(d) == "steps")
                 q = queries(path, step=(written // per_step) // 2)
                 results.append({"n": written, "rate": rate, "files": files, "rss": rss_mb() - rss_start, **q})
-                print(f"    {written:>9,}: write {rate:,.0f} traj/s (generation included), {files:,} files, "
+                print(f"    {written:>9,}: write {rate:,.0f} traj/s (generation included), {files:,} files "
+                      f"({many} of them of steps/), "
                       f"RSS +{rss_mb() - rss_start:.0f} MB; open_run {q['open'] * 1e3:.0f} ms; "
                       f"per-step mean + 0-var ({q['steps']} steps) cold {q['steps_cold'] * 1e3:.0f} ms, warm "
                       f"{q['steps_warm'] * 1e3:.0f} ms; 50 worst of a step cold {q['worst_cold'] * 1e3:.0f} ms, "
@@ -240,7 +244,7 @@ def main() -> None:
                     print(f"(a) collector -> {exporter:7}: {rate:,.0f} trajectories/s ({written:,} of 6 spans, {shape}; "
                           f"RSS {r0:.0f} -> {r1:.0f} MB)", flush=True)
         if "b" not in skip:
-            runs = [sink_cpu(4096, tmp) for _ in range(3)]
+            runs = [sink_cpu(16384, tmp) for _ in range(3)]  # 32 steps of 512: shutdown merges them into steps/
             p, j = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
             print(f"(b) sink alone, prepare + export, CPU per trajectory: parquet {p:.0f} us, jsonl {j:.0f} us "
                   f"({p / j:.2f}x); parquet {1e6 / p:,.0f} trajectories per CPU-second", flush=True)

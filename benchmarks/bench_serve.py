@@ -9,7 +9,9 @@ time the page reports, and its bytes; "ratio" is the page's time over its time w
 flat index (the Parquet files only). The
 issue's targets: a first render <= 1.5 s (the browser's, measured by tests/ui), a sort or
 filter over all steps <= 300 ms on the server, the page's weight independent of the run's
-size. Also: the server's start (listing and the flat index's build), and copying JSONL.
+size. Also: the server's start (listing and the flat index's build), the text search's word
+index (built after the start, a slice per refresh: timed here until it has caught up), and
+copying JSONL.
 
 Run: ``.venv/bin/python benchmarks/bench_serve.py [--n 1000000]``.
 """
@@ -26,8 +28,10 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import httpx  # noqa: E402
+from _machine import reference_line  # noqa: E402
 
 from rtrace.serve.app import create_app  # noqa: E402
 from rtrace.serve.sources import RunSource, Sources  # noqa: E402
@@ -42,6 +46,11 @@ PAGES = [
     ("filter a reward component, sort by length", "/run/big/rollouts?outcome.reward/format=0.5&_sort=length"),
     ("filter one prompt", "/run/big/rollouts?prompt=gsm8k-17"),
     ("text search in prompts and answers", "/run/big/rollouts?q=Question+1999%3A"),
+    ("search: a word of few answers", "/run/big/rollouts?q=6011"),
+    ("search: a phrase with a rare word", "/run/big/rollouts?q=answer+is+6011"),
+    ("search: a word of every prompt", "/run/big/rollouts?q=apples"),
+    ("search: a phrase of common words", "/run/big/rollouts?q=the+answer+is"),
+    ("answer contains a phrase", "/run/big/rollouts?answer__contains=is+6011."),
     ("overview (1,000 steps)", "/run/big/overview"),
     ("a step (1,000 rollouts, the step viewer)", "/run/big/step/t500"),
     ("prompts", "/run/big/prompts"),
@@ -82,20 +91,34 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=1_000_000)
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
+    print(reference_line())
     t0 = time.perf_counter()
     path = big_run.ensure(args.n)
-    print(f"run: {path} ({time.perf_counter() - t0:.0f} s to generate or find)")
+    files = sum(len(f) for _, _, f in os.walk(path))
+    print(f"run: {path} ({files:,} files; {time.perf_counter() - t0:.0f} s to generate or find)")
     results = {}
     for label, index in (("flat index", True), ("Parquet files only (baseline)", False)):
         srcs = Sources([RunSource("big", dataset=str(path), index=index)])
         t0 = time.perf_counter()
         srcs.refresh()
         start = time.perf_counter() - t0
+        source = srcs.runs["big"]
+        words = ""
+        if index and hasattr(source, "index_words"):  # the word index: a slice per refresh; here back to back
+            t0 = time.perf_counter()
+            while source.index_words(budget_s=2.0):
+                pass
+            cursor = source.cursor()
+            postings = cursor.execute(f"SELECT count(*) FROM {source.index.words.words}").fetchall()[0][0]
+            cursor.execute(f"CHECKPOINT {source.index.alias}")
+            cursor.close()
+            words = (f"; word index {time.perf_counter() - t0:.1f} s more ({source.index.words.build_s:.1f} s in "
+                     f"slices, {postings:,} postings; index file {os.path.getsize(source.index.path) / 1e6:,.0f} MB)")
         t0 = time.perf_counter()
         srcs.refresh()
         again = time.perf_counter() - t0
-        print(f"\n{label}: start (listing, step table, flat index) {start:.1f} s; a refresh with nothing new "
-              f"{again * 1000:.0f} ms; {srcs.runs['big'].snapshot.trajectories:,} trajectories")
+        print(f"\n{label}: start (listing, step table, flat index) {start:.1f} s{words}; a refresh with nothing new "
+              f"{again * 1000:.0f} ms; {source.snapshot.trajectories:,} trajectories", flush=True)
         app = create_app(srcs, time_limit_ms=60_000)
         results[label] = measure(app, srcs.runs["big"], args.repeat)
         srcs.close()

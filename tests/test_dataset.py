@@ -219,7 +219,7 @@ class TestCompaction:
         probe.write(self._trajs(1, 2, blob=blob))
         probe.write(self._trajs(1, 2, start=2, blob=blob))
         probe.close()
-        [(_, merged_size)] = probe._parts[(False, 1)].files  # what two batches merge into
+        merged_size = sum(f.stat().st_size for f in (tmp_path / "probe").rglob("*.parquet"))  # two batches merged
         w = self._writer(tmp_path, compact_files=2, target_bytes=int(merged_size * 0.9))
         for k in range(4):
             w.write(self._trajs(1, 2, start=2 * k, blob=blob))
@@ -245,18 +245,22 @@ class TestCompaction:
         assert sorted(deleted) == sorted(f"trajectories/train/step=2/{n}" for n in os.listdir(backup))
         assert open_run(tmp_path).sql("SELECT count(*) FROM trajectories").fetchall()[0][0] == 6
 
-    def test_partitions_done_with_are_forgotten_and_late_rows_still_land(self, tmp_path):
-        """A merged, idle partition leaves the writer's table; a late trajectory of that step gets a new
-        file beside the merged one (a new number: no name twice), and readers count every row once."""
+    def test_partitions_done_with_are_put_away_and_late_rows_still_land(self, tmp_path):
+        """A merged, idle partition leaves the writer's table (its step waits to be merged into
+        steps/); a late trajectory of that step makes it a partition again, with its file: the
+        late file (a new number: no name twice) merges with it, and readers count every row once."""
         w = self._writer(tmp_path, compact_files=100, idle_s=0.0)
         for step in range(3):
             w.write(self._trajs(step, 2))
             w.write(self._trajs(step, 2, start=2))
         w.compact(idle_only=True)
-        assert w._parts == {}
-        w.write(self._trajs(1, 1, start=10))  # late
-        names = sorted(os.listdir(tmp_path / "trajectories/train/step=1"))
-        assert len(names) == 2 and len(set(names)) == 2
+        assert w._parts == {} and sorted(w._finished[False]) == [0, 1, 2]
+        [before] = os.listdir(tmp_path / "trajectories/train/step=1")
+        w.write(self._trajs(1, 1, start=10))  # late; idle_s=0: merged at once with the step's file
+        assert sorted(w._finished[False]) == [0, 2]
+        [after] = os.listdir(tmp_path / "trajectories/train/step=1")
+        old, new = layout.parse_name(before), layout.parse_name(after)
+        assert (new.first, new.last) == (old.first, 6) and new.last > old.last
         assert open_run(tmp_path).sql("SELECT count(*), count(DISTINCT trace_id) FROM trajectories").fetchall() == [
             (13, 13)]
 
@@ -267,6 +271,176 @@ class TestCompaction:
         w.write(self._trajs(1, 1, start=1))  # the write merges partitions already idle
         w.compact(idle_only=True)
         assert len(os.listdir(tmp_path / "trajectories/train/step=1")) == 1
+
+
+class TestStepsFiles:
+    """Finished steps merged into files of steps/: a row group per step, no row lost or doubled,
+    and never a file that covers a step still being written or another step's file."""
+
+    def _w(self, path, **kw):
+        return DatasetWriter(layout.open_store(str(path)), "r", compact_files=100, idle_s=0.0, **kw)
+
+    def _count(self, path):
+        return open_run(path).sql("SELECT count(*), count(DISTINCT trace_id) FROM trajectories").fetchall()[0]
+
+    def test_finished_steps_merge_into_one_file_a_row_group_per_step(self, tmp_path):
+        import pyarrow.parquet as pq
+
+        comp = TestCompaction()
+        w = self._w(tmp_path, steps_per_file=4)
+        for step in range(10):
+            w.write(comp._trajs(step, 3))
+            w.write(comp._trajs(step, 2, start=3))
+        w.compact(idle_only=True)
+        files = _files(tmp_path)
+        folders = Counter(os.path.dirname(f) for f in files)
+        assert folders == {"trajectories/train/steps": 2, "spans/train/steps": 2, "trajectories/train/step=8": 1,
+                           "spans/train/step=8": 1, "trajectories/train/step=9": 1, "spans/train/step=9": 1}
+        many = sorted(os.path.basename(f) for f in files if f.startswith("trajectories/train/steps/"))
+        assert [layout.parse_name(n).steps for n in many] == [(0, 3), (4, 7)]
+        assert many == sorted(os.listdir(tmp_path / "spans/train/steps"))  # a twin in each table
+        for name in many:
+            for table in ("trajectories", "spans"):
+                meta = pq.read_metadata(tmp_path / table / "train" / "steps" / name)
+                col = [meta.schema.column(i).path for i in range(meta.num_columns)].index("step")
+                ranges = [(meta.row_group(g).column(col).statistics.min, meta.row_group(g).column(col).statistics.max)
+                          for g in range(meta.num_row_groups)]
+                lo = layout.parse_name(name).steps[0]
+                assert ranges == [(s, s) for s in range(lo, lo + 4)]  # a query on one step prunes the others
+                assert pq.read_schema(tmp_path / table / "train" / "steps" / name).remove_metadata().equals(
+                    schema.arrow_schema(table).remove_metadata())
+        r = open_run(tmp_path)
+        assert r.steps() == [(False, s) for s in range(10)]
+        assert dict(r.sql("SELECT step, count(*) FROM trajectories GROUP BY step").fetchall()) == {
+            s: 5 for s in range(10)}
+        assert r.sql("SELECT count(*) FROM trajectories WHERE step = 5").fetchall() == [(5,)]
+        assert r.sql("SELECT count(DISTINCT trace_id) FROM spans").fetchall() == [(50,)]
+        assert self._count(tmp_path) == (50, 50)
+        assert len(r.load("step = ?", [6])) == 5
+
+    def test_a_step_being_written_is_never_spanned(self, tmp_path):
+        """Steps 0-2 and 4-6 are finished, step 3 still has two files: no steps/ file spans it."""
+        import time
+
+        comp = TestCompaction()
+        w = DatasetWriter(layout.open_store(str(tmp_path)), "r", compact_files=100, idle_s=1000, steps_per_file=3)
+        for step in range(7):
+            w.write(comp._trajs(step, 2))
+        w.write(comp._trajs(3, 2, start=2))
+        with w._lock:
+            w._prune(time.monotonic() + 2000)  # all idle, step 3's two files not merged
+        many = sorted(layout.parse_name(n).steps for n in os.listdir(tmp_path / "trajectories/train/steps"))
+        assert many == [(0, 2), (4, 6)]
+        assert len(os.listdir(tmp_path / "trajectories/train/step=3")) == 2
+        assert self._count(tmp_path) == (16, 16)
+
+    def test_another_steps_file_numbered_inside_the_range_is_not_covered(self, tmp_path):
+        """One count numbers a writer's files over every step: step 5's first file (number 1) lies in
+        the number range of the file of steps 0-1 (0-2), and is still read."""
+        import time
+
+        comp = TestCompaction()
+        w = DatasetWriter(layout.open_store(str(tmp_path)), "r", compact_files=100, idle_s=1000, steps_per_file=2)
+        w.write(comp._trajs(0, 2))
+        w.write(comp._trajs(5, 2))
+        w.write(comp._trajs(1, 2))
+        w.write(comp._trajs(5, 2, start=2))
+        with w._lock:
+            w._prune(time.monotonic() + 2000)
+        [name] = os.listdir(tmp_path / "trajectories/train/steps")
+        merged = layout.parse_name(name)
+        assert (merged.first, merged.last, merged.steps) == (0, 2, (0, 1))
+        assert f"{w.writer_id}-000001.v1.1.parquet" in os.listdir(tmp_path / "trajectories/train/step=5")
+        assert self._count(tmp_path) == (8, 8)
+
+    def test_late_rows_of_a_merged_step_land_beside_it(self, tmp_path):
+        """A trajectory of a step already in steps/ gets a file of its own in step=N, read beside the
+        steps/ file; once finished it merges into a later steps/ file, which covers neither."""
+        comp = TestCompaction()
+        w = self._w(tmp_path, steps_per_file=3)
+        for step in range(3):
+            w.write(comp._trajs(step, 2))
+        w.compact(idle_only=True)
+        w.write(comp._trajs(1, 1, start=10))  # late
+        assert self._count(tmp_path) == (7, 7)
+        for step in range(3, 5):
+            w.write(comp._trajs(step, 2))
+        w.compact(idle_only=True)
+        many = sorted(layout.parse_name(n).steps for n in os.listdir(tmp_path / "trajectories/train/steps"))
+        assert many == [(0, 2), (1, 4)]
+        assert not os.listdir(tmp_path / "trajectories/train/step=1")
+        assert self._count(tmp_path) == (11, 11)
+
+    def test_inputs_left_after_a_crash_are_skipped_and_vacuumed(self, tmp_path):
+        """Step files back beside the steps/ file that holds them (a writer stopped between rename and
+        delete): counted once; vacuum deletes them."""
+        comp = TestCompaction()
+        w = self._w(tmp_path, steps_per_file=2)
+        for step in range(2):
+            w.write(comp._trajs(step, 3))
+        backup = tmp_path / "backup"
+        for table in ("trajectories", "spans"):
+            for step in range(2):
+                shutil.copytree(tmp_path / table / "train" / f"step={step}", backup / table / f"step={step}")
+        w.compact(idle_only=True)
+        assert os.listdir(tmp_path / "trajectories/train/steps")
+        for table in ("trajectories", "spans"):
+            for step in range(2):
+                for name in os.listdir(backup / table / f"step={step}"):
+                    shutil.copy(backup / table / f"step={step}" / name, tmp_path / table / "train" / f"step={step}")
+        assert self._count(tmp_path) == (6, 6)
+        assert open_run(tmp_path).sql("SELECT count(*) FROM spans").fetchall() == [(6,)]
+        assert len(vacuum(tmp_path)) == 4
+        assert self._count(tmp_path) == (6, 6)
+
+    def test_close_merges_whole_files_only(self, tmp_path):
+        """At close, every steps_per_file finished steps make a file; the last few stay one file each."""
+        comp = TestCompaction()
+        w = DatasetWriter(layout.open_store(str(tmp_path)), "r", steps_per_file=4)  # idle_s 30: close finishes them
+        for step in range(6):
+            w.write(comp._trajs(step, 2))
+        w.close()
+        assert [layout.parse_name(n).steps for n in os.listdir(tmp_path / "trajectories/train/steps")] == [(0, 3)]
+        assert sorted(os.listdir(tmp_path / "trajectories/train")) == ["step=4", "step=5", "steps"] or sorted(
+            d for d in os.listdir(tmp_path / "trajectories/train") if os.listdir(tmp_path / "trajectories/train" / d)
+        ) == ["step=4", "step=5", "steps"]
+        assert self._count(tmp_path) == (12, 12)
+
+    def test_a_failed_merge_leaves_its_steps_as_they_are(self, tmp_path):
+        """A steps/ merge that fails (an input gone) is counted; its steps stay one file each, and no
+        later steps/ file spans them."""
+        comp = TestCompaction()
+        w = self._w(tmp_path, steps_per_file=2, cache_bytes=0)
+        for step in range(2):
+            w.write(comp._trajs(step, 2))
+        [gone] = os.listdir(tmp_path / "spans/train/step=1")
+        os.unlink(tmp_path / "spans/train/step=1" / gone)
+        before = rtrace.stats().get("sink.parquet.compaction_errors", 0)
+        w.compact(idle_only=True)
+        assert rtrace.stats()["sink.parquet.compaction_errors"] == before + 1
+        assert not (tmp_path / "trajectories/train/steps").exists()
+        for step in range(2, 4):
+            w.write(comp._trajs(step, 2))
+        w.write(comp._trajs(0, 1, start=5))  # step 0 again: kept, never merged
+        w.compact(idle_only=True)
+        assert [layout.parse_name(n).steps for n in os.listdir(tmp_path / "trajectories/train/steps")] == [(2, 3)]
+        assert self._count(tmp_path) == (9, 9)
+
+    def test_a_steps_name_in_a_step_folder_is_skipped(self, tmp_path, caplog):
+        """A many-step file belongs in steps/: in a step=N folder a hive engine would give it that
+        step, so readers leave it out (named in a warning)."""
+        comp = TestCompaction()
+        w = self._w(tmp_path, steps_per_file=2)
+        for step in range(2):
+            w.write(comp._trajs(step, 2))
+        w.compact(idle_only=True)
+        [name] = os.listdir(tmp_path / "trajectories/train/steps")
+        os.makedirs(tmp_path / "trajectories/train/step=7")
+        shutil.copy(tmp_path / "trajectories/train/steps" / name, tmp_path / "trajectories/train/step=7" / name)
+        with caplog.at_level(logging.WARNING, logger="rtrace"):
+            r = open_run(tmp_path)
+        assert [s.path for s in r.skipped] == [f"trajectories/train/step=7/{name}"]
+        assert self._count(tmp_path) == (4, 4)
 
 
 # ----------------------------------------------------------------------------- many writers
@@ -291,6 +465,26 @@ class TestManyWriters:
             f"{t}/train/step={s}": 2 for t in ("trajectories", "spans") for s in range(3)}
         r = open_run(tmp_path / "ds" / "shared")
         assert r.sql("SELECT count(*), count(DISTINCT trace_id) FROM trajectories").fetchall()[0] == (24, 24)
+
+
+    def test_each_writer_merges_its_own_steps(self, tmp_path):
+        """Two writers into one run, both writing every step: each merges its own finished steps into
+        its own steps/ files; readers count every trajectory once."""
+        comp = TestCompaction()
+        writers = [DatasetWriter(layout.open_store(str(tmp_path)), "r", compact_files=100, idle_s=0.0,
+                                 steps_per_file=3) for _ in range(2)]
+        for step in range(7):
+            for k, w in enumerate(writers):
+                w.write(comp._trajs(step, 2, start=10 * k))
+        for w in writers:
+            w.compact(idle_only=True)
+        many = [layout.parse_name(n) for n in os.listdir(tmp_path / "trajectories/train/steps")]
+        assert sorted((m.writer, m.steps) for m in many) == sorted(
+            (w.writer_id, steps) for w in writers for steps in ((0, 2), (3, 5)))
+        assert sorted(os.listdir(tmp_path / "trajectories/train/step=6")) == sorted(
+            f"{w.writer_id}-000006.v1.1.parquet" for w in writers)
+        assert open_run(tmp_path).sql("SELECT count(*), count(DISTINCT trace_id) FROM trajectories").fetchall() == [
+            (28, 28)]
 
 
 # ----------------------------------------------------------------------------- reading

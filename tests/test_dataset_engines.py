@@ -19,12 +19,21 @@ from tests.dataset_run import SEARCH, make_run  # noqa: E402
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
+    """The run, with two steps per file of steps/: steps 0-1 in trajectories/train/steps/, step 2
+    and the validation step in their step=N folders, as a long run's files are."""
+    from rtrace.dataset.writer import DatasetWriter
     from rtrace.testing import reset
 
     tmp = tmp_path_factory.mktemp("engines")
     reset()
-    path, trajs, _ = make_run(str(tmp), exporter="parquet")
-    reset()
+    DatasetWriter.STEPS_PER_FILE = 2
+    try:
+        path, trajs, _ = make_run(str(tmp), exporter="parquet")
+    finally:
+        DatasetWriter.STEPS_PER_FILE = 32
+        reset()
+    assert [n for n in os.listdir(os.path.join(path, "trajectories", "train", "steps")) if ".s0-1." in n]
+    assert os.listdir(os.path.join(path, "trajectories", "train", "step=2"))
     return path, trajs
 
 
@@ -122,13 +131,14 @@ def test_hugging_face_datasets(dataset, tmp_path):
 
 
 def test_clickhouse_chdb(dataset):
-    """chdb (ClickHouse in-process): file('<path>/trajectories/**/*.parquet', Parquet)."""
+    """chdb (ClickHouse in-process): file('<path>/trajectories/**/*.parquet', Parquet), with hive
+    partitioning off (the step is in the files; the files of steps/ have no step=N folder)."""
     chdb = pytest.importorskip("chdb")
     path, trajs = dataset
     src = f"file('{path}/trajectories/**/*.parquet', Parquet)"
 
     def rows(sql):
-        text = str(chdb.query(sql, "TabSeparated")).strip()
+        text = str(chdb.query(sql + " SETTINGS use_hive_partitioning = 0", "TabSeparated")).strip()
         return [line.split("\t") for line in text.splitlines() if line]
 
     means = {int(s): float(m) for s, m in rows(f"SELECT step, avg(reward) FROM {src} WHERE NOT validate GROUP BY step")}

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import time
+import urllib.parse
 
 import pytest
 
@@ -133,6 +134,34 @@ class TestTheRolloutsTable:
         want = {_tid(ran, *k) for k in (tuple(map(int, key.split("-"))) for key in ran["trace_ids"]) if expected(k)}
         assert {r["trace_id"] for r in data["rows"]} == want and data["total"] == len(want)
         assert data["problems"] == []
+
+    def test_search_reads_the_word_index_and_finds_what_a_scan_finds(self, app, sources, ran):
+        """The run's answers are in its word index (built on the refresh); searches through it give
+        the rollouts a scan of the run's files gives (task or answer ILIKE '%q%', or a trace id)."""
+        from rtrace.dataset.reader import open_run
+
+        source = sources.runs["job"]
+        words = source.index.words
+        cursor = source.cursor()
+        try:
+            assert words.upto >= 0 and words.pending(cursor, source.index.table) == 0
+        finally:
+            cursor.close()
+        run = open_run(ran["dataset"])
+        tid = sorted(ran["by_id"])[3]
+        nonempty = 0
+        for q in ["onerror", "ONERROR=", "answer", "is 4", "the answer is", "<b>", "ol", "100%", "_", tid[:10]]:
+            data = get_json(app, f"/run/job/rollouts.json?_size=500&q={urllib.parse.quote(q)}")
+            pattern = "%" + q.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            want = {r[0] for r in run.sql("SELECT trace_id FROM trajectories WHERE task ILIKE ? ESCAPE '\\' OR answer "
+                                          "ILIKE ? ESCAPE '\\' OR starts_with(trace_id, ?)",
+                                          [pattern, pattern, q if q == tid[:10] else "-"]).fetchall()}
+            assert {r["trace_id"] for r in data["rows"]} == want and data["total"] == len(want), q
+            nonempty += bool(want)
+        assert nonempty >= 7
+        data = get_json(app, "/run/job/rollouts.json?_size=500&answer__contains=answer+is")
+        assert {r["trace_id"] for r in data["rows"]} == {r[0] for r in run.sql(
+            "SELECT trace_id FROM trajectories WHERE answer ILIKE '%answer is%'").fetchall()}
 
     def test_what_is_not_understood_is_said(self, app):
         data = get_json(app, "/run/job/rollouts.json?nope=1&reward__gt=abc&_sort=nope")

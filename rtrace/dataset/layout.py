@@ -2,23 +2,32 @@
 
 A run's dataset::
 
-    <RTRACE_PARQUET_PATH>/<run>/trajectories/train/step=12/<writer>-000003.v1.parquet
+    <RTRACE_PARQUET_PATH>/<run>/trajectories/train/step=12/<writer>-000003.v1.1.parquet
+                               /trajectories/train/steps/<writer>-000000-000310.s1-32.v1.1.parquet
                                /trajectories/validate/step=4/...
-                               /spans/train/step=12/<writer>-000003.v1.0.parquet
+                               /spans/train/step=12/<writer>-000003.v1.1.parquet
 
 - ``step=N`` is a hive partition (every engine turns it into the ``step`` column it also
   finds in the file, as a BIGINT); a step that is not an int is
   ``step=__HIVE_DEFAULT_PARTITION__`` (NULL). ``train`` / ``validate`` is a plain folder,
   not ``validate=false``: a hive key's value is text to most engines, and DuckDB would
   turn the files' BOOLEAN ``validate`` into VARCHAR.
+- ``steps/`` holds a writer's finished steps merged into one file (``.s<first step>-<last
+  step>.`` in its name; a row group per step, so a query on one step reads that row group,
+  by the step's statistics): the run's file count grows with its steps divided by the steps
+  per file, not with its steps. It is a plain folder (no ``key=value``): an engine that
+  detects hive partitions finds that the folders disagree and reads ``step`` from the files
+  (DuckDB gives a hive value precedence over the file's column, so a many-step file can
+  never sit in a ``step=N`` folder).
 - ``<writer>`` is 16 random hex digits drawn by each sink when it starts (8 bytes of
   ``os.urandom``): many processes and collectors write into one run with no coordination
-  and never pick the same name. ``000003`` counts the writer's files in that partition;
-  a compacted file covers a range, ``<writer>-000000-000007``, and replaces the files of
-  that writer whose numbers it covers (readers skip those if they are still there: the
-  compacted file is renamed into place before its inputs are deleted). A trajectory's
-  row and its spans' rows have the same file name in the two tables.
-- ``.v1.0.`` is the schema's version (:mod:`rtrace.dataset.schema`): a reader refuses a
+  and never pick the same name. ``000003`` counts the writer's files; a compacted file
+  covers a range, ``<writer>-000000-000007``, and replaces the files of that writer whose
+  numbers it covers, in its folder (a step merged into ``steps/``: the files of the steps
+  it names, in their ``step=N`` folders). Readers skip a covered file if it is still there:
+  the compacted file is renamed into place before its inputs are deleted. A trajectory's row
+  and its spans' rows have the same file name in the two tables.
+- ``.v1.1.`` is the schema's version (:mod:`rtrace.dataset.schema`): a reader refuses a
   newer major version from the name alone, without opening the file, and reads a run whose
   files all have one version without comparing their schemas.
 - Files appear whole: on a local or mounted filesystem they are written under a hidden
@@ -35,35 +44,52 @@ from typing import Any, Callable, Iterator
 
 from .schema import MAJOR, MINOR, SPANS, TRAJECTORIES
 
-__all__ = ["NULL_STEP", "FileName", "parse_name", "partition_dir", "parse_partition", "run_name", "Store",
-           "open_store", "is_url"]
+__all__ = ["NULL_STEP", "STEPS_DIR", "FileName", "parse_name", "partition_dir", "parse_partition", "steps_dir",
+           "parse_steps_dir", "is_steps_file", "run_name", "Store", "open_store", "is_url"]
 
 #: The hive folder value of a NULL step (Hive's, which DuckDB, polars and Spark read as NULL).
 NULL_STEP = "__HIVE_DEFAULT_PARTITION__"
+#: the folder (beside the ``step=N`` ones) of the files holding many finished steps
+STEPS_DIR = "steps"
 _NAME = re.compile(r"^(?P<writer>[0-9a-f]{16})-(?P<first>\d{6,})(?:-(?P<last>\d{6,}))?"
-                   r"\.v(?P<major>\d+)\.(?P<minor>\d+)\.parquet$")
+                   r"(?:\.s(?P<lo>\d+)-(?P<hi>\d+))?\.v(?P<major>\d+)\.(?P<minor>\d+)\.parquet$")
 _STEP = re.compile(r"^step=(-?\d+|" + NULL_STEP + ")$")
 
 
 @dataclass(frozen=True)
 class FileName:
     """A data file's name: its writer, the range of that writer's file numbers it holds,
-    and the schema's version."""
+    the range of steps it holds when it is a many-step file (in ``steps/``), and the
+    schema's version."""
 
     writer: str
     first: int
     last: int
     major: int = MAJOR
     minor: int = MINOR
+    #: (first step, last step) of a file of ``steps/``; None for a file of a ``step=N`` folder
+    steps: tuple[int, int] | None = None
 
     def __str__(self) -> str:
         rng = f"{self.first:06d}" if self.first == self.last else f"{self.first:06d}-{self.last:06d}"
-        return f"{self.writer}-{rng}.v{self.major}.{self.minor}.parquet"
+        steps = f".s{self.steps[0]}-{self.steps[1]}" if self.steps is not None else ""
+        return f"{self.writer}-{rng}{steps}.v{self.major}.{self.minor}.parquet"
 
-    def covers(self, other: "FileName") -> bool:
-        """This (compacted) file holds everything ``other`` holds, and is not it."""
-        return (self.writer == other.writer and self.first <= other.first and other.last <= self.last
-                and (self.first, self.last) != (other.first, other.last))
+    def covers(self, other: "FileName", other_steps: tuple[int, int] | None = None) -> bool:
+        """This (compacted) file holds everything ``other`` holds, and is not it: the same
+        writer, a range of numbers that holds ``other``'s; for two files of one ``step=N``
+        folder, that is all. A file of ``steps/`` covers only files whose steps
+        (``other_steps``: a ``step=N`` file's step, twice; a ``steps/`` file's range) are
+        among its own: a writer's numbers are one count over every step, so another step's
+        file can have a number in its range."""
+        if self.writer != other.writer or not (self.first <= other.first and other.last <= self.last) \
+                or (self.first, self.last) == (other.first, other.last):
+            return False
+        if self.steps is None:
+            return other.steps is None  # (the caller compares files of one folder)
+        if other_steps is None:
+            other_steps = other.steps
+        return other_steps is not None and self.steps[0] <= other_steps[0] and other_steps[1] <= self.steps[1]
 
 
 def parse_name(name: str) -> FileName | None:
@@ -72,7 +98,11 @@ def parse_name(name: str) -> FileName | None:
     if m is None:
         return None
     first = int(m["first"])
-    return FileName(m["writer"], first, int(m["last"]) if m["last"] else first, int(m["major"]), int(m["minor"]))
+    steps = (int(m["lo"]), int(m["hi"])) if m["lo"] is not None else None
+    if steps is not None and steps[0] > steps[1]:
+        return None
+    return FileName(m["writer"], first, int(m["last"]) if m["last"] else first, int(m["major"]), int(m["minor"]),
+                    steps)
 
 
 def partition_dir(table: str, validate: bool, step: int | None) -> str:
@@ -90,6 +120,26 @@ def parse_partition(rel_dir: str) -> tuple[str, bool, int | None] | None:
         return None
     step = None if m.group(1) == NULL_STEP else int(m.group(1))
     return parts[0], parts[1] == "validate", step
+
+
+def steps_dir(table: str, validate: bool) -> str:
+    """``trajectories/train/steps`` (relative to the run's folder): the many-step files."""
+    return f"{table}/{'validate' if validate else 'train'}/{STEPS_DIR}"
+
+
+def parse_steps_dir(rel_dir: str) -> tuple[str, bool] | None:
+    """``(table, validate)`` of a ``steps/`` folder (relative to the run); None if it is not one."""
+    parts = rel_dir.strip("/").split("/")
+    if len(parts) != 3 or parts[0] not in (TRAJECTORIES, SPANS) or parts[1] not in ("train", "validate") \
+            or parts[2] != STEPS_DIR:
+        return None
+    return parts[0], parts[1] == "validate"
+
+
+def is_steps_file(path: str) -> bool:
+    """A file of a ``steps/`` folder (a path, relative or not, with ``/`` or the OS's separator)."""
+    folder = os.path.basename(os.path.dirname(path.replace(os.sep, "/")))
+    return folder == STEPS_DIR
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -242,6 +292,15 @@ class Store:
                 offset = max(0, f.size() + offset)
             f.seek(offset)
             return f.read(length)
+
+    def read_metadata(self, rel: str) -> Any:
+        """The Parquet footer of a file (``pyarrow.parquet.FileMetaData``)."""
+        import pyarrow.parquet as pq
+
+        if self.local:
+            return pq.read_metadata(self.path(rel))
+        with self.fs.open_input_file(self.path(rel)) as f:
+            return pq.read_metadata(f)
 
     def exists(self, rel: str = "") -> bool:
         if self.local:

@@ -15,10 +15,13 @@ A file written by a newer major version of the schema (``.v2.`` in its name) sto
 reader: :class:`SchemaVersionError` says which file and which version, and that a newer
 rtrace reads it.
 
-The views read local files with DuckDB's own Parquet reader (``hive_partitioning``:
-a query on one step opens that step's files only). A run on object storage (``s3://``
-...) is read through pyarrow's filesystem (DuckDB scans the pyarrow dataset, with
-projection and filters pushed down), so no DuckDB extension is needed.
+The views read local files with DuckDB's own Parquet reader: the files of ``step=N``
+folders with ``hive_partitioning`` (a query on one step opens that step's files only), the
+many-step files of ``steps/`` without it (the step is in the file; a query on one step
+reads that step's row groups, by their statistics), the two as one ``UNION ALL BY NAME``
+(:func:`parquet_source`). A run on object storage (``s3://`` ...) is read through pyarrow's
+filesystem (DuckDB scans the pyarrow dataset, with projection and filters pushed down), so
+no DuckDB extension is needed.
 """
 
 from __future__ import annotations
@@ -30,11 +33,11 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .. import _stats
-from .layout import FileName, Store, open_store, parse_name, parse_partition
+from .layout import FileName, Store, is_steps_file, open_store, parse_name, parse_partition, parse_steps_dir
 from .schema import MAJOR, SPANS, TRAJECTORIES, VERSION, arrow_schema
 
 __all__ = ["open_run", "Run", "DatasetError", "SchemaVersionError", "Skipped", "list_runs", "vacuum",
-           "hf_load_kwargs"]
+           "hf_load_kwargs", "parquet_source"]
 
 logger = logging.getLogger("rtrace")
 
@@ -98,6 +101,8 @@ class Run:
         #: (table) -> the data files read, relative to the run
         self.files: dict[str, list[str]] = {TRAJECTORIES: [], SPANS: []}
         self._steps: set[tuple[bool, int | None]] = set()
+        #: a data file (relative) -> the (validate, step) it holds; a steps/ file's from its footer, read once
+        self._file_steps: dict[str, tuple[tuple[bool, int | None], ...]] = {}
         if not self.store.exists(TRAJECTORIES):
             runs = list_runs(path)
             hint = f"; it holds runs: {', '.join(runs)} (open one: {os.path.join(path, runs[0])})" if runs else ""
@@ -120,8 +125,13 @@ class Run:
                 folder, _, name = rel.rpartition("/")
                 if name.startswith("."):  # a file being written, or a hidden file: not data
                     continue
-                part = parse_partition(folder)
+                part: tuple[str, bool, int | None] | None = parse_partition(folder)
                 fname = parse_name(name)
+                if part is None and fname is not None and fname.steps is not None:
+                    many = parse_steps_dir(folder)
+                    part = (many[0], many[1], None) if many is not None else None
+                elif fname is not None and fname.steps is not None:
+                    part = None  # a many-step file belongs in steps/, never in a step=N folder
                 if part is None or fname is None:
                     skipped.append(self._skip(rel, "not a file of an rtrace dataset (name or folder)"))
                     continue
@@ -130,18 +140,46 @@ class Run:
                         f"{os.path.join(self.path, rel)} was written with rtrace dataset schema {fname.major}.x; this "
                         f"rtrace reads schema {VERSION} (major {MAJOR}): upgrade rtrace to read this run")
                 reason = self._check(rel, size)
+                if reason is None and fname.steps is not None and rel not in self._file_steps:
+                    reason = self._read_steps(rel, part[1], fname)
                 if reason is not None:
                     skipped.append(self._skip(rel, reason))
                     continue
                 files[part[0]].append((rel, fname))
-                if part[0] == TRAJECTORIES:
-                    steps.add((part[1], part[2]))
+                if fname.steps is None:
+                    self._file_steps[rel] = ((part[1], part[2]),)
             for table in files:
                 self.files[table] = _uncovered(files[table])
+            for rel in self.files[TRAJECTORIES]:
+                steps.update(self._file_steps[rel])
+            listed = set(self.files[TRAJECTORIES]) | set(self.files[SPANS])
+            self._file_steps = {k: v for k, v in self._file_steps.items() if k in listed}
             self.skipped = skipped
             self._steps = steps
             self._views()
         return self
+
+    def _read_steps(self, rel: str, validate: bool, name: FileName) -> str | None:
+        """Read the steps a ``steps/`` file holds from its footer (the row groups' statistics
+        of ``step``; a row group without them: every step of the name's range). None, or
+        why the file cannot be read."""
+        try:
+            meta = self.store.read_metadata(rel)
+        except FileNotFoundError:
+            return "deleted while listing (a compaction replaced it)"
+        except Exception as exc:  # not Parquet after all, unreadable
+            return f"unreadable footer ({exc})"
+        assert name.steps is not None
+        column = next((i for i in range(meta.num_columns) if meta.schema.column(i).path == "step"), None)
+        found: set[int] = set()
+        for g in range(meta.num_row_groups):
+            stats = meta.row_group(g).column(column).statistics if column is not None else None
+            if stats is not None and stats.has_min_max and meta.row_group(g).num_rows:
+                found.update(range(int(stats.min), int(stats.max) + 1))
+            elif meta.row_group(g).num_rows:
+                found.update(range(name.steps[0], name.steps[1] + 1))
+        self._file_steps[rel] = tuple((validate, s) for s in sorted(found))
+        return None
 
     def _skip(self, rel: str, reason: str) -> Skipped:
         if rel not in self._bad:
@@ -173,19 +211,17 @@ class Run:
         for table in (TRAJECTORIES, SPANS):
             self.con.execute(f"CREATE OR REPLACE VIEW {table} AS {self._source(table)}")
 
+    def file_steps(self, rel: str) -> tuple[tuple[bool, int | None], ...]:
+        """``(validate, step)`` of what a data file of :attr:`files` holds (relative to the run):
+        one for a ``step=N`` file, each of its steps for a ``steps/`` file."""
+        return self._file_steps.get(rel, ())
+
     def _source(self, table: str) -> str:
         rels = self.files[table]
         if not rels:  # an empty table of the right columns, so queries still run
             return f"SELECT * FROM {self._register(f'_rtrace_empty_{table}', arrow_schema(table).empty_table())}"
         if self.store.local:
-            paths = ", ".join("'" + self.store.path(r).replace("'", "''") + "'" for r in rels)
-            # files of one version have one schema: DuckDB reads the first footer at bind time and the
-            # others as it scans; a run written by two minor versions (a column added) is read by
-            # name across files (union_by_name reads every footer first: 2-3x the time)
-            versions = {(n.major, n.minor) for n in (parse_name(r.rpartition("/")[2]) for r in rels) if n}
-            union = ", union_by_name = true" if len(versions) > 1 else ""
-            return (f"SELECT * FROM read_parquet([{paths}], hive_partitioning = true, "
-                    f"hive_types = {{'step': BIGINT}}{union})")
+            return parquet_source([self.store.path(r) for r in rels])
         import pyarrow.dataset as pads
 
         ds = pads.dataset([self.store.path(r) for r in rels], filesystem=self.store.arrow_fs(), format="parquet",
@@ -272,16 +308,53 @@ class Run:
         self.close()
 
 
+def parquet_source(paths: Sequence[str], options: str = "") -> str:
+    """A DuckDB query (``SELECT * FROM ...``) over local data files of one table (full paths):
+    the files of ``step=N`` folders read with hive partitioning (a query on a step opens its
+    files only), those of ``steps/`` without (their ``step`` is the file's: DuckDB would give
+    a hive value precedence), as one ``UNION ALL BY NAME``. ``options``: more
+    ``read_parquet`` options (``, filename = '_file'``)."""
+    single = [p for p in paths if not is_steps_file(p)]
+    many = [p for p in paths if is_steps_file(p)]
+    reads = []
+    for group, hive in ((single, "hive_partitioning = true, hive_types = {'step': BIGINT}"),
+                        (many, "hive_partitioning = false")):
+        if not group:
+            continue
+        listed = ", ".join("'" + p.replace("'", "''") + "'" for p in group)
+        # files of one version have one schema: DuckDB reads the first footer at bind time and the
+        # others as it scans; a run written by two minor versions (a column added) is read by
+        # name across files (union_by_name reads every footer first: 2-3x the time)
+        versions = {(n.major, n.minor) for n in (parse_name(os.path.basename(p)) for p in group) if n}
+        union = ", union_by_name = true" if len(versions) > 1 else ""
+        reads.append(f"SELECT * FROM read_parquet([{listed}], {hive}{union}{options})")
+    return " UNION ALL BY NAME ".join(reads)
+
+
 def _uncovered(files: list[tuple[str, FileName]]) -> list[str]:
-    """The files no compacted file of the same writer and folder covers."""
-    by_key: dict[tuple[str, str], list[FileName]] = {}
+    """The files no compacted file of the same writer covers: in their folder, or a
+    ``steps/`` file of the same table and train/validate folder holding their steps."""
+    by_folder: dict[tuple[str, str], list[FileName]] = {}
+    many: dict[tuple[str, str], list[FileName]] = {}
     for rel, name in files:
-        by_key.setdefault((rel.rpartition("/")[0], name.writer), []).append(name)
+        folder = rel.rpartition("/")[0]
+        by_folder.setdefault((folder, name.writer), []).append(name)
+        if name.steps is not None:
+            many.setdefault((folder.rpartition("/")[0], name.writer), []).append(name)
     out = []
     for rel, name in files:
-        siblings = by_key[(rel.rpartition("/")[0], name.writer)]
-        if len(siblings) == 1 or not any(other.covers(name) for other in siblings):
-            out.append(rel)
+        folder = rel.rpartition("/")[0]
+        siblings = by_folder[(folder, name.writer)]
+        if len(siblings) > 1 and any(other.covers(name) for other in siblings):
+            continue
+        span = name.steps
+        if span is None:
+            part = parse_partition(folder)
+            span = (part[2], part[2]) if part is not None and part[2] is not None else None
+        merged = many.get((folder.rpartition("/")[0], name.writer), ())
+        if span is not None and any(m.covers(name, span) for m in merged):
+            continue
+        out.append(rel)
     return out
 
 

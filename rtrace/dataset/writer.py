@@ -19,10 +19,24 @@ reader never counts a row twice, and a crash between the two steps leaves only f
 readers skip (the next merge of that partition, by any writer's restart, never touches
 them: they belong to a writer that is gone; ``rtrace.dataset.vacuum`` removes them).
 Writers never touch each other's files: no coordination, no name written twice.
+
+Finished steps are then merged across steps: a partition merged into one file and idle for
+``idle_s`` is finished; ``steps_per_file`` finished steps of one folder (``train`` or
+``validate``) that no step still being written lies between are merged into one file of
+``steps/`` (``<writer>-<first>-<last>.s<first step>-<last step>``, a row group per step;
+it stops short at ``target_bytes``), so a run's file count grows with its steps divided
+by ``steps_per_file``, not with its steps: an engine pays for each file it opens (DuckDB
+about half a millisecond for this schema). Such a file covers this writer's files of those
+steps whose numbers are in its range, and every one of them is in it: the writer keeps
+every finished step's file until it is merged, and a step written to again (a late
+trajectory) is taken out of the finished ones first; its later files have numbers past the
+merged file's. Finished steps that never make a whole file (the last ones of a run) stay
+one file each.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import time
@@ -36,7 +50,7 @@ import pyarrow.parquet as pq
 from .. import _stats
 from ..trajectory import Trajectory
 from . import encode
-from .layout import FileName, Store, partition_dir
+from .layout import FileName, Store, partition_dir, steps_dir
 from .schema import SPANS, TRAJECTORIES
 
 __all__ = ["DatasetWriter", "WriteResult", "ROW_GROUP_ROWS"]
@@ -76,13 +90,23 @@ class WriteResult:
 class DatasetWriter:
     """Writes batches of trajectories into one run's dataset (``store``)."""
 
+    #: finished steps per file of steps/ (the sink's; a test lowers it for a small run)
+    STEPS_PER_FILE = 32
+
     def __init__(self, store: Store, run: str, compact_files: int = 8, idle_s: float = 30.0,
                  target_bytes: int = 256 * 1024 * 1024, stats_prefix: str = "sink.parquet",
-                 cache_bytes: int = 64 * 1024 * 1024) -> None:
+                 cache_bytes: int = 64 * 1024 * 1024, steps_per_file: int | None = None) -> None:
         self.store = store
         self.run = run
         self.writer_id = os.urandom(8).hex()
         self.compact_files = max(2, compact_files)
+        #: finished steps merged into one file of steps/ (0 or 1: never)
+        self.steps_per_file = self.STEPS_PER_FILE if steps_per_file is None else steps_per_file
+        #: validate -> step -> the finished step's one file (name, bytes of both tables), until merged into steps/
+        self._finished: dict[bool, dict[int, tuple[FileName, int]]] = {False: {}, True: {}}
+        #: validate -> finished steps left as they are (a step that fills a file alone, a merge
+        #: that failed): like steps being written, no file of steps/ spans them (it would cover them)
+        self._kept: dict[bool, set[int]] = {False: set(), True: set()}
         self.idle_s = idle_s
         self.target_bytes = target_bytes
         self.prefix = stats_prefix
@@ -135,6 +159,9 @@ class DatasetWriter:
         part = self._parts.get(key)
         if part is None:
             part = self._parts[key] = _Partition(*key)
+            done = self._finished[key[0]].pop(key[1], None) if key[1] is not None else None
+            if done is not None:  # a late trajectory of a finished step: its file is the partition's again
+                part.files.append(done)
         name = FileName(self.writer_id, self._next_seq, self._next_seq)
         self._next_seq += 1  # never reused, even if this write fails: no name is written twice
         try:
@@ -159,11 +186,16 @@ class DatasetWriter:
         except Exception:  # one trajectory at a time, degrading what Arrow refuses
             return encode.encode_safely(trajs, self.run)
 
-    def _write_pair(self, part: _Partition, name: FileName, ttable: pa.Table, stable: pa.Table) -> int:
+    def _write_pair(self, part: _Partition, name: FileName, ttable: Any, stable: Any) -> int:
         """The spans file, then the trajectories file (a row is never visible without its
-        spans); if the second fails the first is removed. Returns the bytes written."""
-        srel = f"{partition_dir(SPANS, part.validate, part.step)}/{name}"
-        trel = f"{partition_dir(TRAJECTORIES, part.validate, part.step)}/{name}"
+        spans); if the second fails the first is removed. Returns the bytes written.
+        ``ttable`` / ``stable``: a table, or a list of tables each written as its own row
+        groups (a file of steps/: a step per row group)."""
+        if name.steps is not None:
+            srel, trel = (f"{steps_dir(t, part.validate)}/{name}" for t in (SPANS, TRAJECTORIES))
+        else:
+            srel = f"{partition_dir(SPANS, part.validate, part.step)}/{name}"
+            trel = f"{partition_dir(TRAJECTORIES, part.validate, part.step)}/{name}"
         # a batch's file is snappy (fast; most are merged soon), a merged file zstd (smaller, for keeps)
         codec = "zstd" if name.first != name.last else "snappy"
         ssize = self.store.write(srel, lambda out: self._parquet(stable, out, SPANS, codec))
@@ -179,13 +211,20 @@ class DatasetWriter:
         self._count("bytes_written", ssize + tsize)
         return ssize + tsize
 
-    def _parquet(self, table: pa.Table, out: Any, name: str, codec: str) -> None:
-        metadata = dict(table.schema.metadata or {})
+    def _parquet(self, table: Any, out: Any, name: str, codec: str) -> None:
+        tables = table if isinstance(table, list) else [table]
+        metadata = dict(tables[0].schema.metadata or {})
         metadata[b"rtrace.writer"] = self.writer_id.encode()
         metadata[b"rtrace.run"] = self.run.encode()
-        table = table.replace_schema_metadata(metadata)
-        pq.write_table(table, out, row_group_size=ROW_GROUP_ROWS, compression=codec, use_dictionary=DICTIONARY[name],
-                       write_statistics=STATISTICS[name])
+        if len(tables) == 1:
+            pq.write_table(tables[0].replace_schema_metadata(metadata), out, row_group_size=ROW_GROUP_ROWS,
+                           compression=codec, use_dictionary=DICTIONARY[name], write_statistics=STATISTICS[name])
+            return
+        schema = tables[0].schema.with_metadata(metadata)
+        with pq.ParquetWriter(out, schema, compression=codec, use_dictionary=DICTIONARY[name],
+                              write_statistics=STATISTICS[name]) as writer:
+            for t in tables:  # each its own row groups: a query on one step reads that step's
+                writer.write_table(t.replace_schema_metadata(metadata), row_group_size=ROW_GROUP_ROWS)
 
     def _remember(self, key: tuple[bool, int | None], name: FileName, ttable: pa.Table, stable: pa.Table) -> None:
         self._cache[(key, name)] = (ttable, stable)
@@ -223,12 +262,72 @@ class DatasetWriter:
             if fresh >= self.compact_files or (len(small) >= 2 and now - part.last_write >= self.idle_s):
                 self._compact(part, small)
 
-    def _prune(self, now: float) -> None:
-        """Forget the partitions done with (one file, idle): the table stays as small as the
-        steps in flight; a late trajectory of one starts a new file beside the merged one."""
+    def _prune(self, now: float, everything: bool = False) -> None:
+        """Put away the partitions done with (one file, idle; ``everything``: all of them,
+        the writer closes): the table stays as small as the steps in flight. A finished step
+        waits in ``_finished`` to be merged into steps/ (a late trajectory of it makes it a
+        partition again, its file with it); the others (a NULL or negative step) are forgotten."""
         for key, part in list(self._parts.items()):
-            if len(part.files) <= 1 and now - part.last_write >= self.idle_s:
+            if len(part.files) <= 1 and (everything or now - part.last_write >= self.idle_s):
                 del self._parts[key]
+                if part.files and self.steps_per_file > 1 and part.step is not None and part.step >= 0 \
+                        and part.step not in self._kept[part.validate]:
+                    self._finished[part.validate][part.step] = part.files[0]
+        self._merge_steps_due()
+
+    def _merge_steps_due(self) -> None:
+        """Merge each run of ``steps_per_file`` finished steps (or of ``target_bytes``) with no
+        step being written between them into one file of steps/."""
+        for validate, finished in self._finished.items():
+            if len(finished) < min(2, self.steps_per_file) or self.steps_per_file <= 1:
+                continue
+            active = sorted({k[1] for k in self._parts if k[0] == validate and k[1] is not None} | self._kept[validate])
+            chunk: list[int] = []
+            size = 0
+            for step in sorted(finished):
+                if chunk and active and bisect.bisect_right(active, chunk[-1]) != bisect.bisect_left(active, step):
+                    chunk, size = [], 0  # a step being written lies between: its files must not be covered
+                if finished[step][1] >= self.target_bytes:
+                    del finished[step]  # alone it fills a file: it stays as it is
+                    self._kept[validate].add(step)
+                    chunk, size = [], 0
+                    continue
+                chunk.append(step)
+                size += finished[step][1]
+                if len(chunk) >= self.steps_per_file or (size >= self.target_bytes and len(chunk) >= 2):
+                    self._merge_steps(validate, chunk)
+                    chunk, size = [], 0
+
+    def _merge_steps(self, validate: bool, steps: list[int]) -> None:
+        finished = self._finished[validate]
+        inputs = [finished[s][0] for s in steps]
+        merged = FileName(self.writer_id, min(n.first for n in inputs), max(n.last for n in inputs),
+                          steps=(steps[0], steps[-1]))
+        part = _Partition(validate, None)
+        try:
+            tables: dict[str, list[pa.Table]] = {}
+            for table in (TRAJECTORIES, SPANS):
+                tables[table] = [self._read((validate, s), n, table) for s, n in zip(steps, inputs)]
+            self._write_pair(part, merged, tables[TRAJECTORIES], tables[SPANS])
+        except Exception as exc:
+            self._count("compaction_errors")
+            _stats.warn_once(f"parquet-merge-steps-{type(exc).__name__}", "rtrace parquet sink could not merge steps "
+                             "%s-%s of %s (their files stay as they are): %s", steps[0], steps[-1],
+                             steps_dir(TRAJECTORIES, validate), exc)
+            for s in steps:  # not tried again: the step files stay, one each
+                del finished[s]
+                self._kept[validate].add(s)
+            return
+        for s, name in zip(steps, inputs):
+            del finished[s]
+            self._forget((validate, s), name)
+            for table in (TRAJECTORIES, SPANS):
+                try:
+                    self.store.delete(f"{partition_dir(table, validate, s)}/{name}")
+                except Exception:
+                    self._count("delete_errors")
+        self._count("compactions")
+        self._count("files_compacted", 2 * len(inputs))
 
     def _mergeable(self, part: _Partition) -> list[tuple[FileName, int]]:
         """The files a merge would take: every file after the last merged one that is full."""
@@ -288,5 +387,8 @@ class DatasetWriter:
         self._count("files_compacted", 2 * len(names))
 
     def close(self) -> None:
-        """Merge every partition with more than one file (the end of the run's writing)."""
+        """Merge every partition with more than one file (the end of the run's writing), then
+        every ``steps_per_file`` finished steps into steps/."""
         self.compact()
+        with self._lock:
+            self._prune(time.monotonic(), everything=True)

@@ -375,31 +375,43 @@ def _value(col: Column, op: str, text: str) -> Any:
     return text
 
 
-def where_sql(state: TableState, columns: Sequence[Column], extra: Sequence[tuple[str, Sequence[Any]]] = ()
-              ) -> tuple[str, list[Any]]:
-    """``WHERE`` clause (without the word) and its parameters."""
+def where_sql(state: TableState, columns: Sequence[Column], extra: Sequence[tuple[str, Sequence[Any]]] = (),
+              db: Any = None) -> tuple[str, list[Any]]:
+    """``WHERE`` clause (without the word) and its parameters. The text search (``q``, and
+    ``contains`` on the answer) asks ``db.text_search(text, columns, trace_ids)`` first (the
+    server's word index: same rows, without reading every answer); without it, it scans."""
     names = {c.name: c for c in columns}
+    search = getattr(db, "text_search", None)
     parts, params = [], []
     for f in state.filters:
         col = names[f.column]
         if f.op in ("null", "notnull"):
             parts.append(f"({col.sql}) {_OPS[f.op]}")
             continue
+        found = search(f.value, ("answer",)) if f.op == "contains" and col.sql == "answer" and search else None
+        if found is not None:
+            parts.append(found[0])
+            params += found[1]
+            continue
         if f.op == "contains":
             parts.append(f"CAST(({col.sql}) AS VARCHAR) ILIKE ? ESCAPE '\\'")
-        elif col.kind == "text" and f.op not in ("eq", "ne"):
-            parts.append(f"({col.sql}) {_OPS[f.op]} ?")
         else:
             parts.append(f"({col.sql}) {_OPS[f.op]} ?")
         params.append(_value(col, f.op, f.value))
     if state.q:
-        pattern = "%" + state.q.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-        search = "task ILIKE ? ESCAPE '\\' OR answer ILIKE ? ESCAPE '\\'"
-        params += [pattern, pattern]
-        if re.fullmatch(r"[0-9a-f]{6,32}", state.q):  # a trace id, or its start
-            search += " OR starts_with(trace_id, ?)"
-            params.append(state.q)
-        parts.append(search)
+        hex_id = bool(re.fullmatch(r"[0-9a-f]{6,32}", state.q))  # a trace id, or its start
+        found = search(state.q, ("task", "answer"), hex_id) if search else None
+        if found is not None:
+            parts.append(found[0])
+            params += found[1]
+        else:
+            pattern = "%" + state.q.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            search_sql = "task ILIKE ? ESCAPE '\\' OR answer ILIKE ? ESCAPE '\\'"
+            params += [pattern, pattern]
+            if hex_id:
+                search_sql += " OR starts_with(trace_id, ?)"
+                params.append(state.q)
+            parts.append(search_sql)
     for sql, p in extra:
         parts.append(sql)
         params += list(p)
@@ -430,7 +442,7 @@ def rollouts(db: Db, state: TableState, columns: Sequence[Column]) -> dict[str, 
     need), then those rows' cells (their steps' data only)."""
     shown = shown_columns(state, columns)
     names = {c.name: c for c in columns}
-    where, params = where_sql(state, columns)
+    where, params = where_sql(state, columns, db=db)
     table = _t(db)
     # the flat index's rows are found again by rowid (a table's own, read in one snapshot:
     # `pinned`); the run's view has none, its rows are found by trace id in their steps' files
@@ -488,7 +500,7 @@ def histograms(db: Db, state: TableState, columns: Sequence[Column],
     bins: a bar per value up to 12 distinct values, else up to 20 equal-width bins. One
     statement: the matching rows are read once (a materialized CTE)."""
     names = {c.name: c for c in columns}
-    where, params = where_sql(state, columns)
+    where, params = where_sql(state, columns, db=db)
     cols = [names[c] for _, c in which]
     sel = ", ".join(f"CAST(({c.sql}) AS DOUBLE) AS v{i}" for i, c in enumerate(cols))
     stats = ", ".join(f"min(v{i}) FILTER (WHERE isfinite(v{i})) AS lo{i}, max(v{i}) FILTER (WHERE isfinite(v{i})) "

@@ -20,8 +20,10 @@ lookups done, the conversation left out), one row per trajectory, kept in step w
 files (rows of new files added, rows of files a compaction replaced removed, in one
 transaction). Sorting a million rollouts by reward reads one column of it in tens of
 milliseconds; the Parquet files took a second or more (they are read for a page's rows,
-a step, a rollout). It costs about 40 bytes per trajectory on disk, and its build at start
-(about 15 s per million trajectories here).
+a step, a rollout). Beside it, the answers' words (:class:`~rtrace.serve.search.WordIndex`),
+built a slice per refresh after the start, for the text search. Their cost: their build
+(docs/serve.md, Performance) and their disk (for the generated million-rollout run, prompts
+and answers included, about 170 MB for the table and 90 MB for the words).
 
 Queries run on a DuckDB cursor of the run's connection, each with a time limit
 (:class:`TimedDb`): past it the query is interrupted and the page says so
@@ -73,6 +75,17 @@ class TimedDb:
         #: milliseconds spent in SQL by this page's queries (shown in its footer and JSON)
         self.spent_ms = 0.0
         self.queries = 0
+
+    def text_search(self, q: str, columns: Sequence[str] = ("task", "answer"), trace_ids: bool = False
+                    ) -> tuple[str, list[Any]] | None:
+        """The flat index's search for ``q`` in ``columns`` (:class:`~rtrace.serve.search.WordIndex`):
+        SQL and parameters; None without a flat index (the caller scans)."""
+        index = self.source.index
+        if not self.flat or index is None or index.columns is None or index.table != self.table:
+            return None
+        # once per run version: the page's two queries (its rows, its histograms) and its re-sorts share it
+        return self.source.cached(("search", q, tuple(columns), trace_ids),
+                                  lambda: index.words.predicate(self, self.table, q, columns, trace_ids))
 
     @contextlib.contextmanager
     def pinned(self) -> Any:
@@ -255,20 +268,32 @@ class JsonlIngest:
 
 class FlatIndex:
     """A run's flat index: a table in a DuckDB file attached to the run's connection, with
-    :func:`rtrace.report.queries.index_select`'s columns and ``_file`` (the data file a row
-    came from), kept equal to the run's trajectories files."""
+    :func:`rtrace.report.queries.index_select`'s columns, ``_file`` (the data file a row came
+    from) and ``_row`` (the file's number here, shifted 32 bits, plus the row's position in it:
+    a row keeps its number when the table is built again), kept equal to the run's
+    trajectories files; and the answers' words (:class:`~rtrace.serve.search.WordIndex`)."""
 
     def __init__(self, path: str, alias: str) -> None:
+        from .search import WordIndex
+
         self.path, self.alias = path, alias
         self.table = f"{alias}.t"
         self.files: set[str] = set()
         self.columns: tuple[str, ...] | None = None
+        #: a data file's number (new files get larger ones: rows past the word index's ``upto`` are the newest)
+        self.numbers: dict[str, int] = {}
+        self.words = WordIndex(alias)
         self._attached = False
 
     def _source(self, paths: Sequence[str]) -> str:
-        listed = ", ".join(Q._literal(p) for p in paths)
-        return (f"read_parquet([{listed}], hive_partitioning = true, hive_types = {{'step': BIGINT}}, "
-                "union_by_name = true, filename = '_file')")
+        from ..dataset.reader import parquet_source
+
+        numbers = ", ".join(f"({Q._literal(p)}, {self.numbers[p]})" for p in paths)
+        query = parquet_source(paths, ", filename = '_file', file_row_number = true")
+        return (f"({query}) AS _rtrace_data JOIN (VALUES {numbers}) AS _rtrace_files(_file, _no) USING (_file)")
+
+    def _select(self, columns: Sequence[Q.Column]) -> str:
+        return f"{Q.index_select(columns)}, _file, (CAST(_no AS BIGINT) << 32) + file_row_number AS _row"
 
     def update(self, cursor: Any, paths: set[str], columns: Sequence[Q.Column]) -> None:
         """Make the index hold the rows of ``paths`` (full paths of the run's trajectories
@@ -277,15 +302,17 @@ class FlatIndex:
         if not self._attached:
             cursor.execute(f"ATTACH {Q._literal(self.path)} AS {self.alias}")
             self._attached = True
-        select = Q.index_select(columns)
+        for p in sorted(paths - self.numbers.keys()):
+            self.numbers[p] = len(self.numbers)
         names = tuple(c.name for c in columns)
         if names != self.columns:  # an outcome key appeared: the table's columns change, build it again
             if paths:
-                cursor.execute(f"CREATE OR REPLACE TABLE {self.table} AS SELECT {select}, _file FROM "
-                               f"{self._source(sorted(paths))}")
+                cursor.execute(f"CREATE OR REPLACE TABLE {self.table} AS SELECT {self._select(columns)} FROM "
+                               f"{self._source(sorted(paths))} ORDER BY _row")
                 cursor.execute(f"CHECKPOINT {self.alias}")  # compressed now, not when the log fills
             else:
                 cursor.execute(f"DROP TABLE IF EXISTS {self.table}")
+                self.words.reset(cursor)
             self.columns = names if paths else None
             self.files = set(paths)
             return
@@ -297,12 +324,23 @@ class FlatIndex:
             if gone:
                 cursor.execute(f"DELETE FROM {self.table} WHERE _file IN ({', '.join(Q._literal(g) for g in gone)})")
             if new:
-                cursor.execute(f"INSERT INTO {self.table} BY NAME SELECT {select}, _file FROM {self._source(new)}")
+                cursor.execute(f"INSERT INTO {self.table} BY NAME SELECT {self._select(columns)} FROM "
+                               f"{self._source(new)} ORDER BY _row")
             cursor.execute("COMMIT")
         except Exception:
             cursor.execute("ROLLBACK")
             raise
         self.files = set(paths)
+
+    def index_words(self, cursor: Any, budget_s: float | None = None) -> int:
+        """One slice of the word index's build (:meth:`~rtrace.serve.search.WordIndex.build`);
+        the rows it indexed."""
+        if self.columns is None:
+            return 0
+        n = self.words.build(cursor, self.table, budget_s)
+        if not n:
+            self.words.compact(cursor, self.table)
+        return n
 
 
 class RunSource:
@@ -329,7 +367,7 @@ class RunSource:
         self.run: Any = None
         self.snapshot = Snapshot(problem="not read yet")
         self._lock = threading.Lock()  # the run's connection: refresh and cursor creation
-        self._files: dict[str, frozenset[str]] = {}
+        self._files: dict[tuple[bool, int | None], frozenset[str]] = {}
         self._seen: set[str] = set()
         self._keys: set[tuple[str, str, str]] = set()
         self._steps: dict[tuple[bool, int], Any] = {}
@@ -385,7 +423,8 @@ class RunSource:
 
     def refresh(self) -> bool:
         """List the run's files again (copy new JSONL lines first) and update the caches of
-        the steps whose files changed. True when something changed."""
+        the steps whose files changed; then index a slice of the answers' words. True when
+        something changed."""
         if self.ingest is not None:
             self.ingest.poll()
         with self._lock:
@@ -401,49 +440,54 @@ class RunSource:
                 self.run.refresh()
             files = self._partition_files()
         changed = {p for p in set(files) | set(self._files) if files.get(p) != self._files.get(p)}
-        if not changed and self._read_once:
-            return False
-        self._read_once = True
-        self._update(files, changed)
-        return True
+        first = not self._read_once
+        if changed or first:
+            self._read_once = True
+            self._update(files, changed)
+        self.index_words()
+        return bool(changed) or first
 
-    def _partition_files(self) -> dict[str, frozenset[str]]:
-        """Partition folder -> its data files (of both tables), from the run's listing."""
+    def index_words(self, budget_s: float | None = None) -> int:
+        """Index a slice of the answers' words not indexed yet (the text search's index, built
+        on the refresh thread a slice per refresh); the rows indexed."""
+        if self.index is None or self.index.columns is None or self.run is None:
+            return 0
+        cursor = self.run.cursor()
+        try:
+            return self.index.index_words(cursor, budget_s)
+        finally:
+            cursor.close()
+
+    def _partition_files(self) -> dict[tuple[bool, int | None], frozenset[str]]:
+        """(validate, step) -> the data files (of both tables) holding it, from the run's listing."""
         from ..dataset.schema import SPANS, TRAJECTORIES
 
-        out: dict[str, set[str]] = {}
+        out: dict[tuple[bool, int | None], set[str]] = {}
         for table in (TRAJECTORIES, SPANS):
             for rel in self.run.files[table]:
-                folder, _, name = rel.rpartition("/")
-                out.setdefault(folder.split("/", 1)[1], set()).add(f"{table}/{name}")
+                for key in self.run.file_steps(rel):
+                    out.setdefault(key, set()).add(rel)
         return {k: frozenset(v) for k, v in out.items()}
 
-    def _update(self, files: dict[str, frozenset[str]], changed: set[str]) -> None:
-        from ..dataset.layout import parse_partition
+    def _update(self, files: dict[tuple[bool, int | None], frozenset[str]], changed: set[Any]) -> None:
         from ..dataset.schema import TRAJECTORIES
         from ..report.queries import RelationDb
 
         db = RelationDb(_CursorTarget(self))
-        parts = {}
-        for folder in files:
-            parsed = parse_partition(f"{TRAJECTORIES}/{folder}")
-            if parsed is not None:
-                parts[folder] = (parsed[1], parsed[2])
         # outcome and annotation keys: from the files not read before only
         new_files = [rel for rel in self.run.files[TRAJECTORIES] if rel not in self._seen]
         if new_files and self.run.store.local:
-            paths = ", ".join(Q._literal(self.run.store.path(r)) for r in new_files)
-            self._keys |= Q.discover_keys(db, f"read_parquet([{paths}])")
+            from ..dataset.reader import parquet_source
+
+            self._keys |= Q.discover_keys(db, f"({parquet_source([self.run.store.path(r) for r in new_files])})")
         elif new_files:
             self._keys = Q.discover_keys(db)
         self._seen = set(self.run.files[TRAJECTORIES])
         # the step table, curves and health of the steps whose files changed
-        steps = {parts[f] for f in changed if f in parts and parts[f][1] is not None}
-        gone = {parts.get(f) for f in changed if f not in files}
-        for key in gone:
-            if key is not None:
-                for cache in (self._steps, self._extras, self._rates):
-                    cache.pop(key, None)  # type: ignore[arg-type]
+        steps = {k for k in changed if k in files and k[1] is not None}
+        for key in changed - set(files):
+            for cache in (self._steps, self._extras, self._rates):
+                cache.pop(key, None)  # type: ignore[arg-type]
         if steps:
             if len(steps) > 64:
                 where, params = "true", []

@@ -1,8 +1,10 @@
 """A generated run of 1,000,000 trajectories in the dataset's schema, for ``rtrace serve`` at scale.
 
-Written with pyarrow directly (the dataset's own schema, ``rtrace.dataset.schema``; one
-file per step and table, as the parquet sink leaves a finished step after compaction), in
-about a minute, instead of hours through the pipeline: 1,000 training steps x 125 prompts
+Written with pyarrow directly (the dataset's own schema, ``rtrace.dataset.schema``; the
+files the parquet sink leaves when the run is over: every 32 finished training steps one
+file of ``trajectories/train/steps/`` (a row group per step), the last 8 steps and the
+validation steps a file each in their ``step=N`` folders), in about a minute, instead of
+hours through the pipeline: 1,000 training steps x 125 prompts
 x 8 rollouts (GRPO groups), and a validation step of 125 rollouts every 100 steps. Each
 rollout has a prompt from a pool of 2,000 that recur across steps, an answer, a reward
 made of two components (``reward/accuracy``, ``reward/format`` as TRL records them),
@@ -26,11 +28,12 @@ from pathlib import Path
 
 import numpy as np
 
-VERSION = 1  # bump when the generated data changes: the cache is keyed by it
+VERSION = 2  # bump when the generated data changes: the cache is keyed by it (2: files of steps/)
 PROMPTS, ROLLOUTS, POOL = 125, 8, 2000
 MAX_TOKENS = 512
 SYSTEM = "You are a careful math assistant. Think step by step, then give the final answer."
 WRITER = "5e7e5e7e5e7e5e7e"
+STEPS_PER_FILE = 32  # rtrace.dataset.writer.DatasetWriter.STEPS_PER_FILE
 
 
 def cache_root() -> Path:
@@ -230,7 +233,7 @@ def write_run(path: Path, n: int = 1_000_000, seed: int = 7) -> Path:
     """Write a run of about ``n`` training trajectories (and validation) to ``path``."""
     import pyarrow.parquet as pq
 
-    from rtrace.dataset.layout import partition_dir
+    from rtrace.dataset.layout import FileName, partition_dir, steps_dir
     from rtrace.dataset.schema import SPANS, TRAJECTORIES
 
     rng = np.random.default_rng(seed)
@@ -238,12 +241,30 @@ def write_run(path: Path, n: int = 1_000_000, seed: int = 7) -> Path:
     t0 = time.perf_counter()
     clock = 1_767_225_600 * 10**9
     seq = 0
+    pending: list = []  # finished training steps not in a file yet: (step, number, trajectories, spans)
+
+    def merge(chunk: list) -> None:
+        name = FileName(WRITER, chunk[0][1], chunk[-1][1], steps=(chunk[0][0], chunk[-1][0]))
+        for table, index in ((SPANS, 3), (TRAJECTORIES, 2)):
+            folder = path / steps_dir(table, False)
+            folder.mkdir(parents=True, exist_ok=True)
+            with pq.ParquetWriter(folder / str(name), chunk[0][index].schema, compression="snappy") as writer:
+                for part in chunk:  # a row group per step
+                    writer.write_table(part[index], row_group_size=65536)
+
     for step in range(1, steps + 1):
         parts = [(False, step)] + ([(True, step)] if step % 100 == 0 else [])
         for validate, s in parts:
             traj, spans, clock = _step(rng, s, validate, clock, tokens_on=(s % 50 == 0 or s == steps))
-            name = f"{WRITER}-{seq:06d}.v1.1.parquet"
+            number = seq
             seq += 1
+            if not validate and step <= steps - steps % STEPS_PER_FILE:
+                pending.append((s, number, traj, spans))
+                if len(pending) == STEPS_PER_FILE:
+                    merge(pending)
+                    pending = []
+                continue
+            name = f"{WRITER}-{number:06d}.v1.1.parquet"
             for table, data in ((SPANS, spans), (TRAJECTORIES, traj)):
                 folder = path / partition_dir(table, validate, s)
                 folder.mkdir(parents=True, exist_ok=True)
