@@ -26,6 +26,7 @@ from the upstream's read callback to the client); the other routes (the session 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, Callable
 
 from starlette.applications import Starlette
@@ -39,7 +40,7 @@ from ..instrumentation.propagation import baggage_coordinates
 from . import keys as _keys
 from .errors import Refused, error_body, error_response
 from .http import Request as HttpRequest, call_asgi
-from .protocol import CHAT, COMPLETIONS, SseSplitter, dumps, event_data, loads, prepare, strip, strip_chunk
+from .protocol import CHAT, COMPLETIONS, SseSplitter, dumps, edit, event_data, loads, prepare, strip, strip_chunk
 from .recorder import Join, Record, open_call, remote_context
 from .session_api import SessionAPI
 from .sessions import SessionError, Sessions
@@ -397,18 +398,24 @@ class Gateway(SessionAPI):
             _stats.incr("gateway_upstream_errors.status")
             record.finish(error=_error_text(reply.status, raw))
             return request.respond(reply.status, headers, raw)
-        try:
-            data = loads(raw)
-        except ValueError:
-            data = None
-        if type(data) is not dict:
-            record.gap("unreadable", "the upstream's answer is not a JSON object")
-            record.finish()
-            return request.respond(reply.status, headers, raw)
-        record.capture.response(data)
+        record.raw = raw  # read in the worker (recorder.Reading)
         if record.asked:
-            strip(data, record.asked)
-            raw = dumps(data)
+            out, _ = edit(raw, record.asked)
+            if out is None:  # not something edit() can tell: parsed, stripped, encoded again
+                try:
+                    data = loads(raw)
+                except ValueError:
+                    data = None
+                if type(data) is dict:
+                    record.data, record.raw = data, None  # (the worker reads it before it is stripped)
+                    data = dict(data)  # stripped as a copy: the worker reads the original
+                    if type(data.get("choices")) is list:
+                        data["choices"] = [dict(c) if type(c) is dict else c for c in data["choices"]]
+                    strip(data, record.asked)
+                    out = dumps(data)
+                else:
+                    out = raw  # not JSON: as it came (the worker notes the gap)
+            raw = out
         record.finish()
         request.respond(reply.status, headers, raw)
 
@@ -460,10 +467,12 @@ class Gateway(SessionAPI):
         """A streamed answer: each chunk passed on as soon as it is whole (an event cut
         between two network reads waits for its end when something must be taken out)."""
         asked = record.asked
-        capture = record.capture
         limit = self.settings.gateway_max_response_bytes
         splitter = SseSplitter()
         size = 0
+
+        events = record.events
+        now = time.time_ns
 
         def on_data(chunk: bytes) -> None:
             nonlocal size
@@ -474,31 +483,39 @@ class Gateway(SessionAPI):
                 record.gap("too_large", f"the streamed answer is larger than {limit} bytes "
                                         "(RTRACE_GATEWAY_MAX_RESPONSE_BYTES): recorded up to there")
             if not asked:
-                request.write(chunk)  # as it came; read beside, once the chunk is on its way
+                request.write(chunk)  # as it came; kept beside, once the chunk is on its way
                 if record.capturing:
-                    record.read_events(splitter.feed(chunk))
+                    at = now()
+                    for event in splitter.feed(chunk):
+                        data = event_data(event)
+                        if data is not None:
+                            events.append((at, data))
                 return
             out = []
+            at = now()
             for event in splitter.feed(chunk):
                 data = event_data(event)
-                obj = None
-                if data is not None and data != b"[DONE]":
+                if data is None:
+                    out.append(event + b"\n\n")
+                    continue
+                if record.capturing:
+                    events.append((at, data))  # as it came: read in the worker
+                if data == b"[DONE]":
+                    out.append(event + b"\n\n")
+                    continue
+                edited, keep = edit(data, asked, chunk=True)
+                if edited is None:  # not something edit() can tell: parsed, stripped, encoded again
                     try:
                         obj = loads(data)
                     except ValueError:
                         obj = None
-                if type(obj) is dict:
-                    if record.capturing:
-                        try:
-                            capture.chunk(obj)
-                        except Exception:
-                            _stats.incr("gateway_record_errors")
-                    if strip_chunk(obj, asked):
-                        out.append(b"data: " + dumps(obj) + b"\n\n")
-                else:
-                    if data == b"[DONE]":
-                        capture.done = True
-                    out.append(event + b"\n\n")
+                    if type(obj) is not dict:
+                        out.append(event + b"\n\n")
+                        continue
+                    keep = strip_chunk(obj, asked)
+                    edited = dumps(obj)
+                if keep:
+                    out.append(b"data: " + edited + b"\n\n" if edited is not data else event + b"\n\n")
             if out:
                 request.write(b"".join(out))
 

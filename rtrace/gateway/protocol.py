@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from typing import Any
 
 try:  # the gateway extra brings it; the json module reads and writes the same values, slower
@@ -299,7 +300,7 @@ class Capture:
 
     __slots__ = ("kind", "prompt_ids", "response_ids", "logprobs", "text", "reasoning", "tool_calls",
                  "finish_reason", "usage", "model", "response_id", "version", "choices", "role", "first_token_ns",
-                 "chunks", "done", "refusal")
+                 "chunks", "done", "refusal", "at")
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -322,6 +323,8 @@ class Capture:
         #: the stream ended with ``data: [DONE]`` (or the whole answer was read)
         self.done = False
         self.refusal: Any = None
+        #: when the chunk being read arrived (time.time_ns())
+        self.at = 0
 
     # ------------------------------------------------------------------ whole answers
     def response(self, data: dict[str, Any]) -> None:
@@ -378,8 +381,9 @@ class Capture:
             self.version = version
 
     # ------------------------------------------------------------------ streams
-    def chunk(self, data: dict[str, Any]) -> None:
-        """Read one streamed chunk."""
+    def chunk(self, data: dict[str, Any], at: int | None = None) -> None:
+        """Read one streamed chunk, which arrived at ``at`` (``time.time_ns()``; default: now)."""
+        self.at = at or time.time_ns()
         self.chunks += 1
         self._top(data)
         choices = data.get("choices")
@@ -396,7 +400,7 @@ class Capture:
             ids = choice.get("token_ids")
             if type(ids) is list and ids:
                 if self.first_token_ns is None:
-                    self.first_token_ns = time.time_ns()
+                    self.first_token_ns = self.at
                 if self.response_ids is None:
                     self.response_ids = []
                 self.response_ids += ids
@@ -417,7 +421,7 @@ class Capture:
                 text = choice.get("text")
                 if type(text) is str and text:
                     if self.first_token_ns is None:
-                        self.first_token_ns = time.time_ns()
+                        self.first_token_ns = self.at
                     self.text.append(text)
 
     def _delta(self, delta: dict[str, Any]) -> None:
@@ -426,17 +430,17 @@ class Capture:
         content = delta.get("content")
         if type(content) is str and content:
             if self.first_token_ns is None:
-                self.first_token_ns = time.time_ns()
+                self.first_token_ns = self.at
             self.text.append(content)
         reasoning = delta.get("reasoning_content", delta.get("reasoning"))
         if type(reasoning) is str and reasoning:
             if self.first_token_ns is None:
-                self.first_token_ns = time.time_ns()
+                self.first_token_ns = self.at
             self.reasoning.append(reasoning)
         calls = delta.get("tool_calls")
         if type(calls) is list:
             if self.first_token_ns is None:
-                self.first_token_ns = time.time_ns()
+                self.first_token_ns = self.at
             for call in calls:
                 if type(call) is not dict:
                     continue
