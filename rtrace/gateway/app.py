@@ -503,19 +503,15 @@ class Gateway(SessionAPI):
                 if data == b"[DONE]":
                     out.append(event + b"\n\n")
                     continue
-                edited, keep = edit(data, asked, chunk=True)
-                if edited is None:  # not something edit() can tell: parsed, stripped, encoded again
-                    try:
-                        obj = loads(data)
-                    except ValueError:
-                        obj = None
-                    if type(obj) is not dict:
-                        out.append(event + b"\n\n")
-                        continue
-                    keep = strip_chunk(obj, asked)
-                    edited = dumps(obj)
-                if keep:
-                    out.append(b"data: " + edited + b"\n\n" if edited is not data else event + b"\n\n")
+                # (a chunk is small: orjson's parse and encoding take ~4 µs, edit() ~15)
+                try:
+                    obj = loads(data)
+                except ValueError:
+                    obj = None
+                if type(obj) is not dict:
+                    out.append(event + b"\n\n")
+                elif strip_chunk(obj, asked):
+                    out.append(b"data: " + dumps(obj) + b"\n\n")
             if out:
                 request.write(b"".join(out))
 
