@@ -836,3 +836,153 @@ def test_a_kept_alive_connection_the_upstream_closed_is_retried_once():
     thread.join(5)
     listener.close()
     assert len(accepted) == 2
+
+
+# ----------------------------------------------------------------------------- protocol.edit: the byte edit
+from rtrace.gateway.protocol import Asked, edit, strip, strip_chunk  # noqa: E402
+
+BOTH, IDS, LOGPROBS = Asked(True, True), Asked(True, False), Asked(False, True)
+
+
+def _stripped(raw, asked, chunk=False):
+    """What the parse-and-strip path leaves of ``raw``: ``(object, keep)``."""
+    data = json.loads(raw)
+    keep = strip_chunk(data, asked) if chunk else (strip(data, asked) or True)
+    return data, keep
+
+
+def _vllm_answer(**extra):
+    lps = {"content": [{"token": t, "logprob": -0.5, "bytes": [ord(t)], "top_logprobs": [{"token": t, "logprob": -0.5,
+                                                                                          "bytes": [ord(t)]}]}
+                       for t in ("{", '"', "[", "\\", "'", "]", "}")]}
+    answer = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "a \"quoted\" {[x]} \\ é ✓",
+                                                   "tool_calls": [{"id": "c1", "type": "function", "function": {
+                                                       "name": "f", "arguments": "{\"token_ids\": [1, 2]}"}}]},
+                           "logprobs": lps, "finish_reason": "stop", "stop_reason": None, "token_ids": [5, 6, 7]}],
+              "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6},
+              "prompt_token_ids": [1, 2, 3]}
+    answer.update(extra)
+    return answer
+
+
+class TestEdit:
+    """protocol.edit takes out what the gateway asked for as a byte edit: it must leave exactly
+    what parsing, strip() / strip_chunk() and encoding again leave, and every other byte as it came."""
+
+    @pytest.mark.parametrize("asked", [BOTH, IDS, LOGPROBS], ids=["both", "ids", "logprobs"])
+    @pytest.mark.parametrize("dump", [
+        lambda d: json.dumps(d, separators=(",", ":"), ensure_ascii=False),  # vLLM's compact JSON
+        lambda d: json.dumps(d),  # ", " and ": ", non-ASCII escaped
+        lambda d: json.dumps(d, indent=2, ensure_ascii=False),  # new lines and indentation
+        lambda d: " \n" + json.dumps(d) + " \n",  # white space around the object
+    ], ids=["compact", "spaced", "indented", "padded"])
+    def test_a_whole_answer(self, asked, dump):
+        """Tool-call arguments that spell a token_ids field, quotes, brackets and backslashes in the text
+        and in the logprobs' tokens, a nested token_ids the gateway did not ask for (it stays)."""
+        answer = _vllm_answer(metadata={"token_ids": [9], "logprobs": {"x": 1}})
+        raw = dump(answer).encode()
+        out, keep = edit(raw, asked)
+        want, _ = _stripped(raw, asked)
+        assert keep and json.loads(out) == want
+        assert json.loads(out)["metadata"] == {"token_ids": [9], "logprobs": {"x": 1}}
+        # byte for byte what the upstream would have written without them: the same dump of the answer
+        # with those values null (the rest as it came, its spacing, escapes and order)
+        assert out == dump(want).encode()
+
+    def test_fields_in_any_order_and_several_choices(self):
+        answer = _vllm_answer()
+        choice = answer["choices"][0]
+        reordered = {k: answer[k] for k in reversed(list(answer))}
+        reordered["choices"] = [{k: choice[k] for k in reversed(list(choice))},
+                                {**{k: choice[k] for k in sorted(choice)}, "index": 1,
+                                 "prompt_token_ids": [1, 2, 3]}]
+        raw = json.dumps(reordered).encode()
+        out, _ = edit(raw, BOTH)
+        assert json.loads(out) == _stripped(raw, BOTH)[0]
+        assert all(c["token_ids"] is None and c["logprobs"] is None for c in json.loads(out)["choices"])
+
+    @pytest.mark.parametrize("raw", [
+        b'[1, 2]', b'"text"', b'{"a": 1', b'{"a": 1} x', b'not json', b'',
+        b'{"choices": [1, 2]}',  # a choice that is not an object
+        b'{"prompt_token_ids": [1], "prompt_token_ids": [2]}',  # a repeated key
+        b'{"prompt\\u005ftoken_ids": [1, 2]}',  # a key written with an escape
+    ])
+    def test_what_it_cannot_tell_it_leaves_to_the_parser(self, raw):
+        """edit() answers None (the gateway then parses, strips and encodes again) rather than guess."""
+        assert edit(raw, BOTH) == (None, True)
+
+    def test_nothing_to_take_out_is_the_same_bytes(self):
+        raw = b'{"id": "x", "choices": null, "usage": {}}'
+        assert edit(raw, BOTH) == (raw, True)
+        raw = json.dumps(_vllm_answer(prompt_token_ids=None)).encode()
+        assert edit(raw, Asked(False, False))[0] is raw
+
+    @pytest.mark.parametrize("chunk, keep", [
+        ({"choices": [{"index": 0, "delta": {}, "logprobs": {"content": []}, "finish_reason": None,
+                       "token_ids": [5]}]}, False),  # only what the gateway asked for: dropped
+        ({"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None, "token_ids": [5]}]}, True),
+        ({"choices": [{"index": 0, "delta": { }, "finish_reason": "stop", "token_ids": []}]}, True),
+        ({"choices": [{"index": 0, "delta": {}, "finish_reason": None}], "usage": {"total_tokens": 3}}, True),
+        ({"choices": [{"index": 0, "delta": {}, "finish_reason": None}], "usage": None}, False),
+        ({"choices": [], "usage": None, "prompt_token_ids": [1, 2]}, True),  # no choices: kept (vLLM's first)
+        ({"choices": [{"index": 0, "text": "", "finish_reason": None, "token_ids": [5]}]}, False),  # completions
+        ({"choices": [{"index": 0, "text": "4", "finish_reason": None, "token_ids": [5]}]}, True),
+        ({"choices": [{"index": 0, "delta": None, "finish_reason": None}]}, False),
+        ({"choices": [{"index": 0, "delta": {}, "finish_reason": None},
+                      {"index": 1, "delta": {"tool_calls": []}, "finish_reason": None}]}, True),  # a non-empty delta
+        ({"choices": [{"index": 0, "delta": {}, "finish_reason": None},
+                      {"index": 1, "delta": {"role": "assistant"}, "finish_reason": None}]}, True),
+    ])
+    def test_a_chunk_with_nothing_left_is_dropped(self, chunk, keep):
+        """The same decision as strip_chunk: a chunk that only carried ids or logprobs is dropped."""
+        for raw in (json.dumps(chunk).encode(), json.dumps(chunk, separators=(",", ":")).encode()):
+            out, kept = edit(raw, BOTH, chunk=True)
+            want, want_keep = _stripped(raw, BOTH, chunk=True)
+            assert (kept, want_keep) == (keep, keep) and json.loads(out) == want
+
+
+def _json_values():
+    from hypothesis import strategies as st
+
+    text = st.text(alphabet=st.sampled_from('ab"\\{}[]:, \n\té✓\x01'), max_size=8)
+    leaves = st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False,
+                                                                                 allow_infinity=False) | text
+    keys = st.sampled_from(["token_ids", "prompt_token_ids", "logprobs", "x", 'q"k', "b\\s", "é"]) | text
+    return st.recursive(leaves, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(keys, inner, max_size=3),
+                        max_leaves=12)
+
+
+def test_edit_agrees_with_strip_on_any_answer():
+    """Property: for answers with arbitrary other fields (nested, escaped, keys named like the
+    fields taken out at other depths), in any order and any spacing, edit() leaves what the
+    parse-and-strip path leaves, or says it cannot (None)."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    ids = st.none() | st.lists(st.integers(0, 10**6), max_size=5)
+    choice = st.fixed_dictionaries({"index": st.integers(0, 3)}, optional={
+        "token_ids": ids, "prompt_token_ids": ids, "logprobs": _json_values(), "delta": _json_values(),
+        "text": _json_values(), "finish_reason": st.none() | st.sampled_from(["stop", ""]), "extra": _json_values()})
+    answer = st.fixed_dictionaries({}, optional={
+        "id": st.text(max_size=5), "choices": st.none() | st.lists(choice, max_size=3), "prompt_token_ids": ids,
+        "usage": _json_values(), "other": _json_values(), "token_ids": ids, "logprobs": _json_values()})
+
+    @settings(max_examples=400, deadline=None)
+    @given(answer, st.sampled_from([BOTH, IDS, LOGPROBS]), st.booleans(), st.randoms(use_true_random=False),
+           st.sampled_from([(",", ":"), (", ", ": "), (" ,", " : ")]))
+    def check(data, asked, chunk, rnd, seps):
+        items = list(data.items())
+        rnd.shuffle(items)
+        raw = json.dumps(dict(items), separators=seps, ensure_ascii=rnd.random() < 0.5).encode()
+        out, keep = edit(raw, asked, chunk=chunk)
+        if out is None:
+            return
+        edited.append(out is not raw)
+        want, want_keep = _stripped(raw, asked, chunk=chunk)
+        assert json.loads(out) == want and keep == want_keep
+
+    edited: list[bool] = []
+    check()
+    assert sum(edited) > 100, edited.count(True)  # most examples were edits, not refusals
