@@ -446,7 +446,12 @@ class Gateway(SessionAPI):
         request.on_gone = on_gone
         request.on_pause = reply.pause
         try:
-            reply.pipe(on_data, on_end)
+            if request.gone:  # it went away before the answer started: nothing is read for nobody
+                on_gone()
+            else:
+                if request.conn.paused_writing:
+                    reply.pause(True)
+                reply.pipe(on_data, on_end)
             error = await done
         except BaseException:  # cancelled (the server stops)
             reply.abort()
