@@ -325,15 +325,22 @@ def main() -> int:
               f"{cpu / count * 1e3:.3f} ms per call (= {count / cpu:,.0f} calls per CPU-second): the event loop "
               f"{loop_cpu / count * 1e3:.3f} ms, rtrace's worker and sink threads {(cpu - loop_cpu) / count * 1e3:.3f} ms")
 
+        up = procs[0]
+        u0, m0 = _cpu_s(up.pid), _cpu_s(os.getpid())
         d_first = uvloop.run(streams(up_url, args.streams, False, args.seconds))
-        c0 = _cpu_s(gw.pid)
+        d_up, d_me = _cpu_s(up.pid) - u0, _cpu_s(os.getpid()) - m0
+        c0, u0, m0 = _cpu_s(gw.pid), _cpu_s(up.pid), _cpu_s(os.getpid())
         g_first = uvloop.run(streams(gw_url, args.streams, True, args.seconds))
-        cpu = _cpu_s(gw.pid) - c0
+        cpu, g_up, g_me = _cpu_s(gw.pid) - c0, _cpu_s(up.pid) - u0, _cpu_s(os.getpid()) - m0
         print(f"(c) {args.streams} concurrent streaming clients, {len(g_first):,} streams through the gateway "
               f"(20 chunks 25 ms apart), time to first token: direct p50 {_pct(d_first, .5) * 1e3:.2f} ms, p99 "
               f"{_pct(d_first, .99) * 1e3:.2f} ms; through the gateway p50 {_pct(g_first, .5) * 1e3:.2f} ms, p99 "
               f"{_pct(g_first, .99) * 1e3:.2f} ms; added p99 {(_pct(g_first, .99) - _pct(d_first, .99)) * 1e3:.2f} "
               f"ms (target <= 2); the gateway's CPU {cpu / len(g_first) * 1e3:.2f} ms per stream")
+        # the three processes share the machine's cores: how busy they kept them (CPU-seconds per second)
+        print(f"    cores in use (CPU-s per s): direct: client {d_me / args.seconds:.2f} + upstream "
+              f"{d_up / args.seconds:.2f}; through the gateway: client {g_me / args.seconds:.2f} + upstream "
+              f"{g_up / args.seconds:.2f} + gateway {cpu / args.seconds:.2f} (of {os.cpu_count()} cores)")
         d_burst = uvloop.run(streams(up_url, args.streams, keyed=False))
         g_burst = uvloop.run(streams(gw_url, args.streams, keyed=True))
         print(f"    a burst of {args.streams} streams opened at once: time to first token p99 direct "

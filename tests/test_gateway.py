@@ -460,7 +460,10 @@ class TestCaptureGaps:
             body = {"model": "fake-policy", "messages": QUESTION, "stream": True}
             with httpx.stream("POST", f"{access.base_url}/chat/completions", json=body, headers=access.headers,
                               timeout=30) as response:
-                next(response.iter_lines())
+                # until the first chunk with a token has come (the one after the role's): the gateway
+                # holds a chunk before it passes it on
+                events = (line for line in response.iter_lines() if line.startswith("data: "))
+                next(events), next(events)
             deadline = time.monotonic() + 30  # until the gateway has seen the disconnect and ended the span
             while not rtrace.stats().get("gateway_capture_gaps.incomplete") and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -833,3 +836,373 @@ def test_a_kept_alive_connection_the_upstream_closed_is_retried_once():
     thread.join(5)
     listener.close()
     assert len(accepted) == 2
+
+
+# ----------------------------------------------------------------------------- protocol.edit: the byte edit
+from rtrace.gateway.protocol import Asked, edit, strip, strip_chunk  # noqa: E402
+
+BOTH, IDS, LOGPROBS = Asked(True, True), Asked(True, False), Asked(False, True)
+
+
+def _stripped(raw, asked, chunk=False):
+    """What the parse-and-strip path leaves of ``raw``: ``(object, keep)``."""
+    data = json.loads(raw)
+    keep = strip_chunk(data, asked) if chunk else (strip(data, asked) or True)
+    return data, keep
+
+
+def _vllm_answer(**extra):
+    lps = {"content": [{"token": t, "logprob": -0.5, "bytes": [ord(t)], "top_logprobs": [{"token": t, "logprob": -0.5,
+                                                                                          "bytes": [ord(t)]}]}
+                       for t in ("{", '"', "[", "\\", "'", "]", "}")]}
+    answer = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "a \"quoted\" {[x]} \\ é ✓",
+                                                   "tool_calls": [{"id": "c1", "type": "function", "function": {
+                                                       "name": "f", "arguments": "{\"token_ids\": [1, 2]}"}}]},
+                           "logprobs": lps, "finish_reason": "stop", "stop_reason": None, "token_ids": [5, 6, 7]}],
+              "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6},
+              "prompt_token_ids": [1, 2, 3]}
+    answer.update(extra)
+    return answer
+
+
+class TestEdit:
+    """protocol.edit takes out what the gateway asked for as a byte edit: it must leave exactly
+    what parsing, strip() / strip_chunk() and encoding again leave, and every other byte as it came."""
+
+    @pytest.mark.parametrize("asked", [BOTH, IDS, LOGPROBS], ids=["both", "ids", "logprobs"])
+    @pytest.mark.parametrize("dump", [
+        lambda d: json.dumps(d, separators=(",", ":"), ensure_ascii=False),  # vLLM's compact JSON
+        lambda d: json.dumps(d),  # ", " and ": ", non-ASCII escaped
+        lambda d: json.dumps(d, indent=2, ensure_ascii=False),  # new lines and indentation
+        lambda d: " \n" + json.dumps(d) + " \n",  # white space around the object
+    ], ids=["compact", "spaced", "indented", "padded"])
+    def test_a_whole_answer(self, asked, dump):
+        """Tool-call arguments that spell a token_ids field, quotes, brackets and backslashes in the text
+        and in the logprobs' tokens, a nested token_ids the gateway did not ask for (it stays)."""
+        answer = _vllm_answer(metadata={"token_ids": [9], "logprobs": {"x": 1}})
+        raw = dump(answer).encode()
+        out, keep = edit(raw, asked)
+        want, _ = _stripped(raw, asked)
+        assert keep and json.loads(out) == want
+        assert json.loads(out)["metadata"] == {"token_ids": [9], "logprobs": {"x": 1}}
+        # byte for byte what the upstream would have written without them: the same dump of the answer
+        # with those values null (the rest as it came, its spacing, escapes and order)
+        assert out == dump(want).encode()
+
+    def test_fields_in_any_order_and_several_choices(self):
+        answer = _vllm_answer()
+        choice = answer["choices"][0]
+        reordered = {k: answer[k] for k in reversed(list(answer))}
+        reordered["choices"] = [{k: choice[k] for k in reversed(list(choice))},
+                                {**{k: choice[k] for k in sorted(choice)}, "index": 1,
+                                 "prompt_token_ids": [1, 2, 3]}]
+        raw = json.dumps(reordered).encode()
+        out, _ = edit(raw, BOTH)
+        assert json.loads(out) == _stripped(raw, BOTH)[0]
+        assert all(c["token_ids"] is None and c["logprobs"] is None for c in json.loads(out)["choices"])
+
+    @pytest.mark.parametrize("raw", [
+        b'[1, 2]', b'"text"', b'{"a": 1', b'{"a": 1} x', b'not json', b'',
+        b'{"choices": [1, 2]}',  # a choice that is not an object
+        b'{"prompt_token_ids": [1], "prompt_token_ids": [2]}',  # a repeated key
+        b'{"prompt\\u005ftoken_ids": [1, 2]}',  # a key written with an escape
+    ])
+    def test_what_it_cannot_tell_it_leaves_to_the_parser(self, raw):
+        """edit() answers None (the gateway then parses, strips and encodes again) rather than guess."""
+        assert edit(raw, BOTH) == (None, True)
+
+    def test_nothing_to_take_out_is_the_same_bytes(self):
+        raw = b'{"id": "x", "choices": null, "usage": {}}'
+        assert edit(raw, BOTH) == (raw, True)
+        raw = json.dumps(_vllm_answer(prompt_token_ids=None)).encode()
+        assert edit(raw, Asked(False, False))[0] is raw
+
+    @pytest.mark.parametrize("chunk, keep", [
+        ({"choices": [{"index": 0, "delta": {}, "logprobs": {"content": []}, "finish_reason": None,
+                       "token_ids": [5]}]}, False),  # only what the gateway asked for: dropped
+        ({"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None, "token_ids": [5]}]}, True),
+        ({"choices": [{"index": 0, "delta": { }, "finish_reason": "stop", "token_ids": []}]}, True),
+        ({"choices": [{"index": 0, "delta": {}, "finish_reason": None}], "usage": {"total_tokens": 3}}, True),
+        ({"choices": [{"index": 0, "delta": {}, "finish_reason": None}], "usage": None}, False),
+        ({"choices": [], "usage": None, "prompt_token_ids": [1, 2]}, True),  # no choices: kept (vLLM's first)
+        ({"choices": [{"index": 0, "text": "", "finish_reason": None, "token_ids": [5]}]}, False),  # completions
+        ({"choices": [{"index": 0, "text": "4", "finish_reason": None, "token_ids": [5]}]}, True),
+        ({"choices": [{"index": 0, "delta": None, "finish_reason": None}]}, False),
+        ({"choices": [{"index": 0, "delta": {}, "finish_reason": None},
+                      {"index": 1, "delta": {"tool_calls": []}, "finish_reason": None}]}, True),  # a non-empty delta
+        ({"choices": [{"index": 0, "delta": {}, "finish_reason": None},
+                      {"index": 1, "delta": {"role": "assistant"}, "finish_reason": None}]}, True),
+    ])
+    def test_a_chunk_with_nothing_left_is_dropped(self, chunk, keep):
+        """The same decision as strip_chunk: a chunk that only carried ids or logprobs is dropped."""
+        for raw in (json.dumps(chunk).encode(), json.dumps(chunk, separators=(",", ":")).encode()):
+            out, kept = edit(raw, BOTH, chunk=True)
+            want, want_keep = _stripped(raw, BOTH, chunk=True)
+            assert (kept, want_keep) == (keep, keep) and json.loads(out) == want
+
+
+def _json_values():
+    from hypothesis import strategies as st
+
+    text = st.text(alphabet=st.sampled_from('ab"\\{}[]:, \n\té✓\x01'), max_size=8)
+    leaves = st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False,
+                                                                                 allow_infinity=False) | text
+    keys = st.sampled_from(["token_ids", "prompt_token_ids", "logprobs", "x", 'q"k', "b\\s", "é"]) | text
+    return st.recursive(leaves, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(keys, inner, max_size=3),
+                        max_leaves=12)
+
+
+def test_edit_agrees_with_strip_on_any_answer():
+    """Property: for answers with arbitrary other fields (nested, escaped, keys named like the
+    fields taken out at other depths), in any order and any spacing, edit() leaves what the
+    parse-and-strip path leaves, or says it cannot (None)."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    ids = st.none() | st.lists(st.integers(0, 10**6), max_size=5)
+    choice = st.fixed_dictionaries({"index": st.integers(0, 3)}, optional={
+        "token_ids": ids, "prompt_token_ids": ids, "logprobs": _json_values(), "delta": _json_values(),
+        "text": _json_values(), "finish_reason": st.none() | st.sampled_from(["stop", ""]), "extra": _json_values()})
+    answer = st.fixed_dictionaries({}, optional={
+        "id": st.text(max_size=5), "choices": st.none() | st.lists(choice, max_size=3), "prompt_token_ids": ids,
+        "usage": _json_values(), "other": _json_values(), "token_ids": ids, "logprobs": _json_values()})
+
+    @settings(max_examples=400, deadline=None)
+    @given(answer, st.sampled_from([BOTH, IDS, LOGPROBS]), st.booleans(), st.randoms(use_true_random=False),
+           st.sampled_from([(",", ":"), (", ", ": "), (" ,", " : ")]))
+    def check(data, asked, chunk, rnd, seps):
+        items = list(data.items())
+        rnd.shuffle(items)
+        raw = json.dumps(dict(items), separators=seps, ensure_ascii=rnd.random() < 0.5).encode()
+        out, keep = edit(raw, asked, chunk=chunk)
+        if out is None:
+            return
+        edited.append(out is not raw)
+        want, want_keep = _stripped(raw, asked, chunk=chunk)
+        assert json.loads(out) == want and keep == want_keep
+
+    edited: list[bool] = []
+    check()
+    assert sum(edited) > 100, edited.count(True)  # most examples were edits, not refusals
+
+
+# ----------------------------------------------------------------------------- the gateway's HTTP server
+def _raw_exchange(url, data, until=b"", timeout=10.0):
+    """Send ``data`` on one raw TCP connection to the gateway; read until ``until`` has come (or the
+    connection closes); the bytes read and whether the gateway closed the connection."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=timeout)
+    try:
+        sock.sendall(data)
+        got, closed, deadline = b"", False, time.monotonic() + timeout
+        done = until if callable(until) else (lambda got: until and until in got)
+        while not done(got) and time.monotonic() < deadline:
+            chunk = sock.recv(65536)
+            if not chunk:
+                closed = True
+                break
+            got += chunk
+        return got, closed
+    finally:
+        sock.close()
+
+
+def _post(path, body, *headers):
+    head = [f"POST {path} HTTP/1.1", "host: gw", "content-type: application/json", *headers]
+    if not any(h.lower().startswith(("content-length", "transfer-encoding")) for h in headers):
+        head.append(f"content-length: {len(body)}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+class TestServer:
+    """rtrace/gateway/http.py: the HTTP/1.1 details a server owes its clients."""
+
+    def test_pipelined_requests_are_answered_in_order(self, captured, gateway, fake):
+        """Three requests in one write (a model call between two health checks) on one connection."""
+        gw = gateway(gateway_untraced="forward")
+        health = b"GET /rtrace/health HTTP/1.1\r\nhost: gw\r\n\r\n"
+        body = json.dumps({"model": "fake-policy", "messages": QUESTION}).encode()
+        got, closed = _raw_exchange(gw.url, health + _post("/v1/chat/completions", body) + health,
+                                    until=lambda got: got.count(b'"status":"ok"') == 2, timeout=10)
+        answers = got.split(b"HTTP/1.1 ")[1:]
+        assert [a[:3] for a in answers] == [b"200"] * 3 and not closed
+        assert b'"status":"ok"' in answers[0] and b"chat.completion" in answers[1]
+        assert b'"status":"ok"' in answers[2]
+        assert all(b"\r\ndate: " in a for a in answers)
+
+    def test_expect_100_continue(self, captured, gateway, fake):
+        gw = gateway(gateway_untraced="forward")
+        body = json.dumps({"model": "fake-policy", "messages": QUESTION}).encode()
+        got, _ = _raw_exchange(gw.url, _post("/v1/chat/completions", body, "expect: 100-continue"),
+                               until=b"chat.completion")
+        assert got.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n")
+
+    @pytest.mark.parametrize("framing", ["content-length", "chunked"])
+    def test_a_body_over_the_limit_is_refused_and_never_forwarded(self, captured, gateway, fake, framing):
+        """413 with an OpenAI-style error, then the connection closes (the rest of the body is not read)."""
+        gw = gateway(gateway_untraced="forward", gateway_max_request_bytes=2048)
+        body = json.dumps({"model": "fake-policy", "messages": [{"role": "user", "content": "x" * 5000}]}).encode()
+        if framing == "chunked":
+            data = _post("/v1/chat/completions", b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body),
+                         "transfer-encoding: chunked")
+        else:
+            data = _post("/v1/chat/completions", body)
+        got, closed = _raw_exchange(gw.url, data)
+        assert got.startswith(b"HTTP/1.1 413 ") and closed and b"connection: close" in got
+        assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_too_large"
+        assert fake.requests == [] and captured.stats()["gateway_refused.request_too_large"] == 1
+
+    def test_a_chunked_request_body_is_read(self, captured, gateway, fake):
+        gw = gateway(gateway_untraced="forward")
+        body = json.dumps({"model": "fake-policy", "messages": QUESTION}).encode()
+        data = _post("/v1/chat/completions", b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (10, body[:10], len(body) - 10,
+                                                                                   body[10:]),
+                     "transfer-encoding: chunked")
+        got, _ = _raw_exchange(gw.url, data, until=b"chat.completion")
+        assert got.startswith(b"HTTP/1.1 200 OK") and fake.requests[0]["body"]["messages"] == QUESTION
+
+    def test_malformed_http_and_http_1_0(self, captured, gateway, fake):
+        """Bytes that are not HTTP: 400 and the connection closes. HTTP/1.0: answered, then closed."""
+        gw = gateway(gateway_untraced="forward")
+        got, closed = _raw_exchange(gw.url, b"\x00\x01 nonsense\r\n\r\n")
+        assert got.startswith(b"HTTP/1.1 400 ") and closed
+        got, closed = _raw_exchange(gw.url, b"GET /rtrace/health HTTP/1.0\r\n\r\n")
+        assert got.startswith(b"HTTP/1.1 200 OK") and b"connection: close" in got and closed
+        assert captured.stats()["gateway_refused.bad_http"] == 1
+
+    def test_routes_not_served_and_other_methods(self, captured, gateway, fake):
+        """The model routes answer 405 to other methods (Starlette's route list), unknown paths 404."""
+        gw = gateway()
+        assert httpx.get(f"{gw.url}/v1/chat/completions").status_code == 405
+        assert httpx.post(f"{gw.url}/k/some-key/v1/nothing").status_code == 404
+        got = httpx.post(f"{gw.url}/v1/responses", json={})
+        assert got.status_code == 404 and "POST /v1/chat/completions" in got.json()["error"]["message"]
+
+    def test_a_stream_the_upstream_stalls_is_cut_and_recorded(self, captured, gateway, fake):
+        """A stream whose next chunk does not come within RTRACE_GATEWAY_TIMEOUT_S: the client's stream
+        is cut (no final chunk), the call is an error with an incomplete gap, counted."""
+        gateway(gateway_timeout_s=0.3)
+        fake.chunk_delay_s = 2.0
+        with rtrace.rollout_context(step=1):
+            access = rtrace.gateway_access()
+            body = {"model": "fake-policy", "messages": QUESTION, "stream": True}
+            with pytest.raises(httpx.RemoteProtocolError):
+                with httpx.stream("POST", f"{access.base_url}/chat/completions", json=body, headers=access.headers,
+                                  timeout=30) as response:
+                    for _ in response.iter_lines():
+                        pass
+        (gen,) = only(captured.trajectories)
+        assert gen.status == "error" and "upstream timeout during the stream" in gen.error
+        assert "incomplete" in gen.attributes["rtrace.capture_gap.codes"]
+        assert captured.stats()["gateway_upstream_errors.timeout"] == 1
+
+
+class SplitUpstream:
+    """An upstream that sends a fixed streamed answer cut at given byte offsets, each part in a
+    write of its own some milliseconds apart (so the gateway reads it in as many parts)."""
+
+    def __init__(self, body, cuts):
+        import socket
+
+        self.body, self.cuts = body, cuts
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen()
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/v1"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        import socket
+        import time
+
+        conn, _ = self.listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += conn.recv(65536)
+        head, _, rest = data.partition(b"\r\n\r\n")
+        length = int([h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0])
+        while len(rest) < length:
+            rest += conn.recv(65536)
+        chunked = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in self._parts()) + b"0\r\n\r\n"
+        wire = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n" + chunked
+        # the wire bytes cut at the same fractions, so chunk framing is split across reads too
+        step = max(1, len(wire) // (len(self.cuts) + 1))
+        for i in range(0, len(wire), step):
+            conn.sendall(wire[i:i + step])
+            time.sleep(0.01)
+        time.sleep(0.2)
+        conn.close()
+
+    def _parts(self):
+        edges = [0, *self.cuts, len(self.body)]
+        return [self.body[a:b] for a, b in zip(edges, edges[1:]) if b > a]
+
+
+def test_a_stream_split_anywhere_across_reads(captured):
+    """SSE events and the HTTP chunk framing cut at arbitrary bytes (inside JSON, inside a "\\n\\n"):
+    the client gets each event whole and stripped as if it had come in one piece; the record is whole."""
+    import random
+
+    events = [{"id": "c", "object": "chat.completion.chunk", "model": "m",
+               "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None, "token_ids": None}], "prompt_token_ids": [1, 2, 3]}]
+    for i, piece in enumerate(["He", "llo", " \"wor\\ld\"", ""]):
+        events.append({"id": "c", "object": "chat.completion.chunk", "model": "m",
+                       "choices": [{"index": 0, "delta": {"content": piece} if piece else {},
+                                    "logprobs": {"content": [{"token": "x", "logprob": -0.5 * i, "bytes": [120],
+                                                              "top_logprobs": []}]},
+                                    "finish_reason": "stop" if not piece else None, "token_ids": [10 + i]}]})
+    body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    rnd = random.Random(7)
+    up = SplitUpstream(body, sorted(rnd.sample(range(1, len(body)), 25)))
+    gw = start_gateway(up.url)
+    try:
+        with rtrace.rollout_context(step=1):
+            access = rtrace.gateway_access()
+            got = chat(access.base_url, access.api_key, stream=True, tools=None)
+    finally:
+        gw.stop()
+    received = sse(got.text)
+    want = []
+    for e in events:
+        stripped = json.loads(json.dumps(e))
+        if strip_chunk(stripped, BOTH):
+            want.append(stripped)
+    assert received == want + ["[DONE]"]
+    (gen,) = only(captured.trajectories)
+    assert gen.prompt_ids == [1, 2, 3] and gen.response_ids == [10, 11, 12, 13]
+    assert gen.output["content"] == 'Hello "wor\\ld"' and gen.output["finish_reason"] == "stop"
+    assert gen.token_values["logprob"].tolist() == [0.0, -0.5, -1.0, -1.5]
+    assert "rtrace.capture_gap" not in gen.attributes
+
+
+def test_a_record_that_cannot_be_read_is_counted_and_the_span_stays(captured):
+    """The worker reads a gateway call's record (pipeline.records.Deferred): a reading that fails is
+    counted (capture_errors) and the span is kept without its record."""
+    from rtrace.pipeline.records import Deferred
+
+    class Broken(Deferred):
+        def resolve(self):
+            raise ValueError("unreadable")
+
+    from rtrace.gateway.recorder import SPECS
+    from rtrace.instrumentation import _state
+
+    with rtrace.rollout_context(step=1):
+        span = _state.get_runtime().tracer.start_span("chat m")
+        span.spec = SPECS["chat"]  # what recorder.Call.finish gives a gateway call's span
+        span.args, span.kwargs, span.arg_lens, span.owner_name = (), Broken(), None, None
+        span.output, span.has_output = None, False
+        span.end()
+    (traj,) = captured.trajectories
+    (gen,) = [s for s in traj.spans if s.name == "chat m"]
+    assert gen.kind == "generation" and gen.input is None and gen.response_ids is None
+    assert captured.stats()["capture_errors"] == 1

@@ -8,7 +8,7 @@ collector; :func:`start_gateway` on a thread of this process. Inside ``rollout_c
 
 Only :mod:`rtrace.gateway.access` and :mod:`rtrace.gateway.keys` are imported with rtrace
 (standard library and the hot path); the server's dependencies (the ``gateway`` extra:
-starlette, uvicorn, httptools) are imported when a gateway starts.
+starlette, httptools, uvloop) are imported when a gateway starts.
 """
 
 from __future__ import annotations

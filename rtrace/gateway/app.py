@@ -16,12 +16,17 @@ token2text, health, the sinks) happens in rtrace's threads, and a failure to rec
 counted and the call goes on (``gateway_record_errors``). What the client sees is what the
 upstream answered it: errors, status codes and bodies pass through unchanged; an upstream
 that is down or too slow is a 502 / 504 with an OpenAI-style error, counted.
+
+The model calls are answered by :meth:`Gateway.handle` itself on the gateway's own HTTP
+server (rtrace/gateway/http.py: a whole answer in one write, a stream piped chunk by chunk
+from the upstream's read callback to the client); the other routes (the session API,
+``models``, stats, health, the 404 and 405 answers) are a Starlette app (``gateway.app``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import time
 from typing import Any, Callable
 
 from starlette.applications import Starlette
@@ -33,9 +38,10 @@ from .. import _stats
 from ..instrumentation import _state
 from ..instrumentation.propagation import baggage_coordinates
 from . import keys as _keys
-from .protocol import CHAT, COMPLETIONS, SseSplitter, dumps, event_data, loads, prepare, strip, strip_chunk
+from .errors import Refused, error_body, error_response
+from .http import Request as HttpRequest, call_asgi
+from .protocol import CHAT, COMPLETIONS, SseSplitter, dumps, edit, event_data, loads, prepare, strip, strip_chunk
 from .recorder import Join, Record, open_call, remote_context
-from .errors import Refused, error_response
 from .session_api import SessionAPI
 from .sessions import SessionError, Sessions
 from .upstream import Upstream, UpstreamError
@@ -48,6 +54,9 @@ SERVED = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models (the 
           "POST /rtrace/sessions/<id>/end, GET /rtrace/stats, GET /rtrace/health")
 
 _PATHS = {CHAT: "/chat/completions", COMPLETIONS: "/completions"}
+#: the model calls' routes (POST), answered by Gateway.handle itself
+_MODEL_ROUTES = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS}
+_KEYED_ROUTES = {"v1/chat/completions": CHAT, "v1/completions": COMPLETIONS}
 #: request headers never passed upstream as they are (hop-by-hop, or replaced by the gateway)
 _DROP_REQUEST = frozenset(("host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
                            "trailer", "upgrade", "proxy-authorization", "proxy-connection", "expect",
@@ -55,6 +64,22 @@ _DROP_REQUEST = frozenset(("host", "content-length", "connection", "keep-alive",
 #: answer headers not passed to the client (hop-by-hop, or set again by the server)
 _DROP_RESPONSE = frozenset((b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"date",
                             b"server"))
+_JSON = [(b"content-type", b"application/json")]
+
+
+def _model_route(path: str) -> tuple[str | None, str | None]:
+    """``(kind, key in the path)`` of a model call's route; ``(None, None)`` for any other."""
+    kind = _MODEL_ROUTES.get(path)
+    if kind is not None:
+        return kind, None
+    if path.startswith("/k/"):
+        key, _, rest = path[3:].partition("/")
+        kind = _KEYED_ROUTES.get(rest)
+        if kind is not None and key:
+            return kind, key
+    return None, None
+
+
 def _headers_of(request: Request) -> dict[str, str]:
     """The request's headers as one dict, made once per request (ASGI gives them lower-case;
     Starlette's ``Headers`` scans its list on every lookup)."""
@@ -81,7 +106,8 @@ def _traceparent(value: str) -> Any:
 
 
 class Gateway(SessionAPI):
-    """The capture gateway's state and ASGI app (``gateway.app``).
+    """The capture gateway's state, its request handler (:meth:`handle`, served by
+    rtrace/gateway/http.py) and the ASGI app of its other routes (``gateway.app``).
 
     Args:
         settings: rtrace settings (``gateway_*`` ones; ``load_settings()``).
@@ -111,19 +137,20 @@ class Gateway(SessionAPI):
         self.sessions = Sessions()
         self.upstream_url = settings.gateway_upstream
         self._upstream: Upstream | None = None  # made on the serving loop (its connections belong to it)
+        self._sweeper: Any = None
         #: the base URL clients reach this gateway at (set by the server once it listens)
         self.url: str | None = None
-        self.app = Starlette(routes=self.routes(), exception_handlers={404: self._not_found, 405: self._not_allowed},
-                             lifespan=self._lifespan)
+        self.app = Starlette(routes=self.routes(), exception_handlers={404: self._not_found, 405: self._not_allowed})
 
     def routes(self) -> list[Route]:
-        """Every route the gateway serves."""
+        """Every route the gateway serves. The model calls (POST) are answered by
+        :meth:`handle` before the app is asked: their entries here answer other methods (405)."""
         return [
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self._served_natively, methods=["POST"]),
+            Route("/v1/completions", self._served_natively, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
-            Route("/k/{key}/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            Route("/k/{key}/v1/completions", self.completions, methods=["POST"]),
+            Route("/k/{key}/v1/chat/completions", self._served_natively, methods=["POST"]),
+            Route("/k/{key}/v1/completions", self._served_natively, methods=["POST"]),
             Route("/k/{key}/v1/models", self.models, methods=["GET"]),
             Route("/rtrace/sessions", self.open_session, methods=["POST"]),
             Route("/rtrace/sessions/{sid}", self.session_info, methods=["GET"]),
@@ -141,11 +168,15 @@ class Gateway(SessionAPI):
                                       connect_timeout_s=min(10.0, s.gateway_timeout_s))
         return self._upstream
 
-    @contextlib.asynccontextmanager
-    async def _lifespan(self, app: Any) -> Any:
-        sweeper = asyncio.get_running_loop().create_task(self._sweep())
-        yield
-        sweeper.cancel()
+    def startup(self) -> None:
+        """Called by the server on its loop once it listens."""
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def shutdown(self) -> None:
+        """Called by the server on its loop once it stopped serving."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         if self._upstream is not None:  # its connections belong to the loop that ends now
             self._upstream.close()
             self._upstream = None
@@ -160,6 +191,33 @@ class Gateway(SessionAPI):
             except Exception:
                 _stats.incr("internal_errors")
 
+    # ------------------------------------------------------------------ serving
+    async def handle(self, request: HttpRequest) -> None:
+        """Answer one request (rtrace/gateway/http.py calls it)."""
+        kind, key = _model_route(request.path) if request.method == "POST" else (None, None)
+        if kind is not None:
+            _stats.incr("gateway_calls")
+        if request.too_large:
+            limit = self.settings.gateway_max_request_bytes
+            length = request.headers.get("content-length")
+            self._refuse(request, Refused(413, "request_too_large", (
+                f"rtrace gateway: the request body ({length} bytes) is larger than {limit} bytes "
+                if length is not None and length.isdigit() else
+                f"rtrace gateway: the request body is larger than {limit} bytes ")
+                + "(RTRACE_GATEWAY_MAX_REQUEST_BYTES)"))
+            return
+        if kind is not None:
+            await self._model_call(request, kind, key)
+        else:
+            await call_asgi(self.app, request)
+
+    @staticmethod
+    def _refuse(request: HttpRequest, refused: Refused) -> None:
+        request.respond(refused.status, _JSON, refused.body())
+
+    async def _served_natively(self, request: Request) -> Response:  # pragma: no cover - handle() answers them
+        raise RuntimeError("model calls are answered by Gateway.handle")
+
     # ------------------------------------------------------------------ errors
     async def _not_found(self, request: Request, exc: Exception) -> Response:
         _stats.incr("gateway_refused.not_found")
@@ -173,37 +231,19 @@ class Gateway(SessionAPI):
 
     # ------------------------------------------------------------------ the request
     async def _body(self, request: Request) -> bytes:
-        limit = self.settings.gateway_max_request_bytes
-        length = _headers_of(request).get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise Refused(413, "request_too_large", f"rtrace gateway: the request body ({length} bytes) is larger "
-                                                     f"than {limit} bytes (RTRACE_GATEWAY_MAX_REQUEST_BYTES)")
-        parts, size = [], 0
-        receive, more = request.receive, True
-        while more:  # the ASGI messages as they come (Starlette's request.stream() adds layers)
-            message = await receive()
-            if message["type"] != "http.request":
-                raise Refused(400, "client_disconnected", "rtrace gateway: the client went away")
-            chunk, more = message.get("body", b""), message.get("more_body", False)
-            size += len(chunk)
-            if size > limit:
-                raise Refused(413, "request_too_large", f"rtrace gateway: the request body is larger than {limit} "
-                                                         "bytes (RTRACE_GATEWAY_MAX_REQUEST_BYTES)")
-            parts.append(chunk)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        """The body of a request to the Starlette routes (bounded by the server already)."""
+        return await request.body()
 
-    def _key(self, request: Request) -> str | None:
-        key = request.path_params.get("key")
-        if key:
-            return key
-        auth = _headers_of(request).get("authorization")
+    def _key(self, headers: dict[str, str], path_key: str | None = None) -> str | None:
+        if path_key:
+            return path_key
+        auth = headers.get("authorization")
         if not auth:
             return None
         return auth[7:].strip() if auth[:7].lower() == "bearer " else auth.strip()
 
-    def _join(self, request: Request, key: str | None) -> Join:
+    def _join(self, headers: dict[str, str], key: str | None) -> Join:
         """How this call joins a trajectory, from its key, ``traceparent`` and ``baggage``."""
-        headers = _headers_of(request)
         tp = headers.get("traceparent")
         remote = _traceparent(tp) if tp else None
         if key is not None and _keys.is_rollout_key(key):
@@ -246,11 +286,10 @@ class Gateway(SessionAPI):
                                               "such calls through")
         return Join("own" if mode == "record" else "untraced", "none")
 
-    def _headers(self, request: Request, key: str | None, traceparent: str | None) -> list[tuple[str, str]]:
+    def _headers(self, headers: dict[str, str], key: str | None, traceparent: str | None) -> list[tuple[str, str]]:
         """The headers sent upstream: the client's (less hop-by-hop ones), the upstream's
         key as configured, and the call span's ``traceparent``."""
         out: list[tuple[str, str]] = [("accept-encoding", "identity")]
-        headers = _headers_of(request)
         for name, value in headers.items():
             if name not in _DROP_REQUEST:
                 out.append((name, value))
@@ -268,26 +307,20 @@ class Gateway(SessionAPI):
         return out
 
     # ------------------------------------------------------------------ model calls
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._model_call(request, CHAT)
-
-    async def completions(self, request: Request) -> Response:
-        return await self._model_call(request, COMPLETIONS)
-
-    async def _model_call(self, request: Request, kind: str) -> Response:
-        _stats.incr("gateway_calls")
+    async def _model_call(self, request: HttpRequest, kind: str, path_key: str | None) -> None:
+        headers = request.headers
         try:
-            body = await self._body(request)
+            body = request.body
             try:
                 payload = loads(body)
             except ValueError:
                 raise Refused(400, "invalid_json", "rtrace gateway: the request body is not JSON") from None
             if type(payload) is not dict:
                 raise Refused(400, "invalid_body", "rtrace gateway: the request body is not a JSON object")
-            key = self._key(request)
-            join = self._join(request, key)
+            key = self._key(headers, path_key)
+            join = self._join(headers, key)
         except Refused as refused:
-            return refused.response()
+            return self._refuse(request, refused)
         call = None
         if join.mode != "untraced":
             rt = self.runtime()
@@ -302,33 +335,34 @@ class Gateway(SessionAPI):
                 _stats.incr("gateway_calls_not_recorded")
         if call is None:
             _stats.incr("gateway_calls_untraced")
-            return await self._forward(request, kind, body, self._headers(request, key, None))
+            return await self._forward(request, _PATHS[kind], body, self._headers(headers, key, None))
         _stats.incr("gateway_calls_recorded")
         s = self.settings
         sent, asked = prepare(payload, kind, s.gateway_token_ids, s.gateway_logprobs)
-        headers = self._headers(request, key, call.traceparent)
+        up_headers = self._headers(headers, key, call.traceparent)
         data = dumps(sent) if sent is not payload else body
         record = Record(call, kind, payload, asked, self.settings, self.runtime)
         try:
-            reply = await self.upstream.request("POST", _PATHS[kind], headers, data)
+            reply = await self.upstream.request("POST", _PATHS[kind], up_headers, data)
         except UpstreamError as exc:
             record.finish(error=f"upstream {exc.kind}: {exc}")
-            return self._upstream_error(exc)
+            return self._upstream_error(request, exc)
         except BaseException:
             record.finish(error="the client went away")
             raise
         if reply.status != 200 or payload.get("stream") is not True or \
                 not (reply.header(b"content-type") or b"").startswith(b"text/event-stream"):
-            return await self._whole(reply, record)
-        return self._stream(reply, record)
+            return await self._whole(request, reply, record)
+        return await self._stream(request, reply, record)
 
-    def _upstream_error(self, exc: UpstreamError) -> Response:
+    def _upstream_error(self, request: HttpRequest, exc: UpstreamError) -> None:
         status = 504 if exc.kind == "timeout" else 502
         _stats.incr(f"gateway_upstream_errors.{exc.kind}")
-        return error_response(status, f"upstream_{exc.kind}", f"rtrace gateway: upstream {self.upstream_url}: {exc}")
+        request.respond(status, _JSON, error_body(status, f"upstream_{exc.kind}",
+                                                  f"rtrace gateway: upstream {self.upstream_url}: {exc}"))
 
-    async def _whole(self, reply: Any, record: "Record") -> Response:
-        """A whole answer: read, recorded, stripped of what the gateway asked for."""
+    async def _whole(self, request: HttpRequest, reply: Any, record: "Record") -> None:
+        """A whole answer: read, recorded, stripped of what the gateway asked for, sent in one write."""
         limit = self.settings.gateway_max_response_bytes
         headers = _response_headers(reply.headers)
         parts: list[bytes] = []
@@ -342,7 +376,7 @@ class Gateway(SessionAPI):
                     break
         except UpstreamError as exc:
             record.finish(error=f"upstream {exc.kind}: {exc}")
-            return self._upstream_error(exc)
+            return self._upstream_error(request, exc)
         except BaseException:
             record.finish(error="the client went away")
             await chunks.aclose()
@@ -352,18 +386,10 @@ class Gateway(SessionAPI):
             record.gap("too_large", f"the answer is larger than {limit} bytes (RTRACE_GATEWAY_MAX_RESPONSE_BYTES): "
                                     "passed through, not recorded")
             record.status = reply.status
-
-            async def rest() -> Any:
-                try:
-                    for part in parts:
-                        yield part
-                    async for chunk in chunks:
-                        yield chunk
-                finally:
-                    reply.close()
-                    record.finish(error=None if reply.status == 200 else f"upstream answered {reply.status}")
-
-            return StreamingResponse(rest(), reply.status, headers=headers)
+            error = await self._relay(request, reply, headers, parts)
+            record.finish(error=error if error is not None else
+                          None if reply.status == 200 else f"upstream answered {reply.status}")
+            return
         raw = parts[0] if len(parts) == 1 else b"".join(parts)
         record.status = reply.status
         # The span ends before the answer leaves: the client may end its rollout as soon as it has
@@ -371,90 +397,166 @@ class Gateway(SessionAPI):
         if reply.status != 200:
             _stats.incr("gateway_upstream_errors.status")
             record.finish(error=_error_text(reply.status, raw))
-            return Response(raw, reply.status, headers=headers)
-        try:
-            data = loads(raw)
-        except ValueError:
-            data = None
-        if type(data) is not dict:
-            record.gap("unreadable", "the upstream's answer is not a JSON object")
-            record.finish()
-            return Response(raw, reply.status, headers=headers)
-        record.capture.response(data)
+            return request.respond(reply.status, headers, raw)
+        record.raw = raw  # read in the worker (recorder.Reading)
         if record.asked:
-            strip(data, record.asked)
-            raw = dumps(data)
+            out, _ = edit(raw, record.asked)
+            if out is None:  # not something edit() can tell: parsed, stripped, encoded again
+                try:
+                    data = loads(raw)
+                except ValueError:
+                    data = None
+                if type(data) is dict:
+                    record.data, record.raw = data, None  # (the worker reads it before it is stripped)
+                    data = dict(data)  # stripped as a copy: the worker reads the original
+                    if type(data.get("choices")) is list:
+                        data["choices"] = [dict(c) if type(c) is dict else c for c in data["choices"]]
+                    strip(data, record.asked)
+                    out = dumps(data)
+                else:
+                    out = raw  # not JSON: as it came (the worker notes the gap)
+            raw = out
         record.finish()
-        return Response(raw, reply.status, headers=headers)
+        request.respond(reply.status, headers, raw)
 
-    def _stream(self, reply: Any, record: "Record") -> Response:
+    async def _relay(self, request: HttpRequest, reply: Any, headers: list[tuple[bytes, bytes]],
+                     parts: list[bytes]) -> str | None:
+        """Pass an answer on as it comes (chunked), after ``parts`` read already; returns the
+        error that cut it, if any (the client's connection is then cut too)."""
+        request.start(reply.status, headers, b"".join(parts))
+        error = await self._pipe(request, reply, request.write)
+        request.end()
+        return error
+
+    async def _pipe(self, request: HttpRequest, reply: Any, on_data: Callable[[bytes], None]) -> str | None:
+        """Hand each chunk of ``reply`` to ``on_data`` as it arrives (from the upstream's read
+        callback: no task wakes per chunk), the client's flow control pausing the upstream,
+        until the body ends; returns the error that cut it (None: complete; the caller ends
+        the client's answer). An upstream that cut its answer cuts the client's too."""
+        done = asyncio.get_running_loop().create_future()
+
+        def on_end(error: Any) -> None:
+            if not done.done():
+                done.set_result(error)
+
+        def on_gone() -> None:
+            reply.abort()  # the upstream sees the request cancelled (vLLM stops generating)
+            on_end("gone")
+
+        request.on_gone = on_gone
+        request.on_pause = reply.pause
+        try:
+            if request.gone:  # it went away before the answer started: nothing is read for nobody
+                on_gone()
+            else:
+                if request.conn.paused_writing:
+                    reply.pause(True)
+                reply.pipe(on_data, on_end)
+            error = await done
+        except BaseException:  # cancelled (the server stops)
+            reply.abort()
+            request.abort()
+            raise
+        finally:
+            request.on_gone = request.on_pause = None
+        if error == "gone":
+            return "the client went away during the stream"
+        reply.close()
+        if error is not None:
+            _stats.incr(f"gateway_upstream_errors.{error.kind}")
+            request.abort()  # the client's answer is cut (no final chunk), as the upstream cut it
+            return f"upstream {error.kind} during the stream: {error}"
+        return None
+
+    async def _stream(self, request: HttpRequest, reply: Any, record: "Record") -> None:
         """A streamed answer: each chunk passed on as soon as it is whole (an event cut
         between two network reads waits for its end when something must be taken out)."""
         asked = record.asked
-        capture = record.capture
         limit = self.settings.gateway_max_response_bytes
+        splitter = SseSplitter()
+        size = 0
 
-        async def events() -> Any:
-            splitter = SseSplitter()
-            size = 0
-            error = None
-            try:
-                async for chunk in reply.chunks():
-                    size += len(chunk)
-                    if size > limit and record.capturing:
-                        record.capturing = False
-                        _stats.incr("gateway_responses_too_large")
-                        record.gap("too_large", f"the streamed answer is larger than {limit} bytes "
-                                                "(RTRACE_GATEWAY_MAX_RESPONSE_BYTES): recorded up to there")
-                    if not asked:
-                        yield chunk  # as it came; read beside, once the chunk is on its way
-                        if record.capturing:
-                            record.read_events(splitter.feed(chunk))
-                        continue
-                    out = []
+        events = record.events
+        now = time.time_ns
+
+        def on_data(chunk: bytes) -> None:
+            nonlocal size
+            size += len(chunk)
+            if size > limit and record.capturing:
+                record.capturing = False
+                _stats.incr("gateway_responses_too_large")
+                record.gap("too_large", f"the streamed answer is larger than {limit} bytes "
+                                        "(RTRACE_GATEWAY_MAX_RESPONSE_BYTES): recorded up to there")
+            if not asked:
+                request.write(chunk)  # as it came; kept beside, once the chunk is on its way
+                if record.capturing:
+                    at = now()
                     for event in splitter.feed(chunk):
                         data = event_data(event)
-                        obj = None
-                        if data is not None and data != b"[DONE]":
-                            try:
-                                obj = loads(data)
-                            except ValueError:
-                                obj = None
-                        if type(obj) is dict:
-                            if record.capturing:
-                                capture.chunk(obj)
-                            if strip_chunk(obj, asked):
-                                out.append(b"data: " + dumps(obj) + b"\n\n")
-                        else:
-                            if data == b"[DONE]":
-                                capture.done = True
-                            out.append(event + b"\n\n")
-                    if out:
-                        yield b"".join(out)
-                rest = splitter.rest()
-                if rest:
-                    yield rest
-            except UpstreamError as exc:
-                error = f"upstream {exc.kind} during the stream: {exc}"
-                _stats.incr(f"gateway_upstream_errors.{exc.kind}")
-                raise  # the client's stream is cut too (no final chunk), as the upstream cut it
-            except BaseException:
-                error = "the client went away during the stream"
-                raise
-            finally:
-                reply.close()
-                record.finish(error=error)
+                        if data is not None:
+                            events.append((at, data))
+                return
+            out = []
+            at = now()
+            for event in splitter.feed(chunk):
+                data = event_data(event)
+                if data is None:
+                    out.append(event + b"\n\n")
+                    continue
+                if record.capturing:
+                    events.append((at, data))  # as it came: read in the worker
+                if data == b"[DONE]":
+                    out.append(event + b"\n\n")
+                    continue
+                # (a chunk is small: orjson's parse and encoding take ~4 µs, edit() ~15)
+                try:
+                    obj = loads(data)
+                except ValueError:
+                    obj = None
+                if type(obj) is not dict:
+                    out.append(event + b"\n\n")
+                elif strip_chunk(obj, asked):
+                    out.append(b"data: " + dumps(obj) + b"\n\n")
+            if out:
+                request.write(b"".join(out))
 
         record.status = reply.status
-        return StreamingResponse(events(), reply.status, headers=_response_headers(reply.headers))
+        request.start(reply.status, _response_headers(reply.headers))
+        try:
+            error = await self._pipe(request, reply, on_data)
+        except BaseException:
+            record.finish(error="the gateway stopped during the stream")
+            raise
+        # the span ends before the client's answer does (see _whole)
+        record.finish(error=error)
+        # an unterminated last event: held back only when something had to be taken out
+        request.end(splitter.rest() if error is None and asked else b"")
 
-    async def _forward(self, request: Request, kind: str | None, body: bytes, headers: list[tuple[str, str]],
-                       method: str = "POST", path: str | None = None) -> Response:
+    async def _forward(self, request: HttpRequest, path: str, body: bytes, headers: list[tuple[str, str]]) -> None:
         """An untraced call: to the upstream and back as it is."""
         try:
-            reply = await self.upstream.request(method, path or _PATHS[kind], headers, body)  # type: ignore[index]
+            reply = await self.upstream.request("POST", path, headers, body)
         except UpstreamError as exc:
-            return self._upstream_error(exc)
+            return self._upstream_error(request, exc)
+        if reply.status != 200:
+            _stats.incr("gateway_upstream_errors.status")
+        await self._relay(request, reply, _response_headers(reply.headers), [])
+
+    async def models(self, request: Request) -> Response:
+        """``GET /v1/models``: the upstream's answer (any call that may reach the upstream may ask)."""
+        headers = _headers_of(request)
+        try:
+            key = self._key(headers, request.path_params.get("key"))
+            self._join(headers, key)
+        except Refused as refused:
+            return refused.response()
+        try:
+            reply = await self.upstream.request("GET", "/models", self._headers(headers, key, None), b"")
+        except UpstreamError as exc:
+            status = 504 if exc.kind == "timeout" else 502
+            _stats.incr(f"gateway_upstream_errors.{exc.kind}")
+            return error_response(status, f"upstream_{exc.kind}", f"rtrace gateway: upstream {self.upstream_url}: "
+                                                                  f"{exc}")
         if reply.status != 200:
             _stats.incr("gateway_upstream_errors.status")
 
@@ -465,16 +567,8 @@ class Gateway(SessionAPI):
             finally:
                 reply.close()  # also when the client went away (the generator is not finished then)
 
-        return StreamingResponse(body_of(), reply.status, headers=_response_headers(reply.headers))
-
-    async def models(self, request: Request) -> Response:
-        """``GET /v1/models``: the upstream's answer (any call that may reach the upstream may ask)."""
-        try:
-            key = self._key(request)
-            self._join(request, key)
-        except Refused as refused:
-            return refused.response()
-        return await self._forward(request, None, b"", self._headers(request, key, None), "GET", "/models")
+        headers_out = {k.decode("latin-1"): v.decode("latin-1") for k, v in _response_headers(reply.headers)}
+        return StreamingResponse(body_of(), reply.status, headers=headers_out)
 
     def _admin(self, request: Request) -> None:
         if self.token:
@@ -527,8 +621,8 @@ def _error_text(status: int, raw: bytes) -> str:
     return f"upstream answered {status}" + (f": {str(message)[:2000]}" if message else "")
 
 
-def _response_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    return {k.decode("latin-1"): v.decode("latin-1") for k, v in raw if k.lower() not in _DROP_RESPONSE}
+def _response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in raw if k.lower() not in _DROP_RESPONSE]
 
 
 def _json_response(data: dict[str, Any], status: int = 200) -> Response:

@@ -6,10 +6,14 @@ Three jobs, each a function or a small class, none of them doing I/O:
   own behalf: vLLM's ``return_token_ids`` (prompt ids as ``prompt_token_ids``, completion ids
   per choice as ``token_ids``) and the sampled tokens' ``logprobs``, each only when the
   client did not ask already (:class:`Asked` says which were added);
-* :func:`strip` / :func:`strip_chunk`: what the gateway added is taken out of the answer
-  again, so the client sees what the upstream answers it without the gateway: the fields
-  become ``null`` as the upstream leaves them when not asked, and a streamed chunk that
-  only carried them (vLLM sends one per token once ids or logprobs are asked) is dropped;
+* :func:`edit` (or :func:`strip` / :func:`strip_chunk` on a parsed answer): what the gateway
+  added is taken out of the answer again, so the client sees what the upstream answers it
+  without the gateway: the fields become ``null`` as the upstream leaves them when not
+  asked, and a streamed chunk that only carried them (vLLM sends one per token once ids or
+  logprobs are asked) is dropped. :func:`edit` cuts the values out of the bytes, every other
+  byte as the upstream sent it, without parsing the answer into Python objects (msgspec's
+  ``Raw`` finds where each value is, ~4x faster than orjson's parse and re-encoding of an
+  answer with 128 logprobs);
 * :class:`Capture`: what one call returned, from a whole answer (:meth:`Capture.response`)
   or chunk by chunk (:meth:`Capture.chunk`): the text and tool calls the client got, the
   prompt and completion token ids, the sampled tokens' logprobs, the finish reason, usage,
@@ -22,6 +26,7 @@ Only the first choice is recorded (``n`` > 1 is a capture gap that says so).
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
@@ -41,7 +46,16 @@ except ImportError:  # pragma: no cover
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-__all__ = ["CHAT", "COMPLETIONS", "Asked", "prepare", "strip", "strip_chunk", "Capture", "loads", "dumps",
+try:  # the gateway extra brings it; without it, edit() says it cannot and answers are re-encoded
+    import msgspec
+
+    _TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
+    _CHOICES = msgspec.json.Decoder(list[dict[str, msgspec.Raw]])
+    _DECODE_ERRORS: tuple[type[Exception], ...] = (msgspec.DecodeError, msgspec.ValidationError)
+except ImportError:  # pragma: no cover
+    msgspec = None  # type: ignore[assignment]
+
+__all__ = ["CHAT", "COMPLETIONS", "Asked", "prepare", "edit", "strip", "strip_chunk", "Capture", "loads", "dumps",
            "SseSplitter"]
 
 #: The two kinds of model call, by route.
@@ -114,6 +128,148 @@ def strip_chunk(data: dict[str, Any], asked: Asked) -> bool:
     return False
 
 
+# ----------------------------------------------------------------------------- edits in the bytes
+_WS = frozenset(b" \t\r\n")
+_PLAIN_KEY = re.compile(r"[ !#-\[\]-~]*")  # printable ASCII but '"' and '\\': written as it is
+_TOKENS: dict[str, bytes] = {}  # key -> its JSON token (b"" when it may be written with escapes)
+_FALSY = frozenset((b"null", b"false", b"0", b'""', b"{}", b"[]"))
+_IDS = ("token_ids", "prompt_token_ids")
+_COMMA, _COLON, _LBRACE, _RBRACE, _LBRACKET, _RBRACKET = b",:{}[]"
+
+
+def _past(buf: bytes, i: int, char: int) -> int:
+    """The index after ``char`` at ``buf[i:]`` (white space around it skipped); -1 if it is not there."""
+    n = len(buf)
+    while i < n and buf[i] in _WS:
+        i += 1
+    if i >= n or buf[i] != char:
+        return -1
+    i += 1
+    while i < n and buf[i] in _WS:
+        i += 1
+    return i
+
+
+def _token(key: str) -> bytes:
+    token = _TOKENS.get(key)
+    if token is None:
+        token = b'"' + key.encode() + b'"' if _PLAIN_KEY.fullmatch(key) else b""
+        if len(_TOKENS) < 4096:
+            _TOKENS[key] = token
+    return token
+
+
+def _object(buf: bytes, i: int, items: Any, spans: dict[str, tuple[int, int]]) -> int:
+    """Where each value of the object at ``buf[i:]`` is (``spans[key] = (start, end)``), from
+    its keys and values as msgspec decoded them (``Raw`` values: their lengths are the
+    values' lengths in ``buf``); the index after the object, -1 when ``buf`` does not hold
+    them where they must be (a key written with escapes, a repeated key)."""
+    i = _past(buf, i, _LBRACE)
+    if i < 0:
+        return -1
+    tokens = _TOKENS
+    n = len(buf)
+    first = True
+    for key, value in items:
+        if first:
+            first = False
+        elif i < n and buf[i] == _COMMA and buf[i + 1] not in _WS:  # compact JSON: no white space
+            i += 1
+        else:
+            i = _past(buf, i, _COMMA)
+            if i < 0:
+                return -1
+        token = tokens.get(key) or _token(key)
+        if not token or not buf.startswith(token, i):
+            return -1
+        i += len(token)
+        if i + 1 < n and buf[i] == _COLON and buf[i + 1] not in _WS:
+            i += 1
+        else:
+            i = _past(buf, i, _COLON)
+            if i < 0:
+                return -1
+        end = i + len(value)
+        spans[key] = (i, end)
+        i = end
+    return _past(buf, i, _RBRACE)
+
+
+def _falsy(buf: bytes, span: tuple[int, int] | None) -> bool:
+    """The value at ``span`` is one Python reads as false (absent, null, false, 0, "", {}, [])."""
+    if span is None:
+        return True
+    value = buf[span[0]:span[1]]
+    return value in _FALSY or (value[:1] in (b"{", b"[") and len(value) < 16 and b"".join(value.split()) in _FALSY)
+
+
+def _null(buf: bytes, span: tuple[int, int] | None) -> bool:
+    """The value at ``span`` is absent or null (Python's None)."""
+    return span is None or buf[span[0]:span[1]] == b"null"
+
+
+def edit(raw: bytes, asked: Asked, chunk: bool = False) -> tuple[bytes | None, bool]:
+    """An answer's JSON (``raw``) without what the gateway asked for, as :func:`strip` (and for
+    a streamed ``chunk``, :func:`strip_chunk`) would leave it, edited in the bytes: the
+    values become ``null`` and every other byte stays as the upstream sent it.
+
+    Returns:
+        ``(edited, keep)``: ``keep`` is False for a chunk with nothing left for the client;
+        ``edited`` is None when this cannot say (not a JSON object, a choice that is not
+        one, keys written with escapes, msgspec missing): parse and use :func:`strip`.
+    """
+    if msgspec is None:
+        return None, True
+    try:
+        top = _TOP.decode(raw)
+        choices_raw = top.get("choices")
+        choices = None if choices_raw is None or bytes(choices_raw) == b"null" else _CHOICES.decode(choices_raw)
+    except _DECODE_ERRORS:
+        return None, True
+    spans: dict[str, tuple[int, int]] = {}
+    end = _object(raw, 0, top.items(), spans)
+    if end != len(raw):  # (_past skipped the white space after it)
+        return None, True
+    cuts = []
+    if asked.ids and "prompt_token_ids" in spans:
+        cuts.append(spans["prompt_token_ids"])
+    keep = not chunk or not choices or not _falsy(raw, spans.get("usage"))
+    if choices:
+        start, stop = spans["choices"]
+        i = _past(raw, start, _LBRACKET)
+        for n, choice in enumerate(choices):
+            if n and i >= 0:
+                i = _past(raw, i, _COMMA)
+            at: dict[str, tuple[int, int]] = {}
+            i = -1 if i < 0 else _object(raw, i, choice.items(), at)
+            if i < 0:
+                return None, True
+            if asked.ids:
+                cuts += [at[k] for k in _IDS if k in at]
+            if asked.logprobs and "logprobs" in at:
+                cuts.append(at["logprobs"])
+            if not keep:  # strip_chunk's test: a finish reason, a non-empty delta, text
+                delta = at.get("delta")
+                if not _null(raw, at.get("finish_reason")):
+                    keep = True
+                elif _null(raw, delta):  # completions
+                    keep = not _falsy(raw, at.get("text"))
+                else:
+                    keep = not _falsy(raw, delta)
+        # (the value's end: _past skipped the white space after its ']', if any)
+        if _past(raw, i, _RBRACKET) < 0 or raw.rfind(b"]", i, stop + 1) != stop - 1:
+            return None, True
+    if not cuts:
+        return raw, keep
+    cuts.sort()
+    out, last = [], 0
+    for start, stop in cuts:
+        out += (raw[last:start], b"null")
+        last = stop
+    out.append(raw[last:])
+    return b"".join(out), keep
+
+
 def _version(data: dict[str, Any]) -> Any:
     """The weight version an answer reports, if any."""
     for key in ("weight_version", "model_version"):
@@ -144,7 +300,7 @@ class Capture:
 
     __slots__ = ("kind", "prompt_ids", "response_ids", "logprobs", "text", "reasoning", "tool_calls",
                  "finish_reason", "usage", "model", "response_id", "version", "choices", "role", "first_token_ns",
-                 "chunks", "done", "refusal")
+                 "chunks", "done", "refusal", "at")
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -167,6 +323,8 @@ class Capture:
         #: the stream ended with ``data: [DONE]`` (or the whole answer was read)
         self.done = False
         self.refusal: Any = None
+        #: when the chunk being read arrived (time.time_ns())
+        self.at = 0
 
     # ------------------------------------------------------------------ whole answers
     def response(self, data: dict[str, Any]) -> None:
@@ -223,8 +381,9 @@ class Capture:
             self.version = version
 
     # ------------------------------------------------------------------ streams
-    def chunk(self, data: dict[str, Any]) -> None:
-        """Read one streamed chunk."""
+    def chunk(self, data: dict[str, Any], at: int | None = None) -> None:
+        """Read one streamed chunk, which arrived at ``at`` (``time.time_ns()``; default: now)."""
+        self.at = at or time.time_ns()
         self.chunks += 1
         self._top(data)
         choices = data.get("choices")
@@ -241,7 +400,7 @@ class Capture:
             ids = choice.get("token_ids")
             if type(ids) is list and ids:
                 if self.first_token_ns is None:
-                    self.first_token_ns = time.time_ns()
+                    self.first_token_ns = self.at
                 if self.response_ids is None:
                     self.response_ids = []
                 self.response_ids += ids
@@ -262,7 +421,7 @@ class Capture:
                 text = choice.get("text")
                 if type(text) is str and text:
                     if self.first_token_ns is None:
-                        self.first_token_ns = time.time_ns()
+                        self.first_token_ns = self.at
                     self.text.append(text)
 
     def _delta(self, delta: dict[str, Any]) -> None:
@@ -271,17 +430,17 @@ class Capture:
         content = delta.get("content")
         if type(content) is str and content:
             if self.first_token_ns is None:
-                self.first_token_ns = time.time_ns()
+                self.first_token_ns = self.at
             self.text.append(content)
         reasoning = delta.get("reasoning_content", delta.get("reasoning"))
         if type(reasoning) is str and reasoning:
             if self.first_token_ns is None:
-                self.first_token_ns = time.time_ns()
+                self.first_token_ns = self.at
             self.reasoning.append(reasoning)
         calls = delta.get("tool_calls")
         if type(calls) is list:
             if self.first_token_ns is None:
-                self.first_token_ns = time.time_ns()
+                self.first_token_ns = self.at
             for call in calls:
                 if type(call) is not dict:
                     continue

@@ -9,6 +9,12 @@ collector) converts the record (token ids out, usage and finish reason as ``gen_
 attributes, ``rl.*`` stamped), health checks, sampling, annotations, token2text, the
 conversation and every sink treat it as any generation.
 
+On the event loop a call keeps references only (:class:`Record`: the request as parsed,
+the answer's bytes as the upstream sent them, when each streamed event arrived) and ends its
+span; the answer is read in rtrace's worker thread when the span is converted
+(:class:`Reading`, a :class:`~rtrace.pipeline.records.Deferred`): a call's answer is parsed
+once, off the call's path.
+
 What a decorated call cannot know is put on the span as attributes (docs/gateway.md,
 "What each call records"): the sampler's logprobs as the generation's per-token ``logprob``
 array (docs/token-values.md), ``rtrace.capture_gap``,
@@ -40,10 +46,10 @@ from .. import _stats
 from ..instrumentation import _state
 from ..instrumentation.propagation import close_segment, open_segment
 from ..instrumentation.spans import RSpan
-from ..pipeline.records import CallRecord, CallSpec
-from .protocol import Capture, event_data, loads
+from ..pipeline.records import CallRecord, CallSpec, Deferred
+from .protocol import Capture, loads
 
-__all__ = ["Join", "Call", "Record", "open_call", "SPECS", "remote_context"]
+__all__ = ["Join", "Call", "Record", "Reading", "open_call", "SPECS", "remote_context"]
 
 #: The call record's spec of each kind of model call (what a decorator decides once).
 SPECS = {
@@ -96,10 +102,9 @@ class Call:
         ctx = self.span.get_span_context()
         return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-01"
 
-    def finish(self, inputs: dict[str, Any] | None, output: dict[str, Any] | None, attributes: dict[str, Any],
-               error: str | None, capture: bool) -> None:
-        """Give the span its call record and attributes, and end it (its trajectory's
-        worker takes it from there). Never raises: a failure is counted."""
+    def finish(self, reading: "Reading", error: str | None) -> None:
+        """Give the span its record (``reading``, read in the worker) and end it (its
+        trajectory's worker takes it from there). Never raises: a failure is counted."""
         span = self.span
         try:
             try:
@@ -112,14 +117,8 @@ class Call:
                 record.spec = SPECS[self.kind]
                 record.arg_lens = None
                 record.owner_name = None
-                if capture and inputs is not None:
-                    record.args, record.kwargs = (), inputs
-                    record.output, record.has_output = output, output is not None
-                else:
-                    record.args = record.kwargs = record.output = None
-                    record.has_output = False
-                attributes["gen_ai.operation.name"] = _OPERATION[self.kind]
-                span.set_attributes(attributes)
+                record.args, record.kwargs = (), reading
+                record.output, record.has_output = None, False
                 if error is not None:
                     span.set_status(Status(StatusCode.ERROR, error))
             except Exception:
@@ -168,10 +167,11 @@ def open_call(rt: Any, join: Join, kind: str, model: Any) -> Call | None:
 
 
 class Record:
-    """What one recorded call collects, and its end (once, whatever happens)."""
+    """What one recorded call keeps on the event loop, and its end (once, whatever happens):
+    references only, read in the worker (:class:`Reading`)."""
 
-    __slots__ = ("settings", "runtime", "call", "kind", "payload", "asked", "capture", "gaps", "status",
-                 "capturing", "done", "started")
+    __slots__ = ("settings", "runtime", "call", "kind", "payload", "asked", "gaps", "status", "capturing", "done",
+                 "started", "raw", "data", "events")
 
     def __init__(self, call: Call, kind: str, payload: dict[str, Any], asked: Any, settings: Any,
                  runtime: Any) -> None:
@@ -181,68 +181,93 @@ class Record:
         self.kind = kind
         self.payload = payload
         self.asked = asked
-        self.capture = Capture(kind)
         self.gaps: list[tuple[str, str]] = []
         self.status = 0
         self.capturing = True
         self.done = False
         self.started = time.time_ns()
+        #: a whole answer: its bytes as the upstream sent them, or the parsed object when the
+        #: event loop had to parse it (to take out what the gateway asked for)
+        self.raw: bytes | None = None
+        self.data: dict[str, Any] | None = None
+        #: a stream: ``(time.time_ns() at arrival, the event's data)`` of each data event
+        self.events: list[tuple[int, bytes]] = []
 
     def gap(self, code: str, detail: str) -> None:
         self.gaps.append((code, detail))
 
-    def read_events(self, events: list[bytes]) -> None:
-        """Read whole SSE events beside a stream passed on as it came (never raises)."""
-        capture = self.capture
-        for event in events:
-            data = event_data(event)
-            if data is None:
-                continue
-            if data == b"[DONE]":
-                capture.done = True
+    def finish(self, error: str | None = None) -> None:
+        """End the call's span; its record is read later, in the worker (called once; never raises)."""
+        if self.done:
+            return
+        self.done = True
+        capture = True
+        try:
+            capture = bool(self.runtime().capture)
+        except Exception:
+            pass
+        self.call.finish(Reading(self, error, capture), error)
+
+
+class Reading(Deferred):
+    """A call's record as the worker reads it (:meth:`resolve`, once): the answer parsed,
+    the reply the client got, the ids, logprobs, version, usage, time to first token, gaps."""
+
+    __slots__ = ("record", "error", "capture")
+
+    def __init__(self, record: Record, error: str | None, capture: bool) -> None:
+        self.record = record
+        self.error = error
+        self.capture = capture
+
+    def resolve(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Any]]:
+        rec = self.record
+        cap = Capture(rec.kind)
+        gaps = list(rec.gaps)  # what the loop noted (too large, unreadable)
+        if rec.data is not None:
+            cap.response(rec.data)
+        elif rec.raw is not None:
+            try:
+                data = loads(rec.raw)
+            except ValueError:
+                data = None
+            if type(data) is dict:
+                cap.response(data)
+            elif rec.status == 200:
+                gaps.append(("unreadable", "the upstream's answer is not a JSON object"))
+        for at, event in rec.events:
+            if event == b"[DONE]":
+                cap.done = True
                 continue
             try:
-                obj = loads(data)
+                obj = loads(event)
             except ValueError:
                 continue
             if type(obj) is dict:
                 try:
-                    capture.chunk(obj)
+                    cap.chunk(obj, at)
                 except Exception:
                     _stats.incr("gateway_record_errors")
+        inputs, output, attrs = self._record(cap, gaps)
+        if not self.capture:
+            return None, None, attrs
+        return inputs, output, attrs
 
-    def finish(self, error: str | None = None) -> None:
-        """End the call's span with what was collected (called once; never raises)."""
-        if self.done:
-            return
-        self.done = True
-        try:
-            inputs, output, attrs = self._record(error)
-        except Exception:
-            _stats.incr("gateway_record_errors")
-            _stats.warn_once("gateway-capture", "rtrace gateway could not read a call's answer (it went through)",
-                             exc_info=True)
-            inputs, output, attrs = None, None, {}
-        rt_capture = True
-        try:
-            rt_capture = bool(self.runtime().capture)
-        except Exception:
-            pass
-        self.call.finish(inputs, output, attrs, error, rt_capture)
-
-    def _record(self, error: str | None) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
-        cap = self.capture
-        s = self.settings
-        attrs: dict[str, Any] = {"rtrace.gateway.join": self.call.join.how}
-        inputs = dict(self.payload)
-        stream = self.payload.get("stream") is True
+    def _record(self, cap: Capture, gaps: list[tuple[str, str]]) -> tuple[dict[str, Any], dict[str, Any] | None,
+                                                                           dict[str, Any]]:
+        rec, error = self.record, self.error
+        s = rec.settings
+        attrs: dict[str, Any] = {"rtrace.gateway.join": rec.call.join.how,
+                                 "gen_ai.operation.name": _OPERATION[rec.kind]}
+        inputs = dict(rec.payload)
+        stream = rec.payload.get("stream") is True
         if stream:
             attrs["rtrace.gateway.stream"] = True
-        if self.status and self.status != 200:
-            attrs["http.response.status_code"] = self.status
+        if rec.status and rec.status != 200:
+            attrs["http.response.status_code"] = rec.status
         if cap.prompt_ids is not None:
             inputs["prompt_ids"] = cap.prompt_ids
-        answered = error is None and self.status == 200 and (cap.done or cap.chunks or cap.text or cap.tool_calls)
+        answered = error is None and rec.status == 200 and (cap.done or cap.chunks or cap.text or cap.tool_calls)
         output = cap.output() if answered or cap.chunks else None
         if cap.model is not None:
             attrs["gen_ai.response.model"] = cap.model
@@ -261,12 +286,11 @@ class Record:
             if type(version) is int:
                 attrs["rl.policy_version"] = version  # the span's own version over the rollout's
         if stream and cap.first_token_ns is not None:
-            attrs["rtrace.time_to_first_token_ms"] = (cap.first_token_ns - self.started) / 1e6
-        gaps = list(self.gaps)  # what the stream's reading noted (too large, unreadable)
+            attrs["rtrace.time_to_first_token_ms"] = (cap.first_token_ns - rec.started) / 1e6
         noted = {code for code, _ in gaps}
         if answered or cap.chunks:
             if (cap.prompt_ids is None or cap.response_ids is None) and not noted:
-                if not (s.gateway_token_ids or self.payload.get("return_token_ids")):
+                if not (s.gateway_token_ids or rec.payload.get("return_token_ids")):
                     gaps.append(("not_requested", "token ids were not asked of the upstream "
                                                   "(RTRACE_GATEWAY_TOKEN_IDS=false)"))
                 else:

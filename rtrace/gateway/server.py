@@ -1,5 +1,7 @@
 """Running the gateway: in its own process (``rtrace gateway``), in this process on a thread
-(:func:`start_gateway`), or inside the job's collector (:func:`attach_to_collector`).
+(:func:`start_gateway`), or inside the job's collector (:func:`attach_to_collector`); each
+time on the gateway's own HTTP server (rtrace/gateway/http.py) in an event loop of its own
+(uvloop's when installed).
 
 Where the spans go follows from where it runs:
 
@@ -14,6 +16,7 @@ Where the spans go follows from where it runs:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import threading
@@ -25,16 +28,24 @@ from ..config import ConfigError, Secret, load_settings
 from ..exporters.base import Sink
 from ..trajectory import Trajectory
 from .app import Gateway
+from .http import Server, new_loop
 
 __all__ = ["GatewayServer", "start_gateway", "attach_to_collector", "serve_forever"]
 
 
-def _config(app: Any, host: str, port: int) -> Any:
-    import uvicorn
-
-    # access_log off: a keyed base URL (/k/<key>/v1) carries a rollout key, and keys are never logged
-    return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
-                          timeout_keep_alive=75, loop="auto", http="auto")
+async def _serve(gateway: Gateway, host: str, port: int, stop: asyncio.Event, on_listen: Any,
+                 timeout_s: Any) -> None:
+    """Serve ``gateway`` on this loop until ``stop`` is set; then the requests being answered
+    get ``timeout_s()`` seconds, and the gateway shuts down (its sessions written partial)."""
+    server = Server(gateway.handle, gateway.settings.gateway_max_request_bytes)
+    bound = await server.listen(host, port)
+    gateway.startup()
+    try:
+        on_listen(bound)
+        await stop.wait()
+    finally:
+        await server.stop(timeout_s())
+        await gateway.shutdown()
 
 
 class GatewayServer:
@@ -46,25 +57,45 @@ class GatewayServer:
     """
 
     def __init__(self, gateway: Gateway, host: str, port: int, on_stop: Sequence[Any] = ()) -> None:
-        import uvicorn
-
         self.gateway = gateway
         self.host = host
-        self._server = uvicorn.Server(_config(gateway.app, host, port))
-        self._server.install_signal_handlers = lambda: None  # a thread: the process's signals are not ours
         self._on_stop = list(on_stop)
-        self._thread = threading.Thread(target=self._server.run, name="rtrace-gateway", daemon=True)
+        self._loop: Any = None
+        self._stop: asyncio.Event | None = None
+        self._stop_timeout = 10.0
+        self._bound: Any = None
+        self._failed: BaseException | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(host, port), name="rtrace-gateway", daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + 30.0
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"rtrace gateway: could not listen on {host}:{port}")
-            time.sleep(0.01)
-        sock = self._server.servers[0].sockets[0].getsockname()
-        self.port = sock[1]
+        if not self._ready.wait(30.0) or self._bound is None:
+            raise RuntimeError(f"rtrace gateway: could not listen on {host}:{port}"
+                               + (f": {self._failed}" if self._failed else ""))
+        self.port = self._bound[1]
         self.url = f"http://{_url_host(host)}:{self.port}"
         gateway.url = self.url
         _stats.incr("gateway_started")
+
+    def _run(self, host: str, port: int) -> None:
+        loop = new_loop()
+        asyncio.set_event_loop(loop)
+        self._loop = loop
+
+        def listening(bound: Any) -> None:
+            self._bound = bound
+            self._ready.set()
+
+        async def main() -> None:
+            self._stop = asyncio.Event()
+            await _serve(self.gateway, host, port, self._stop, listening, lambda: self._stop_timeout)
+
+        try:
+            loop.run_until_complete(main())
+        except BaseException as exc:
+            self._failed = exc
+        finally:
+            self._ready.set()
+            loop.close()
 
     @property
     def env(self) -> dict[str, str]:
@@ -85,11 +116,13 @@ class GatewayServer:
 
         if access.local is self:
             access.local = None
-        self._server.should_exit = True
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            self._server.force_exit = True
-            self._thread.join(2.0)
+        self._stop_timeout = timeout_s
+        if self._thread.is_alive() and self._stop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._stop.set)
+            except RuntimeError:  # the loop has closed meanwhile
+                pass
+            self._thread.join(timeout_s + 5.0)
         for hook in self._on_stop:
             try:
                 hook()
@@ -228,17 +261,27 @@ def attach_to_collector(collector: Any, host: str = "127.0.0.1", port: int = 0) 
 
 
 def serve_forever(gateway: Gateway, host: str, port: int) -> None:
-    """Serve ``gateway`` in this thread until SIGINT / SIGTERM (``rtrace gateway``), then return."""
+    """Serve ``gateway`` in this thread until SIGINT / SIGTERM (``rtrace gateway``), then return
+    (open streams get 10 s to finish; the caller then writes what rtrace holds)."""
     import signal
+    import sys
 
-    import uvicorn
+    loop = new_loop()
+    asyncio.set_event_loop(loop)
 
-    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then restores the handlers it found and
-    # raises the signal again: with Python's defaults that ends the process before rtrace writes
-    # what it holds. These handlers take that second signal; the caller then shuts rtrace down.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
-    uvicorn.Server(_config(gateway.app, host, port)).run()
+    async def main() -> None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await _serve(gateway, host, port, stop, lambda bound: None, lambda: 10.0)
+
+    try:
+        loop.run_until_complete(main())
+    except OSError as exc:
+        sys.stderr.write(f"rtrace gateway: cannot listen on {host}:{port}: {exc.strerror or exc}\n")
+        raise SystemExit(1) from None
+    finally:
+        loop.close()
 
 
 def check_upstream(url: str | None) -> str:

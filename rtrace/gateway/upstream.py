@@ -12,6 +12,9 @@ parser (C, uvicorn's): ~0.06 ms of CPU per request.
   on a new one (nothing of the request was answered);
 * the body is read chunk by chunk as it arrives (:meth:`Reply.chunks`); a slow reader
   pauses the socket once 1 MiB waits, so memory stays bounded whatever the upstream sends;
+* or piped (:meth:`Reply.pipe`): each chunk is handed to a callback from the socket's read
+  callback itself, so a stream wakes no task per chunk (the gateway's streams: each chunk
+  goes on to the client at once), and the reader pauses and resumes the socket itself;
 * a timeout bounds each wait for the upstream (the response head, then each chunk):
   :class:`UpstreamError` ``timeout``; a refused or lost connection is ``unreachable``; a
   response that is not HTTP is ``protocol``.
@@ -47,9 +50,13 @@ class _Conn(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: Any = None
         self.closed = False
+        self.loop: Any = None
+        self.timeout_s = 0.0
         self._reset()
 
     def _reset(self) -> None:
+        if getattr(self, "paused", False) and not self.closed:
+            self.transport.resume_reading()  # a piped body's reader had paused it when it ended
         self.parser = httptools.HttpResponseParser(self)
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
@@ -62,6 +69,10 @@ class _Conn(asyncio.Protocol):
         self.answered = False  # any byte of a response arrived
         self.error: UpstreamError | None = None
         self.waiter: asyncio.Future | None = None
+        #: piped: on_data(chunk) for each chunk, on_end(error or None) once
+        self.on_data: Any = None
+        self.on_end: Any = None
+        self.deadline = 0.0
         self.timer: Any = None
 
     # ------------------------------------------------------------------ asyncio.Protocol
@@ -83,6 +94,7 @@ class _Conn(asyncio.Protocol):
             if self.head_done and not self._framed():
                 self.complete = True  # a body delimited by the end of the connection
                 self._wake()
+                self._end(None)
             else:
                 self._fail(UpstreamError("unreachable", "the upstream closed the connection"
                                          + (f" ({exc})" if exc else "")))
@@ -105,6 +117,14 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        on_data = self.on_data
+        if on_data is not None:
+            self.deadline = self.loop.time() + self.timeout_s
+            try:
+                on_data(body)
+            except Exception:  # the reader's failure (it counts it): the connection is not reused
+                self._fail(UpstreamError("protocol", "the reader failed to take a chunk"))
+            return
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > _HIGH and not self.paused and self.transport is not None:
@@ -115,6 +135,7 @@ class _Conn(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self.complete = True
         self._wake()
+        self._end(None)
 
     # ------------------------------------------------------------------ helpers
     def _framed(self) -> bool:
@@ -130,6 +151,55 @@ class _Conn(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
         self._wake()
+        self._end(self.error)
+
+    def _end(self, error: UpstreamError | None) -> None:
+        on_end = self.on_end
+        if on_end is not None:
+            self.on_data = self.on_end = None
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+            on_end(error)
+
+    def pipe(self, on_data: Any, on_end: Any, timeout_s: float) -> None:
+        """Hand what is buffered and then each chunk to ``on_data`` as it arrives; ``on_end``
+        once, with None (the body is complete) or the :class:`UpstreamError`. A wait of more
+        than ``timeout_s`` for a chunk ends it with a timeout. One timer for the whole body:
+        re-armed when it fires before the deadline that each chunk pushes on."""
+        self.loop = asyncio.get_running_loop()
+        self.timeout_s = timeout_s
+        while self.chunks:
+            chunk = self.take()
+            on_data(chunk)
+        if self.error is not None or self.complete:
+            on_end(self.error)
+            return
+        self.on_data, self.on_end = on_data, on_end
+        self.deadline = self.loop.time() + timeout_s
+        self.timer = self.loop.call_at(self.deadline, self._check_deadline)
+
+    def _check_deadline(self) -> None:
+        self.timer = None
+        if self.on_end is None:
+            return
+        now = self.loop.time()
+        if now >= self.deadline:
+            self._fail(UpstreamError("timeout", f"no data from the upstream within {self.timeout_s:g} s "
+                                                "(RTRACE_GATEWAY_TIMEOUT_S)"))
+        else:
+            self.timer = self.loop.call_at(self.deadline, self._check_deadline)
+
+    def pause(self, paused: bool) -> None:
+        """The piped body's reader cannot take more for now (True) / can again (False)."""
+        if self.transport is None or self.closed:
+            return
+        if paused and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+        elif not paused and self.paused:
+            self.paused = False
+            self.transport.resume_reading()
 
     def _wake(self) -> None:
         waiter = self.waiter
@@ -210,6 +280,28 @@ class Reply:
                 yield chunk
         finally:
             self.close()
+
+    def pipe(self, on_data: Any, on_end: Any) -> None:
+        """Pass the body on as it comes: ``on_data(chunk)`` for each chunk, called from the
+        socket's read callback; ``on_end(error)`` once at its end (None, or the
+        :class:`UpstreamError`). The connection is given back at the end (call :meth:`close`
+        after ``on_end``, or :meth:`abort` to stop early). :meth:`pause` for a slow reader."""
+        self._conn.pipe(on_data, on_end, self._timeout_s)
+
+    def pause(self, paused: bool) -> None:
+        """Stop (True) / resume (False) reading a piped body: the reader's own flow control."""
+        self._conn.pause(paused)
+
+    def abort(self) -> None:
+        """Stop reading: the connection is closed (the upstream sees the request cancelled)."""
+        conn = self._conn
+        conn.on_data = conn.on_end = None
+        if conn.timer is not None:
+            conn.timer.cancel()
+            conn.timer = None
+        if conn.transport is not None and not conn.complete:
+            conn.transport.close()
+        self.close()
 
     def close(self) -> None:
         """Give the connection back (kept alive when the response was read to its end)."""

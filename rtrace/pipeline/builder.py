@@ -21,7 +21,7 @@ from .._serialize import (Converter, ListSnapshot, array_to_python, attr_ok, is_
 from ..config import Settings
 from ..trajectory import RL_FIELDS, SpanRecord, Trajectory
 from .messages import tool_result
-from .records import CallRecord, TrajectoryState, snapshot_args, start_end
+from .records import CallRecord, Deferred, TrajectoryState, snapshot_args, start_end
 from .tokens import LOGPROB_KEYS, SAMPLER, TOKEN_PROBLEM, sampler_logprobs
 
 __all__ = ["SpanConverter", "finish", "coordinates", "tail_of", "as_id_list"]
@@ -144,6 +144,8 @@ class SpanConverter:
         if type(name) is not str or type(start) is not int or type(end) is not int or (events and any(
                 type(e["name"]) is not str or type(e["time_ns"]) is not int for e in out.events)):
             conv.unplain += 1  # what the application gave its span as it was (a float end time ...)
+        if rec is not None and isinstance(rec.kwargs, Deferred):
+            _resolve(out, rec, conv)
         if rec is not None and rec.args is not None:
             self._captured(out, rec, conv)
         return out
@@ -234,6 +236,27 @@ class SpanConverter:
         if isinstance(finish, str):
             attrs["gen_ai.response.finish_reasons"] = [finish]
         return has_output, output
+
+
+def _resolve(out: SpanRecord, rec: Any, conv: Converter) -> None:
+    """A record read only now (:class:`~rtrace.pipeline.records.Deferred`): its inputs and
+    output become the record's, its attributes the span's (over its own). A failure to read
+    is counted; the span stays, without a record."""
+    try:
+        inputs, output, attributes = rec.kwargs.resolve()
+    except Exception:
+        _stats.incr("capture_errors")
+        _stats.warn_once("deferred-record", "rtrace could not read a call's record", exc_info=True)
+        inputs, output, attributes = None, None, {}
+    attrs = out.attributes
+    for key, value in attributes.items():
+        attrs[key] = conv.attribute(key, value)
+    if inputs is None:
+        rec.args = rec.kwargs = rec.output = None
+        rec.has_output = False
+    else:
+        rec.args, rec.kwargs = (), inputs
+        rec.output, rec.has_output = output, output is not None
 
 
 def _display_name(out: SpanRecord) -> None:

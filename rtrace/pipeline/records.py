@@ -14,7 +14,8 @@ from typing import Any, Sequence
 from .._serialize import ListSnapshot
 from ..trajectory import SpanRecord
 
-__all__ = ["CallSpec", "CallRecord", "TrajectoryState", "snapshot_args", "ids_of", "record_of", "start_end"]
+__all__ = ["CallSpec", "CallRecord", "Deferred", "TrajectoryState", "snapshot_args", "ids_of", "record_of",
+           "start_end"]
 
 
 class CallSpec:
@@ -55,6 +56,20 @@ class CallRecord:
         self.has_output = False
         #: ``self.name`` of a method's instance (tool classes name themselves this way)
         self.owner_name: str | None = None
+
+
+class Deferred:
+    """A call record's ``kwargs`` that is read in the worker, when the span is converted: the
+    hot path keeps references (the capture gateway: the request and the upstream's answer as
+    it came, rtrace/gateway/recorder.py) and :meth:`resolve` makes the record from them, off
+    the caller's path."""
+
+    __slots__ = ()
+
+    def resolve(self) -> tuple[dict[str, Any] | None, Any, dict[str, Any]]:
+        """``(inputs, output, attributes)``: the call's inputs (None: not captured), its
+        output (None: none), and attributes for its span (over the span's own)."""
+        raise NotImplementedError
 
 
 def snapshot_args(rec: Any) -> tuple:
