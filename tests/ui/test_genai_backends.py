@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import urllib.request
@@ -27,15 +26,13 @@ from pathlib import Path
 
 import pytest
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="make test-ui installs playwright")
+pytest.importorskip("playwright.sync_api", reason="make test-ui installs playwright")
 
 from tests.semconv_job import ANSWER, QUESTION, SYSTEM  # noqa: E402
 from tests.servers import free_port, start_mlflow_server, stop_server, wait_http  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-CHROMIUM = os.environ.get("RTRACE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+from tests.ui.browser import ARTIFACTS, REPO  # noqa: E402
 PHOENIX = os.environ.get("RTRACE_PHOENIX") or str(REPO / ".venv-phoenix" / "bin" / "phoenix")
-ARTIFACTS = Path(os.environ.get("RTRACE_UI_ARTIFACTS") or REPO / "artifacts" / "ui")
 #: Phoenix's first project ("default"): its GraphQL id, base64 of "Project:1"
 PHOENIX_PROJECT = "UHJvamVjdDox"
 TIMEOUT_MS = 30_000
@@ -98,16 +95,6 @@ def phoenix_ui(tmp_path_factory):
         yield base, _job("otlp", f"{base}/v1/traces")
     finally:
         stop_server(popen)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"no chromium at {CHROMIUM} (make test-ui installs it)")
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield b
-        b.close()
 
 
 @pytest.fixture

@@ -14,22 +14,19 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="make test-ui installs playwright")
+pytest.importorskip("playwright.sync_api", reason="make test-ui installs playwright")
 
 from rtrace.pipeline.metrics import StepStats  # noqa: E402
 from rtrace.report.load import read_records  # noqa: E402
 from tests.ui import report_job as job  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-CHROMIUM = os.environ.get("RTRACE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-ARTIFACTS = Path(os.environ.get("RTRACE_UI_ARTIFACTS") or REPO / "artifacts" / "ui")
+from tests.ui.browser import ARTIFACTS, REPO  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -48,16 +45,6 @@ def report(tmp_path_factory):
     ran["page"] = page
     ran["records"] = read_records(ran["paths"])[0]
     return ran
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"no chromium at {CHROMIUM} (make test-ui installs it)")
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield b
-        b.close()
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="make test-ui installs playwright")
+pytest.importorskip("playwright.sync_api", reason="make test-ui installs playwright")
 pytest.importorskip("starlette")
 pytest.importorskip("duckdb")
 
@@ -35,9 +34,7 @@ from tests import serve_job as job  # noqa: E402
 from tests.servers import free_port  # noqa: E402
 from tests.ui import big_run  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-CHROMIUM = os.environ.get("RTRACE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-ARTIFACTS = Path(os.environ.get("RTRACE_UI_ARTIFACTS") or REPO / "artifacts" / "ui")
+from tests.ui.browser import ARTIFACTS, REPO  # noqa: E402
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1",
        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 TIMINGS: dict[str, object] = {}
@@ -95,16 +92,6 @@ def server(runs):
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(10)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"no chromium at {CHROMIUM} (make test-ui installs it)")
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield b
-        b.close()
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -23,14 +22,12 @@ from pathlib import Path
 
 import pytest
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="make test-ui installs playwright")
+pytest.importorskip("playwright.sync_api", reason="make test-ui installs playwright")
 
 from tests.ui.traced_job import MODEL, SYSTEM, answer_text, tool_call_text  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.ui.browser import ARTIFACTS, REPO  # noqa: E402
 PROJECT = "rtrace-ui"
-CHROMIUM = os.environ.get("RTRACE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-ARTIFACTS = Path(os.environ.get("RTRACE_UI_ARTIFACTS") or REPO / "artifacts" / "ui")
 READY_TIMEOUT_S = 60
 
 pytestmark = pytest.mark.integration
@@ -88,16 +85,6 @@ def dashboard(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"no chromium at {CHROMIUM} (make test-ui installs it)")
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield b
-        b.close()
 
 
 @pytest.fixture
