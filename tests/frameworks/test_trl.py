@@ -25,6 +25,7 @@ import rtrace  # noqa: E402
 from rtrace.compat import _trl_private  # noqa: E402
 from rtrace.compat.trl import RTraceCallback  # noqa: E402
 from rtrace.exporters.jsonl import read_jsonl  # noqa: E402
+from tests.token_reference import mismatch_of  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -449,17 +450,6 @@ def kv_cache_sampler(prompts, trainer, env=False):
     return out
 
 
-def _mismatch(sampler, trainer, mask):
-    """The logprob_mismatch values of docs/token-values.md, from TRL's own tensors."""
-    keep = mask.bool()
-    s, t = sampler[keep].double(), trainer[keep].double()
-    delta = t - s
-    return {"logprob_mismatch_k1": (s - t).mean().item(),
-            "logprob_mismatch_k3": (torch.expm1(delta) - delta).mean().item(),
-            "logprob_mismatch_max": delta.abs().max().item(),
-            "logprob_mismatch_frac": (delta.abs() > math.log(1.05)).double().mean().item()}
-
-
 @pytest.mark.parametrize("env", [False, True], ids=["single-turn", "with-env-tokens"])
 def test_sampler_and_trainer_logprobs_and_their_mismatch(tmp_path, monkeypatch, capsys, env):
     """With a sampler that returns logprobs (a rollout_func; vLLM's importance sampling
@@ -503,7 +493,7 @@ def test_sampler_and_trainer_logprobs_and_their_mismatch(tmp_path, monkeypatch, 
             pos += k
         assert pos == n
         with_env += len(gens) > 1
-        expected = _mismatch(out["sampling_per_token_logps"][j, :n], out["old_per_token_logps"][j, :n], loss)
+        expected = mismatch_of(out["sampling_per_token_logps"][j, :n], out["old_per_token_logps"][j, :n], loss)
         for key, value in expected.items():
             assert t.annotations[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
         assert not [f for f in t.health if f["check"] in ("token_arrays", "logprob_mismatch")]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from rtrace.compat import _verl_private  # noqa: E402
 from rtrace.compat.verl import RolloutTraceConfig  # noqa: E402
 from rtrace.compat.verl_trainer import rollout_numbers  # noqa: E402
 from rtrace.exporters.jsonl import read_jsonl  # noqa: E402
+from tests.token_reference import mismatch_of  # noqa: E402
 from rtrace.trajectory import token_list  # noqa: E402
 
 import verl_app as app  # noqa: E402  (tests/verl on sys.path: see conftest.py)
@@ -109,17 +109,6 @@ def expected_coordinates(index):
 
     info = asyncio.run(get_trajectory_info(STEP, list(index), False))
     return [(t["sample_index"], t["rollout_n"]) for t in info]
-
-
-def mismatch_of(sampler, trainer, mask):
-    """The logprob_mismatch values of docs/token-values.md, from veRL's tensors."""
-    keep = mask.bool()
-    s, t = sampler[keep].double(), trainer[keep].double()
-    delta = t - s
-    return {"logprob_mismatch_k1": (s - t).mean().item(),
-            "logprob_mismatch_k3": (torch.expm1(delta) - delta).mean().item(),
-            "logprob_mismatch_max": delta.abs().max().item(),
-            "logprob_mismatch_frac": (delta.abs() > math.log(1.05)).double().mean().item()}
 
 
 def check_values(before, index_before, trained, entropy, trajs):
