@@ -371,6 +371,53 @@ class TestStepsFiles:
         assert not os.listdir(tmp_path / "trajectories/train/step=1")
         assert self._count(tmp_path) == (11, 11)
 
+    def test_a_steps_file_never_covers_another_steps_file(self, tmp_path):
+        """Two steps/ files of one writer hold different rows whatever their names' ranges: a file
+        named as if it held the other (numbers 0-3, steps 0-3 around 0-1, steps 0-1) is read beside
+        it, and vacuum deletes neither."""
+        comp = TestCompaction()
+        w = self._w(tmp_path, steps_per_file=2)
+        for step in range(4):
+            w.write(comp._trajs(step, 2))
+            w.compact(idle_only=True)
+        names = sorted(os.listdir(tmp_path / "trajectories/train/steps"))
+        assert [layout.parse_name(n).steps for n in names] == [(0, 1), (2, 3)]
+        wide = f"{w.writer_id}-000000-000003.s0-3.v1.1.parquet"
+        for table in ("trajectories", "spans"):
+            os.rename(tmp_path / table / "train/steps" / names[1], tmp_path / table / "train/steps" / wide)
+        assert self._count(tmp_path) == (8, 8)
+        assert open_run(tmp_path).sql("SELECT count(*) FROM spans").fetchall() == [(8,)]
+        assert vacuum(tmp_path) == []
+        assert self._count(tmp_path) == (8, 8)
+
+    def test_a_steps_file_name_never_holds_an_earlier_ones(self, tmp_path):
+        """Step 0 is still being written (two files) while steps 1-3 merge into steps/ (numbers 1-3);
+        step 0 and the later steps 4, 5 are not merged into one file numbered 0-6 of steps 0-5,
+        whose name would hold the first's (an earlier reader dropped that file and vacuumed it)."""
+        import time
+
+        comp = TestCompaction()
+        w = DatasetWriter(layout.open_store(str(tmp_path)), "r", compact_files=100, idle_s=1000, steps_per_file=3)
+        w.write(comp._trajs(0, 2))
+        for step in (1, 2, 3):
+            w.write(comp._trajs(step, 2))
+        w.write(comp._trajs(0, 2, start=2))
+        with w._lock:
+            w._prune(time.monotonic() + 2000)
+        assert [layout.parse_name(n).steps for n in os.listdir(tmp_path / "trajectories/train/steps")] == [(1, 3)]
+        for step in (4, 5):
+            w.write(comp._trajs(step, 2))
+        w.close()
+        names = [layout.parse_name(n) for n in os.listdir(tmp_path / "trajectories/train/steps")]
+        for a in names:
+            for b in names:
+                assert a == b or not (a.first <= b.first and b.last <= a.last and a.steps[0] <= b.steps[0]
+                                      and b.steps[1] <= a.steps[1]), (a, b)
+        assert self._count(tmp_path) == (14, 14)
+        assert open_run(tmp_path).sql("SELECT count(*) FROM spans").fetchall() == [(14,)]
+        assert vacuum(tmp_path) == []
+        assert self._count(tmp_path) == (14, 14)
+
     def test_inputs_left_after_a_crash_are_skipped_and_vacuumed(self, tmp_path):
         """Step files back beside the steps/ file that holds them (a writer stopped between rename and
         delete): counted once; vacuum deletes them."""

@@ -332,8 +332,9 @@ def parquet_source(paths: Sequence[str], options: str = "") -> str:
 
 
 def _uncovered(files: list[tuple[str, FileName]]) -> list[str]:
-    """The files no compacted file of the same writer covers: in their folder, or a
-    ``steps/`` file of the same table and train/validate folder holding their steps."""
+    """The files no compacted file of the same writer covers: in their folder, or (a
+    ``step=N`` file) a ``steps/`` file of the same table and train/validate folder holding
+    its step. A ``steps/`` file is never covered (:meth:`FileName.covers`)."""
     by_folder: dict[tuple[str, str], list[FileName]] = {}
     many: dict[tuple[str, str], list[FileName]] = {}
     for rel, name in files:

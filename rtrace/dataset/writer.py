@@ -30,8 +30,11 @@ about half a millisecond for this schema). Such a file covers this writer's file
 steps whose numbers are in its range, and every one of them is in it: the writer keeps
 every finished step's file until it is merged, and a step written to again (a late
 trajectory) is taken out of the finished ones first; its later files have numbers past the
-merged file's. Finished steps that never make a whole file (the last ones of a run) stay
-one file each.
+merged file's. A file of steps/ never covers another one (steps/ files are never merged
+again), and no chunk of finished steps gets a name whose number and step ranges hold an
+earlier steps/ file's (the chunk stops short): such a name would say it holds that file's
+rows. Finished steps that never make a whole file (the last ones of a run) stay one file
+each.
 """
 
 from __future__ import annotations
@@ -107,6 +110,11 @@ class DatasetWriter:
         #: validate -> finished steps left as they are (a step that fills a file alone, a merge
         #: that failed): like steps being written, no file of steps/ spans them (it would cover them)
         self._kept: dict[bool, set[int]] = {False: set(), True: set()}
+        #: validate -> the files of steps/ this writer wrote (or tried to): no later one may hold
+        #: both their number and their step ranges (earlier readers took such a file for covering
+        #: the older one: they dropped its rows and their vacuum deleted it). Pruned of the files
+        #: whose numbers lie before every file the writer still holds (no later name reaches them).
+        self._merged: dict[bool, list[FileName]] = {False: [], True: []}
         self.idle_s = idle_s
         self.target_bytes = target_bytes
         self.prefix = stats_prefix
@@ -282,11 +290,15 @@ class DatasetWriter:
             if len(finished) < min(2, self.steps_per_file) or self.steps_per_file <= 1:
                 continue
             active = sorted({k[1] for k in self._parts if k[0] == validate and k[1] is not None} | self._kept[validate])
+            self._prune_merged(validate)
             chunk: list[int] = []
             size = 0
             for step in sorted(finished):
                 if chunk and active and bisect.bisect_right(active, chunk[-1]) != bisect.bisect_left(active, step):
                     chunk, size = [], 0  # a step being written lies between: its files must not be covered
+                if chunk and self._would_hold_merged(validate, [finished[s][0] for s in chunk + [step]],
+                                                     (chunk[0], step)):
+                    chunk, size = [], 0  # the name would hold an earlier steps/ file's ranges: keep names tight
                 if finished[step][1] >= self.target_bytes:
                     del finished[step]  # alone it fills a file: it stays as it is
                     self._kept[validate].add(step)
@@ -298,11 +310,29 @@ class DatasetWriter:
                     self._merge_steps(validate, chunk)
                     chunk, size = [], 0
 
+    def _would_hold_merged(self, validate: bool, inputs: list[FileName], steps: tuple[int, int]) -> bool:
+        """A file of steps/ merging ``inputs`` (of steps ``steps[0]..steps[1]``) would have
+        ranges of numbers and of steps that hold those of a steps/ file written before: it
+        would not hold that file's rows (steps/ files are never merged again), but its name
+        would say it does."""
+        first, last = min(n.first for n in inputs), max(n.last for n in inputs)
+        return any(first <= m.first and m.last <= last and steps[0] <= m.steps[0] and m.steps[1] <= steps[1]
+                   for m in self._merged[validate] if m.steps is not None)
+
+    def _prune_merged(self, validate: bool) -> None:
+        """Forget the steps/ files no later name can hold: a name's numbers start at its
+        inputs' lowest, and every later input is a file the writer holds now or a new one."""
+        held = [f.first for k, p in self._parts.items() if k[0] == validate for f, _ in p.files]
+        held += [f.first for f, _ in self._finished[validate].values()]
+        floor = min(held, default=self._next_seq)
+        self._merged[validate] = [m for m in self._merged[validate] if m.first >= floor]
+
     def _merge_steps(self, validate: bool, steps: list[int]) -> None:
         finished = self._finished[validate]
         inputs = [finished[s][0] for s in steps]
         merged = FileName(self.writer_id, min(n.first for n in inputs), max(n.last for n in inputs),
                           steps=(steps[0], steps[-1]))
+        self._merged[validate].append(merged)  # before writing: a failed merge may leave one table's file
         part = _Partition(validate, None)
         try:
             tables: dict[str, list[pa.Table]] = {}
