@@ -33,6 +33,33 @@ def _files(run_path):
     return sorted(str(p.relative_to(run_path)) for p in Path(run_path).rglob("*") if p.is_file())
 
 
+def _vacuum_during_a_failing_merge(w, run_path):
+    """Make the writer's next merge fail at its second file, with a vacuum (another process,
+    documented as safe while writers run) run before each of the two merged files is written.
+    Returns what the vacuums deleted."""
+    orig, seen, deleted = w.store.write, [], []
+
+    def write(rel, fill):
+        name = layout.parse_name(rel.rpartition("/")[2])
+        if name is not None and (name.first != name.last or name.steps is not None):
+            deleted.extend(vacuum(run_path))
+            seen.append(rel)
+            if len(seen) == 2:
+                w.store.write = orig
+                raise OSError(28, "No space left on device")
+        return orig(rel, fill)
+
+    w.store.write = write
+    return deleted
+
+
+def _counts(run_path):
+    """(trajectories, distinct trace ids, spans, distinct trace ids of the spans)."""
+    r = open_run(run_path)
+    return r.sql("SELECT count(*), count(DISTINCT trace_id) FROM trajectories").fetchall()[0] + r.sql(
+        "SELECT count(*), count(DISTINCT trace_id) FROM spans").fetchall()[0]
+
+
 @pytest.fixture(scope="module")
 def _built(tmp_path_factory):
     """One run traced once for the module (rtrace is reset around it)."""
@@ -245,6 +272,32 @@ class TestCompaction:
         assert sorted(deleted) == sorted(f"trajectories/train/step=2/{n}" for n in os.listdir(backup))
         assert open_run(tmp_path).sql("SELECT count(*) FROM trajectories").fetchall()[0][0] == 6
 
+    def test_a_merge_failing_half_way_loses_nothing_to_a_vacuum(self, tmp_path):
+        """A partition's merge writes its first table's file, a vacuum deletes the inputs it
+        covers, the second table's file fails: the first stays (removing it lost the rows the
+        vacuum deleted), counted; every trajectory and span is read once, and later merges of
+        the partition never take the numbers merged half way."""
+        w = self._writer(tmp_path, compact_files=100, idle_s=1000, steps_per_file=2)
+        for k in range(2):
+            w.write(self._trajs(1, 2, start=2 * k))
+        deleted = _vacuum_during_a_failing_merge(w, tmp_path)
+        before = rtrace.stats().get("sink.parquet.compaction_errors", 0)
+        w.compact()
+        assert rtrace.stats()["sink.parquet.compaction_errors"] == before + 1
+        assert len(deleted) == 2  # the vacuum did delete the first table's inputs
+        assert _counts(tmp_path) == (4, 4, 4, 4)
+        assert vacuum(tmp_path) == []
+        for k in range(2, 4):
+            w.write(self._trajs(1, 2, start=2 * k))
+        w.write(self._trajs(2, 2))
+        w.write(self._trajs(3, 2))
+        w.close()
+        assert not (tmp_path / "trajectories/train/steps").exists() or not any(
+            layout.parse_name(n).steps[0] <= 1 for n in os.listdir(tmp_path / "trajectories/train/steps"))
+        assert _counts(tmp_path) == (12, 12, 12, 12)
+        vacuum(tmp_path)
+        assert _counts(tmp_path) == (12, 12, 12, 12)
+
     def test_partitions_done_with_are_put_away_and_late_rows_still_land(self, tmp_path):
         """A merged, idle partition leaves the writer's table (its step waits to be merged into
         steps/); a late trajectory of that step makes it a partition again, with its file: the
@@ -417,6 +470,31 @@ class TestStepsFiles:
         assert open_run(tmp_path).sql("SELECT count(*) FROM spans").fetchall() == [(14,)]
         assert vacuum(tmp_path) == []
         assert self._count(tmp_path) == (14, 14)
+
+    def test_a_steps_merge_failing_half_way_loses_nothing_to_a_vacuum(self, tmp_path):
+        """A steps/ merge writes its first table's file, a vacuum deletes the step files it covers,
+        the second table's file fails: the first stays, counted; every trajectory and span is read
+        once, and no later steps/ file spans those steps."""
+        comp = TestCompaction()
+        w = self._w(tmp_path, steps_per_file=2)
+        for step in range(2):
+            w.write(comp._trajs(step, 2))
+        deleted = _vacuum_during_a_failing_merge(w, tmp_path)
+        before = rtrace.stats().get("sink.parquet.compaction_errors", 0)
+        w.compact(idle_only=True)
+        assert rtrace.stats()["sink.parquet.compaction_errors"] == before + 1
+        assert len(deleted) == 2
+        assert _counts(tmp_path) == (4, 4, 4, 4)
+        assert vacuum(tmp_path) == []
+        for step in range(2, 4):
+            w.write(comp._trajs(step, 2))
+        w.write(comp._trajs(1, 1, start=5))  # a late row of a step merged half way: never spanned
+        w.close()
+        assert sorted(layout.parse_name(n).steps for n in os.listdir(tmp_path / "trajectories/train/steps")) == [
+            (0, 1), (2, 3)]
+        assert _counts(tmp_path) == (9, 9, 9, 9)
+        vacuum(tmp_path)
+        assert _counts(tmp_path) == (9, 9, 9, 9)
 
     def test_inputs_left_after_a_crash_are_skipped_and_vacuumed(self, tmp_path):
         """Step files back beside the steps/ file that holds them (a writer stopped between rename and

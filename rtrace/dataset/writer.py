@@ -2,7 +2,9 @@
 
 Each batch becomes one file per (table, validate, step) it touches, written whole
 (:meth:`rtrace.dataset.layout.Store.write`): the spans file first, then the trajectories
-file, so a trajectory row is only ever visible with its spans already there. A batch is
+file, so a trajectory row is only ever visible with its spans already there (a merge
+writes the trajectories file first and keeps it if the spans file fails:
+:meth:`DatasetWriter._write_pair`). A batch is
 written when ``write`` returns (in place, whole: the JSONL sink's durability, see
 :attr:`rtrace.dataset.layout.Store.fsync`); a failure (a full disk, a revoked bucket) loses
 that batch's open files and nothing written before.
@@ -80,6 +82,15 @@ class _Partition:
     #: this writer's live files: (name, bytes of both tables)
     files: list[tuple[FileName, int]] = field(default_factory=list)
     last_write: float = 0.0
+
+
+class _HalfMerged(Exception):
+    """A merge's trajectories file is in place, its spans file failed (``cause``): the
+    merged trajectories file stays (it covers its inputs), the spans inputs stay as they are."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 @dataclass
@@ -195,26 +206,43 @@ class DatasetWriter:
             return encode.encode_safely(trajs, self.run)
 
     def _write_pair(self, part: _Partition, name: FileName, ttable: Any, stable: Any) -> int:
-        """The spans file, then the trajectories file (a row is never visible without its
-        spans); if the second fails the first is removed. Returns the bytes written.
-        ``ttable`` / ``stable``: a table, or a list of tables each written as its own row
-        groups (a file of steps/: a step per row group)."""
+        """Write a file of each table. Returns the bytes written. ``ttable`` / ``stable``: a
+        table, or a list of tables each written as its own row groups (a file of steps/: a
+        step per row group).
+
+        A batch's new file (one number): the spans file, then the trajectories file (a row
+        is never visible without its spans); if the second fails the first is removed (it
+        covers nothing). A merged file: the trajectories file, then the spans file, and if
+        the second fails the first stays (:class:`_HalfMerged`): it covers its inputs from
+        the moment it is renamed into place, so a ``vacuum`` may already have deleted them;
+        removing it then would lose their rows. Each table is still read once: from the
+        merged file in one, from the inputs in the other."""
         if name.steps is not None:
             srel, trel = (f"{steps_dir(t, part.validate)}/{name}" for t in (SPANS, TRAJECTORIES))
         else:
             srel = f"{partition_dir(SPANS, part.validate, part.step)}/{name}"
             trel = f"{partition_dir(TRAJECTORIES, part.validate, part.step)}/{name}"
         # a batch's file is snappy (fast; most are merged soon), a merged file zstd (smaller, for keeps)
-        codec = "zstd" if name.first != name.last else "snappy"
-        ssize = self.store.write(srel, lambda out: self._parquet(stable, out, SPANS, codec))
-        try:
+        merge = name.first != name.last or name.steps is not None
+        codec = "zstd" if merge else "snappy"
+        if merge:
             tsize = self.store.write(trel, lambda out: self._parquet(ttable, out, TRAJECTORIES, codec))
-        except BaseException:
             try:
-                self.store.delete(srel)
-            except Exception:
-                pass
-            raise
+                ssize = self.store.write(srel, lambda out: self._parquet(stable, out, SPANS, codec))
+            except Exception as exc:
+                self._count("files_written")
+                self._count("bytes_written", tsize)
+                raise _HalfMerged(exc) from exc
+        else:
+            ssize = self.store.write(srel, lambda out: self._parquet(stable, out, SPANS, codec))
+            try:
+                tsize = self.store.write(trel, lambda out: self._parquet(ttable, out, TRAJECTORIES, codec))
+            except BaseException:
+                try:
+                    self.store.delete(srel)
+                except Exception:
+                    pass
+                raise
         self._count("files_written", 2)
         self._count("bytes_written", ssize + tsize)
         return ssize + tsize
@@ -341,21 +369,24 @@ class DatasetWriter:
             self._write_pair(part, merged, tables[TRAJECTORIES], tables[SPANS])
         except Exception as exc:
             self._count("compaction_errors")
-            _stats.warn_once(f"parquet-merge-steps-{type(exc).__name__}", "rtrace parquet sink could not merge steps "
-                             "%s-%s of %s (their files stay as they are): %s", steps[0], steps[-1],
-                             steps_dir(TRAJECTORIES, validate), exc)
-            for s in steps:  # not tried again: the step files stay, one each
+            half = isinstance(exc, _HalfMerged)
+            cause = exc.cause if isinstance(exc, _HalfMerged) else exc
+            _stats.warn_once(f"parquet-merge-steps-{type(cause).__name__}", "rtrace parquet sink could not merge steps "
+                             "%s-%s of %s (%s): %s", steps[0], steps[-1], steps_dir(TRAJECTORIES, validate),
+                             "their trajectories are merged, their spans files stay as they are" if half else
+                             "their files stay as they are", cause)
+            for s, name in zip(steps, inputs):  # not tried again: the step files stay, one each
                 del finished[s]
                 self._kept[validate].add(s)
+                if half:  # the merged trajectories file holds them: the step's own are duplicates
+                    self._forget((validate, s), name)
+                    self._delete(f"{partition_dir(TRAJECTORIES, validate, s)}/{name}")
             return
         for s, name in zip(steps, inputs):
             del finished[s]
             self._forget((validate, s), name)
             for table in (TRAJECTORIES, SPANS):
-                try:
-                    self.store.delete(f"{partition_dir(table, validate, s)}/{name}")
-                except Exception:
-                    self._count("delete_errors")
+                self._delete(f"{partition_dir(table, validate, s)}/{name}")
         self._count("compactions")
         self._count("files_compacted", 2 * len(inputs))
 
@@ -394,6 +425,21 @@ class DatasetWriter:
                 tables[table] = pa.concat_tables([t.replace_schema_metadata(parts[0].schema.metadata) for t in parts],
                                                  promote_options="none")
             size = self._write_pair(part, merged, tables[TRAJECTORIES], tables[SPANS])
+        except _HalfMerged as exc:
+            self._count("compaction_errors")
+            _stats.warn_once(f"parquet-compact-{type(exc.cause).__name__}", "rtrace parquet sink could not compact "
+                             "%s (its trajectories are merged, its spans files stay as they are): %s",
+                             partition_dir(TRAJECTORIES, part.validate, part.step), exc.cause)
+            # the merged trajectories file is there for good: the writer leaves its inputs' numbers
+            # behind (no later merge of this partition or steps/ file may take them again)
+            part.files = [f for f in part.files if f[0] not in names]
+            self._pending.discard(key)
+            if part.step is not None and part.step >= 0:
+                self._kept[part.validate].add(part.step)
+            for name in names:
+                self._forget(key, name)
+                self._delete(f"{partition_dir(TRAJECTORIES, part.validate, part.step)}/{name}")
+            return
         except Exception as exc:
             self._count("compaction_errors")
             _stats.warn_once(f"parquet-compact-{type(exc).__name__}", "rtrace parquet sink could not compact %s "
@@ -409,12 +455,16 @@ class DatasetWriter:
             self._remember(key, merged, tables[TRAJECTORIES], tables[SPANS])
         for name in names:
             for table in (TRAJECTORIES, SPANS):
-                try:
-                    self.store.delete(f"{partition_dir(table, part.validate, part.step)}/{name}")
-                except Exception:
-                    self._count("delete_errors")
+                self._delete(f"{partition_dir(table, part.validate, part.step)}/{name}")
         self._count("compactions")
         self._count("files_compacted", 2 * len(names))
+
+    def _delete(self, rel: str) -> None:
+        """Delete a merged input (a failure is counted: readers skip it, ``vacuum`` removes it)."""
+        try:
+            self.store.delete(rel)
+        except Exception:
+            self._count("delete_errors")
 
     def close(self) -> None:
         """Merge every partition with more than one file (the end of the run's writing), then
