@@ -33,6 +33,33 @@ def _files(run_path):
     return sorted(str(p.relative_to(run_path)) for p in Path(run_path).rglob("*") if p.is_file())
 
 
+def _vacuum_during_a_failing_merge(w, run_path):
+    """Make the writer's next merge fail at its second file, with a vacuum (another process,
+    documented as safe while writers run) run before each of the two merged files is written.
+    Returns what the vacuums deleted."""
+    orig, seen, deleted = w.store.write, [], []
+
+    def write(rel, fill):
+        name = layout.parse_name(rel.rpartition("/")[2])
+        if name is not None and (name.first != name.last or name.steps is not None):
+            deleted.extend(vacuum(run_path, grace_s=0))
+            seen.append(rel)
+            if len(seen) == 2:
+                w.store.write = orig
+                raise OSError(28, "No space left on device")
+        return orig(rel, fill)
+
+    w.store.write = write
+    return deleted
+
+
+def _counts(run_path):
+    """(trajectories, distinct trace ids, spans, distinct trace ids of the spans)."""
+    r = open_run(run_path)
+    return r.sql("SELECT count(*), count(DISTINCT trace_id) FROM trajectories").fetchall()[0] + r.sql(
+        "SELECT count(*), count(DISTINCT trace_id) FROM spans").fetchall()[0]
+
+
 @pytest.fixture(scope="module")
 def _built(tmp_path_factory):
     """One run traced once for the module (rtrace is reset around it)."""
@@ -241,9 +268,78 @@ class TestCompaction:
             shutil.copy(backup / name, folder / name)  # the inputs are back
         assert len(os.listdir(folder)) == 4
         assert open_run(tmp_path).sql("SELECT count(*) FROM trajectories").fetchall()[0][0] == 6
-        deleted = vacuum(tmp_path)
+        deleted = vacuum(tmp_path, grace_s=0)
         assert sorted(deleted) == sorted(f"trajectories/train/step=2/{n}" for n in os.listdir(backup))
         assert open_run(tmp_path).sql("SELECT count(*) FROM trajectories").fetchall()[0][0] == 6
+
+    def test_a_merge_failing_half_way_loses_nothing_to_a_vacuum(self, tmp_path):
+        """A partition's merge writes its first table's file, a vacuum deletes the inputs it
+        covers, the second table's file fails: the first stays (removing it lost the rows the
+        vacuum deleted), counted; every trajectory and span is read once, and later merges of
+        the partition never take the numbers merged half way."""
+        w = self._writer(tmp_path, compact_files=100, idle_s=1000, steps_per_file=2)
+        for k in range(2):
+            w.write(self._trajs(1, 2, start=2 * k))
+        deleted = _vacuum_during_a_failing_merge(w, tmp_path)
+        before = rtrace.stats().get("sink.parquet.compaction_errors", 0)
+        w.compact()
+        assert rtrace.stats()["sink.parquet.compaction_errors"] == before + 1
+        assert len(deleted) == 2  # the vacuum did delete the first table's inputs
+        assert _counts(tmp_path) == (4, 4, 4, 4)
+        assert vacuum(tmp_path, grace_s=0) == []
+        for k in range(2, 4):
+            w.write(self._trajs(1, 2, start=2 * k))
+        w.write(self._trajs(2, 2))
+        w.write(self._trajs(3, 2))
+        w.close()
+        assert not (tmp_path / "trajectories/train/steps").exists() or not any(
+            layout.parse_name(n).steps[0] <= 1 for n in os.listdir(tmp_path / "trajectories/train/steps"))
+        assert _counts(tmp_path) == (12, 12, 12, 12)
+        vacuum(tmp_path, grace_s=0)
+        assert _counts(tmp_path) == (12, 12, 12, 12)
+
+    def test_a_plain_glob_counts_leftovers_twice_until_vacuum(self, tmp_path):
+        """docs/dataset.md: the engines' one-liners read every file, covered ones too; open_run
+        skips them, and after vacuum the two agree."""
+        w = self._writer(tmp_path, compact_files=100)
+        for k in range(2):
+            w.write(self._trajs(2, 2, start=2 * k))
+        folder = tmp_path / "trajectories/train/step=2"
+        backup = {n: (folder / n).read_bytes() for n in os.listdir(folder)}
+        w.close()
+        for name, data in backup.items():
+            (folder / name).write_bytes(data)
+        glob = f"SELECT count(*) FROM '{tmp_path}/trajectories/**/*.parquet'"
+        assert duckdb.sql(glob).fetchall() == [(8,)]
+        assert open_run(tmp_path).sql("SELECT count(*) FROM trajectories").fetchall() == [(4,)]
+        assert len(vacuum(tmp_path, grace_s=0)) == 2
+        assert duckdb.sql(glob).fetchall() == [(4,)]
+
+    def test_vacuum_trusts_only_a_whole_covering_file_past_its_grace(self, tmp_path):
+        """vacuum deletes a covered file only once a file covering it is whole and grace_s old: a
+        fresh one may still be removed by a writer whose merge failed half way (an earlier
+        rtrace's), one cut short by a power loss holds nothing readers read."""
+        w = self._writer(tmp_path, compact_files=100)
+        for k in range(2):
+            w.write(self._trajs(2, 2, start=2 * k))
+        folder = tmp_path / "trajectories/train/step=2"
+        inputs = sorted(os.listdir(folder))
+        backup = {n: (folder / n).read_bytes() for n in inputs}
+        w.close()
+        [merged] = os.listdir(folder)
+        for name, data in backup.items():
+            (folder / name).write_bytes(data)  # the inputs are back beside a fresh merged file
+        assert vacuum(tmp_path) == []
+        old = os.stat(folder / merged).st_mtime - 2 * 3600
+        whole = (folder / merged).read_bytes()
+        (folder / merged).write_bytes(whole[: len(whole) // 2])  # cut short
+        os.utime(folder / merged, (old, old))
+        assert vacuum(tmp_path) == []
+        assert open_run(tmp_path).sql("SELECT count(*) FROM trajectories").fetchall() == [(4,)]
+        (folder / merged).write_bytes(whole)
+        os.utime(folder / merged, (old, old))
+        assert sorted(vacuum(tmp_path)) == [f"trajectories/train/step=2/{n}" for n in inputs]
+        assert open_run(tmp_path).sql("SELECT count(*) FROM trajectories").fetchall() == [(4,)]
 
     def test_partitions_done_with_are_put_away_and_late_rows_still_land(self, tmp_path):
         """A merged, idle partition leaves the writer's table (its step waits to be merged into
@@ -371,6 +467,78 @@ class TestStepsFiles:
         assert not os.listdir(tmp_path / "trajectories/train/step=1")
         assert self._count(tmp_path) == (11, 11)
 
+    def test_a_steps_file_never_covers_another_steps_file(self, tmp_path):
+        """Two steps/ files of one writer hold different rows whatever their names' ranges: a file
+        named as if it held the other (numbers 0-3, steps 0-3 around 0-1, steps 0-1) is read beside
+        it, and vacuum deletes neither."""
+        comp = TestCompaction()
+        w = self._w(tmp_path, steps_per_file=2)
+        for step in range(4):
+            w.write(comp._trajs(step, 2))
+            w.compact(idle_only=True)
+        names = sorted(os.listdir(tmp_path / "trajectories/train/steps"))
+        assert [layout.parse_name(n).steps for n in names] == [(0, 1), (2, 3)]
+        wide = f"{w.writer_id}-000000-000003.s0-3.v1.1.parquet"
+        for table in ("trajectories", "spans"):
+            os.rename(tmp_path / table / "train/steps" / names[1], tmp_path / table / "train/steps" / wide)
+        assert self._count(tmp_path) == (8, 8)
+        assert open_run(tmp_path).sql("SELECT count(*) FROM spans").fetchall() == [(8,)]
+        assert vacuum(tmp_path, grace_s=0) == []
+        assert self._count(tmp_path) == (8, 8)
+
+    def test_a_steps_file_name_never_holds_an_earlier_ones(self, tmp_path):
+        """Step 0 is still being written (two files) while steps 1-3 merge into steps/ (numbers 1-3);
+        step 0 and the later steps 4, 5 are not merged into one file numbered 0-6 of steps 0-5,
+        whose name would hold the first's (an earlier reader dropped that file and vacuumed it)."""
+        import time
+
+        comp = TestCompaction()
+        w = DatasetWriter(layout.open_store(str(tmp_path)), "r", compact_files=100, idle_s=1000, steps_per_file=3)
+        w.write(comp._trajs(0, 2))
+        for step in (1, 2, 3):
+            w.write(comp._trajs(step, 2))
+        w.write(comp._trajs(0, 2, start=2))
+        with w._lock:
+            w._prune(time.monotonic() + 2000)
+        assert [layout.parse_name(n).steps for n in os.listdir(tmp_path / "trajectories/train/steps")] == [(1, 3)]
+        for step in (4, 5):
+            w.write(comp._trajs(step, 2))
+        w.close()
+        names = [layout.parse_name(n) for n in os.listdir(tmp_path / "trajectories/train/steps")]
+        for a in names:
+            for b in names:
+                assert a == b or not (a.first <= b.first and b.last <= a.last and a.steps[0] <= b.steps[0]
+                                      and b.steps[1] <= a.steps[1]), (a, b)
+        assert self._count(tmp_path) == (14, 14)
+        assert open_run(tmp_path).sql("SELECT count(*) FROM spans").fetchall() == [(14,)]
+        assert vacuum(tmp_path, grace_s=0) == []
+        assert self._count(tmp_path) == (14, 14)
+
+    def test_a_steps_merge_failing_half_way_loses_nothing_to_a_vacuum(self, tmp_path):
+        """A steps/ merge writes its first table's file, a vacuum deletes the step files it covers,
+        the second table's file fails: the first stays, counted; every trajectory and span is read
+        once, and no later steps/ file spans those steps."""
+        comp = TestCompaction()
+        w = self._w(tmp_path, steps_per_file=2)
+        for step in range(2):
+            w.write(comp._trajs(step, 2))
+        deleted = _vacuum_during_a_failing_merge(w, tmp_path)
+        before = rtrace.stats().get("sink.parquet.compaction_errors", 0)
+        w.compact(idle_only=True)
+        assert rtrace.stats()["sink.parquet.compaction_errors"] == before + 1
+        assert len(deleted) == 2
+        assert _counts(tmp_path) == (4, 4, 4, 4)
+        assert vacuum(tmp_path, grace_s=0) == []
+        for step in range(2, 4):
+            w.write(comp._trajs(step, 2))
+        w.write(comp._trajs(1, 1, start=5))  # a late row of a step merged half way: never spanned
+        w.close()
+        assert sorted(layout.parse_name(n).steps for n in os.listdir(tmp_path / "trajectories/train/steps")) == [
+            (0, 1), (2, 3)]
+        assert _counts(tmp_path) == (9, 9, 9, 9)
+        vacuum(tmp_path, grace_s=0)
+        assert _counts(tmp_path) == (9, 9, 9, 9)
+
     def test_inputs_left_after_a_crash_are_skipped_and_vacuumed(self, tmp_path):
         """Step files back beside the steps/ file that holds them (a writer stopped between rename and
         delete): counted once; vacuum deletes them."""
@@ -390,7 +558,7 @@ class TestStepsFiles:
                     shutil.copy(backup / table / f"step={step}" / name, tmp_path / table / "train" / f"step={step}")
         assert self._count(tmp_path) == (6, 6)
         assert open_run(tmp_path).sql("SELECT count(*) FROM spans").fetchall() == [(6,)]
-        assert len(vacuum(tmp_path)) == 4
+        assert len(vacuum(tmp_path, grace_s=0)) == 4
         assert self._count(tmp_path) == (6, 6)
 
     def test_close_merges_whole_files_only(self, tmp_path):

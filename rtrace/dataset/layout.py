@@ -24,8 +24,9 @@ A run's dataset::
   and never pick the same name. ``000003`` counts the writer's files; a compacted file
   covers a range, ``<writer>-000000-000007``, and replaces the files of that writer whose
   numbers it covers, in its folder (a step merged into ``steps/``: the files of the steps
-  it names, in their ``step=N`` folders). Readers skip a covered file if it is still there:
-  the compacted file is renamed into place before its inputs are deleted. A trajectory's row
+  it names, in their ``step=N`` folders; never another ``steps/`` file). Readers skip a
+  covered file if it is still there: the compacted file is renamed into place before its
+  inputs are deleted. A trajectory's row
   and its spans' rows have the same file name in the two tables.
 - ``.v1.1.`` is the schema's version (:mod:`rtrace.dataset.schema`): a reader refuses a
   newer major version from the name alone, without opening the file, and reads a run whose
@@ -79,17 +80,19 @@ class FileName:
         """This (compacted) file holds everything ``other`` holds, and is not it: the same
         writer, a range of numbers that holds ``other``'s; for two files of one ``step=N``
         folder, that is all. A file of ``steps/`` covers only files whose steps
-        (``other_steps``: a ``step=N`` file's step, twice; a ``steps/`` file's range) are
+        (``other_steps``: a ``step=N`` file's step, twice; None: unknown, nothing covered) are
         among its own: a writer's numbers are one count over every step, so another step's
-        file can have a number in its range."""
+        file can have a number in its range. A file of ``steps/`` never covers another one:
+        a writer merges step files into ``steps/``, never ``steps/`` files, so two of them
+        always hold different rows, however their ranges lie."""
         if self.writer != other.writer or not (self.first <= other.first and other.last <= self.last) \
                 or (self.first, self.last) == (other.first, other.last):
             return False
         if self.steps is None:
             return other.steps is None  # (the caller compares files of one folder)
-        if other_steps is None:
-            other_steps = other.steps
-        return other_steps is not None and self.steps[0] <= other_steps[0] and other_steps[1] <= self.steps[1]
+        if other.steps is not None or other_steps is None:
+            return False
+        return self.steps[0] <= other_steps[0] and other_steps[1] <= self.steps[1]
 
 
 def parse_name(name: str) -> FileName | None:

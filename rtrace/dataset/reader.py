@@ -332,29 +332,35 @@ def parquet_source(paths: Sequence[str], options: str = "") -> str:
 
 
 def _uncovered(files: list[tuple[str, FileName]]) -> list[str]:
-    """The files no compacted file of the same writer covers: in their folder, or a
-    ``steps/`` file of the same table and train/validate folder holding their steps."""
-    by_folder: dict[tuple[str, str], list[FileName]] = {}
-    many: dict[tuple[str, str], list[FileName]] = {}
+    """The files no compacted file of the same writer covers: in their folder, or (a
+    ``step=N`` file) a ``steps/`` file of the same table and train/validate folder holding
+    its step. A ``steps/`` file is never covered (:meth:`FileName.covers`)."""
+    covered = _covering(files)
+    return [rel for rel, _ in files if rel not in covered]
+
+
+def _covering(files: list[tuple[str, FileName]]) -> dict[str, list[str]]:
+    """Each covered file of ``files`` -> the files covering it (see :func:`_uncovered`)."""
+    by_folder: dict[tuple[str, str], list[tuple[str, FileName]]] = {}
+    many: dict[tuple[str, str], list[tuple[str, FileName]]] = {}
     for rel, name in files:
         folder = rel.rpartition("/")[0]
-        by_folder.setdefault((folder, name.writer), []).append(name)
+        by_folder.setdefault((folder, name.writer), []).append((rel, name))
         if name.steps is not None:
-            many.setdefault((folder.rpartition("/")[0], name.writer), []).append(name)
-    out = []
+            many.setdefault((folder.rpartition("/")[0], name.writer), []).append((rel, name))
+    out: dict[str, list[str]] = {}
     for rel, name in files:
         folder = rel.rpartition("/")[0]
         siblings = by_folder[(folder, name.writer)]
-        if len(siblings) > 1 and any(other.covers(name) for other in siblings):
-            continue
+        by = [r for r, other in siblings if other.covers(name)] if len(siblings) > 1 else []
         span = name.steps
         if span is None:
             part = parse_partition(folder)
             span = (part[2], part[2]) if part is not None and part[2] is not None else None
-        merged = many.get((folder.rpartition("/")[0], name.writer), ())
-        if span is not None and any(m.covers(name, span) for m in merged):
-            continue
-        out.append(rel)
+        if span is not None:
+            by += [r for r, m in many.get((folder.rpartition("/")[0], name.writer), ()) if m.covers(name, span)]
+        if by:
+            out[rel] = by
     return out
 
 
@@ -422,28 +428,47 @@ def list_runs(path: str | os.PathLike) -> list[str]:
     return sorted(runs)
 
 
-def vacuum(path: str | os.PathLike) -> list[str]:
+#: :func:`vacuum` deletes a covered file only once a file covering it is this old (seconds)
+VACUUM_GRACE_S = 3600.0
+
+
+def vacuum(path: str | os.PathLike, grace_s: float = VACUUM_GRACE_S) -> list[str]:
     """Delete the files of a run that compacted files cover (left behind when a writer
-    stopped between writing a compacted file and deleting its inputs) and stale
-    temporary files older than an hour. Returns what was deleted. Safe while writers run:
-    it deletes nothing a reader reads."""
+    stopped between writing a compacted file and deleting its inputs) and temporary files
+    older than an hour. Returns what was deleted. Safe while writers run: it deletes nothing
+    a reader reads.
+
+    A covered file goes only once a file covering it is whole (it ends with a Parquet
+    footer: a file cut short by a power loss covers nothing) and ``grace_s`` seconds old
+    (an hour by default; a covering file whose age the store does not tell counts as
+    old): a writer of an earlier rtrace removed a merged file when the merge's second
+    file failed, and a vacuum in between deleted the rows it covered. A hidden temporary
+    file goes once it is an hour old (a file still being written is younger)."""
     import time
 
     run = open_store(os.fspath(path))
     deleted = []
+    now = time.time()
+    trusted: dict[str, bool] = {}
+
+    def trust(rel: str, size: int) -> bool:
+        if rel not in trusted:
+            trusted[rel] = size >= 12 and _tail_ok(run, rel) and now - _mtime(run, rel, now - grace_s) >= grace_s
+        return trusted[rel]
+
     for table in (TRAJECTORIES, SPANS):
-        files = []
-        for rel, _ in run.list(table):
+        files, sizes = [], {}
+        for rel, size in run.list(table):
             name = parse_name(rel.rpartition("/")[2])
             if name is not None:
                 files.append((rel, name))
-        keep = set(_uncovered(files))
-        for rel, _ in files:
-            if rel not in keep:
+                sizes[rel] = size
+        for rel, by in _covering(files).items():
+            if any(trust(c, sizes[c]) for c in by):
                 run.delete(rel)
                 deleted.append(rel)
     if run.local:
-        cutoff = time.time() - 3600
+        cutoff = now - 3600
         for folder, _, names in os.walk(run.root):
             for n in names:
                 full = os.path.join(folder, n)
@@ -452,6 +477,23 @@ def vacuum(path: str | os.PathLike) -> list[str]:
                     deleted.append(os.path.relpath(full, run.root))
     return deleted
 
+
+def _tail_ok(store: Store, rel: str) -> bool:
+    try:
+        return store.read_range(rel, -4, 4) == b"PAR1"
+    except OSError:
+        return False
+
+
+def _mtime(store: Store, rel: str, unknown: float) -> float:
+    """The file's modification time (seconds since the epoch); ``unknown`` if the store has none."""
+    try:
+        if store.local:
+            return os.stat(store.path(rel)).st_mtime
+        mtime = store.fs.get_file_info(store.path(rel)).mtime
+        return mtime.timestamp() if mtime is not None else unknown
+    except OSError:
+        return float("inf")  # gone or unreadable: never old enough
 
 
 def hf_load_kwargs(table: str = TRAJECTORIES) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 Each batch becomes one file per (table, validate, step) it touches, written whole
 (:meth:`rtrace.dataset.layout.Store.write`): the spans file first, then the trajectories
-file, so a trajectory row is only ever visible with its spans already there. A batch is
+file, so a trajectory row is only ever visible with its spans already there (a merge
+writes the trajectories file first and keeps it if the spans file fails:
+:meth:`DatasetWriter._write_pair`). A batch is
 written when ``write`` returns (in place, whole: the JSONL sink's durability, see
 :attr:`rtrace.dataset.layout.Store.fsync`); a failure (a full disk, a revoked bucket) loses
 that batch's open files and nothing written before.
@@ -30,8 +32,11 @@ about half a millisecond for this schema). Such a file covers this writer's file
 steps whose numbers are in its range, and every one of them is in it: the writer keeps
 every finished step's file until it is merged, and a step written to again (a late
 trajectory) is taken out of the finished ones first; its later files have numbers past the
-merged file's. Finished steps that never make a whole file (the last ones of a run) stay
-one file each.
+merged file's. A file of steps/ never covers another one (steps/ files are never merged
+again), and no chunk of finished steps gets a name whose number and step ranges hold an
+earlier steps/ file's (the chunk stops short): such a name would say it holds that file's
+rows. Finished steps that never make a whole file (the last ones of a run) stay one file
+each.
 """
 
 from __future__ import annotations
@@ -79,6 +84,15 @@ class _Partition:
     last_write: float = 0.0
 
 
+class _HalfMerged(Exception):
+    """A merge's trajectories file is in place, its spans file failed (``cause``): the
+    merged trajectories file stays (it covers its inputs), the spans inputs stay as they are."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
 @dataclass
 class WriteResult:
     written: int = 0
@@ -107,6 +121,11 @@ class DatasetWriter:
         #: validate -> finished steps left as they are (a step that fills a file alone, a merge
         #: that failed): like steps being written, no file of steps/ spans them (it would cover them)
         self._kept: dict[bool, set[int]] = {False: set(), True: set()}
+        #: validate -> the files of steps/ this writer wrote (or tried to): no later one may hold
+        #: both their number and their step ranges (earlier readers took such a file for covering
+        #: the older one: they dropped its rows and their vacuum deleted it). Pruned of the files
+        #: whose numbers lie before every file the writer still holds (no later name reaches them).
+        self._merged: dict[bool, list[FileName]] = {False: [], True: []}
         self.idle_s = idle_s
         self.target_bytes = target_bytes
         self.prefix = stats_prefix
@@ -187,26 +206,43 @@ class DatasetWriter:
             return encode.encode_safely(trajs, self.run)
 
     def _write_pair(self, part: _Partition, name: FileName, ttable: Any, stable: Any) -> int:
-        """The spans file, then the trajectories file (a row is never visible without its
-        spans); if the second fails the first is removed. Returns the bytes written.
-        ``ttable`` / ``stable``: a table, or a list of tables each written as its own row
-        groups (a file of steps/: a step per row group)."""
+        """Write a file of each table. Returns the bytes written. ``ttable`` / ``stable``: a
+        table, or a list of tables each written as its own row groups (a file of steps/: a
+        step per row group).
+
+        A batch's new file (one number): the spans file, then the trajectories file (a row
+        is never visible without its spans); if the second fails the first is removed (it
+        covers nothing). A merged file: the trajectories file, then the spans file, and if
+        the second fails the first stays (:class:`_HalfMerged`): it covers its inputs from
+        the moment it is renamed into place, so a ``vacuum`` may already have deleted them;
+        removing it then would lose their rows. Each table is still read once: from the
+        merged file in one, from the inputs in the other."""
         if name.steps is not None:
             srel, trel = (f"{steps_dir(t, part.validate)}/{name}" for t in (SPANS, TRAJECTORIES))
         else:
             srel = f"{partition_dir(SPANS, part.validate, part.step)}/{name}"
             trel = f"{partition_dir(TRAJECTORIES, part.validate, part.step)}/{name}"
         # a batch's file is snappy (fast; most are merged soon), a merged file zstd (smaller, for keeps)
-        codec = "zstd" if name.first != name.last else "snappy"
-        ssize = self.store.write(srel, lambda out: self._parquet(stable, out, SPANS, codec))
-        try:
+        merge = name.first != name.last or name.steps is not None
+        codec = "zstd" if merge else "snappy"
+        if merge:
             tsize = self.store.write(trel, lambda out: self._parquet(ttable, out, TRAJECTORIES, codec))
-        except BaseException:
             try:
-                self.store.delete(srel)
-            except Exception:
-                pass
-            raise
+                ssize = self.store.write(srel, lambda out: self._parquet(stable, out, SPANS, codec))
+            except Exception as exc:
+                self._count("files_written")
+                self._count("bytes_written", tsize)
+                raise _HalfMerged(exc) from exc
+        else:
+            ssize = self.store.write(srel, lambda out: self._parquet(stable, out, SPANS, codec))
+            try:
+                tsize = self.store.write(trel, lambda out: self._parquet(ttable, out, TRAJECTORIES, codec))
+            except BaseException:
+                try:
+                    self.store.delete(srel)
+                except Exception:
+                    pass
+                raise
         self._count("files_written", 2)
         self._count("bytes_written", ssize + tsize)
         return ssize + tsize
@@ -282,11 +318,15 @@ class DatasetWriter:
             if len(finished) < min(2, self.steps_per_file) or self.steps_per_file <= 1:
                 continue
             active = sorted({k[1] for k in self._parts if k[0] == validate and k[1] is not None} | self._kept[validate])
+            self._prune_merged(validate)
             chunk: list[int] = []
             size = 0
             for step in sorted(finished):
                 if chunk and active and bisect.bisect_right(active, chunk[-1]) != bisect.bisect_left(active, step):
                     chunk, size = [], 0  # a step being written lies between: its files must not be covered
+                if chunk and self._would_hold_merged(validate, [finished[s][0] for s in chunk + [step]],
+                                                     (chunk[0], step)):
+                    chunk, size = [], 0  # the name would hold an earlier steps/ file's ranges: keep names tight
                 if finished[step][1] >= self.target_bytes:
                     del finished[step]  # alone it fills a file: it stays as it is
                     self._kept[validate].add(step)
@@ -298,11 +338,29 @@ class DatasetWriter:
                     self._merge_steps(validate, chunk)
                     chunk, size = [], 0
 
+    def _would_hold_merged(self, validate: bool, inputs: list[FileName], steps: tuple[int, int]) -> bool:
+        """A file of steps/ merging ``inputs`` (of steps ``steps[0]..steps[1]``) would have
+        ranges of numbers and of steps that hold those of a steps/ file written before: it
+        would not hold that file's rows (steps/ files are never merged again), but its name
+        would say it does."""
+        first, last = min(n.first for n in inputs), max(n.last for n in inputs)
+        return any(first <= m.first and m.last <= last and steps[0] <= m.steps[0] and m.steps[1] <= steps[1]
+                   for m in self._merged[validate] if m.steps is not None)
+
+    def _prune_merged(self, validate: bool) -> None:
+        """Forget the steps/ files no later name can hold: a name's numbers start at its
+        inputs' lowest, and every later input is a file the writer holds now or a new one."""
+        held = [f.first for k, p in self._parts.items() if k[0] == validate for f, _ in p.files]
+        held += [f.first for f, _ in self._finished[validate].values()]
+        floor = min(held, default=self._next_seq)
+        self._merged[validate] = [m for m in self._merged[validate] if m.first >= floor]
+
     def _merge_steps(self, validate: bool, steps: list[int]) -> None:
         finished = self._finished[validate]
         inputs = [finished[s][0] for s in steps]
         merged = FileName(self.writer_id, min(n.first for n in inputs), max(n.last for n in inputs),
                           steps=(steps[0], steps[-1]))
+        self._merged[validate].append(merged)  # before writing: a failed merge may leave one table's file
         part = _Partition(validate, None)
         try:
             tables: dict[str, list[pa.Table]] = {}
@@ -311,21 +369,24 @@ class DatasetWriter:
             self._write_pair(part, merged, tables[TRAJECTORIES], tables[SPANS])
         except Exception as exc:
             self._count("compaction_errors")
-            _stats.warn_once(f"parquet-merge-steps-{type(exc).__name__}", "rtrace parquet sink could not merge steps "
-                             "%s-%s of %s (their files stay as they are): %s", steps[0], steps[-1],
-                             steps_dir(TRAJECTORIES, validate), exc)
-            for s in steps:  # not tried again: the step files stay, one each
+            half = isinstance(exc, _HalfMerged)
+            cause = exc.cause if isinstance(exc, _HalfMerged) else exc
+            _stats.warn_once(f"parquet-merge-steps-{type(cause).__name__}", "rtrace parquet sink could not merge steps "
+                             "%s-%s of %s (%s): %s", steps[0], steps[-1], steps_dir(TRAJECTORIES, validate),
+                             "their trajectories are merged, their spans files stay as they are" if half else
+                             "their files stay as they are", cause)
+            for s, name in zip(steps, inputs):  # not tried again: the step files stay, one each
                 del finished[s]
                 self._kept[validate].add(s)
+                if half:  # the merged trajectories file holds them: the step's own are duplicates
+                    self._forget((validate, s), name)
+                    self._delete(f"{partition_dir(TRAJECTORIES, validate, s)}/{name}")
             return
         for s, name in zip(steps, inputs):
             del finished[s]
             self._forget((validate, s), name)
             for table in (TRAJECTORIES, SPANS):
-                try:
-                    self.store.delete(f"{partition_dir(table, validate, s)}/{name}")
-                except Exception:
-                    self._count("delete_errors")
+                self._delete(f"{partition_dir(table, validate, s)}/{name}")
         self._count("compactions")
         self._count("files_compacted", 2 * len(inputs))
 
@@ -364,6 +425,21 @@ class DatasetWriter:
                 tables[table] = pa.concat_tables([t.replace_schema_metadata(parts[0].schema.metadata) for t in parts],
                                                  promote_options="none")
             size = self._write_pair(part, merged, tables[TRAJECTORIES], tables[SPANS])
+        except _HalfMerged as exc:
+            self._count("compaction_errors")
+            _stats.warn_once(f"parquet-compact-{type(exc.cause).__name__}", "rtrace parquet sink could not compact "
+                             "%s (its trajectories are merged, its spans files stay as they are): %s",
+                             partition_dir(TRAJECTORIES, part.validate, part.step), exc.cause)
+            # the merged trajectories file is there for good: the writer leaves its inputs' numbers
+            # behind (no later merge of this partition or steps/ file may take them again)
+            part.files = [f for f in part.files if f[0] not in names]
+            self._pending.discard(key)
+            if part.step is not None and part.step >= 0:
+                self._kept[part.validate].add(part.step)
+            for name in names:
+                self._forget(key, name)
+                self._delete(f"{partition_dir(TRAJECTORIES, part.validate, part.step)}/{name}")
+            return
         except Exception as exc:
             self._count("compaction_errors")
             _stats.warn_once(f"parquet-compact-{type(exc).__name__}", "rtrace parquet sink could not compact %s "
@@ -379,12 +455,16 @@ class DatasetWriter:
             self._remember(key, merged, tables[TRAJECTORIES], tables[SPANS])
         for name in names:
             for table in (TRAJECTORIES, SPANS):
-                try:
-                    self.store.delete(f"{partition_dir(table, part.validate, part.step)}/{name}")
-                except Exception:
-                    self._count("delete_errors")
+                self._delete(f"{partition_dir(table, part.validate, part.step)}/{name}")
         self._count("compactions")
         self._count("files_compacted", 2 * len(names))
+
+    def _delete(self, rel: str) -> None:
+        """Delete a merged input (a failure is counted: readers skip it, ``vacuum`` removes it)."""
+        try:
+            self.store.delete(rel)
+        except Exception:
+            self._count("delete_errors")
 
     def close(self) -> None:
         """Merge every partition with more than one file (the end of the run's writing), then
