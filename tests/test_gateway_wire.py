@@ -160,6 +160,46 @@ def test_streamed_events_keep_their_bytes_and_their_other_lines(captured):
     assert gen.output["content"] == "Hi!" and gen.response_ids == [43]
 
 
+class CutSplitUpstream(SplitUpstream):
+    """SplitUpstream whose client (the gateway) may close the connection before it has sent all."""
+
+    def _serve(self):
+        try:
+            super()._serve()
+        except OSError:
+            pass
+
+
+def test_a_streamed_event_too_large_to_strip_cuts_the_stream(captured):
+    """One event of a stream that grows past 4x RTRACE_GATEWAY_MAX_RESPONSE_BYTES before it ends: it
+    cannot be held to take out what the gateway asked for, so the client's stream is cut after the
+    events before it (never the event unstripped), counted; the span is an error."""
+    first = {"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"}, "logprobs": None,
+                                     "finish_reason": None, "token_ids": [1]}]}
+    huge = {"id": "c", "choices": [{"index": 0, "delta": {"content": "x"}, "logprobs": None, "finish_reason": None,
+                                    "token_ids": list(range(100000, 104000))}]}
+    body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in (first, huge)) + b"data: [DONE]\n\n"
+    up = CutSplitUpstream(body, list(range(2000, len(body), 2000)))
+    gw = start_gateway(up.url, gateway_max_response_bytes=1024)
+    got = b""
+    try:
+        with rtrace.rollout_context(step=1):
+            access = rtrace.gateway_access()
+            payload = {"model": "m", "messages": QUESTION, "stream": True}
+            with pytest.raises(httpx.HTTPError):
+                with httpx.stream("POST", f"{access.base_url}/chat/completions", json=payload, headers=access.headers,
+                                  timeout=30) as response:
+                    for part in response.iter_bytes():
+                        got += part
+    finally:
+        gw.stop()
+    assert [json.loads(e[6:]) for e in got.split(b"\n\n") if e] == [
+        {**first, "choices": [{**first["choices"][0], "token_ids": None}]}]
+    (gen,) = only(captured.trajectories)
+    assert gen.status == "error" and "larger than 4096 bytes" in gen.error
+    assert captured.stats()["gateway_responses_refused_too_large"] == 1
+
+
 # ----------------------------------------------------------------------------- HTTP framing
 class FixedUpstream:
     """An upstream that answers each request on one connection with the same fixed bytes."""

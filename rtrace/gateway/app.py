@@ -504,6 +504,7 @@ class Gateway(SessionAPI):
         between two network reads waits for its end when something must be taken out)."""
         asked = record.asked
         limit = self.settings.gateway_max_response_bytes
+        hold = limit * HOLD_FACTOR  # the most of one event held to strip it
         splitter = SseSplitter()
         size = 0
 
@@ -550,6 +551,10 @@ class Gateway(SessionAPI):
                     out.append(_event_with(event, dumps(obj)))
             if out:
                 request.write(b"".join(out))
+            if splitter.pending > hold:  # an event too large to hold and strip: the stream is cut, not leaked
+                _stats.incr("gateway_responses_refused_too_large")
+                reply.fail(f"a streamed event larger than {hold} bytes ({HOLD_FACTOR} x "
+                           "RTRACE_GATEWAY_MAX_RESPONSE_BYTES): too large to take out what the gateway asked for")
 
         record.status = reply.status
         request.start(reply.status, _response_headers(reply.headers))

@@ -531,6 +531,11 @@ class SseSplitter:
         self._tail = events.pop()
         return events
 
+    @property
+    def pending(self) -> int:
+        """The bytes of an event not complete yet."""
+        return len(self._tail)
+
     def rest(self) -> bytes:
         """What is left after the last complete event (an unterminated one)."""
         tail, self._tail = self._tail, b""

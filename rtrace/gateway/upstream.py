@@ -306,6 +306,11 @@ class Reply:
         """Stop (True) / resume (False) reading a piped body: the reader's own flow control."""
         self._conn.pause(paused)
 
+    def fail(self, message: str) -> None:
+        """End a piped body with a ``protocol`` :class:`UpstreamError` (its reader cannot take
+        what the upstream sends): ``on_end`` gets it, the connection is closed."""
+        self._conn._fail(UpstreamError("protocol", message))
+
     def abort(self) -> None:
         """Stop reading: the connection is closed (the upstream sees the request cancelled)."""
         conn = self._conn
