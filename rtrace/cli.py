@@ -318,7 +318,10 @@ def _serve_collector(collector, args: argparse.Namespace, stop) -> int:
         env_file = collector.write_env("rtrace-collector.env")
     print(f"rtrace collector listening on {collector.endpoint}; worker environment:", flush=True)
     if collector.gateway is not None:
-        print(f"# capture gateway: {collector.gateway.url}/v1 -> {collector.settings.gateway_upstream}", flush=True)
+        from .gateway.upstream import shown_url
+
+        print(f"# capture gateway: {collector.gateway.url}/v1 -> {shown_url(collector.settings.gateway_upstream)}",
+              flush=True)
     viewer = getattr(collector, "viewer", None)
     for key, value in env.items():
         if key in ("RTRACE_COLLECTOR_TOKEN", "RTRACE_GATEWAY_SECRET"):  # never printed: logs are read by others
@@ -376,7 +379,7 @@ def _gateway(args: argparse.Namespace) -> int:
 
         os.fchmod(f.fileno(), 0o600)
         f.writelines(f"export {k}={shlex.quote(str(v))}\n" for k, v in env.items())
-    print(f"rtrace gateway listening on {gateway.url}/v1 -> {settings.gateway_upstream}; trainer environment:",
+    print(f"rtrace gateway listening on {gateway.url}/v1 -> {gateway.upstream_shown}; trainer environment:",
           flush=True)
     print(f"export RTRACE_GATEWAY_URL={gateway.url}", flush=True)
     print(f"# RTRACE_GATEWAY_SECRET{' and RTRACE_COLLECTOR_TOKEN' if gateway.token else ''}: in {env_file} "

@@ -473,13 +473,16 @@ class TestCaptureGaps:
         assert 0 < len(gen.response_ids) < len(encode(FakeVLLM.reply(QUESTION, TOOLS)[2]))
 
     def test_an_answer_over_the_size_cap_passes_through_unrecorded(self, captured, gateway, fake):
-        """An answer larger than RTRACE_GATEWAY_MAX_RESPONSE_BYTES reaches the client whole, as it came;
-        the call is recorded with a ``too_large`` gap, counted; whole and streamed."""
+        """An answer larger than RTRACE_GATEWAY_MAX_RESPONSE_BYTES reaches the client whole (as it came
+        when there is nothing to take out: the client asked for ids and logprobs itself); the call is
+        recorded with a ``too_large`` gap, counted; whole and streamed (tests/test_gateway_wire.py:
+        an answer the gateway must strip)."""
         gateway(gateway_max_response_bytes=1024)
         long = [{"role": "user", "content": "What is " + " + ".join(["1"] * 300) + "?"}]
         with rtrace.rollout_context(step=1):
             access = rtrace.gateway_access()
-            whole = chat(access.base_url, access.api_key, messages=long, tools=None)
+            whole = chat(access.base_url, access.api_key, messages=long, tools=None, return_token_ids=True,
+                         logprobs=True)
             streamed = chat(access.base_url, access.api_key, messages=long, tools=None, stream=True)
         assert whole.status_code == streamed.status_code == 200
         assert whole.json()["choices"][0]["message"]["content"] == "The answer is 300."

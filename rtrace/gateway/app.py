@@ -40,11 +40,11 @@ from ..instrumentation.propagation import baggage_coordinates
 from . import keys as _keys
 from .errors import Refused, error_body, error_response
 from .http import Request as HttpRequest, call_asgi
-from .protocol import CHAT, COMPLETIONS, SseSplitter, dumps, edit, event_data, loads, prepare, strip, strip_chunk
+from .protocol import CHAT, COMPLETIONS, SseSplitter, chunk_kept, dumps, edit, event_data, loads, prepare, strip
 from .recorder import Join, Record, open_call, remote_context
 from .session_api import SessionAPI
 from .sessions import SessionError, Sessions
-from .upstream import Upstream, UpstreamError
+from .upstream import Upstream, UpstreamError, shown_url
 
 __all__ = ["Gateway", "SERVED", "error_response"]
 
@@ -65,6 +65,9 @@ _DROP_REQUEST = frozenset(("host", "content-length", "connection", "keep-alive",
 _DROP_RESPONSE = frozenset((b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"date",
                             b"server"))
 _JSON = [(b"content-type", b"application/json")]
+#: a whole answer the gateway must strip (it asked for ids or logprobs the client did not) is held
+#: up to this many times RTRACE_GATEWAY_MAX_RESPONSE_BYTES (recorded only up to 1x); past it: 502
+HOLD_FACTOR = 4
 
 
 def _model_route(path: str) -> tuple[str | None, str | None]:
@@ -136,6 +139,8 @@ class Gateway(SessionAPI):
         self.verify = _keys.Verifier(self.secret)
         self.sessions = Sessions()
         self.upstream_url = settings.gateway_upstream
+        #: the upstream as answers show it: without credentials (shown_url)
+        self.upstream_shown = shown_url(self.upstream_url)
         self._upstream: Upstream | None = None  # made on the serving loop (its connections belong to it)
         self._sweeper: Any = None
         #: the base URL clients reach this gateway at (set by the server once it listens)
@@ -359,11 +364,16 @@ class Gateway(SessionAPI):
         status = 504 if exc.kind == "timeout" else 502
         _stats.incr(f"gateway_upstream_errors.{exc.kind}")
         request.respond(status, _JSON, error_body(status, f"upstream_{exc.kind}",
-                                                  f"rtrace gateway: upstream {self.upstream_url}: {exc}"))
+                                                  f"rtrace gateway: upstream {self.upstream_shown}: {exc}"))
 
     async def _whole(self, request: HttpRequest, reply: Any, record: "Record") -> None:
         """A whole answer: read, recorded, stripped of what the gateway asked for, sent in one write."""
         limit = self.settings.gateway_max_response_bytes
+        # What the gateway asked for must come out at any size (the client sees what the upstream
+        # answers it), so such an answer is held whole up to a hard bound; one with nothing to
+        # take out is passed on as it comes once it is over the cap.
+        strips = bool(record.asked) and reply.status == 200
+        hold = limit * HOLD_FACTOR if strips else limit
         headers = _response_headers(reply.headers)
         parts: list[bytes] = []
         size = 0
@@ -372,7 +382,7 @@ class Gateway(SessionAPI):
             async for chunk in chunks:
                 size += len(chunk)
                 parts.append(chunk)
-                if size > limit:
+                if size > hold:
                     break
         except UpstreamError as exc:
             record.finish(error=f"upstream {exc.kind}: {exc}")
@@ -381,16 +391,30 @@ class Gateway(SessionAPI):
             record.finish(error="the client went away")
             await chunks.aclose()
             raise
-        if size > limit:  # too large to hold: passed through as it comes, not recorded
+        if size > hold:
             _stats.incr("gateway_responses_too_large")
+            record.status = reply.status
+            if strips:  # it cannot be stripped within bounds, and must not reach the client unstripped
+                reply.abort()
+                _stats.incr("gateway_responses_refused_too_large")
+                record.gap("too_large", f"the answer is larger than {hold} bytes ({HOLD_FACTOR} x "
+                                        "RTRACE_GATEWAY_MAX_RESPONSE_BYTES): refused (502), not recorded")
+                message = (f"rtrace gateway: the upstream's answer is larger than {hold} bytes, the most the "
+                           f"gateway holds ({HOLD_FACTOR} x RTRACE_GATEWAY_MAX_RESPONSE_BYTES) to take out the "
+                           "token ids / logprobs it asked for on its own behalf; raise "
+                           "RTRACE_GATEWAY_MAX_RESPONSE_BYTES, or ask for them in the request (return_token_ids, "
+                           "logprobs) so that the gateway passes the answer through")
+                record.finish(error=message)
+                return request.respond(502, _JSON, error_body(502, "upstream_response_too_large", message))
+            # too large to hold, nothing to take out: passed through as it comes, not recorded
             record.gap("too_large", f"the answer is larger than {limit} bytes (RTRACE_GATEWAY_MAX_RESPONSE_BYTES): "
                                     "passed through, not recorded")
-            record.status = reply.status
             error = await self._relay(request, reply, headers, parts)
             record.finish(error=error if error is not None else
                           None if reply.status == 200 else f"upstream answered {reply.status}")
             return
         raw = parts[0] if len(parts) == 1 else b"".join(parts)
+        del parts
         record.status = reply.status
         # The span ends before the answer leaves: the client may end its rollout as soon as it has
         # the answer, and a span that ends after its trajectory's root would come too late.
@@ -398,7 +422,13 @@ class Gateway(SessionAPI):
             _stats.incr("gateway_upstream_errors.status")
             record.finish(error=_error_text(reply.status, raw))
             return request.respond(reply.status, headers, raw)
-        record.raw = raw  # read in the worker (recorder.Reading)
+        recorded = size <= limit
+        if recorded:
+            record.raw = raw  # read in the worker (recorder.Reading)
+        else:  # held only to be stripped
+            _stats.incr("gateway_responses_too_large")
+            record.gap("too_large", f"the answer is larger than {limit} bytes (RTRACE_GATEWAY_MAX_RESPONSE_BYTES): "
+                                    "stripped and passed on, not recorded")
         if record.asked:
             out, _ = edit(raw, record.asked)
             if out is None:  # not something edit() can tell: parsed, stripped, encoded again
@@ -407,10 +437,11 @@ class Gateway(SessionAPI):
                 except ValueError:
                     data = None
                 if type(data) is dict:
-                    record.data, record.raw = data, None  # (the worker reads it before it is stripped)
-                    data = dict(data)  # stripped as a copy: the worker reads the original
-                    if type(data.get("choices")) is list:
-                        data["choices"] = [dict(c) if type(c) is dict else c for c in data["choices"]]
+                    if recorded:
+                        record.data, record.raw = data, None  # (the worker reads it before it is stripped)
+                        data = dict(data)  # stripped as a copy: the worker reads the original
+                        if type(data.get("choices")) is list:
+                            data["choices"] = [dict(c) if type(c) is dict else c for c in data["choices"]]
                     strip(data, record.asked)
                     out = dumps(data)
                 else:
@@ -473,6 +504,7 @@ class Gateway(SessionAPI):
         between two network reads waits for its end when something must be taken out)."""
         asked = record.asked
         limit = self.settings.gateway_max_response_bytes
+        hold = limit * HOLD_FACTOR  # the most of one event held to strip it
         splitter = SseSplitter()
         size = 0
 
@@ -513,12 +545,16 @@ class Gateway(SessionAPI):
                     obj = loads(data)
                 except ValueError:
                     obj = None
-                if type(obj) is not dict:
-                    out.append(event + b"\n\n")
-                elif strip_chunk(obj, asked):
-                    out.append(b"data: " + dumps(obj) + b"\n\n")
+                if type(obj) is not dict or not strip(obj, asked):
+                    out.append(event + b"\n\n")  # nothing taken out: the event's bytes as they came
+                elif chunk_kept(obj):
+                    out.append(_event_with(event, dumps(obj)))
             if out:
                 request.write(b"".join(out))
+            if splitter.pending > hold:  # an event too large to hold and strip: the stream is cut, not leaked
+                _stats.incr("gateway_responses_refused_too_large")
+                reply.fail(f"a streamed event larger than {hold} bytes ({HOLD_FACTOR} x "
+                           "RTRACE_GATEWAY_MAX_RESPONSE_BYTES): too large to take out what the gateway asked for")
 
         record.status = reply.status
         request.start(reply.status, _response_headers(reply.headers))
@@ -555,7 +591,7 @@ class Gateway(SessionAPI):
         except UpstreamError as exc:
             status = 504 if exc.kind == "timeout" else 502
             _stats.incr(f"gateway_upstream_errors.{exc.kind}")
-            return error_response(status, f"upstream_{exc.kind}", f"rtrace gateway: upstream {self.upstream_url}: "
+            return error_response(status, f"upstream_{exc.kind}", f"rtrace gateway: upstream {self.upstream_shown}: "
                                                                   f"{exc}")
         if reply.status != 200:
             _stats.incr("gateway_upstream_errors.status")
@@ -605,7 +641,7 @@ class Gateway(SessionAPI):
 
     async def health(self, request: Request) -> Response:
         """``GET /rtrace/health``: 200 while the gateway serves."""
-        return _json_response({"status": "ok", "upstream": self.upstream_url})
+        return _json_response({"status": "ok", "upstream": self.upstream_shown})
 
 
 def _error_text(status: int, raw: bytes) -> str:
@@ -619,6 +655,21 @@ def _error_text(status: int, raw: bytes) -> str:
     except ValueError:
         pass
     return f"upstream answered {status}" + (f": {str(message)[:2000]}" if message else "")
+
+
+def _event_with(event: bytes, data: bytes) -> bytes:
+    """An SSE ``event`` (without its blank line) with ``data`` as its data, ended: its other
+    lines (``event:``, ``id:``, ``retry:``, comments) kept in place."""
+    if event.startswith(b"data: ") and b"\n" not in event:
+        return b"data: " + data + b"\n\n"
+    out, placed = [], False
+    for line in event.split(b"\n"):
+        if not line.startswith(b"data:"):
+            out.append(line)
+        elif not placed:
+            out.append(b"data: " + data)
+            placed = True
+    return b"\n".join(out) + b"\n\n"
 
 
 def _response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

@@ -11,11 +11,14 @@ layers. Here:
   whole answer leaves in one write (:meth:`Request.respond`), a stream is written chunk by
   chunk as it comes (:meth:`Request.start` / :meth:`Request.write` / :meth:`Request.end`);
 * every other route is the gateway's Starlette app, called as ASGI (:func:`call_asgi`);
-* keep-alive (idle connections closed after :data:`KEEP_ALIVE_S`), pipelined requests
-  (answered in order), ``Expect: 100-continue``, request bodies bounded (the handler sees
-  ``request.too_large`` and answers 413; the connection then closes), flow control (a client
-  that reads slowly pauses whoever writes to it: :attr:`Request.on_pause`), the client going
-  away (:attr:`Request.on_gone`), a graceful stop (:meth:`Server.stop`).
+* keep-alive (idle connections closed after :data:`KEEP_ALIVE_S`; a request still arriving
+  is not idle, but must arrive within :data:`READ_TIMEOUT_S`: 408), pipelined requests
+  (answered in order), ``Expect: 100-continue`` (sent once the answers before the request are
+  done, never inside one), HEAD and 1xx / 204 / 304 answers without a body, an ``Upgrade``
+  (``h2c``) ignored, request bodies bounded (the handler sees ``request.too_large`` and
+  answers 413; the connection then closes), flow control (a client that reads slowly pauses
+  whoever writes to it: :attr:`Request.on_pause`), the client going away
+  (:attr:`Request.on_gone`), a graceful stop (:meth:`Server.stop`).
 """
 
 from __future__ import annotations
@@ -40,7 +43,13 @@ __all__ = ["Request", "Server", "ClientGone", "call_asgi", "new_loop", "KEEP_ALI
 KEEP_ALIVE_S = 75.0
 #: the request head's bytes (URL + headers) accepted
 MAX_HEAD_BYTES = 64 * 1024
+#: a request's head and body must arrive within this long of its first byte, counted while no
+#: earlier answer on the connection is in progress (a client that stalls mid-request is cut: 408)
+READ_TIMEOUT_S = 60.0
 _STATUS: dict[int, bytes] = {}
+#: statuses whose answers have no body and no framing headers (RFC 9110 6.4.1)
+_NO_BODY = frozenset((100, 101, 102, 103, 204, 304))
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 def _status_line(status: int) -> bytes:
@@ -82,7 +91,8 @@ class Request:
     """
 
     __slots__ = ("conn", "method", "path", "raw_path", "query", "http_version", "headers", "raw_headers", "body",
-                 "too_large", "keep_alive", "on_gone", "on_pause", "started", "finished", "chunked", "_gone_waiter")
+                 "too_large", "keep_alive", "on_gone", "on_pause", "started", "finished", "chunked", "bodyless",
+                 "_gone_waiter")
 
     def __init__(self, conn: "_Connection", method: str, raw_path: bytes, query: bytes, http_version: str,
                  raw_headers: list[tuple[bytes, bytes]], keep_alive: bool) -> None:
@@ -103,6 +113,8 @@ class Request:
         self.started = False
         self.finished = False
         self.chunked = False
+        #: nothing of the answer's body is written (HEAD, or a status that has none)
+        self.bodyless = method == "HEAD"
         self._gone_waiter: asyncio.Future | None = None
 
     @property
@@ -122,13 +134,16 @@ class Request:
 
     def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """The whole answer in one write (``content-length`` is added; ``headers`` must not
-        carry framing headers)."""
+        carry framing headers). A status that has no body (1xx, 204, 304) is sent without one."""
         if self.started:
             raise RuntimeError("the answer was started already")
         self.started = self.finished = True
-        out = self._head(status, headers, b"content-length: %d\r\n" % len(body))
-        if self.method != "HEAD":
-            out.append(body)
+        if status in _NO_BODY:
+            out = self._head(status, headers, b"")
+        else:
+            out = self._head(status, headers, b"content-length: %d\r\n" % len(body))
+            if self.method != "HEAD":
+                out.append(body)
         self.conn.write(b"".join(out))
         self.conn.answered(self)
 
@@ -139,27 +154,32 @@ class Request:
         if self.started:
             raise RuntimeError("the answer was started already")
         self.started = True
-        if length is not None:
+        if status in _NO_BODY:  # (an upstream's 204 or 304 relayed): no framing, nothing written after the head
+            framing, self.bodyless = b"", True
+        elif length is not None:
             framing = b"content-length: %d\r\n" % length
         elif self.http_version == "1.1":
-            framing, self.chunked = b"transfer-encoding: chunked\r\n", True
-        else:
+            # a HEAD answer says how the GET answer would be framed, and has no body (no last chunk)
+            framing, self.chunked = b"transfer-encoding: chunked\r\n", not self.bodyless
+        elif not self.bodyless:
             framing, self.keep_alive = b"", False
+        else:
+            framing = b""
         out = self._head(status, headers, framing)
-        if body and self.method != "HEAD":
+        if body and not self.bodyless:
             out.append(b"%x\r\n%s\r\n" % (len(body), body) if self.chunked else body)
         self.conn.write(b"".join(out))
 
     def write(self, data: bytes) -> None:
         """A part of a started answer."""
-        if data and not self.finished and self.method != "HEAD":
+        if data and not self.finished and not self.bodyless:
             self.conn.write(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data)
 
     def end(self, data: bytes = b"") -> None:
         """The end of a started answer (with its last part)."""
         if self.finished:
             return
-        if self.method == "HEAD":
+        if self.bodyless:
             data = b""
         if self.chunked:
             self.conn.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n")
@@ -203,7 +223,10 @@ class _Connection(asyncio.Protocol):
         self.paused_writing = False
         self.current: Request | None = None
         self.waiting: deque[Request] = deque()
+        #: since when the connection has had nothing to do (no request being read or answered)
         self.idle_since = time.monotonic()
+        #: since when the request being read has been arriving (None: none is)
+        self.reading_since: float | None = None
         self.peer: Any = None
         self.local: Any = None
         self._reset()
@@ -215,6 +238,9 @@ class _Connection(asyncio.Protocol):
         self._parts: list[bytes] = []
         self._size = 0
         self._request: Request | None = None
+        self._method = b""
+        self._upgrade = False  # the head asked to switch protocols (ignored: _serve_upgrade)
+        self._continue = False  # a "100 Continue" owed once the answers before this request are done
 
     # ------------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport: Any) -> None:
@@ -232,8 +258,8 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._refuse(400, b"upgrades are not served")
+        except httptools.HttpParserUpgrade as exc:
+            self._serve_upgrade(data, exc.args[0] if exc.args else len(data))
         except httptools.HttpParserError as exc:
             self._refuse(400, b"malformed HTTP request: " + str(exc).encode("latin-1", "replace"))
         except _HeadTooLarge:
@@ -262,6 +288,7 @@ class _Connection(asyncio.Protocol):
     # ------------------------------------------------------------------ httptools callbacks
     def on_message_begin(self) -> None:
         self._reset()
+        self.reading_since = time.monotonic()
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -277,16 +304,23 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         parser = self.parser
+        self._method = method = parser.get_method()
+        if parser.should_upgrade():  # served as plain HTTP/1.1 once httptools says where the head ended
+            self._upgrade = True
+            return
         url = httptools.parse_url(self._url)
         version = parser.get_http_version()
-        request = self._request = Request(self, parser.get_method().decode("ascii"), url.path, url.query or b"",
+        request = self._request = Request(self, method.decode("ascii"), url.path, url.query or b"",
                                           version, self._headers, parser.should_keep_alive())
         limit = self.server.max_body
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             self._too_large(request)
         elif request.headers.get("expect", "").lower() == "100-continue" and not self.closed:
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            if self.current is None and not self.waiting:
+                self.transport.write(_CONTINUE)
+            else:  # not inside the answer in progress: once the answers before it are done (answered())
+                self._continue = True
 
     def on_body(self, body: bytes) -> None:
         request = self._request
@@ -306,6 +340,7 @@ class _Connection(asyncio.Protocol):
         parts = self._parts
         request.body = parts[0] if len(parts) == 1 else b"".join(parts)
         self._reset()
+        self.reading_since = None
         self._queue(request)
 
     # ------------------------------------------------------------------ requests and answers
@@ -313,6 +348,7 @@ class _Connection(asyncio.Protocol):
         """A body over the limit: answered at once (by the handler), then the connection closes."""
         request.too_large = True
         request.keep_alive = False
+        self.reading_since = None
         self.transport.pause_reading()  # nothing more of it is read
         self._queue(request)
 
@@ -341,6 +377,11 @@ class _Connection(asyncio.Protocol):
                 self.transport.resume_reading()
         else:
             self.idle_since = time.monotonic()
+            if self.reading_since is not None:  # the next request is arriving: its time starts now
+                self.reading_since = self.idle_since
+                if self._continue:
+                    self._continue = False
+                    self.transport.write(_CONTINUE)
 
     def write(self, data: bytes) -> None:
         if not self.closed:
@@ -351,12 +392,33 @@ class _Connection(asyncio.Protocol):
             self.closed = True
             self.transport.close()
 
-    def _refuse(self, status: int, message: bytes) -> None:
+    def _refuse(self, status: int, message: bytes, counter: str = "gateway_refused.bad_http") -> None:
         if not self.closed and self.current is None:
             self.transport.write(_status_line(status) + b"content-type: text/plain; charset=utf-8\r\n"
                                  b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(message), message))
-        _stats.incr("gateway_refused.bad_http")
+        _stats.incr(counter)
         self.close()
+
+    def read_timeout(self) -> None:
+        """The request being read did not arrive within :data:`READ_TIMEOUT_S`: 408, closed."""
+        self._refuse(408, b"the request did not arrive within %g s" % READ_TIMEOUT_S,
+                     "gateway_refused.request_timeout")
+
+    def _serve_upgrade(self, data: bytes, at: int) -> None:
+        """A request that asks to switch protocols (``Upgrade: h2c``, which ``curl --http2``
+        sends) is served as HTTP/1.1, which a server may do (RFC 9110 7.8): httptools stops at
+        the end of its head (``at`` in ``data``) and would skip its body, so its head is parsed
+        again without the ``upgrade`` header, followed by the rest of what came."""
+        if not self._upgrade or self._method == b"CONNECT":  # CONNECT always switches: not served
+            self._refuse(405, b"CONNECT is not served")
+            return
+        head = [self._method, b" ", self._url, b" HTTP/", self.parser.get_http_version().encode("ascii"), b"\r\n"]
+        for name, value in self._headers:
+            if name != b"upgrade" and name != b"http2-settings":
+                head += (name, b": ", value, b"\r\n")
+        head.append(b"\r\n")
+        self.parser = httptools.HttpRequestParser(self)
+        self.data_received(b"".join(head) + data[at:])
 
 
 class _HeadTooLarge(Exception):
@@ -412,13 +474,20 @@ class Server:
                 request.abort()
 
     async def _sweep(self) -> None:
-        """Every few seconds: idle keep-alive connections past :data:`KEEP_ALIVE_S` are closed."""
+        """Every few seconds: idle keep-alive connections past :data:`KEEP_ALIVE_S` are closed,
+        and so are those whose request has been arriving for more than :data:`READ_TIMEOUT_S`
+        (408); a connection with an answer in progress is left alone."""
         while True:
-            await asyncio.sleep(min(5.0, KEEP_ALIVE_S))
+            await asyncio.sleep(min(5.0, KEEP_ALIVE_S, READ_TIMEOUT_S))
             now = time.monotonic()
             for conn in list(self.connections):
-                if conn.current is None and not conn.waiting and now - conn.idle_since > KEEP_ALIVE_S:
-                    conn.close()
+                if conn.current is not None or conn.waiting:
+                    continue
+                if conn.reading_since is None:
+                    if now - conn.idle_since > KEEP_ALIVE_S:
+                        conn.close()
+                elif now - conn.reading_since > READ_TIMEOUT_S:
+                    conn.read_timeout()
 
     async def stop(self, timeout_s: float) -> None:
         """Stop listening, close idle connections, give the requests being answered

@@ -55,8 +55,8 @@ try:  # the gateway extra brings it; without it, edit() says it cannot and answe
 except ImportError:  # pragma: no cover
     msgspec = None  # type: ignore[assignment]
 
-__all__ = ["CHAT", "COMPLETIONS", "Asked", "prepare", "edit", "strip", "strip_chunk", "Capture", "loads", "dumps",
-           "SseSplitter"]
+__all__ = ["CHAT", "COMPLETIONS", "Asked", "prepare", "edit", "strip", "strip_chunk", "chunk_kept", "Capture", "loads",
+           "dumps", "SseSplitter"]
 
 #: The two kinds of model call, by route.
 CHAT, COMPLETIONS = "chat", "completions"
@@ -94,30 +94,48 @@ def prepare(payload: dict[str, Any], kind: str, ask_ids: bool, ask_logprobs: boo
     return body, asked
 
 
-def strip(data: dict[str, Any], asked: Asked) -> None:
-    """Take what the gateway asked for out of a whole answer (in place)."""
-    if asked.ids and "prompt_token_ids" in data:
+def strip(data: dict[str, Any], asked: Asked) -> bool:
+    """Take what the gateway asked for out of a whole answer (in place); True when a value
+    that was there (not null) was taken out."""
+    changed = False
+    if asked.ids and data.get("prompt_token_ids") is not None:
         data["prompt_token_ids"] = None
+        changed = True
     for choice in data.get("choices") or ():
         if type(choice) is not dict:
             continue
         if asked.ids:
-            for key in ("token_ids", "prompt_token_ids"):
-                if key in choice:
+            for key in _IDS:
+                if choice.get(key) is not None:
                     choice[key] = None
-        if asked.logprobs and "logprobs" in choice:
+                    changed = True
+        if asked.logprobs and choice.get("logprobs") is not None:
             choice["logprobs"] = None
+            changed = True
+    return changed
 
 
 def strip_chunk(data: dict[str, Any], asked: Asked) -> bool:
-    """:func:`strip` for a streamed chunk; False when nothing is left for the client (a chunk
-    that only carried ids or logprobs: no text, no tool call, no finish reason, no usage)."""
+    """:func:`strip` for a streamed chunk; False when nothing is left for the client
+    (:func:`chunk_kept`)."""
     strip(data, asked)
+    return chunk_kept(data)
+
+
+def chunk_kept(data: dict[str, Any]) -> bool:
+    """A streamed chunk (stripped already) still carries something for the client: no choices,
+    usage, prompt ids, or a choice with a finish reason, a non-empty delta, text, or token ids /
+    prompt ids / logprobs that the client asked for itself (so the gateway left them). A chunk
+    that only carried what the gateway asked for is dropped: vLLM sends one per token once ids
+    or logprobs are asked, and the upstream would not have sent it to the client."""
     choices = data.get("choices")
-    if not choices or data.get("usage"):
+    if not choices or data.get("usage") or data.get("prompt_token_ids") is not None:
         return True
     for choice in choices:
         if type(choice) is not dict or choice.get("finish_reason") is not None:
+            return True
+        if choice.get("token_ids") is not None or choice.get("prompt_token_ids") is not None \
+                or choice.get("logprobs") is not None:
             return True
         delta = choice.get("delta")
         if delta is None:  # completions: a text chunk
@@ -233,7 +251,8 @@ def edit(raw: bytes, asked: Asked, chunk: bool = False) -> tuple[bytes | None, b
     cuts = []
     if asked.ids and "prompt_token_ids" in spans:
         cuts.append(spans["prompt_token_ids"])
-    keep = not chunk or not choices or not _falsy(raw, spans.get("usage"))
+    keep = not chunk or not choices or not _falsy(raw, spans.get("usage")) or (
+        not asked.ids and not _null(raw, spans.get("prompt_token_ids")))
     if choices:
         start, stop = spans["choices"]
         i = _past(raw, start, _LBRACKET)
@@ -248,9 +267,13 @@ def edit(raw: bytes, asked: Asked, chunk: bool = False) -> tuple[bytes | None, b
                 cuts += [at[k] for k in _IDS if k in at]
             if asked.logprobs and "logprobs" in at:
                 cuts.append(at["logprobs"])
-            if not keep:  # strip_chunk's test: a finish reason, a non-empty delta, text
+            if not keep:  # chunk_kept's test: a finish reason, what the client asked for, a delta, text
                 delta = at.get("delta")
                 if not _null(raw, at.get("finish_reason")):
+                    keep = True
+                elif not asked.ids and not (_null(raw, at.get("token_ids")) and _null(raw, at.get("prompt_token_ids"))):
+                    keep = True  # ids the client asked for itself
+                elif not asked.logprobs and not _null(raw, at.get("logprobs")):
                     keep = True
                 elif _null(raw, delta):  # completions
                     keep = not _falsy(raw, at.get("text"))
@@ -507,6 +530,11 @@ class SseSplitter:
         events = buf.split(b"\n\n")
         self._tail = events.pop()
         return events
+
+    @property
+    def pending(self) -> int:
+        """The bytes of an event not complete yet."""
+        return len(self._tail)
 
     def rest(self) -> bytes:
         """What is left after the last complete event (an unterminated one)."""

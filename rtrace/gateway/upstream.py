@@ -30,10 +30,24 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["Upstream", "Reply", "UpstreamError"]
+__all__ = ["Upstream", "Reply", "UpstreamError", "shown_url"]
 
 #: bytes buffered from the upstream before the socket is paused (resumed below _LOW)
 _HIGH, _LOW = 1 << 20, 1 << 18
+
+
+def shown_url(url: str) -> str:
+    """``url`` as the gateway shows it (error bodies, ``/rtrace/health``, its log): scheme,
+    host, port and path only; credentials in it (``user:password@``, a query's token) never."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        return "<the upstream URL>"
+    return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
 class UpstreamError(Exception):
@@ -291,6 +305,11 @@ class Reply:
     def pause(self, paused: bool) -> None:
         """Stop (True) / resume (False) reading a piped body: the reader's own flow control."""
         self._conn.pause(paused)
+
+    def fail(self, message: str) -> None:
+        """End a piped body with a ``protocol`` :class:`UpstreamError` (its reader cannot take
+        what the upstream sends): ``on_end`` gets it, the connection is closed."""
+        self._conn._fail(UpstreamError("protocol", message))
 
     def abort(self) -> None:
         """Stop reading: the connection is closed (the upstream sees the request cancelled)."""
