@@ -53,3 +53,38 @@ def make_run(tmp_path, exporter: str = "parquet,jsonl", experiment: str = "run-7
         assert rtrace.flush(60)
     rtrace.shutdown()
     return os.path.join(tmp_path, "ds", experiment), mem.trajectories, jsonl
+
+
+def _engine_unit_ns() -> int:
+    import duckdb
+
+    return 1 if int(duckdb.__version__.split(".")[0]) >= 2 else 1000
+
+
+def as_read_back(trajs):
+    """Copies of ``trajs`` with their times as DuckDB reads them back from the dataset: to the
+    nanosecond from DuckDB 2.0, to the microsecond before it (the last for Python 3.10 reads
+    time-zoned nanosecond timestamps as microseconds; docs/dataset.md)."""
+    import copy
+
+    trajs = copy.deepcopy(list(trajs))
+    unit = _engine_unit_ns()
+    if unit > 1:
+        for t in trajs:
+            for s in t.spans:
+                s.start_ns -= s.start_ns % unit
+                s.end_ns -= s.end_ns % unit
+                for e in s.events:
+                    if isinstance(e.get("time_ns"), int):
+                        e["time_ns"] -= e["time_ns"] % unit
+    return trajs
+
+
+def records_as_read_back(records):
+    """Report records (``r.traj``) whose trajectories are :func:`as_read_back`'s."""
+    import copy
+
+    records = [copy.copy(r) for r in records]
+    for r, t in zip(records, as_read_back(r.traj for r in records)):
+        r.traj = t
+    return records

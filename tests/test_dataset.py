@@ -24,7 +24,7 @@ from rtrace.dataset import encode, layout, schema  # noqa: E402
 from rtrace.dataset.reader import SchemaVersionError, open_run, vacuum  # noqa: E402
 from rtrace.dataset.writer import DatasetWriter  # noqa: E402
 from rtrace.exporters.jsonl import read_jsonl  # noqa: E402
-from tests.dataset_run import PROMPTS, ROLLOUTS, STEPS, make_run  # noqa: E402
+from tests.dataset_run import PROMPTS, ROLLOUTS, STEPS, as_read_back, make_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -127,7 +127,7 @@ class TestRoundTrip:
         path, trajs, _ = run
         loaded = {t.trace_id: t for t in open_run(path).load()}
         assert len(loaded) == len(trajs) == STEPS * PROMPTS * ROLLOUTS + PROMPTS
-        for t in trajs:
+        for t in as_read_back(trajs):
             want = t.to_dict()
             got = loaded[t.trace_id].to_dict()
             want["group_id"] = None if t.group_id is None else str(t.group_id)
@@ -144,7 +144,7 @@ class TestRoundTrip:
             "SELECT trace_id, verdict, finish_reason, truncated, num_turns, num_tool_calls, input_tokens, "
             "output_tokens, duration_ms, generation_ms, tool_ms, task, answer, in_sample, epoch_ns(start_time) "
             "FROM trajectories").fetchall()}
-        for t in trajs:
+        for t, back in zip(trajs, as_read_back(trajs)):  # durations as written; times as read back
             gen = sum(s.duration_ms for s in t.spans if s.kind == "generation")
             tool = sum(s.duration_ms for s in t.spans if s.kind == "tool")
             task = next(m["content"] for m in t.messages if m["role"] == "user")
@@ -154,7 +154,7 @@ class TestRoundTrip:
                                t.num_tool_calls, 11 if not t.validate else 2, 7)
             assert math.isclose(got[7], t.duration_ms) and math.isclose(got[8], gen, abs_tol=1e-9)
             assert math.isclose(got[9], tool, abs_tol=1e-9)
-            assert got[10:] == (task, answer, True, t.start_ns)
+            assert got[10:] == (task, answer, True, back.start_ns)
 
     def test_spans_table_has_otel_shape_and_coordinates(self, run):
         """One row per span: ids, parent, kind, times, status, rl.* columns, GenAI columns, token ids."""

@@ -12,7 +12,7 @@ pytest.importorskip("pyarrow")
 pytest.importorskip("duckdb")
 
 from rtrace.report import run as report  # noqa: E402
-from tests.dataset_run import make_run  # noqa: E402
+from tests.dataset_run import make_run, records_as_read_back  # noqa: E402
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def test_the_page_shows_the_same_trajectories(both, tmp_path):
     path, jsonl = both
     code, text = _report(path, html_path=str(tmp_path / "page.html"))
     assert code == 0 and os.path.getsize(tmp_path / "page.html") > 0
-    from_jsonl, _ = read_records([jsonl])
+    from_jsonl = records_as_read_back(read_records([jsonl])[0])  # the dataset's times (as_read_back)
     from_dataset = load_records(open_dataset(path))
     def same_order(records):  # the typed maps keep keys, not their order (docs/dataset.md)
         for r in records:

@@ -31,6 +31,7 @@ from rtrace.report import plots  # noqa: E402
 from rtrace.report.load import read_records  # noqa: E402
 from rtrace.serve.app import create_app  # noqa: E402
 from rtrace.serve.sources import QueryTimeout, RunSource, Sources, sources_from_paths  # noqa: E402
+from tests.dataset_run import records_as_read_back  # noqa: E402
 from tests import serve_job as job  # noqa: E402
 
 
@@ -247,7 +248,7 @@ class TestSteps:
         block = re.search(r'id="rtrace-data"[^>]*>([^<]*)<', page).group(1)
         data = decode_data(block)
         assert sorted(t[0] for t in data["trajectories"]) == sorted(_tid(ran, 2, p, r) for p in range(3) for r in range(4))
-        expected = page_data([r for r in ran["records"] if r.traj.step == 2])
+        expected = page_data(records_as_read_back(r for r in ran["records"] if r.traj.step == 2))
         assert data["steps"][0]["metrics"] == expected["steps"][0]["metrics"]
         assert '<script src="/static/report.js"></script>' in page and "<style>" not in page
         mismatch = get_json(app, "/run/job/step/t2.json")["mismatch"]

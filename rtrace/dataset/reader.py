@@ -375,17 +375,25 @@ def _arrow(relation: Any) -> Any:
 
 
 def _ints_for_times(table: Any) -> Any:
-    """Timestamps as int64 nanoseconds (to_pylist would round them to microseconds)."""
+    """Timestamps as int64 nanoseconds (to_pylist would round them to microseconds), whatever
+    unit the engine gave them in: DuckDB before 2.0 (the last for Python 3.10) reads the files'
+    time-zoned nanosecond timestamps as microseconds (docs/dataset.md)."""
     import pyarrow as pa
+
+    def as_ns(ts: Any) -> Any:
+        return pa.timestamp("ns", tz=ts.tz)
 
     for i, f in enumerate(table.schema):
         if pa.types.is_timestamp(f.type):
-            table = table.set_column(i, f.name, table.column(i).cast(pa.int64()))
+            table = table.set_column(i, f.name, table.column(i).cast(as_ns(f.type)).cast(pa.int64()))
         elif pa.types.is_list(f.type) and pa.types.is_struct(f.type.value_type) and any(
                 pa.types.is_timestamp(sub.type) for sub in f.type.value_type):
-            fields = [pa.field(sub.name, pa.int64() if pa.types.is_timestamp(sub.type) else sub.type)
-                      for sub in f.type.value_type]
-            table = table.set_column(i, f.name, table.column(i).cast(pa.list_(pa.struct(fields))))
+            subs = list(f.type.value_type)
+            in_ns = [pa.field(sub.name, as_ns(sub.type) if pa.types.is_timestamp(sub.type) else sub.type)
+                     for sub in subs]
+            as_int = [pa.field(sub.name, pa.int64() if pa.types.is_timestamp(sub.type) else sub.type) for sub in subs]
+            column = table.column(i).cast(pa.list_(pa.struct(in_ns))).cast(pa.list_(pa.struct(as_int)))
+            table = table.set_column(i, f.name, column)
     return table
 
 
