@@ -165,8 +165,8 @@ def test_the_trainer_s_values_on_each_rollout(model_dir, tokenizer, model, tmp_p
 #: The trainer in a process of its own (veRL's TaskRunner is a Ray actor): started with the
 #: collector's environment and install() (Ray's setup hook), nothing else.
 DRIVER = """
-import sys, torch
-sys.path.insert(0, {here!r})
+import os, sys, torch
+sys.path[:0] = [{here!r}, os.path.dirname(os.path.dirname({here!r}))]  # verl_app; the repo (tests.*)
 import rtrace, rtrace.compat.verl
 rtrace.compat.verl.install()
 import verl_app as app
