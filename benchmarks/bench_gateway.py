@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -374,6 +375,7 @@ def main() -> int:
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)  # the gateway's JSONL: ~2 GB after a 10-minute soak
     return 0
 
 
