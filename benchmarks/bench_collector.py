@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _agent import SPANS_PER_TRAJECTORY, make_agent  # noqa: E402
 from _machine import reference_line  # noqa: E402
+from _send import EXPORT, send_requests  # noqa: E402
 
 #: trajectories each set-up of (b) runs (and flushes) before it is measured
 WARM_UP = 200
@@ -150,27 +151,7 @@ def encoded_requests(worker, n, per_request):
 def sender(endpoint, worker, n, per_request, ready, go, out):
     """Pre-encodes ``n`` worker-shaped trajectories into OTLP requests, then sends them
     (retrying on RESOURCE_EXHAUSTED, the collector's backpressure)."""
-    import grpc
-
-    requests = encoded_requests(worker, n, per_request)
-    # the encoded bytes go out as they are (the standard method, no re-encoding): the
-    # senders cost the shared cores as little as possible
-    export = grpc.insecure_channel(endpoint).unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
-    ready.set()
-    go.wait()
-    retries = 0
-    c0 = time.process_time()
-    for body in requests:
-        while True:
-            try:
-                export(body, timeout=60)
-                break
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    raise
-                retries += 1
-                time.sleep(0.05)
-    out.put((retries, time.process_time() - c0))
+    out.put(send_requests(endpoint, encoded_requests(worker, n, per_request), ready, go))
     out.close()
     out.join_thread()
     os._exit(0)
@@ -188,7 +169,7 @@ def paced_sender(endpoint, worker, rate, seconds, per_request, ready, go, out):
     n = max(per_request, int(rate * seconds))
     requests = encoded_requests(worker, n, per_request)
     interval = per_request / rate
-    export = grpc.insecure_channel(endpoint).unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
+    export = grpc.insecure_channel(endpoint).unary_unary(EXPORT)
     ready.set()
     go.wait()
     t0 = time.monotonic() + worker * interval / 16  # the 16 clients spread over one interval

@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _machine import reference_line  # noqa: E402
 from _rollouts import make_trajectory  # noqa: E402
+from _send import send_requests  # noqa: E402
 
 STEP_SQL = """
 WITH g AS (SELECT step, group_key, count(reward) AS n, sum(reward) AS s, min(reward) AS lo, max(reward) AS hi
@@ -58,7 +59,6 @@ def rss_mb() -> float:
 def sender(endpoint, worker, n, per_request, ready, go, out, light=False):
     """Pre-encodes ``n`` trajectories (the spans a worker sends) into OTLP requests, then sends them.
     ``light``: without the text (no conversation, no outputs): the shape bench_collector.py sends."""
-    import grpc
 
     from rtrace.exporters.otel import encode_compact
 
@@ -75,21 +75,7 @@ def sender(endpoint, worker, n, per_request, ready, go, out, light=False):
                     span.input = span.output = None
             shells.append(t)
         requests.append(encode_compact(shells, resource_attrs).SerializeToString())
-    export = grpc.insecure_channel(endpoint).unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
-    ready.set()
-    go.wait()
-    retries = 0
-    for body in requests:
-        while True:
-            try:
-                export(body, timeout=60)
-                break
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    raise
-                retries += 1
-                time.sleep(0.05)
-    out.put(retries)
+    out.put(send_requests(endpoint, requests, ready, go)[0])
     out.close()
     out.join_thread()
     os._exit(0)
