@@ -84,6 +84,17 @@ def sse(text):
     return out
 
 
+def stream_until_cut(access, body, error=httpx.HTTPError):
+    """A streamed chat call that ``error`` ends before its end: the bytes the client got first."""
+    got = b""
+    with pytest.raises(error):
+        with httpx.stream("POST", f"{access.base_url}/chat/completions", json=body, headers=access.headers,
+                          timeout=30) as response:
+            for part in response.iter_bytes():
+                got += part
+    return got
+
+
 def only(trajectories, kind="generation"):
     return [s for t in trajectories for s in t.spans if s.kind == kind]
 
@@ -1094,12 +1105,8 @@ class TestServer:
         fake.chunk_delay_s = 2.0
         with rtrace.rollout_context(step=1):
             access = rtrace.gateway_access()
-            body = {"model": "fake-policy", "messages": QUESTION, "stream": True}
-            with pytest.raises(httpx.RemoteProtocolError):
-                with httpx.stream("POST", f"{access.base_url}/chat/completions", json=body, headers=access.headers,
-                                  timeout=30) as response:
-                    for _ in response.iter_lines():
-                        pass
+            stream_until_cut(access, {"model": "fake-policy", "messages": QUESTION, "stream": True},
+                             httpx.RemoteProtocolError)
         (gen,) = only(captured.trajectories)
         assert gen.status == "error" and "upstream timeout during the stream" in gen.error
         assert "incomplete" in gen.attributes["rtrace.capture_gap.codes"]

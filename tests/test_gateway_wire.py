@@ -26,7 +26,7 @@ from rtrace.gateway import http as gateway_http  # noqa: E402
 from rtrace.gateway import start_gateway  # noqa: E402
 from rtrace.gateway.protocol import Asked, edit, strip_chunk  # noqa: E402
 from tests.test_gateway import (  # noqa: E402,F401 (fixtures)
-    QUESTION, TOOLS, SplitUpstream, _post, _raw_exchange, captured, chat, fake, gateway, only, sse, upstream)
+    QUESTION, TOOLS, SplitUpstream, _post, _raw_exchange, captured, chat, fake, gateway, only, sse, stream_until_cut, upstream)
 
 BODY = json.dumps({"model": "fake-policy", "messages": QUESTION}).encode()
 HEALTH = b"GET /rtrace/health HTTP/1.1\r\nhost: gw\r\n\r\n"
@@ -181,16 +181,10 @@ def test_a_streamed_event_too_large_to_strip_cuts_the_stream(captured):
     body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in (first, huge)) + b"data: [DONE]\n\n"
     up = CutSplitUpstream(body, list(range(2000, len(body), 2000)))
     gw = start_gateway(up.url, gateway_max_response_bytes=1024)
-    got = b""
     try:
         with rtrace.rollout_context(step=1):
             access = rtrace.gateway_access()
-            payload = {"model": "m", "messages": QUESTION, "stream": True}
-            with pytest.raises(httpx.HTTPError):
-                with httpx.stream("POST", f"{access.base_url}/chat/completions", json=payload, headers=access.headers,
-                                  timeout=30) as response:
-                    for part in response.iter_bytes():
-                        got += part
+            got = stream_until_cut(access, {"model": "m", "messages": QUESTION, "stream": True})
     finally:
         gw.stop()
     assert [json.loads(e[6:]) for e in got.split(b"\n\n") if e] == [
