@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["free_port", "start_mlflow_server", "stop_server", "wait_http", "mlflow_server"]
+__all__ = ["free_port", "start_mlflow_server", "start_rtrace_collect", "stop_server", "wait_http", "mlflow_server"]
 
 #: Longest wait for a server to answer its health check (MLflow takes ~40 s on a busy box).
 START_TIMEOUT_S = 120.0
@@ -99,6 +99,23 @@ def start_mlflow_server(workdir: str | os.PathLike, timeout_s: float = START_TIM
         tail = (workdir / "server.log").read_text(errors="replace")[-2000:]
         raise RuntimeError(f"{exc}\n--- server log tail ---\n{tail}") from None
     return base_url, popen
+
+
+def start_rtrace_collect(env: dict[str, str], exporter: str, *args: str, timeout_s: float = 60.0
+                         ) -> tuple[subprocess.Popen, dict[str, str]]:
+    """``rtrace collect --exporter EXPORTER --port 0 *args`` as a process with ``env``, and the worker environment
+    it printed (its ``export KEY=VALUE`` lines, read until ``RTRACE_CAPTURE`` or for up to
+    ``timeout_s``)."""
+    proc = subprocess.Popen([sys.executable, "-m", "rtrace", "collect", "--exporter", exporter, "--port", "0", *args],
+                            env=env, stdout=subprocess.PIPE, text=True)
+    worker_env: dict[str, str] = {}
+    deadline = time.monotonic() + timeout_s
+    while "RTRACE_CAPTURE" not in worker_env and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("export "):
+            key, _, value = line[len("export "):].strip().partition("=")
+            worker_env[key] = value
+    return proc, worker_env
 
 
 def stop_server(popen: subprocess.Popen, timeout_s: float = 10.0) -> None:

@@ -281,20 +281,10 @@ class TestRestart:
 def _rtrace_collect(jsonl_path, *args):
     """`rtrace collect --exporter jsonl` as a process writing ``jsonl_path``, and the worker
     environment it printed (its ``export KEY=VALUE`` lines, read for up to 60 s)."""
-    import subprocess
-    import sys
+    from tests.servers import start_rtrace_collect
 
     env = dict(os.environ, RTRACE_JSONL_PATH=str(jsonl_path), HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "rtrace", "collect", "--exporter", "jsonl", "--port", "0", *args],
-                            env=env, stdout=subprocess.PIPE, text=True)
-    worker_env: dict[str, str] = {}
-    deadline = time.monotonic() + 60
-    while "RTRACE_CAPTURE" not in worker_env and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line.startswith("export "):
-            key, _, value = line[len("export "):].strip().partition("=")
-            worker_env[key] = value
-    return proc, worker_env
+    return start_rtrace_collect(env, "jsonl", *args)
 
 
 @pytest.mark.integration

@@ -22,6 +22,7 @@ pytest.importorskip("duckdb")
 import rtrace  # noqa: E402
 from rtrace.dataset import layout  # noqa: E402
 from tests import collector_workers as workers  # noqa: E402
+from tests.servers import start_rtrace_collect  # noqa: E402
 
 SPAWN = mp.get_context("spawn")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,15 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _collect(env):
     """`rtrace collect --exporter parquet` as a process, and the worker environment it printed."""
-    proc = subprocess.Popen([sys.executable, "-m", "rtrace", "collect", "--exporter", "parquet", "--port", "0"],
-                            env=env, stdout=subprocess.PIPE, text=True)
-    worker_env: dict[str, str] = {}
-    deadline = time.monotonic() + 60
-    while "RTRACE_CAPTURE" not in worker_env and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line.startswith("export "):
-            key, _, value = line[len("export "):].strip().partition("=")
-            worker_env[key] = value
+    proc, worker_env = start_rtrace_collect(env, "parquet")
     assert "RTRACE_COLLECTOR_ENDPOINT" in worker_env, "rtrace collect printed no endpoint"
     return proc, worker_env
 
