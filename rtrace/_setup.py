@@ -193,7 +193,7 @@ def _install(built: tuple[Any, Any] | None, settings: Settings) -> None:
     else:
         sampler = StepSampler(settings.max_traces_per_step, settings.val_cap, settings.sample_groups)
     _state.set_runtime(_state.Runtime(tracer, pipeline.registry, sampler, pipeline, settings.capture,
-                                      settings.experiment))
+                                      settings.experiment, summaries=settings.summaries))
     if not _atexit_registered:
         atexit.register(shutdown)
         _atexit_registered = True

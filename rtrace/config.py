@@ -491,7 +491,15 @@ PARAMS: tuple[Param, ...] = (
           "Seed of the collector's job-wide sample (which trajectories of a step are kept).", type="int"),
     Param("pre_sample_rate", "RTRACE_PRE_SAMPLE_RATE", _float(0.0, 1.0), 1.0, "a number from 0 to 1",
           "Collector mode: the fraction of trajectories (by the same hash as the collector's sample) a worker "
-          "records at all; limits worker work for trajectories that will not be kept.", type="float"),
+          "records in full; the others leave a summary only (RTRACE_SUMMARIES), so the step metrics still count "
+          "them. Set it above the cap's share of a step (cap / rollouts per step), with room: the sample is "
+          "chosen among the rollouts recorded in full.", type="float"),
+    Param("summaries", "RTRACE_SUMMARIES", _bool, True, "true/false",
+          "Every rollout leaves a summary (coordinates, reward, verdict, tokens, times; docs/metrics.md): one "
+          "sampled out when it starts (max_traces_per_step in one process, RTRACE_PRE_SAMPLE_RATE in a worker) "
+          "is recorded as a summary only, and the step metrics and the dataset's trajectories table count every "
+          "rollout. Off: a sampled-out rollout costs nothing and is in no metric (they describe the sample).",
+          type="bool"),
     Param("capture", "RTRACE_CAPTURE", _bool, True, "true/false",
           "Capture arguments and return values of decorated calls (off: names and timings only).", type="bool"),
     Param("max_value_chars", "RTRACE_MAX_VALUE_CHARS", _int(16), 20_000, "an integer >= 16",

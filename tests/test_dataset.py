@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import rtrace  # noqa: E402
 from rtrace.config import ConfigError  # noqa: E402
 from rtrace.dataset import encode, layout, schema  # noqa: E402
 from rtrace.dataset.reader import SchemaVersionError, open_run, vacuum  # noqa: E402
+from rtrace.dataset.schema import VERSION  # noqa: E402
 from rtrace.dataset.writer import DatasetWriter  # noqa: E402
 from rtrace.exporters.jsonl import read_jsonl  # noqa: E402
 from tests.dataset_run import PROMPTS, ROLLOUTS, STEPS, as_read_back, make_run  # noqa: E402
@@ -233,9 +235,11 @@ class TestCompaction:
         for k in range(7):
             w.write(self._trajs(1, 2, start=2 * k))
         names = sorted(os.listdir(tmp_path / "trajectories/train/step=1"))
-        assert names == [f"{w.writer_id}-000000-000005.v1.1.parquet", f"{w.writer_id}-000006.v1.1.parquet"]
+        assert names == [f"{w.writer_id}-000000-000005.v{VERSION}.parquet",
+                         f"{w.writer_id}-000006.v{VERSION}.parquet"]
         w.close()
-        assert os.listdir(tmp_path / "trajectories/train/step=1") == [f"{w.writer_id}-000000-000006.v1.1.parquet"]
+        assert os.listdir(tmp_path / "trajectories/train/step=1") == [
+            f"{w.writer_id}-000000-000006.v{VERSION}.parquet"]
         assert open_run(tmp_path).sql("SELECT count(*), count(DISTINCT trace_id) FROM trajectories").fetchall()[0] == (
             14, 14)
 
@@ -252,7 +256,8 @@ class TestCompaction:
             w.write(self._trajs(1, 2, start=2 * k, blob=blob))
         w.close()
         names = sorted(os.listdir(tmp_path / "trajectories/train/step=1"))
-        assert names == [f"{w.writer_id}-000000-000001.v1.1.parquet", f"{w.writer_id}-000002-000003.v1.1.parquet"]
+        assert names == [f"{w.writer_id}-000000-000001.v{VERSION}.parquet",
+                         f"{w.writer_id}-000002-000003.v{VERSION}.parquet"]
 
     def test_inputs_left_after_a_crash_are_not_counted_twice(self, tmp_path):
         """A merged file and its inputs side by side (a writer stopped between rename and delete):
@@ -446,7 +451,7 @@ class TestStepsFiles:
         [name] = os.listdir(tmp_path / "trajectories/train/steps")
         merged = layout.parse_name(name)
         assert (merged.first, merged.last, merged.steps) == (0, 2, (0, 1))
-        assert f"{w.writer_id}-000001.v1.1.parquet" in os.listdir(tmp_path / "trajectories/train/step=5")
+        assert f"{w.writer_id}-000001.v{VERSION}.parquet" in os.listdir(tmp_path / "trajectories/train/step=5")
         assert self._count(tmp_path) == (8, 8)
 
     def test_late_rows_of_a_merged_step_land_beside_it(self, tmp_path):
@@ -478,7 +483,7 @@ class TestStepsFiles:
             w.compact(idle_only=True)
         names = sorted(os.listdir(tmp_path / "trajectories/train/steps"))
         assert [layout.parse_name(n).steps for n in names] == [(0, 1), (2, 3)]
-        wide = f"{w.writer_id}-000000-000003.s0-3.v1.1.parquet"
+        wide = f"{w.writer_id}-000000-000003.s0-3.v{VERSION}.parquet"
         for table in ("trajectories", "spans"):
             os.rename(tmp_path / table / "train/steps" / names[1], tmp_path / table / "train/steps" / wide)
         assert self._count(tmp_path) == (8, 8)
@@ -650,7 +655,7 @@ class TestManyWriters:
         assert sorted((m.writer, m.steps) for m in many) == sorted(
             (w.writer_id, steps) for w in writers for steps in ((0, 2), (3, 5)))
         assert sorted(os.listdir(tmp_path / "trajectories/train/step=6")) == sorted(
-            f"{w.writer_id}-000006.v1.1.parquet" for w in writers)
+            f"{w.writer_id}-000006.v{VERSION}.parquet" for w in writers)
         assert open_run(tmp_path).sql("SELECT count(*), count(DISTINCT trace_id) FROM trajectories").fetchall() == [
             (28, 28)]
 
@@ -711,7 +716,7 @@ class TestBadFiles:
         folder = Path(path, "trajectories/train/step=1")
         good = next(folder.iterdir())
         data = good.read_bytes()
-        cut = folder / f"{'ab' * 8}-000000.v1.1.parquet"
+        cut = folder / f"{'ab' * 8}-000000.v{VERSION}.parquet"
         cut.write_bytes(data[: len(data) // 2])
         (folder / "notes.parquet").write_bytes(data)
         (Path(path, "trajectories/train") / "README.txt").write_text("hello")
@@ -784,9 +789,10 @@ class TestBadFiles:
         path, _, _ = run
         folder = Path(path, "trajectories/train/step=1")
         good = next(folder.iterdir())
-        newer = folder / good.name.replace(".v1.1.", ".v2.0.").replace(good.name[:4], "ffff")
+        newer = folder / good.name.replace(f".v{VERSION}.", ".v2.0.").replace(good.name[:4], "ffff")
         shutil.copy(good, newer)
-        with pytest.raises(SchemaVersionError, match=r"schema 2\.x; this rtrace reads schema 1\.1.*upgrade"):
+        expected = rf"schema 2\.x; this rtrace reads schema {re.escape(VERSION)}.*upgrade"
+        with pytest.raises(SchemaVersionError, match=expected):
             open_run(path)
 
 

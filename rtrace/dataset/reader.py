@@ -268,11 +268,14 @@ class Run:
 
     def load(self, where: str = "true", params: Any = None, limit: int | None = None) -> list[Any]:
         """The :class:`~rtrace.trajectory.Trajectory` objects of the trajectories matching
-        ``where`` (SQL over the trajectories view), with their spans: ``run.load("step = ?", [3])``."""
+        ``where`` (SQL over the trajectories view), with their spans: ``run.load("step = ?", [3])``.
+        Rows of rollouts counted by their summary only (``recorded`` false) are no trajectories:
+        they are left out (read them with :meth:`sql`)."""
         from .encode import to_trajectories
 
         limit_sql = f" LIMIT {int(limit)}" if limit is not None else ""
-        traj = _arrow(self.sql(f"SELECT * FROM trajectories WHERE {where}{limit_sql}", params))
+        traj = _arrow(self.sql(f"SELECT * FROM trajectories WHERE recorded IS NOT FALSE AND ({where}){limit_sql}",
+                               params))
         traj = _ints_for_times(traj)
         ids = traj.column("trace_id").to_pylist()
         if not ids:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..config import Settings
+from ..summary import RolloutSummary
 from ..trajectory import StepMetrics, Trajectory
 
 __all__ = ["Sink", "PartialExport"]
@@ -86,6 +87,16 @@ class Sink:
 
         Args:
             metrics: one entry per finished (validate, step).
+        """
+
+    def export_summaries(self, summaries: Sequence[RolloutSummary]) -> None:
+        """Optional: write the summaries of finished rollouts this sink gets no trajectory
+        of (sampled out, or recorded as summaries only; docs/metrics.md), so that it holds
+        every rollout (the dataset's trajectories table). Called from the sink's thread;
+        what it raises is counted (``sink.<name>.failed_summaries``).
+
+        Args:
+            summaries: one :class:`~rtrace.summary.RolloutSummary` per rollout.
         """
 
     def flush(self, timeout_s: float) -> None:

@@ -91,7 +91,8 @@ class AnnotationTable:
 
     # ------------------------------------------------------------------ outcomes
     def remember(self, key: Hashable | None, trace_id: int, outcome: str) -> None:
-        """Remember that a trajectory was ``exported`` or ``sampled_out``."""
+        """Remember that a trajectory was ``exported`` or ``sampled_out`` (not kept: the
+        selection dropped it, or it was recorded as a summary only; its summary was counted)."""
         for k in (key, trace_id):
             if k is None:
                 continue

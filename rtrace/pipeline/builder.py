@@ -24,7 +24,7 @@ from .messages import tool_result
 from .records import CallRecord, Deferred, TrajectoryState, snapshot_args, start_end
 from .tokens import LOGPROB_KEYS, SAMPLER, TOKEN_PROBLEM, sampler_logprobs
 
-__all__ = ["SpanConverter", "finish", "coordinates", "tail_of", "as_id_list"]
+__all__ = ["SpanConverter", "finish", "coordinates", "tail_of", "as_id_list", "call_inputs", "results"]
 
 _ERROR = StatusCode.ERROR
 
@@ -152,15 +152,7 @@ class SpanConverter:
 
     def _captured(self, out: SpanRecord, rec: CallRecord, conv: Converter) -> None:
         spec = rec.spec
-        args, names = snapshot_args(rec), spec.param_names
-        if spec.skip_first:
-            args, names = args[1:], names[1:]
-        if len(args) <= len(names):
-            inputs = dict(zip(names, args))
-        else:
-            inputs = {names[i] if i < len(names) else f"arg{i}": value for i, value in enumerate(args)}
-        if rec.kwargs:
-            inputs.update(rec.kwargs)
+        inputs = call_inputs(rec)
         has_output = rec.has_output
         output = unsnap(rec.output) if has_output else None
         attrs = out.attributes
@@ -236,6 +228,22 @@ class SpanConverter:
         if isinstance(finish, str):
             attrs["gen_ai.response.finish_reasons"] = [finish]
         return has_output, output
+
+
+def call_inputs(rec: Any) -> dict[str, Any]:
+    """A captured call's arguments by name (``self`` / ``cls`` left out; list arguments
+    as they were at the call)."""
+    spec = rec.spec
+    args, names = snapshot_args(rec), spec.param_names
+    if spec.skip_first:
+        args, names = args[1:], names[1:]
+    if len(args) <= len(names):
+        inputs = dict(zip(names, args))
+    else:
+        inputs = {names[i] if i < len(names) else f"arg{i}": value for i, value in enumerate(args)}
+    if rec.kwargs:
+        inputs.update(rec.kwargs)
+    return inputs
 
 
 def _resolve(out: SpanRecord, rec: Any, conv: Converter) -> None:
@@ -330,11 +338,7 @@ def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Traje
 
     stamped = state.coordinates is not None
     coords, extra, stamp = state.coordinates if stamped else coordinates(state, settings, conv)
-    outcome = conv.convert_named(state.outcome)
-    reward = _reward(state.reward, outcome) if state.has_reward else None
-    annotations = conv.convert_named({k: v for k, v in state.annotations.items() if k != "reward"})
-    if "reward" in state.annotations:
-        reward = _reward(state.annotations["reward"], annotations)
+    reward, outcome, annotations = results(state, conv)
     if not stamped:  # (the one-process worker stamped each record when it converted it)
         for span in spans:
             own = span.attributes
@@ -367,6 +371,18 @@ def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Traje
             and (reward is None or reward - reward == 0.0)):
         vouch(traj)  # converted values only, none of them NaN or kept as it was
     return traj
+
+
+def results(state: TrajectoryState, conv: Converter) -> tuple[float | None, dict[str, Any], dict[str, Any]]:
+    """A finished state's reward (an annotated ``reward`` over the recorded one), outcome
+    and annotations, converted (a reward that is no number is counted and kept as outcome
+    ``reward_raw``: call this once per trajectory)."""
+    outcome = conv.convert_named(state.outcome)
+    reward = _reward(state.reward, outcome) if state.has_reward else None
+    annotations = conv.convert_named({k: v for k, v in state.annotations.items() if k != "reward"})
+    if "reward" in state.annotations:
+        reward = _reward(state.annotations["reward"], annotations)
+    return reward, outcome, annotations
 
 
 def tail_of(state: TrajectoryState, keep_by: str) -> Any:

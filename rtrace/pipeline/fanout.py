@@ -33,6 +33,7 @@ from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, attach, detach,
 
 from .. import _stats
 from ..exporters.base import PartialExport, Sink
+from ..summary import RolloutSummary
 from ..trajectory import StepMetrics, Trajectory
 
 __all__ = ["SinkWorker", "Fanout"]
@@ -213,6 +214,15 @@ class SinkWorker:
             if not self._call("export_step_metrics", self.sink.export_step_metrics, list(item)):
                 self._count("failed_step_metrics", len(item))
             return
+        if isinstance(item, _Summaries):
+            if self._abandoned:
+                self._count("abandoned_summaries", len(item))
+            elif self._call("export_summaries", self.sink.export_summaries, list(item)):
+                self._count("exported_summaries", len(item))
+            else:
+                self._failed_since_marker = True
+                self._count("failed_summaries", len(item))
+            return
         if isinstance(item, _Marker):
             flushed = self._call("flush", self.sink.flush, self.timeout_s)
             with self._lock:
@@ -292,7 +302,9 @@ class SinkWorker:
                 item = self.queue.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(item, list) and not isinstance(item, _Metrics):
+            if isinstance(item, _Summaries):
+                self._count("abandoned_summaries", len(item))
+            elif isinstance(item, list) and not isinstance(item, _Metrics):
                 lost += len(item)
             elif isinstance(item, _Marker):
                 item.set()
@@ -301,6 +313,22 @@ class SinkWorker:
             self._count("abandoned_trajectories", lost)
         _stats.warn_once(f"sink-hang-{self.name}", "rtrace sink %r did not finish in time; %d queued "
                          "or in-flight trajectories abandoned", self.name, lost)
+
+
+def _put_waiting(q: queue.Queue, item: Any, wait: Callable[[], bool] | None) -> bool:
+    """Put ``item`` in ``q``: at once, or while ``wait()`` says to wait for room. False: full."""
+    while True:
+        try:
+            q.put_nowait(item)
+            return True
+        except queue.Full:
+            if wait is None or not wait():
+                return False
+        try:
+            q.put(item, timeout=0.05)
+            return True
+        except queue.Full:
+            pass
 
 
 def _implements(sink: Sink, method: str) -> bool:
@@ -315,6 +343,10 @@ def _sample_only(traj: Trajectory) -> bool:
 
 class _Metrics(list):
     """A batch of StepMetrics in a sink's queue."""
+
+
+class _Summaries(list):
+    """A batch of RolloutSummary in a sink's queue (sinks with ``export_summaries``)."""
 
 
 class _Marker(threading.Event):
@@ -341,6 +373,8 @@ class Fanout:
         self.stopping = False
         #: the sinks that encode on the pipeline's thread, while the trajectories are hot (Sink.prepare)
         self._preparing = [w for w in self.workers if _implements(w.sink, "prepare")]
+        #: the sinks that write every rollout's summary (Sink.export_summaries: the dataset)
+        self._summarizing = [w for w in self.workers if _implements(w.sink, "export_summaries")]
 
     @property
     def wants_step_metrics(self) -> bool:
@@ -377,6 +411,27 @@ class Fanout:
                 return True
             return wait_until is not None and time.monotonic() < wait_until
         return wait
+
+    @property
+    def wants_summaries(self) -> bool:
+        """Does any sink write the summaries of rollouts it gets no trajectory of?"""
+        return bool(self._summarizing)
+
+    def submit_summaries(self, summaries: list[RolloutSummary], wait_until: float | None = None) -> None:
+        """Hand rollout summaries to the sinks that write them, in batches (as :meth:`submit`:
+        with ``hold_back`` a full queue is waited for; else the batch is dropped, counted in
+        ``sink.<name>.dropped_summaries``)."""
+        size = max(self.batch_size, 4096)  # small records: fewer, larger batches
+        for worker in self._summarizing:
+            for i in range(0, len(summaries), size):
+                batch = _Summaries(summaries[i:i + size])
+                wait = self._waiting(worker, wait_until) if self.hold_back else None
+                if not _put_waiting(worker.queue, batch, wait):
+                    with worker._lock:
+                        worker._failed_since_marker = True
+                    worker._count("dropped_summaries", len(batch))
+                    _stats.warn_once(f"sink-summaries-{worker.name}", "rtrace sink %r cannot keep up with the "
+                                     "rollout summaries; some are dropped (counted)", worker.name)
 
     def submit_metrics(self, metrics: list[StepMetrics]) -> None:
         for worker in self.workers:

@@ -202,25 +202,29 @@ class HealthChecker:
                                                                  "logprob_mismatch", "token_arrays"))
 
     # ------------------------------------------------------------------ phase 1
-    def check_state(self, state: Any) -> None:
+    def check_state(self, state: Any, records: bool = True, rollout: bool = True) -> None:
         """Check a finished trajectory's spans, reward and coordinates (a
-        :class:`~rtrace.pipeline.records.TrajectoryState`); findings go to ``state.health``."""
+        :class:`~rtrace.pipeline.records.TrajectoryState`); findings go to ``state.health``.
+        A summarized rollout in collector mode is checked in two places: its records in the
+        worker (``rollout=False``), its reward, staleness and coordinates in the collector,
+        where its annotations and the rest of its step are (``records=False``)."""
         out: list[dict[str, str]] = list(state.health)
         try:
-            self._check_state(state, out)
+            self._check_state(state, out, records, rollout)
         finally:
             if out:
                 state.health = out
 
-    def _check_state(self, state: Any, out: list[dict[str, str]]) -> None:
+    def _check_state(self, state: Any, out: list[dict[str, str]], check_records: bool = True,
+                     rollout: bool = True) -> None:
         records = state.records
         gens = _gens(records)
-        on = self.checks
+        on = self.checks if check_records else frozenset()
         if "token_continuity" in on:
             self._continuity(gens, out)
         if "generation" in on:
             self._generation(records, gens, out)
-        if any(g.token_values or TOKEN_PROBLEM in g.attributes for g in gens):
+        if check_records and any(g.token_values or TOKEN_PROBLEM in g.attributes for g in gens):
             self._tokens(gens, state.annotations, out)
         if "capture_gap" in on:
             for k, gen in enumerate(gens, 1):
@@ -228,6 +232,7 @@ class HealthChecker:
                 if gap:
                     out.append(finding("capture_gap", f"turn {k}: {gap}"))
         coords = state.coords
+        on = self.checks if rollout else frozenset()
         if state.kind == "segment":
             # the part of a trajectory that ran in another process (rtrace.extract): its
             # reward and coordinates belong to the driver's part, written on its own

@@ -21,11 +21,13 @@ from .._serialize import attr_ok, json_safe, json_text, vouch
 from ..trajectory import SpanRecord, Trajectory
 from .annotations import Annotation
 from .builder import SpanConverter, _reward, coordinates
+from .summaries import summary_of_state
 from .records import TrajectoryState, ids_of, record_of
 from .tokens import wire_values
 from .worker import _CHUNK, Pipeline
 
-__all__ = ["StreamPipeline", "ANNOTATION_SPAN", "MESSAGES_ATTR", "ANNOTATIONS_ATTR", "TOKENIZER_ATTR"]
+__all__ = ["StreamPipeline", "ANNOTATION_SPAN", "MESSAGES_ATTR", "ANNOTATIONS_ATTR", "TOKENIZER_ATTR",
+           "SUMMARIES_SPAN", "SUMMARIES_ATTR", "summaries_shell"]
 
 #: Name of the span that carries an annotation to the collector.
 ANNOTATION_SPAN = "rtrace.annotation"
@@ -95,10 +97,33 @@ class StreamPipeline(Pipeline):
             for state in self.registry.expire(now, self.settings.orphan_timeout_s, force):
                 _stats.incr("trajectories_left_to_collector")
         out = list(shells.values()) + [_annotation_shell(a) for a in annotations]
+        tallies = self._tallies
+        if tallies:
+            summaries = self._summaries([tallies.popleft() for _ in range(len(tallies))], conv)
+            for i in range(0, len(summaries), SUMMARIES_PER_SPAN):
+                out.append(summaries_shell(summaries[i:i + SUMMARIES_PER_SPAN]))
         conv.count()
         if out:
             _stats.incr("segments_streamed", len(out))
             self.fanout.submit(out)
+
+    def _summaries(self, tallies: list, conv: SpanConverter) -> list[dict[str, Any]]:
+        """Rollouts recorded as summaries only, as the collector reads them: the checks of
+        their records here (the reward, staleness and coordinates are checked in the collector,
+        where the annotations and the rest of the step are)."""
+        out = []
+        health = self.health
+        for state in self._from_tallies(tallies, conv):
+            try:
+                if health is not None:
+                    health.check_state(state, rollout=False)
+                out.append(summary_of_state(state, self.settings, conv.conv).to_wire())
+            except Exception:
+                _stats.incr("summaries_build_failed")
+                _stats.warn_once("summary", "rtrace could not summarize a rollout; it is not counted", exc_info=True)
+        if out:
+            _stats.incr("rollouts_summarized", len(out))
+        return out
 
     def _stamp(self, state: TrajectoryState, record: SpanRecord, is_root: bool,
                stamps: dict[int, dict[str, Any]], conv: SpanConverter) -> None:
@@ -158,6 +183,23 @@ def _carry(state: TrajectoryState, root: SpanRecord) -> None:
         root.attributes[MESSAGES_ATTR] = json_text(json_safe(state.messages))
     if state.annotations:
         root.attributes[ANNOTATIONS_ATTR] = json_text(json_safe(state.annotations))
+
+
+#: Name of the span that carries rollout summaries to the collector, and its attribute: a
+#: list of :meth:`~rtrace.summary.RolloutSummary.to_wire` dicts (each with its coordinates:
+#: a router splits the list by them).
+SUMMARIES_SPAN = "rtrace.summaries"
+SUMMARIES_ATTR = "rtrace.summaries"
+#: Summaries per span (~0.5 kB each: well within the collector's span size bound)
+SUMMARIES_PER_SPAN = 1024
+
+
+def summaries_shell(summaries: list[dict[str, Any]]) -> Trajectory:
+    """Rollout summaries as a one-span segment of a trace of its own."""
+    now = time.time_ns()
+    span = SpanRecord(span_id=format(_ids.span_id(), "016x"), parent_id=None, name=SUMMARIES_SPAN,
+                      kind="summaries", start_ns=now, end_ns=now, attributes={SUMMARIES_ATTR: summaries})
+    return Trajectory(trace_id=format(_ids.trace_id(), "032x"), name=SUMMARIES_SPAN, spans=[span])
 
 
 def _annotation_shell(ann: Annotation) -> Trajectory:

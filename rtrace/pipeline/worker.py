@@ -28,6 +28,7 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 
 from .. import _stats
 from ..config import Settings
+from ..summary import RolloutSummary
 from ..trajectory import Trajectory
 from .annotations import Annotation, AnnotationTable, coord_key
 from .builder import SpanConverter, coordinates, finish, tail_of
@@ -35,8 +36,9 @@ from .fanout import Fanout
 from .health import NO_REWARD, HealthChecker, finding
 from .messages import build_messages
 from .metrics import StepMetricsTracker
-from .records import TrajectoryState, ids_of, record_of
+from .records import Tally, TrajectoryState, ids_of, record_of
 from .registry import TrajectoryRegistry
+from .summaries import state_of_tally, summarize, summary_of_state
 from .tokens import attach as attach_tokens, has_rows
 
 __all__ = ["Pipeline", "ProcessorBridge"]
@@ -115,7 +117,15 @@ class Pipeline:
         whole = settings.sample_groups or (settings.max_traces_per_step is None and settings.val_cap is None)
         self.metrics = StepMetricsTracker(min(self.metrics_linger_s, settings.step_linger_s),
                                           settings.step_table_rows, settings.health_checks,
-                                          whole) if settings.summary_metrics and fanout.wants_step_metrics else None
+                                          whole, every_rollout=settings.summaries,
+                                          ) if settings.summary_metrics and fanout.wants_step_metrics else None
+        #: every finished rollout leaves a summary (RTRACE_SUMMARIES): for the step metrics and
+        #: the sinks that write one row per rollout (the dataset's ``export_summaries``)
+        self.summaries = settings.summaries
+        #: rollouts recorded as summaries only (the hot path's tallies), for the worker
+        self._tallies: collections.deque[Tally] = collections.deque()
+        #: states the selection dropped in this part of a round: summarized at its end
+        self._dropped: list[TrajectoryState] = []
         #: end-of-trajectory selection (the collector; one process with tail keeping)
         self.selector: Any = None
         #: rollout-health checks (None: RTRACE_HEALTH_CHECKS=none)
@@ -173,6 +183,19 @@ class Pipeline:
         with self._cond:
             self._cond.notify()
         return min(room, len(states))
+
+    def submit_tallies(self, tallies: Sequence[Tally]) -> int:
+        """Queue rollouts recorded as summaries only (the hot path's tallies): each becomes
+        a summary in the worker (pipeline/summaries.py).
+
+        Returns:
+            How many were queued; the rest were dropped (queue full) and counted.
+        """
+        room = max(0, self._max_queue - len(self._tallies))
+        if room < len(tallies):
+            _stats.incr("summaries_dropped_queue", len(tallies) - room)
+        self._tallies.extend(tallies[:room])
+        return min(room, len(tallies))
 
     def annotate(self, annotations: Sequence[Annotation]) -> None:
         """Queue annotations for the worker (bounded; the excess is counted)."""
@@ -245,6 +268,9 @@ class Pipeline:
             self.annotations.add(anns.popleft())
         conv = SpanConverter(self.settings)
         arrived = self._assemble(spans, conv) + prebuilt
+        tallies = self._tallies
+        if tallies:
+            arrived += self._from_tallies([tallies.popleft() for _ in range(len(tallies))], conv)
         for state in arrived:
             self.annotations.arrived(state)
         now = time.monotonic()  # roots arrived during the assembly, after the round's start
@@ -275,9 +301,15 @@ class Pipeline:
                     _stats.incr("health_errors")
                     _stats.warn_once("health", "rtrace could not run the health checks on a trajectory",
                                      exc_info=True)
+        summary_only = [state for state in ready if state.summary_only]
+        if summary_only:  # never kept: counted by their summaries only
+            ready = [state for state in ready if not state.summary_only]
         ready = self._select(ready, now, force, last)
         if ready:
             self._export(ready, conv)
+        if summary_only or self._dropped:
+            dropped, self._dropped = self._dropped, []
+            self._summarize(summary_only + dropped, conv)
         conv.count()
         if self.metrics is not None:
             rows = self.metrics.due(time.monotonic())
@@ -301,8 +333,54 @@ class Pipeline:
         return []
 
     def dropped(self, state: TrajectoryState) -> None:
-        """The selector sampled ``state`` out: its annotations are then dropped cheaply."""
-        self.annotations.remember(coord_key(state.coords), state.trace_id, "sampled_out")
+        """The selector sampled ``state`` out: its annotations are then dropped cheaply, and
+        its summary counted (at the end of the round's part: :meth:`_summarize`)."""
+        if self.summaries:
+            self._dropped.append(state)
+        else:
+            self.annotations.remember(coord_key(state.coords), state.trace_id, "sampled_out")
+
+    def _from_tallies(self, tallies: list[Tally], conv: SpanConverter) -> list[TrajectoryState]:
+        """Summary-only states of tallied rollouts (they wait for annotations like others)."""
+        out = []
+        for tally in tallies:
+            try:
+                out.append(state_of_tally(tally, self.settings, conv))
+            except Exception:
+                _stats.incr("summaries_build_failed")
+                _stats.warn_once("tally", "rtrace could not summarize a rollout; it is not counted", exc_info=True)
+        return out
+
+    def _summarize(self, states: list[TrajectoryState], conv: SpanConverter) -> None:
+        """The summaries of rollouts that are not exported (summary-only, or dropped by the
+        selection): to the step metrics and the sinks that write every rollout."""
+        out: list[RolloutSummary] = []
+        for state in states:
+            self.annotations.arrived(state)  # annotations that came while the selection held it
+            if state.health and state.annotations.get("reward", state.reward) is not None:
+                state.health = [f for f in state.health if f != finding("reward", NO_REWARD)]
+            try:
+                out.append(summary_of_state(state, self.settings, conv.conv, self.priority_of(state.coords)))
+            except Exception:
+                _stats.incr("summaries_build_failed")
+                _stats.warn_once("summary", "rtrace could not summarize a rollout; it is not counted", exc_info=True)
+                continue
+            self.annotations.remember(coord_key(state.coords), state.trace_id, "sampled_out")
+        if not out:
+            return
+        _stats.incr("rollouts_summarized", len(out))
+        self.fanout.submit_summaries(out, self._wait_until)
+        if self.metrics is not None:
+            rows = self.metrics.count(out, time.monotonic())
+            if rows:
+                self.fanout.submit_metrics(rows)
+
+    def priority_of(self, coords: dict[str, Any]) -> float | None:
+        """A rollout's rank in its step's sample (the selector's ``priority``), for the
+        dataset's readers to cut several collectors' samples; None when the sample is not
+        chosen by rank (one process without tail keeping: decided as trajectories start)."""
+        selector = self.selector
+        return selector.priority(coords) if selector is not None else None
 
     def _select(self, states: list[TrajectoryState], now: float, force: bool,
                 last: bool = True) -> list[TrajectoryState]:
@@ -384,6 +462,7 @@ class Pipeline:
                 _stats.warn_once("build", "rtrace could not build a trajectory; it is dropped", exc_info=True)
                 continue
             self.annotations.remember(coord_key(state.coords), state.trace_id, "exported")
+            out[-1].priority = self.priority_of(state.coords)
         health = self.health
         if health is not None:
             self._step(health.check_ids, out, "health")  # while the token ids are on the spans
@@ -412,7 +491,10 @@ class Pipeline:
         if self.metrics is not None:
             # observe() releases the steps these trajectories show are done: they go to
             # the sinks now, after the trajectories (a step's rows were lost here before)
-            rows = self.metrics.observe(out, time.monotonic())
+            now = time.monotonic()
+            rows = self.metrics.observe(out, now)
+            if self.summaries:  # counted after their rows are in the table: a step's table is whole
+                rows += self.metrics.count([summarize(t, t.priority) for t in out], now)
             if rows:
                 self.fanout.submit_metrics(rows)
 
