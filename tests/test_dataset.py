@@ -971,6 +971,49 @@ def test_a_full_disk_loses_only_the_open_batch(tmp_path):
     assert r.skipped == []
 
 
+def test_a_final_merge_past_the_timeout_is_said_as_such(tmp_path, caplog):
+    """The sink's final merge does not finish within sink_timeout_s (a large run under load): every
+    trajectory was written when it was exported, so shutdown says the data is complete and the merge
+    was left, counts it as sink.parquet.merge_deferred, and counts no shutdown timeout and nothing
+    abandoned (before: "did not finish in time; 0 ... abandoned", a shutdown timeout)."""
+    import threading
+
+    from rtrace.exporters.parquet import ParquetSink
+
+    sink = ParquetSink(rtrace.config.load_settings({"parquet_path": str(tmp_path), "experiment": "r"}))
+    rtrace.configure(sinks=[sink], export_interval_s=0.02, sink_timeout_s=0.5)
+    for batch in range(2):  # two files of step 1: the final merge has work to do
+        for i in range(3):
+            with rtrace.rollout_context(step=1, sample_index=3 * batch + i):
+                rtrace.record_reward(1.0)
+        assert rtrace.flush(30)
+    go, merging = threading.Event(), threading.Event()
+    store, write = sink.writer.store, sink.writer.store.write
+
+    def slow_merge(rel, fill):
+        name = layout.parse_name(rel.rpartition("/")[2])
+        if name is not None and name.first != name.last:
+            merging.set()
+            go.wait(60)
+        return write(rel, fill)
+
+    store.write = slow_merge
+    worker = next(w for w in rtrace._setup._pipeline.fanout.workers if w.sink is sink)
+    try:
+        with caplog.at_level(logging.WARNING, logger="rtrace"):
+            rtrace.shutdown()
+        assert merging.is_set()
+    finally:
+        go.set()
+    worker.thread.join(30)  # the merge goes on once let go
+    stats = rtrace.stats()
+    assert stats["sink.parquet.merge_deferred"] == 1 and stats["sink.parquet.exported"] == 6
+    assert "sink.parquet.shutdown_timeouts" not in stats and "sink.parquet.abandoned_trajectories" not in stats
+    (said,) = [r.getMessage() for r in caplog.records if "did not finish" in r.getMessage()]
+    assert "0 trajectories abandoned" in said and "the data is complete" in said and "final merge" in said
+    assert open_run(tmp_path / "r").sql("SELECT count(*) FROM trajectories").fetchall() == [(6,)]
+
+
 # ----------------------------------------------------------------------------- configuration
 class TestConfig:
     @pytest.mark.parametrize("value, message", [
