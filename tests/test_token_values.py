@@ -256,6 +256,55 @@ class TestMismatch:
             (t,) = got.trajectories
         assert t.health == [] and t.annotations["logprob_mismatch_max"] == 0.0
 
+    def test_a_non_finite_logprob_on_a_trained_token_is_the_worst_mismatch(self):
+        """The trainer's logprob is NaN (inf) on a trained token, equal elsewhere: the mismatch is not
+        a mean over the other tokens (before: k1 = k3 = max = 0, no finding). Its values are
+        missing, the trajectory fails the check (health/logprob_mismatch_rate counts it, the
+        step's mean leaves it out) and the finding says how many tokens were not finite. A NaN on
+        a token the loss mask leaves out changes nothing."""
+        sink_metrics = []
+
+        class Metrics(rtrace.Sink):
+            name = "metrics"
+
+            def export(self, trajectories):
+                pass
+
+            def export_step_metrics(self, metrics):
+                sink_metrics.extend(metrics)
+
+        nan, inf, untrained = list(RESPONSE), list(RESPONSE), list(RESPONSE)
+        nan[5] = math.nan
+        inf[0], inf[4] = -math.inf, math.nan
+        untrained[2] = math.nan  # a tool token: loss mask 0
+        off = list(RESPONSE)
+        off[5] = -3.0
+        with rtrace.testing.capture(await_annotations="old_logprob", annotation_timeout_s=30, health_checks="all",
+                                    sinks=[Metrics(None)]) as got:
+            for i in range(5):
+                rollout(i)
+            rtrace.annotate_batch(step=1, sample_index=list(range(5)), rollout_n=[0] * 5,
+                                  old_logprob=[RESPONSE, nan, inf, untrained, off], loss_mask=[LOSS] * 5)
+            trajs = {t.sample_index: t for t in got.trajectories}
+            stats = got.stats()
+        findings = {i: [f for f in t.health if f["check"] == "logprob_mismatch"] for i, t in trajs.items()}
+        assert findings[1] == [{"check": "logprob_mismatch", "detail": (
+            "1 of 5 trained tokens have a logprob that is not finite (trainer 1, sampler 0): the mismatch is not "
+            "measured (k1, k3, max and share left out); first: turn 2, token 1 (id 9): sampler logprob -0.4, "
+            "trainer nan")}]
+        assert findings[2][0]["detail"].startswith("2 of 5 trained tokens have a logprob that is not finite "
+                                                   "(trainer 2, sampler 0)")
+        assert findings[2][0]["detail"].endswith("first: turn 1, token 0 (id 4): sampler logprob -0.1, trainer -inf")
+        for i in (1, 2):
+            assert not [k for k in trajs[i].annotations if k.startswith("logprob_mismatch")]
+        assert findings[0] == findings[3] == [] and trajs[3].annotations["logprob_mismatch_max"] == 0.0
+        assert stats["logprob_mismatch_nonfinite"] == 2
+        (m,) = sink_metrics
+        assert m.values["rollout/health/logprob_mismatch_rate"] == pytest.approx(3 / 5)  # 1, 2 and the -3.0 one
+        # the step's mean is over the three measured rollouts (0, 3, 4): rollout 4's k3 / 3
+        assert m.values["rollout/logprob_mismatch_k3_mean"] == pytest.approx(
+            trajs[4].annotations["logprob_mismatch_k3"] / 3, rel=1e-6)
+
     def test_keep_mismatch_keeps_the_worst_past_the_cap_and_step_metrics(self):
         """Cap 2, keep_mismatch 2: the sample and the two worst by k3 among the others;
         the step metrics have the mismatch's mean, p90 and max."""
