@@ -681,11 +681,10 @@ PARAMS: tuple[Param, ...] = (
 )
 
 _PARAMS_BY_NAME = {p.name: p for p in PARAMS}
-#: ``RTRACE_*`` variables read besides the table's, never warned about as unknown: rtrace's
-#: own that are not settings, and those of the project's tests and benchmarks (the UI
-#: tests' cache and screenshots, the browser, Phoenix), which run with rtrace configured.
-_OTHER_ENV = ("RTRACE_COLLECTOR_HOST", "RTRACE_COLLECTOR_PORT",
-              "RTRACE_UI_CACHE", "RTRACE_UI_ARTIFACTS", "RTRACE_CHROMIUM", "RTRACE_PHOENIX")
+#: ``RTRACE_*`` variables read besides the table's, never warned about as unknown: those of
+#: the project's tests and benchmarks (the UI tests' cache and screenshots, the browser,
+#: Phoenix), which run with rtrace configured. (rtrace itself reads no other.)
+_OTHER_ENV = ("RTRACE_UI_CACHE", "RTRACE_UI_ARTIFACTS", "RTRACE_CHROMIUM", "RTRACE_PHOENIX")
 
 
 class _SettingsBase:

@@ -135,7 +135,7 @@ class TestUnknownVariables:
     """A misspelt RTRACE_* variable is said at every start that reads the environment, once per
     process and name, with the closest setting; rtrace's own other variables are not."""
 
-    OURS = ("RTRACE_UI_CACHE", "RTRACE_UI_ARTIFACTS", "RTRACE_CHROMIUM", "RTRACE_PHOENIX", "RTRACE_COLLECTOR_HOST")
+    OURS = ("RTRACE_UI_CACHE", "RTRACE_UI_ARTIFACTS", "RTRACE_CHROMIUM", "RTRACE_PHOENIX")
 
     def _said(self, caplog):
         return sorted(r.getMessage().split(" (logged once")[0] for r in caplog.records
@@ -147,12 +147,15 @@ class TestUnknownVariables:
         pytest.importorskip("grpc")
         monkeypatch.setenv("RTRACE_EXPORTERS", "jsonl")
         monkeypatch.setenv("RTRACE_MAX_TRACE_PER_STEP", "1")
+        monkeypatch.setenv("RTRACE_COLLECTOR_PORT", "4317")  # read by nothing: `rtrace collect --port`
         for name in self.OURS:
             monkeypatch.setenv(name, str(tmp_path))
         with caplog.at_level(logging.WARNING, logger="rtrace"):
             for _ in range(2):
                 rtrace.start_collector(exporter="jsonl", jsonl_path=str(tmp_path / "c.jsonl")).stop()
         assert self._said(caplog) == [
+            "rtrace: unknown environment variable RTRACE_COLLECTOR_PORT is ignored; did you mean "
+            "RTRACE_COLLECTOR_ENDPOINT?",
             "rtrace: unknown environment variable RTRACE_EXPORTERS is ignored; did you mean RTRACE_EXPORTER?",
             "rtrace: unknown environment variable RTRACE_MAX_TRACE_PER_STEP is ignored; did you mean "
             "RTRACE_MAX_TRACES_PER_STEP?"]
