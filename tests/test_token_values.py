@@ -338,6 +338,54 @@ class TestMismatch:
                 "rollout/logprob_mismatch_k3_max"} <= set(m.values)
 
 
+class TestLateRows:
+    """The trainer's rows after their trajectory was written: the check measured nothing. That is
+    said once per run and counted, never silent (before: only annotations_late showed it)."""
+
+    def _said(self, caplog):
+        return [r.getMessage() for r in caplog.records if "old_logprob rows" in r.getMessage()]
+
+    def test_rows_after_the_trajectories_are_said_once_and_counted(self, caplog):
+        with caplog.at_level("WARNING", logger="rtrace"), rtrace.testing.capture() as got:
+            rtrace.annotate_batch(step=1, sample_index=[0], rollout_n=[0], old_logprob=[RESPONSE])
+            rollout(0)  # its row came first: measured
+            for i in (1, 2):
+                rollout(i)
+                assert rtrace.flush(10)
+                rtrace.annotate_batch(step=1, sample_index=[i], rollout_n=[0], old_logprob=[RESPONSE])
+            assert rtrace.flush(10)
+            trajs = {t.sample_index: t for t in got.trajectories}
+            stats = got.stats()
+        assert trajs[0].annotations["logprob_mismatch_k3"] == 0.0
+        assert all("logprob_mismatch_k3" not in trajs[i].annotations for i in (1, 2))
+        assert stats["logprob_mismatch_unchecked"] == 2 and stats["annotations_late"] == 2
+        (said,) = self._said(caplog)
+        assert "the logprob_mismatch check does not measure those trajectories" in said
+        assert "RTRACE_AWAIT_ANNOTATIONS=old_logprob" in said
+
+    def test_rows_after_the_wait_say_the_timeout(self, caplog):
+        with caplog.at_level("WARNING", logger="rtrace"), rtrace.testing.capture(
+                await_annotations="old_logprob", annotation_timeout_s=0) as got:
+            rollout(0)
+            assert rtrace.flush(10)
+            rtrace.annotate_batch(step=1, sample_index=[0], rollout_n=[0], old_logprob=[RESPONSE])
+            assert rtrace.flush(10)
+            stats = got.stats()
+        assert stats["logprob_mismatch_unchecked"] == 1
+        (said,) = self._said(caplog)
+        assert "they came after 0 s of waiting (raise RTRACE_ANNOTATION_TIMEOUT_S)" in said
+
+    def test_other_late_values_are_not_about_the_check(self, caplog):
+        with caplog.at_level("WARNING", logger="rtrace"), rtrace.testing.capture() as got:
+            rollout(0)
+            assert rtrace.flush(10)
+            rtrace.annotate_batch(step=1, sample_index=[0], rollout_n=[0], advantage=[RESPONSE])
+            assert rtrace.flush(10)
+            stats = got.stats()
+        assert stats["annotations_late"] == 1 and "logprob_mismatch_unchecked" not in stats
+        assert self._said(caplog) == []
+
+
 class TestEveryMode:
     def test_through_a_collector_both_ways(self, tmp_path, monkeypatch):
         """Through a collector: a worker's sampler logprobs travel with its spans, and the
