@@ -375,6 +375,27 @@ class TestLateRows:
         (said,) = self._said(caplog)
         assert "they came after 0 s of waiting (raise RTRACE_ANNOTATION_TIMEOUT_S)" in said
 
+    def test_an_adapter_that_sends_its_rows_first_needs_no_wait(self, caplog):
+        """The TRL callback's order (rtrace/compat/trl.py): the batch's rows, then its completions,
+        from one call. The rows are waiting when the trajectories arrive: measured with no
+        RTRACE_AWAIT_ANNOTATIONS (which would hold every completion for the timeout when TRL
+        keeps no old_per_token_logps, its default)."""
+        from rtrace.compat import token_rows
+        from rtrace.instrumentation.turns import Turn, sample_state, submit
+
+        coords = [{"step": 1, "sample_index": i, "rollout_n": 0, "validate": False} for i in range(2)]
+        with caplog.at_level("WARNING", logger="rtrace"), rtrace.testing.capture() as got:
+            token_rows.send(list(enumerate(coords)), {"logprob": [[-0.1, -0.2, -0.3]] * 2,
+                                                      "old_logprob": [[-0.1, -0.2, -0.3], [-0.1, -3.0, -0.3]]},
+                            token_lengths=[3, 3])
+            submit([sample_state(c, [1, 2], [Turn("assistant", [5, 6, 7], finish_reason="stop")]) for c in coords])
+            assert rtrace.flush(10)
+            trajs = {t.sample_index: t for t in got.trajectories}
+            stats = got.stats()
+        assert trajs[0].annotations["logprob_mismatch_k3"] == 0.0
+        assert trajs[1].annotations["logprob_mismatch_max"] == pytest.approx(2.8, rel=1e-6)
+        assert "logprob_mismatch_unchecked" not in stats and self._said(caplog) == []
+
     def test_other_late_values_are_not_about_the_check(self, caplog):
         with caplog.at_level("WARNING", logger="rtrace"), rtrace.testing.capture() as got:
             rollout(0)
