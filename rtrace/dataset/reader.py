@@ -215,10 +215,11 @@ class Run:
 
         The relations :meth:`sql`, :attr:`trajectories` and :attr:`spans` give already run
         through it; a query on a :meth:`cursor` of another thread goes through it by hand."""
+        errors = (_duckdb().Error, OSError)  # what a missing file raises (DuckDB's, pyarrow's)
         for attempt in range(READ_ATTEMPTS):
             try:
                 return fn()
-            except Exception:
+            except errors:
                 if attempt == READ_ATTEMPTS - 1 or not self._vanished():
                     raise
                 _stats.incr("dataset.reads_retried")
@@ -376,7 +377,9 @@ class Relation:
     def __getattr__(self, name: str) -> Any:
         if name in ("run", "relation") or name.startswith("__"):  # unset slots (a copy being made)
             raise AttributeError(name)
-        value = self.run.retrying(lambda: getattr(self.relation, name))  # a property may run the query
+        if name == "shape":  # the one property that runs the query (its row count)
+            return self.run.retrying(lambda: self.relation.shape)
+        value = getattr(self.relation, name)
         if not callable(value) or _is_relation(value):
             return self._wrap(value)
 
