@@ -17,7 +17,7 @@ from typing import Any
 from opentelemetry import trace as otel_trace
 
 from . import _stats
-from .config import ConfigError, Settings, load_settings, unknown_env
+from .config import ConfigError, Settings, load_settings
 from .instrumentation import _state
 
 __all__ = ["configure", "flush", "shutdown", "stats", "is_enabled", "current_settings", "set_tokenizer",
@@ -68,8 +68,7 @@ def configure(**kwargs: Any) -> Settings:
             whose optional dependency is missing.
     """
     global _last_kwargs, _tokenizer
-    settings = load_settings(kwargs)
-    _warn_unknown_env()
+    settings = load_settings(kwargs)  # warns about RTRACE_* variables that are not settings
     with _lock:
         if not settings.enabled:
             _shutdown_locked()
@@ -83,12 +82,6 @@ def configure(**kwargs: Any) -> Settings:
         _install(built, settings)
         _last_kwargs = dict(kwargs)
         return settings
-
-
-def _warn_unknown_env() -> None:
-    for name, close in unknown_env(os.environ):
-        hint = f"; did you mean {close}?" if close else ""
-        _stats.warn_once(f"unknown-env-{name}", "rtrace: unknown environment variable %s is ignored%s", name, hint)
 
 
 def _build(settings: Settings) -> tuple[tuple[Any, Any], Any]:

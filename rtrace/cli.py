@@ -264,11 +264,15 @@ def _query(args: argparse.Namespace) -> int:
         return 2
     if rel is None:  # a statement without a result (SET ...)
         return 0
-    if args.format == "table":
-        rel.show(max_rows=args.max_rows, max_width=10_000)
-        return 0
-    columns = rel.columns
-    rows = rel.fetchall()
+    try:  # the query runs here (a damaged file's data, a division by zero ...): said, never a traceback
+        if args.format == "table":
+            rel.show(max_rows=args.max_rows, max_width=10_000)
+            return 0
+        columns = rel.columns
+        rows = rel.fetchall()
+    except Exception as exc:
+        sys.stderr.write(f"rtrace query: {type(exc).__name__}: {exc}\n")
+        return 2
     if args.format == "csv":
         writer = csv.writer(sys.stdout)
         writer.writerow(columns)

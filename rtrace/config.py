@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Callable, Mapping
 
 __all__ = ["ConfigError", "Settings", "PARAMS", "EXPORTERS", "load_settings", "env_exporters", "env_setting",
-           "writable_path", "dataset_path", "uri_scheme"]
+           "writable_path", "dataset_path", "uri_scheme", "warn_unknown_env"]
 
 #: Sink names accepted by ``RTRACE_EXPORTER`` (besides ``none``).
 EXPORTERS = ("console", "jsonl", "trackio", "mlflow", "otlp", "collector", "parquet")
@@ -689,8 +689,10 @@ PARAMS: tuple[Param, ...] = (
 )
 
 _PARAMS_BY_NAME = {p.name: p for p in PARAMS}
-#: Environment variables rtrace reads besides the table's (not settings of their own).
-_OTHER_ENV = ("RTRACE_COLLECTOR_HOST", "RTRACE_COLLECTOR_PORT")
+#: ``RTRACE_*`` variables read besides the table's, never warned about as unknown: those of
+#: the project's tests and benchmarks (the UI tests' cache and screenshots, the browser,
+#: Phoenix), which run with rtrace configured. (rtrace itself reads no other.)
+_OTHER_ENV = ("RTRACE_UI_CACHE", "RTRACE_UI_ARTIFACTS", "RTRACE_CHROMIUM", "RTRACE_PHOENIX")
 
 
 class _SettingsBase:
@@ -760,9 +762,22 @@ def unknown_env(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
     return out
 
 
+def warn_unknown_env(environ: Mapping[str, str]) -> None:
+    """Warn once per process for each ``RTRACE_*`` variable that is not a setting, naming
+    the closest one: ``RTRACE_EXPORTERS=jsonl`` would otherwise trace nothing, without a word."""
+    from . import _stats
+
+    for name, close in unknown_env(environ):
+        hint = f"; did you mean {close}?" if close else ""
+        _stats.warn_once(f"unknown-env-{name}", "rtrace: unknown environment variable %s is ignored%s", name, hint)
+
+
 def load_settings(overrides: Mapping[str, Any] | None = None,
                   environ: Mapping[str, str] | None = None) -> Any:
     """Build :class:`Settings` from keyword overrides, then the environment, then defaults.
+    Reading the process's environment (every start: ``configure()``, a collector, a
+    gateway), it warns once for each ``RTRACE_*`` variable that is not a setting
+    (:func:`warn_unknown_env`).
 
     Args:
         overrides: values given to ``configure()``; ``None`` values are ignored.
@@ -772,7 +787,9 @@ def load_settings(overrides: Mapping[str, Any] | None = None,
         ConfigError: an unknown keyword, or a value that does not parse.
     """
     overrides = dict(overrides or {})
-    environ = os.environ if environ is None else environ
+    if environ is None:
+        environ = os.environ
+        warn_unknown_env(environ)
     values: dict[str, Any] = {}
     sinks = overrides.pop("sinks", None)
     unknown = sorted(k for k in overrides if k not in _PARAMS_BY_NAME)

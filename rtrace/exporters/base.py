@@ -108,3 +108,17 @@ class Sink:
 
     def shutdown(self) -> None:
         """Flush and release resources; no export follows."""
+
+    def unfinished_shutdown(self) -> str | None:
+        """Optional: :meth:`shutdown` did not return within ``sink_timeout_s``, though every
+        trajectory handed to the sink was exported (nothing was queued or inside
+        :meth:`export`). A sink whose exported data is complete all the same says what its
+        shutdown left undone (the parquet sink: its final merge), counting it itself; the
+        default, None, counts a shutdown timeout (``sink.<name>.shutdown_timeouts``).
+        Called from the stopping thread while the sink's own thread is still in shutdown:
+        read nothing it changes.
+
+        Returns:
+            A sentence for the log, or None.
+        """
+        return None

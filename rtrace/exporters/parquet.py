@@ -135,3 +135,12 @@ class ParquetSink(Sink):
         """Merge each partition's files into one (a step is one file per writer)."""
         if self._writer is not None:
             self._writer.close()
+
+    def unfinished_shutdown(self) -> str:
+        """The final merge ran out of ``sink_timeout_s`` (a large run, a loaded disk): every
+        batch was whole on disk when export returned, so the data is complete; the merge goes
+        on in the background and stops with the process (``sink.parquet.merge_deferred``)."""
+        _stats.incr("sink.parquet.merge_deferred")
+        return (f"every batch it exported is whole in {self.path}, so the data is complete; its final merge was left "
+                "for later (it goes on in the background until the process exits): the run keeps more files than "
+                "merged, which readers read as they are (rtrace.dataset.vacuum removes what a merge cut short leaves)")

@@ -10,6 +10,9 @@ up when its root arrives. An annotation for a trajectory that was already export
 counted as ``annotations_late``; one for a sampled-out trajectory as
 ``annotations_sampled_out`` (both cheap: a bounded table of recent outcomes is kept);
 one that matches nothing before ``annotation_timeout_s`` as ``annotations_unmatched``.
+A late ``old_logprob`` row is also a trajectory whose ``logprob_mismatch`` check measured
+nothing: counted as ``logprob_mismatch_unchecked`` and said once, with what makes
+trajectories wait for it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any, Callable, Hashable
 
 from .. import _stats
 from .records import TrajectoryState
-from .tokens import merge
+from .tokens import TRAINER, merge
 
 __all__ = ["Annotation", "AnnotationTable", "coord_key"]
 
@@ -111,6 +114,8 @@ class AnnotationTable:
         outcome = self._recent.get(k)
         if outcome is not None:
             _stats.incr("annotations_late" if outcome == "exported" else "annotations_sampled_out")
+            if outcome == "exported" and TRAINER in ann.values:
+                self._unchecked(ann)
             return
         prev = self._pending.get(k)
         if prev is not None:
@@ -120,6 +125,20 @@ class AnnotationTable:
         if len(self._pending) > _PENDING:
             self._pending.popitem(last=False)
             _stats.incr("annotations_unmatched")
+
+    def _unchecked(self, ann: Annotation) -> None:
+        """The trainer's logprobs came after their trajectory was written: its mismatch was
+        never measured. Counted, and said once (the check is otherwise off without a word)."""
+        _stats.incr("logprob_mismatch_unchecked")
+        validate = bool(ann.key[0]) if isinstance(ann.key, tuple) else False
+        keys, var = (self.await_eval_keys, "RTRACE_AWAIT_EVAL_ANNOTATIONS") if validate else (
+            self.await_keys, "RTRACE_AWAIT_ANNOTATIONS")
+        fix = (f"they came after {self.timeout_s:g} s of waiting (raise RTRACE_ANNOTATION_TIMEOUT_S)" if TRAINER in keys
+               else f"make trajectories wait for them: {var}=old_logprob, bounded by RTRACE_ANNOTATION_TIMEOUT_S "
+                    "(start_collector(await_annotations=...) for a collector)")
+        _stats.warn_once("mismatch-unchecked", "rtrace: the trainer's old_logprob rows arrive after their "
+                         "trajectories are written, so the logprob_mismatch check does not measure those trajectories "
+                         "(counted in logprob_mismatch_unchecked): %s", fix)
 
     def arrived(self, state: TrajectoryState) -> None:
         """A trajectory's root arrived: give it its pending annotations."""

@@ -14,7 +14,9 @@ own deadline, a sink that hangs is abandoned (its thread is a daemon) and everyt
 still queued for it, or inside its export call, is counted as
 ``sink.<name>.abandoned_trajectories``; the next sink is shut down all the same. So
 for every sink, the trajectories handed to it are ``exported + failed_trajectories +
-dropped_trajectories + abandoned_trajectories``.
+dropped_trajectories + abandoned_trajectories``. A sink whose ``shutdown()`` alone ran out
+of time, everything exported, may say that its data is complete and what was left undone
+(``Sink.unfinished_shutdown``: the parquet sink's final merge); that is no shutdown timeout.
 
 Stopping starts no thread: each sink's own thread exports what is queued, then runs the
 sink's ``shutdown()`` and ends; the stopping thread only waits, with one deadline for all
@@ -56,6 +58,8 @@ class SinkWorker:
         self._abandoned = False
         #: set by request_stop(): the thread ends once its queue is drained
         self._stop_requested = False
+        #: the thread is in the sink's shutdown(): everything queued was exported or counted
+        self._closing = False
         #: ``time.monotonic()`` when the thread took the item it works on (None: waiting)
         self._busy_since: float | None = None
         self._lock = threading.Lock()
@@ -204,7 +208,9 @@ class SinkWorker:
                     break  # stop was requested while the queue was full: it is drained now
             # The end: everything queued before is exported. The sink shuts down here, on
             # its own thread: stopping starts no thread (see the module docstring).
-            if not self._abandoned:
+            with self._lock:
+                closing = self._closing = not self._abandoned
+            if closing:
                 self._call("shutdown", self.sink.shutdown)
         finally:
             detach(token)
@@ -297,6 +303,7 @@ class SinkWorker:
         with self._lock:
             self._abandoned = True
             lost = len(self._in_flight) if self._in_flight is not None else 0
+            closing = self._closing
         while True:
             try:
                 item = self.queue.get_nowait()
@@ -308,11 +315,26 @@ class SinkWorker:
                 lost += len(item)
             elif isinstance(item, _Marker):
                 item.set()
+        if closing and not lost and self._unfinished():
+            return
         self._count("shutdown_timeouts", 1)
         if lost:
             self._count("abandoned_trajectories", lost)
         _stats.warn_once(f"sink-hang-{self.name}", "rtrace sink %r did not finish in time; %d queued "
                          "or in-flight trajectories abandoned", self.name, lost)
+
+    def _unfinished(self) -> bool:
+        """Only the sink's shutdown() ran out of time, every trajectory exported: True when
+        the sink says its data is complete (and what was left undone), logged once."""
+        try:
+            note = self.sink.unfinished_shutdown()
+        except Exception:
+            note = None
+        if not note:
+            return False
+        _stats.warn_once(f"sink-unfinished-{self.name}", "rtrace sink %r did not finish shutting down in time, with "
+                         "nothing left to export (0 trajectories abandoned): %s", self.name, note)
+        return True
 
 
 def _put_waiting(q: queue.Queue, item: Any, wait: Callable[[], bool] | None) -> bool:

@@ -303,9 +303,15 @@ class HealthChecker:
             return
         if m is None:
             return
+        if m.nonfinite[0]:
+            # a bf16 overflow, a bad kernel: the worst mismatch there is, never a mean over the
+            # other tokens (that read as none, and pulled the step's mean down)
+            _stats.incr("logprob_mismatch_nonfinite")
+            out.append(finding("logprob_mismatch", _nonfinite_detail(m)))
+            return
         annotations.update(m.values())
         _, max_frac, max_k3 = self.mismatch
-        if m.frac > max_frac or m.k3 > max_k3:
+        if m.frac > max_frac or m.k3 > max_k3:  # type: ignore[operator]
             out.append(finding("logprob_mismatch", _mismatch_detail(m, self.mismatch)))
 
     def _is_special(self, token: int) -> bool:
@@ -585,6 +591,15 @@ def _mismatch_detail(m: Mismatch, limits: tuple[float, float, float]) -> str:
     return (f"{m.frac:.1%} of {m.tokens} tokens outside [1/{ratio:g}, {ratio:g}] (max {max_frac:g}), k3 {m.k3:.3g} "
             f"(max {max_k3:g}), k1 {m.k1:.3g}; worst: turn {turn}, token {pos}{tok}: sampler logprob {s:.4g}, "
             f"trainer {t:.4g} (|Δ| {abs(t - s):.3g})")
+
+
+def _nonfinite_detail(m: Mismatch) -> str:
+    n, sampler, trainer = m.nonfinite
+    turn, pos, token, s, t = m.worst
+    tok = f" (id {token})" if token is not None else ""
+    return (f"{n} of {m.tokens} trained tokens have a logprob that is not finite (trainer {trainer}, sampler "
+            f"{sampler}): the mismatch is not measured (k1, k3, max and share left out); first: turn {turn}, token "
+            f"{pos}{tok}: sampler logprob {s:.4g}, trainer {t:.4g}")
 
 
 def _special_ids(tok: Any) -> frozenset[int]:
