@@ -29,7 +29,7 @@ FORBIDDEN = {
     "bottom": ("rtrace.instrumentation", "rtrace.pipeline", "rtrace.exporters", "rtrace.compat", "rtrace.gateway",
                "rtrace._setup", "rtrace.cli"),
 }
-BOTTOM = ("config.py", "trajectory.py", "_stats.py", "_serialize.py", "_ids.py")
+BOTTOM = ("config.py", "trajectory.py", "_stats.py", "_serialize.py", "_ids.py", "placement.py")
 
 
 def _imports(path: pathlib.Path) -> set[str]:
