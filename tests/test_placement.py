@@ -177,3 +177,34 @@ class TestMoves:
             owner = ring.owner(key)
             counts[owner] = counts.get(owner, 0) + 1
         assert len(counts) == 4 and all(2_500 < c < 10_000 for c in counts.values()), counts
+
+
+class TestTheEndpointList:
+    """RTRACE_COLLECTOR_ENDPOINT: one endpoint as before, or a comma list, each entry checked."""
+
+    def test_one_endpoint_is_kept_as_it_was(self):
+        from rtrace.config import load_settings
+
+        s = load_settings({}, environ={"RTRACE_EXPORTER": "collector", "RTRACE_COLLECTOR_ENDPOINT": "127.0.0.1:4317"})
+        assert s.collector_endpoint == "127.0.0.1:4317"
+
+    def test_a_list_is_kept_in_order(self):
+        from rtrace.config import load_settings
+
+        s = load_settings({}, environ={"RTRACE_EXPORTER": "collector",
+                                       "RTRACE_COLLECTOR_ENDPOINT": "h2:4317, https://h1:4317 ,h3:4318"})
+        assert s.collector_endpoint == "h2:4317,https://h1:4317,h3:4318"
+        assert Ring(s.collector_endpoint.split(",")).endpoints == ("h1:4317", "h2:4317", "h3:4318")
+
+    @pytest.mark.parametrize("value, why", [
+        ("h1:4317,h2", "entry 'h2': 'h2' has no port"),
+        ("h1:4317,,h2:4317", "has an empty entry"),
+        ("h1:4317,https://h1:4317", "'h1:4317' is listed twice"),
+        ("h1:4317,ftp://h2:21", "entry 'ftp://h2:21'"),
+    ])
+    def test_a_bad_entry_is_named(self, value, why):
+        from rtrace.config import ConfigError, load_settings
+
+        with pytest.raises(ConfigError, match="RTRACE_COLLECTOR_ENDPOINT") as err:
+            load_settings({}, environ={"RTRACE_EXPORTER": "collector", "RTRACE_COLLECTOR_ENDPOINT": value})
+        assert why in str(err.value)
