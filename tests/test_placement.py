@@ -24,7 +24,7 @@ import zlib
 
 import pytest
 
-from rtrace.placement import POSITIONS, Ring, endpoint_name, owner_at, positions, route_key, routing_id
+from rtrace.placement import POSITIONS, Ring, endpoint_name, owner_at, route_key, routing_id
 
 COLLECTORS = ["rtrace-collector:4317", "rtrace-collector-2:4317", "rtrace-collector-3:4317"]
 
