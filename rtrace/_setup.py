@@ -99,7 +99,12 @@ def _build(settings: Settings) -> tuple[tuple[Any, Any], Any]:
         except TypeError as exc:
             raise ConfigError(f"configure(tokenizer=...) (env RTRACE_TOKENIZER): {exc}; accepted values: "
                               "an object with batch_decode/decode, or a tokenizer name / local path") from None
-    fanout = Fanout(sinks, settings.max_export_batch_size, settings.sink_queue_size, settings.sink_timeout_s)
+    # Collector mode: the worker waits for room in a sink's queue (as the collector does)
+    # rather than drop a trainer's burst of annotations: the collector sink's export only
+    # routes and encodes (its own threads send, one per endpoint), so the wait is the
+    # encoding's, never a collector's. The traced program's thread never waits either way.
+    fanout = Fanout(sinks, settings.max_export_batch_size, settings.sink_queue_size, settings.sink_timeout_s,
+                    hold_back="collector" in settings.exporter)
     try:
         if "collector" in settings.exporter:
             # Collector mode: spans stream to the job's collector, which decodes and writes.

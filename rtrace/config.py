@@ -304,6 +304,29 @@ def _url(raw: Any) -> str:
     return value
 
 
+def _endpoints(raw: Any) -> str:
+    """One rtrace collector endpoint, or a comma list of them (placement by group key across
+    several, rtrace/placement.py): each entry as :func:`_url` accepts it, no endpoint twice
+    (``https://h:1`` and ``h:1`` are one). Kept as the entries joined by commas."""
+    from .placement import endpoint_name
+
+    value = _str(raw)
+    entries = [entry.strip() for entry in value.split(",")]
+    if any(not entry for entry in entries):
+        raise ValueError(f"{value!r} has an empty entry")
+    names: set[str] = set()
+    for entry in entries:
+        try:
+            _url(entry)
+        except ValueError as exc:
+            raise ValueError(f"entry {entry!r}: {exc}") from None
+        name = endpoint_name(entry)
+        if name in names:
+            raise ValueError(f"{name!r} is listed twice")
+        names.add(name)
+    return ",".join(entries)
+
+
 class Secret(str):
     """A string that does not show itself: ``repr`` (and so the repr of :class:`Settings`,
     tracebacks, logs) says ``'<secret>'``; the value is the string itself."""
@@ -535,6 +558,11 @@ PARAMS: tuple[Param, ...] = (
     Param("await_eval_annotations", "RTRACE_AWAIT_EVAL_ANNOTATIONS", _str_list, (), "comma list of keys, or none",
           "The same for validation trajectories (none by default: trainers annotate advantages and returns on "
           "training rollouts only, and a validation rollout would wait in vain).", type="tuple[str, ...]"),
+    Param("annotation_queue_bytes", "RTRACE_ANNOTATION_QUEUE_BYTES", _int(1024 * 1024), 256 * 1024 * 1024,
+          "an integer >= 1048576",
+          "Annotations waiting for rtrace's worker thread, by estimated size (~100 bytes a value, per-token "
+          "arrays by their bytes): one annotate_batch call of 10^5 rows of two values is ~40 MB. Beyond it the "
+          "rows that do not fit are dropped and counted.", type="int"),
     Param("annotation_timeout_s", "RTRACE_ANNOTATION_TIMEOUT_S", _float(0.0), 120.0, _SEC.format(0),
           "How long a trajectory waits for awaited annotations; then it is exported without them (counted).",
           type="float"),
@@ -551,9 +579,17 @@ PARAMS: tuple[Param, ...] = (
     Param("service_name", "OTEL_SERVICE_NAME", _str, "rtrace", "a non-empty name",
           "OTel resource service.name of rtrace's own TracerProvider.", type="str"),
     # collector mode
-    Param("collector_endpoint", "RTRACE_COLLECTOR_ENDPOINT", _url, None, "host:port",
-          "The rtrace collector workers send spans to (exporter `collector`; set by `collector.env`).",
-          type="str | None"),
+    Param("collector_endpoint", "RTRACE_COLLECTOR_ENDPOINT", _endpoints, None,
+          "host:port, or a comma list host1:4317,host2:4317,...",
+          "The rtrace collector workers send spans to (exporter `collector`; set by `collector.env`). A list: "
+          "each rollout goes to the collector that owns its key (run, validate, step, sample_index) on a "
+          "consistent-hash ring, the OpenTelemetry Collector loadbalancing exporter's (docs/collector.md, "
+          "\"Placement\"); give the trainer the same list.", type="str | None"),
+    Param("collector_queue_bytes", "RTRACE_COLLECTOR_QUEUE_BYTES", _int(1024 * 1024), 128 * 1024 * 1024,
+          "an integer >= 1048576",
+          "Collector mode: encoded requests waiting per collector endpoint in a worker or trainer (sent a few MB "
+          "at a time, retried on push-back within OTEL_EXPORTER_OTLP_TIMEOUT); beyond it segments are dropped "
+          "and counted.", type="int"),
     Param("job_id", "RTRACE_JOB_ID", _str, None, "a non-empty id",
           "The training job's id, set by the collector in `collector.env`; stamped as `rtrace.job_id`.",
           type="str | None"),

@@ -55,8 +55,9 @@ doubled the MLflow sink's conversion cost).
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
+from ..placement import ROUTE_ATTR
 from .._serialize import attr_ok, fast_json, json_default, plain_json, strict_json, truncate, vouched
 from ..trajectory import SpanRecord, Trajectory, token_field
 from . import otlp_wire
@@ -438,7 +439,7 @@ _COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators
 
 
 def encode_compact(trajectories: Iterable[Trajectory], resource_attributes: Mapping[str, Any],
-                   max_value_chars: int = DEFAULT_MAX_VALUE_CHARS) -> Any:
+                   max_value_chars: int = DEFAULT_MAX_VALUE_CHARS, routes: Sequence[str] | None = None) -> Any:
     """One OTLP ``ExportTraceServiceRequest`` for the worker -> collector hop.
 
     Each span keeps its standard OTLP fields (trace and span ids, parent, name, times,
@@ -449,6 +450,11 @@ def encode_compact(trajectories: Iterable[Trajectory], resource_attributes: Mapp
     (``rtrace.pipeline.collector``). One protobuf value instead of one per attribute: the
     encoding costs the worker a fraction of the SDK's generic encoder. The sinks' OTLP
     output (:func:`to_readable_spans`) is unaffected.
+
+    ``routes`` (one per trajectory; equal ones next to each other): each run of equal routes
+    gets a resource of its own, the resource attributes plus :data:`rtrace.placement.ROUTE_ATTR`
+    = the route, which an OpenTelemetry Collector's loadbalancing exporter routes by
+    (``routing_key: attributes``): once per rollout group rather than once per span.
     """
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
     from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
@@ -476,8 +482,20 @@ def encode_compact(trajectories: Iterable[Trajectory], resource_attributes: Mapp
     resource_spans = request.resource_spans.add()
     for key, value in attributes(resource_attributes).items():
         put(resource_spans.resource.attributes, key, value)
+    base = None
     add = resource_spans.scope_spans.add().spans.add
-    for traj in trajectories:
+    route: str | None = None
+    for n, traj in enumerate(trajectories):
+        if routes is not None and routes[n] != route:
+            if route is None:  # the first group: the resource made above
+                base = type(resource_spans.resource)()
+                base.CopyFrom(resource_spans.resource)
+            else:  # the next group: a resource of its own
+                resource_spans = request.resource_spans.add()
+                resource_spans.resource.CopyFrom(base)
+                add = resource_spans.scope_spans.add().spans.add
+            route = routes[n]
+            put(resource_spans.resource.attributes, ROUTE_ATTR, route)
         trace_id = fromhex(traj.trace_id)
         # a segment the worker vouched for (converted values only) skips the NaN walk
         to_json = plain_json if vouched(traj) else fast_json

@@ -6,7 +6,8 @@ first merged into the queued batches that have room, and if that is not enough t
 samples fewer trajectories of every step (:meth:`SinkWorker._thin`), so a sink that
 falls behind still shows every step, with failures and tail-kept trajectories kept
 longest, rather than missing whole batches at random. (In the collector, whose senders
-can be told to wait, the worker waits for room instead while the sink makes progress:
+can be told to wait, and in a collector-mode worker, whose collector sink only routes and
+encodes, the worker waits for room instead while the sink makes progress:
 ``Fanout(hold_back=True)``.) Sinks run with OTel
 instrumentation suppressed, so a backend's own HTTP calls are not traced into the
 trajectories. Shutdown is bounded per sink: each sink gets its

@@ -30,7 +30,7 @@ from .. import _stats
 from ..config import Settings
 from ..summary import RolloutSummary
 from ..trajectory import Trajectory
-from .annotations import Annotation, AnnotationTable, coord_key
+from .annotations import Annotation, AnnotationTable, coord_key, estimated_bytes
 from .builder import SpanConverter, coordinates, finish, tail_of
 from .fanout import Fanout
 from .health import NO_REWARD, HealthChecker, finding
@@ -139,6 +139,10 @@ class Pipeline:
         #: finished states built without spans (log_rollout_batch), and annotations
         self._states: collections.deque[TrajectoryState] = collections.deque()
         self._annotations: collections.deque[Annotation] = collections.deque()
+        #: the estimated bytes of the queued annotations (annotation_queue_bytes), and its lock:
+        #: callers' threads add, the worker takes everything at once
+        self._annotation_bytes = 0
+        self._annotation_lock = threading.Lock()
         #: trajectories whose root arrived, waiting for awaited annotations
         self._waiting: list[TrajectoryState] = []
         self._cond = threading.Condition()
@@ -198,11 +202,22 @@ class Pipeline:
         return min(room, len(tallies))
 
     def annotate(self, annotations: Sequence[Annotation]) -> None:
-        """Queue annotations for the worker (bounded; the excess is counted)."""
-        room = max(0, self._max_queue - len(self._annotations))
-        if room < len(annotations):
-            _stats.incr("annotations_dropped_queue", len(annotations) - room)
-        self._annotations.extend(annotations[:room])
+        """Queue annotations for the worker, bounded in (estimated) bytes, not rows: one
+        ``annotate_batch`` call for a step of 10^5 rollouts fits whole (``annotation_queue_bytes``);
+        rows beyond the bound are dropped and counted."""
+        if not annotations:
+            return
+        size = estimated_bytes(annotations)
+        per_row = max(1, size // len(annotations))
+        with self._annotation_lock:
+            room = max(0, self.settings.annotation_queue_bytes - self._annotation_bytes)
+            taken = len(annotations) if size <= room else room // per_row
+            self._annotations.extend(annotations[:taken] if taken < len(annotations) else annotations)
+            self._annotation_bytes += size if taken == len(annotations) else taken * per_row
+        if taken < len(annotations):
+            _stats.incr("annotations_dropped_queue", len(annotations) - taken)
+            _stats.warn_once("annotation-queue", "rtrace's annotation queue is full (annotation_queue_bytes=%d); "
+                             "annotations are dropped (counted)", self.settings.annotation_queue_bytes)
         if self.settings.await_annotations or self.settings.await_eval_annotations:
             with self._cond:
                 self._cond.notify()
@@ -261,11 +276,11 @@ class Pipeline:
         """One part of a round: the next ``n`` spans, and what finished with them. Only the
         round's ``last`` part may release a step's selection at a flush: a step is sampled
         from its whole backlog, not from the first part of it."""
-        q, pre, anns = self._queue, self._states, self._annotations
+        q, pre = self._queue, self._states
         spans = [q.popleft() for _ in range(n)]
         prebuilt = [pre.popleft() for _ in range(len(pre))]
-        for _ in range(len(anns)):
-            self.annotations.add(anns.popleft())
+        for ann in self._take_annotations():
+            self.annotations.add(ann)
         conv = SpanConverter(self.settings)
         arrived = self._assemble(spans, conv) + prebuilt
         tallies = self._tallies
@@ -315,6 +330,14 @@ class Pipeline:
             rows = self.metrics.due(time.monotonic())
             if rows:
                 self.fanout.submit_metrics(rows)
+
+    def _take_annotations(self) -> list[Annotation]:
+        """Every queued annotation, at once (their bytes leave the queue's bound)."""
+        with self._annotation_lock:
+            taken = list(self._annotations)
+            self._annotations.clear()
+            self._annotation_bytes = 0
+        return taken
 
     def _attach_tokens(self, state: TrajectoryState) -> None:
         try:
