@@ -15,8 +15,9 @@ Knobs (attributes of :class:`FakeVLLM`): ``version`` (answered as SGLang's
 ``metadata.weight_version``), ``token_ids`` (False: a server without vLLM's ids, such as a
 hosted API, which ignores the field), ``delay_s`` (before answering), ``fail`` (an HTTP
 status to answer with an OpenAI error), ``cut_after`` (a stream closed after that many
-chunks), ``chunk_delay_s`` (between streamed chunks). ``requests`` keeps every request's path,
-headers and body.
+chunks), ``chunk_delay_s`` (between streamed chunks), ``done_delay_s`` (before a stream's
+``data: [DONE]``), ``tail_delay_s`` (after it, before the body ends: the last HTTP chunk comes
+later). ``requests`` keeps every request's path, headers and body.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class FakeVLLM:
         self.fail: int | None = None
         self.cut_after: int | None = None
         self.chunk_delay_s = 0.0
+        self.done_delay_s = 0.0
+        self.tail_delay_s = 0.0
         self.requests: list[dict[str, Any]] = []
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -98,7 +101,7 @@ class FakeVLLM:
 
     def reset(self) -> None:
         self.version, self.token_ids, self.delay_s, self.fail, self.cut_after = None, True, 0.0, None, None
-        self.chunk_delay_s = 0.0
+        self.chunk_delay_s = self.done_delay_s = self.tail_delay_s = 0.0
         self.requests.clear()
 
     # ------------------------------------------------------------------ the "model"
@@ -207,7 +210,14 @@ class FakeVLLM:
             await asyncio.sleep(self.chunk_delay_s)
         yield chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": None,
                      "token_ids": [] if ids_asked else None})
+        async for part in self._done():
+            yield part
+
+    async def _done(self) -> Any:
+        """A stream's end: ``data: [DONE]``, then the end of the body (each after its delay)."""
+        await asyncio.sleep(self.done_delay_s)
         yield b"data: [DONE]\n\n"
+        await asyncio.sleep(self.tail_delay_s)
 
     async def completions(self, request: Request) -> Response:
         body, failed = await self._common(request)
@@ -230,7 +240,8 @@ class FakeVLLM:
                                          "token_ids": [t] if ids_asked else None}]}
                     self._meta(data)
                     yield b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
-                yield b"data: [DONE]\n\n"
+                async for part in self._done():
+                    yield part
 
             return StreamingResponse(stream(), media_type="text/event-stream")
         data = {"id": "cmpl-fake", "object": "text_completion", "created": 1, "model": body["model"],

@@ -483,6 +483,54 @@ class TestCaptureGaps:
         assert "incomplete" in gen.attributes["rtrace.capture_gap.codes"]
         assert 0 < len(gen.response_ids) < len(encode(FakeVLLM.reply(QUESTION, TOOLS)[2]))
 
+    @pytest.mark.parametrize("route, body, settings, until, gaps", [
+        # the openai SDK's way: [DONE] read, the connection closed; the gateway asked for ids and logprobs
+        ("chat/completions", {}, {}, "[DONE]", []),
+        # the client asked for both itself: the gateway passes the bytes on as they come
+        ("chat/completions", {"return_token_ids": True, "logprobs": True}, {}, "[DONE]", []),
+        ("completions", {}, {}, "[DONE]", []),
+        # past the size cap nothing more is kept: the end is told from the bytes passed on
+        ("chat/completions", {"return_token_ids": True, "logprobs": True}, {"gateway_max_response_bytes": 1024},
+         "[DONE]", ["too_large"]),
+        # a client that stops at the chunk with the finish reason, before [DONE]
+        ("chat/completions", {}, {}, '"finish_reason":"stop"', []),
+    ], ids=["done", "done-as-it-came", "completions", "done-past-the-cap", "finish-reason"])
+    def test_a_client_that_closes_once_the_end_came_closes_a_complete_answer(self, captured, gateway, fake, route,
+                                                                            body, settings, until, gaps):
+        """The openai SDK closes its connection as soon as it reads ``data: [DONE]``, which may come before
+        the upstream's body ends (its last chunk a little later): once the answer's end (``[DONE]``, or the
+        chunk with the finish reason) has been passed to the client, its close ends a complete answer:
+        recorded as such, no error, no ``incomplete`` gap."""
+        import time
+
+        gw = gateway(gateway_untraced="record", **settings)  # each call its own trajectory: written when it ends
+        if until == "[DONE]":
+            fake.tail_delay_s = 5.0  # the upstream's body ends long after [DONE]
+        else:
+            fake.done_delay_s = 5.0  # [DONE] comes long after the finish reason
+        request = {"model": "fake-policy", "stream": True, **body}
+        request.update({"prompt": "12 + 7 ="} if route == "completions" else {"messages": QUESTION})
+        read = []
+        with httpx.stream("POST", f"{gw.url}/v1/{route}", json=request, timeout=30) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    read.append(line[6:])
+                    if until in line:
+                        break
+        deadline = time.monotonic() + 4  # the gateway records the call when it sees the close
+        while not (gens := only(captured.trajectories)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (gen,) = gens
+        assert (gen.status, gen.error) == ("ok", None)
+        assert gen.attributes.get("rtrace.capture_gap.codes", []) == gaps
+        if not gaps:
+            answer = "".join(json.loads(d)["choices"][0].get("text") or
+                             json.loads(d)["choices"][0].get("delta", {}).get("content") or "" for d in read
+                             if d != "[DONE]")
+            want = FakeVLLM.reply(QUESTION, None)[2] if route == "chat/completions" else " 19"
+            assert answer == want and gen.response_ids == encode(want)
+            assert gen.output["finish_reason"] == "stop"
+
     def test_an_answer_over_the_size_cap_passes_through_unrecorded(self, captured, gateway, fake):
         """An answer larger than RTRACE_GATEWAY_MAX_RESPONSE_BYTES reaches the client whole (as it came
         when there is nothing to take out: the client asked for ids and logprobs itself); the call is
@@ -1216,3 +1264,22 @@ def test_a_record_that_cannot_be_read_is_counted_and_the_span_stays(captured):
     (gen,) = [s for s in traj.spans if s.name == "chat m"]
     assert gen.kind == "generation" and gen.input is None and gen.response_ids is None
     assert captured.stats()["capture_errors"] == 1
+
+
+@pytest.mark.parametrize("data, one_choice, ends", [
+    (b"[DONE]", True, True),
+    (b'{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}', True, True),
+    # n > 1: one choice's end is not the answer's
+    (b'{"choices":[{"index":1,"delta":{},"finish_reason":"stop"}]}', False, False),
+    (b'{"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}', True, False),
+    # the usage chunk (stream_options.include_usage) comes after every choice ended
+    (b'{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}', False, True),
+    (b'{"type":"response.completed","response":{"status":"completed"}}', True, True),
+    (b'{"type":"response.output_text.delta","delta":"x"}', True, False),
+    (b"not json", True, False),
+])
+def test_what_ends_a_stream(data, one_choice, ends):
+    """The events after which a client's close ends a complete answer (protocol.ends_stream)."""
+    from rtrace.gateway.protocol import ends_stream
+
+    assert ends_stream(data, one_choice) is ends

@@ -40,7 +40,8 @@ from ..instrumentation.propagation import baggage_coordinates
 from . import keys as _keys
 from .errors import Refused, error_body, error_response
 from .http import Request as HttpRequest, call_asgi
-from .protocol import CHAT, COMPLETIONS, SseSplitter, chunk_kept, dumps, edit, event_data, loads, prepare, strip
+from .protocol import (CHAT, COMPLETIONS, SseSplitter, chunk_kept, dumps, edit, ends_stream, event_data, loads,
+                       prepare, strip)
 from .recorder import Join, Record, open_call, remote_context
 from .session_api import SessionAPI
 from .sessions import SessionError, Sessions
@@ -65,6 +66,8 @@ _DROP_REQUEST = frozenset(("host", "content-length", "connection", "keep-alive",
 _DROP_RESPONSE = frozenset((b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"date",
                             b"server"))
 _JSON = [(b"content-type", b"application/json")]
+#: what _pipe returns when the client closed its connection before the upstream's body ended
+CLIENT_GONE = "the client went away during the stream"
 #: a whole answer the gateway must strip (it asked for ids or logprobs the client did not) is held
 #: up to this many times RTRACE_GATEWAY_MAX_RESPONSE_BYTES (recorded only up to 1x); past it: 502
 HOLD_FACTOR = 4
@@ -491,7 +494,7 @@ class Gateway(SessionAPI):
         finally:
             request.on_gone = request.on_pause = None
         if error == "gone":
-            return "the client went away during the stream"
+            return CLIENT_GONE
         reply.close()
         if error is not None:
             _stats.incr(f"gateway_upstream_errors.{error.kind}")
@@ -507,12 +510,15 @@ class Gateway(SessionAPI):
         hold = limit * HOLD_FACTOR  # the most of one event held to strip it
         splitter = SseSplitter()
         size = 0
+        #: the last bytes passed to the client: did they end the answer? (a client that closes then
+        #: closes a complete answer: see below)
+        tail = b""
 
         events = record.events
         now = time.time_ns
 
         def on_data(chunk: bytes) -> None:
-            nonlocal size
+            nonlocal size, tail
             size += len(chunk)
             if size > limit and record.capturing:
                 record.capturing = False
@@ -521,6 +527,7 @@ class Gateway(SessionAPI):
                                         "(RTRACE_GATEWAY_MAX_RESPONSE_BYTES): recorded up to there")
             if not asked:
                 request.write(chunk)  # as it came; kept beside, once the chunk is on its way
+                tail = (tail + chunk)[-_TAIL:]
                 if record.capturing:
                     at = now()
                     for event in splitter.feed(chunk):
@@ -550,7 +557,9 @@ class Gateway(SessionAPI):
                 elif chunk_kept(obj):
                     out.append(_event_with(event, dumps(obj)))
             if out:
-                request.write(b"".join(out))
+                data = b"".join(out)
+                request.write(data)
+                tail = (tail + data)[-_TAIL:]
             if splitter.pending > hold:  # an event too large to hold and strip: the stream is cut, not leaked
                 _stats.incr("gateway_responses_refused_too_large")
                 reply.fail(f"a streamed event larger than {hold} bytes ({HOLD_FACTOR} x "
@@ -563,6 +572,13 @@ class Gateway(SessionAPI):
         except BaseException:
             record.finish(error="the gateway stopped during the stream")
             raise
+        if error == CLIENT_GONE and (_done(tail) or (events and ends_stream(
+                events[-1][1], record.payload.get("n") in (None, 1)))):
+            # The client closed after the answer's end had reached it: the openai SDK closes as soon
+            # as it reads `data: [DONE]`, which may come before the upstream's body has ended (its
+            # last chunk a little later). What it got is the whole answer, not a cut one.
+            record.ended = True
+            error = None
         # the span ends before the client's answer does (see _whole)
         record.finish(error=error)
         # an unterminated last event: held back only when something had to be taken out
@@ -642,6 +658,16 @@ class Gateway(SessionAPI):
     async def health(self, request: Request) -> Response:
         """``GET /rtrace/health``: 200 while the gateway serves."""
         return _json_response({"status": "ok", "upstream": self.upstream_shown})
+
+
+#: the bytes of the answer's end kept to tell whether a closing client had it (``data: [DONE]``)
+_TAIL = 32
+
+
+def _done(tail: bytes) -> bool:
+    """The stream passed on so far ends with a whole ``data: [DONE]`` event."""
+    tail = tail.replace(b"\r\n", b"\n")
+    return tail.endswith(b"\n\n") and event_data(tail.rstrip().rsplit(b"\n", 1)[-1]) == b"[DONE]"
 
 
 def _error_text(status: int, raw: bytes) -> str:

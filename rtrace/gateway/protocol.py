@@ -55,8 +55,8 @@ try:  # the gateway extra brings it; without it, edit() says it cannot and answe
 except ImportError:  # pragma: no cover
     msgspec = None  # type: ignore[assignment]
 
-__all__ = ["CHAT", "COMPLETIONS", "Asked", "prepare", "edit", "strip", "strip_chunk", "chunk_kept", "Capture", "loads",
-           "dumps", "SseSplitter"]
+__all__ = ["CHAT", "COMPLETIONS", "Asked", "prepare", "edit", "strip", "strip_chunk", "chunk_kept", "ends_stream",
+           "Capture", "loads", "dumps", "SseSplitter"]
 
 #: The two kinds of model call, by route.
 CHAT, COMPLETIONS = "chat", "completions"
@@ -144,6 +144,33 @@ def chunk_kept(data: dict[str, Any]) -> bool:
         elif delta:
             return True
     return False
+
+
+#: The Responses API's events that end a stream (the whole answer is in them).
+_RESPONSE_ENDS = frozenset(("response.completed", "response.incomplete", "response.failed"))
+
+
+def ends_stream(data: bytes, one_choice: bool = True) -> bool:
+    """A streamed event's ``data`` ends a complete answer: ``[DONE]``; a Responses API event that
+    carries the whole answer (``response.completed`` ...); the usage chunk (``choices`` empty, after
+    every choice ended); a chunk with a finish reason when the call asked for ``one_choice``. A client
+    may close its connection once it has read it (the openai SDK closes on ``[DONE]``)."""
+    if data.strip() == b"[DONE]":
+        return True
+    try:
+        obj = loads(data)
+    except ValueError:
+        return False
+    if type(obj) is not dict:
+        return False
+    if obj.get("type") in _RESPONSE_ENDS:
+        return True
+    choices = obj.get("choices")
+    if type(choices) is not list:
+        return False
+    if not choices:
+        return bool(obj.get("usage"))
+    return one_choice and any(type(c) is dict and c.get("finish_reason") is not None for c in choices)
 
 
 # ----------------------------------------------------------------------------- edits in the bytes

@@ -171,7 +171,7 @@ class Record:
     references only, read in the worker (:class:`Reading`)."""
 
     __slots__ = ("settings", "runtime", "call", "kind", "payload", "asked", "gaps", "status", "capturing", "done",
-                 "started", "raw", "data", "events")
+                 "started", "raw", "data", "events", "ended")
 
     def __init__(self, call: Call, kind: str, payload: dict[str, Any], asked: Any, settings: Any,
                  runtime: Any) -> None:
@@ -192,6 +192,8 @@ class Record:
         self.data: dict[str, Any] | None = None
         #: a stream: ``(time.time_ns() at arrival, the event's data)`` of each data event
         self.events: list[tuple[int, bytes]] = []
+        #: the client closed a stream once its end had reached it: complete, whatever came after
+        self.ended = False
 
     def gap(self, code: str, detail: str) -> None:
         self.gaps.append((code, detail))
@@ -296,7 +298,7 @@ class Reading(Deferred):
                 else:
                     gaps.append(("not_returned", "the upstream returned no token ids (not vLLM / SGLang, or an "
                                                  "older version)"))
-            if error is not None or (stream and not cap.done and "too_large" not in noted):
+            if error is not None or (stream and not (cap.done or rec.ended) and "too_large" not in noted):
                 gaps.append(("incomplete", "the answer was cut before its end: "
                                            + (error or "the stream ended without [DONE]")))
             if cap.choices > 1:
