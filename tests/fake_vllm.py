@@ -23,6 +23,7 @@ later). ``requests`` keeps every request's path, headers and body.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import re
 import threading
@@ -219,22 +220,32 @@ class FakeVLLM:
         yield b"data: [DONE]\n\n"
         await asyncio.sleep(self.tail_delay_s)
 
+    @staticmethod
+    def completion(prompt: str) -> str:
+        """The text a completions request gets: the sum of the prompt's numbers, then the prompt's
+        characters beyond ASCII (each several tokens: bytes)."""
+        return f" {sum(numbers(prompt))}" + "".join(c for c in prompt if not c.isascii())
+
     async def completions(self, request: Request) -> Response:
         body, failed = await self._common(request)
         if failed is not None:
             return failed
         ids_asked = bool(body.get("return_token_ids")) and self.token_ids
         lp_asked = body.get("logprobs") is not None
-        text = f" {sum(numbers(str(body['prompt'])))}"
+        text = self.completion(str(body["prompt"]))
         prompt_ids, ids = encode(str(body["prompt"])), encode(text)
         lps = self._logprobs(ids)
         if body.get("stream"):
             async def stream() -> Any:
+                # one event per token (a byte), as vLLM sends one per token whatever is asked: a token that
+                # ends mid-character has no text yet
+                decoder = codecs.getincrementaldecoder("utf-8")()
                 for i, t in enumerate(ids):
+                    piece = decoder.decode(bytes([t - 10]))
                     data = {"id": "cmpl-fake", "object": "text_completion", "created": 1, "model": body["model"],
-                            "choices": [{"index": 0, "text": text[i], "finish_reason": "stop" if i == len(ids) - 1
+                            "choices": [{"index": 0, "text": piece, "finish_reason": "stop" if i == len(ids) - 1
                                          else None,
-                                         "logprobs": {"tokens": [text[i]], "token_logprobs": [lps[i]],
+                                         "logprobs": {"tokens": [piece], "token_logprobs": [lps[i]],
                                                       "top_logprobs": None, "text_offset": [i]} if lp_asked else None,
                                          "prompt_token_ids": prompt_ids if ids_asked and i == 0 else None,
                                          "token_ids": [t] if ids_asked else None}]}

@@ -988,7 +988,8 @@ class TestEdit:
         ({"choices": [{"index": 0, "delta": {}, "finish_reason": None}], "usage": {"total_tokens": 3}}, True),
         ({"choices": [{"index": 0, "delta": {}, "finish_reason": None}], "usage": None}, False),
         ({"choices": [], "usage": None, "prompt_token_ids": [1, 2]}, True),  # no choices: kept (vLLM's first)
-        ({"choices": [{"index": 0, "text": "", "finish_reason": None, "token_ids": [5]}]}, False),  # completions
+        # completions: vLLM sends one per token whatever is asked (empty text: a token that ends mid-character)
+        ({"choices": [{"index": 0, "text": "", "finish_reason": None, "token_ids": [5]}]}, True),
         ({"choices": [{"index": 0, "text": "4", "finish_reason": None, "token_ids": [5]}]}, True),
         ({"choices": [{"index": 0, "delta": None, "finish_reason": None}]}, False),
         ({"choices": [{"index": 0, "delta": {}, "finish_reason": None},

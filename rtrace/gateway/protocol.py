@@ -124,10 +124,12 @@ def strip_chunk(data: dict[str, Any], asked: Asked) -> bool:
 
 def chunk_kept(data: dict[str, Any]) -> bool:
     """A streamed chunk (stripped already) still carries something for the client: no choices,
-    usage, prompt ids, or a choice with a finish reason, a non-empty delta, text, or token ids /
-    prompt ids / logprobs that the client asked for itself (so the gateway left them). A chunk
-    that only carried what the gateway asked for is dropped: vLLM sends one per token once ids
-    or logprobs are asked, and the upstream would not have sent it to the client."""
+    usage, prompt ids, or a choice with a finish reason, a non-empty delta, or token ids / prompt
+    ids / logprobs that the client asked for itself (so the gateway left them); and every
+    completions chunk (``text``, even empty: vLLM sends one per token whatever is asked, with no
+    text for a token that ends mid-character). A chat chunk that only carried what the gateway
+    asked for is dropped: vLLM sends one per token once ids or logprobs are asked (a delta it
+    would otherwise skip, ``{}``), and the upstream would not have sent it to the client."""
     choices = data.get("choices")
     if not choices or data.get("usage") or data.get("prompt_token_ids") is not None:
         return True
@@ -137,11 +139,9 @@ def chunk_kept(data: dict[str, Any]) -> bool:
         if choice.get("token_ids") is not None or choice.get("prompt_token_ids") is not None \
                 or choice.get("logprobs") is not None:
             return True
-        delta = choice.get("delta")
-        if delta is None:  # completions: a text chunk
-            if choice.get("text"):
-                return True
-        elif delta:
+        if "text" in choice:  # completions: sent whatever its text
+            return True
+        if choice.get("delta"):
             return True
     return False
 
@@ -294,18 +294,15 @@ def edit(raw: bytes, asked: Asked, chunk: bool = False) -> tuple[bytes | None, b
                 cuts += [at[k] for k in _IDS if k in at]
             if asked.logprobs and "logprobs" in at:
                 cuts.append(at["logprobs"])
-            if not keep:  # chunk_kept's test: a finish reason, what the client asked for, a delta, text
-                delta = at.get("delta")
+            if not keep:  # chunk_kept's test: a finish reason, what the client asked for, completions, a delta
                 if not _null(raw, at.get("finish_reason")):
                     keep = True
                 elif not asked.ids and not (_null(raw, at.get("token_ids")) and _null(raw, at.get("prompt_token_ids"))):
                     keep = True  # ids the client asked for itself
                 elif not asked.logprobs and not _null(raw, at.get("logprobs")):
                     keep = True
-                elif _null(raw, delta):  # completions
-                    keep = not _falsy(raw, at.get("text"))
                 else:
-                    keep = not _falsy(raw, delta)
+                    keep = "text" in at or not _falsy(raw, at.get("delta"))
         # (the value's end: _past skipped the white space after its ']', if any)
         if _past(raw, i, _RBRACKET) < 0 or raw.rfind(b"]", i, stop + 1) != stop - 1:
             return None, True
