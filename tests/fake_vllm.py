@@ -17,7 +17,8 @@ hosted API, which ignores the field), ``delay_s`` (before answering), ``fail`` (
 status to answer with an OpenAI error), ``cut_after`` (a stream closed after that many
 chunks), ``chunk_delay_s`` (between streamed chunks), ``done_delay_s`` (before a stream's
 ``data: [DONE]``), ``tail_delay_s`` (after it, before the body ends: the last HTTP chunk comes
-later). ``requests`` keeps every request's path, headers and body.
+later), ``owned_by`` (its ``/v1/models``' owner: ``vllm``). ``requests`` keeps every request's
+path, headers and body (``model_list_requests``: those of ``/v1/models``).
 """
 
 from __future__ import annotations
@@ -69,7 +70,10 @@ class FakeVLLM:
         self.chunk_delay_s = 0.0
         self.done_delay_s = 0.0
         self.tail_delay_s = 0.0
+        #: what its /v1/models says owns the model (vLLM 0.32: "vllm")
+        self.owned_by = "vllm"
         self.requests: list[dict[str, Any]] = []
+        self.model_list_requests: list[dict[str, Any]] = []
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -103,7 +107,9 @@ class FakeVLLM:
     def reset(self) -> None:
         self.version, self.token_ids, self.delay_s, self.fail, self.cut_after = None, True, 0.0, None, None
         self.chunk_delay_s = self.done_delay_s = self.tail_delay_s = 0.0
+        self.owned_by = "vllm"
         self.requests.clear()
+        self.model_list_requests.clear()
 
     # ------------------------------------------------------------------ the "model"
     @staticmethod
@@ -267,5 +273,6 @@ class FakeVLLM:
         return JSONResponse(data)
 
     async def models(self, request: Request) -> Response:
-        self.requests.append({"path": request.url.path, "headers": dict(request.headers), "body": None})
-        return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "fake"}]})
+        # kept apart from the model calls: the gateway asks it what it is when it starts (identify)
+        self.model_list_requests.append({"path": request.url.path, "headers": dict(request.headers)})
+        return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": self.owned_by}]})

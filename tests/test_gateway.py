@@ -561,6 +561,36 @@ class TestCaptureGaps:
         (gen,) = only(captured.trajectories)
         assert gen.response_ids and gen.attributes["rtrace.capture_gap.codes"] == ["choices"]
 
+    @pytest.mark.parametrize("owned_by, provider", [("vllm", "vllm"), ("sglang", "sglang"), ("someone", None)])
+    def test_the_upstream_says_what_it_is(self, captured, gateway, fake, owned_by, provider):
+        """The gateway asks its upstream what it is (its /v1/models' owned_by: vLLM says vllm, SGLang
+        sglang) and records it as each call's gen_ai.provider.name; exported (RTRACE_SEMCONV=both) on the
+        chat span, a CLIENT span (a call over HTTP), and on invoke_agent; an upstream that does not say
+        is not guessed."""
+        import time
+
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.trace import SpanKind
+
+        from rtrace.exporters import otel
+
+        fake.owned_by = owned_by
+        gw = gateway()
+        deadline = time.monotonic() + 10  # asked when the gateway starts: until it has the answer
+        while not (fake.model_list_requests and gw.gateway._identifying is None) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with rtrace.rollout_context(step=1):
+            access = rtrace.gateway_access()
+            chat(access.base_url, access.api_key)
+        (traj,) = captured.trajectories
+        (gen,) = only([traj])
+        assert gen.attributes.get("gen_ai.provider.name") == provider == gw.gateway.identity.provider
+        assert len(fake.model_list_requests) == 1  # asked once at start (again only while it does not say)
+        root, chat_span = otel.to_readable_spans(traj, Resource.get_empty(), semconv="both")
+        assert root.attributes.get("gen_ai.provider.name") == chat_span.attributes.get("gen_ai.provider.name") \
+            == provider
+        assert (root.kind, chat_span.kind) == (SpanKind.INTERNAL, SpanKind.CLIENT)
+
     def test_the_servers_weight_version_is_the_generations_policy_version(self, captured, gateway, fake):
         gateway()
         fake.version = "12"
@@ -1162,6 +1192,29 @@ class TestServer:
         assert captured.stats()["gateway_upstream_errors.timeout"] == 1
 
 
+def accept_call(listener):
+    """``(connection, what it sent so far)``: the next connection of a raw test upstream whose first
+    request is not ``GET /v1/models``, which the gateway sends when it starts to learn what its
+    upstream is (answered 404 here, and closed)."""
+    while True:
+        conn, _ = listener.accept()
+        data = b""
+        while b"\r\n" not in data:
+            more = conn.recv(65536)
+            if not more:
+                break
+            data += more
+        if not data.startswith(b"GET ") or b"/models " not in data.split(b"\r\n", 1)[0]:
+            return conn, data
+        while b"\r\n\r\n" not in data:
+            more = conn.recv(65536)
+            if not more:
+                break
+            data += more
+        conn.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+        conn.close()
+
+
 class SplitUpstream:
     """An upstream that sends a fixed streamed answer cut at given byte offsets, each part in a
     write of its own some milliseconds apart (so the gateway reads it in as many parts)."""
@@ -1181,9 +1234,8 @@ class SplitUpstream:
         import socket
         import time
 
-        conn, _ = self.listener.accept()
+        conn, data = accept_call(self.listener)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        data = b""
         while b"\r\n\r\n" not in data:
             data += conn.recv(65536)
         head, _, rest = data.partition(b"\r\n\r\n")

@@ -26,7 +26,8 @@ from rtrace.gateway import http as gateway_http  # noqa: E402
 from rtrace.gateway import start_gateway  # noqa: E402
 from rtrace.gateway.protocol import Asked, edit, strip_chunk  # noqa: E402
 from tests.test_gateway import (  # noqa: E402,F401 (fixtures)
-    QUESTION, TOOLS, SplitUpstream, _post, _raw_exchange, captured, chat, fake, gateway, only, sse, stream_until_cut, upstream)
+    QUESTION, TOOLS, SplitUpstream, _post, _raw_exchange, accept_call, captured, chat, fake, gateway, only, sse,
+    stream_until_cut, upstream)
 
 BODY = json.dumps({"model": "fake-policy", "messages": QUESTION}).encode()
 HEALTH = b"GET /rtrace/health HTTP/1.1\r\nhost: gw\r\n\r\n"
@@ -224,8 +225,7 @@ class FixedUpstream:
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self):
-        conn, _ = self.listener.accept()
-        data = b""
+        conn, data = accept_call(self.listener)
         while True:
             while b"\r\n\r\n" not in data:
                 more = conn.recv(65536)

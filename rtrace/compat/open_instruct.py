@@ -182,6 +182,11 @@ def _submit(result: Any, states: list[Any], traced: list[tuple[int, dict[str, An
     return submit(states)
 
 
+#: on each trajectory's root: open-instruct generates with vLLM (its engines: the GenAI
+#: conventions' gen_ai.provider.name of the rollout and its chat spans, docs/semconv.md)
+_ROOT = {"rtrace.trainer": "open-instruct", "gen_ai.provider.name": "vllm"}
+
+
 def _sample(result: Any, i: int, query: Any, index: Any, rollout_n: int, score: Any, version: Any, step: Any,
             validate: bool, name: str, filtered: str | None) -> Any:
     extra: dict[str, Any] = {"dataset_index": index}
@@ -198,7 +203,7 @@ def _sample(result: Any, i: int, query: Any, index: Any, rollout_n: int, score: 
     turns = _turns(list(result.responses[i]), list(result.masks[i]), result.finish_reasons[i],
                    _tool_ran(result.request_info, i))
     return sample_state(coords, list(query), turns, score, name=name,
-                        root_attributes={"rtrace.trainer": "open-instruct"})
+                        root_attributes=_ROOT)
 
 
 def _tool_ran(info: Any, i: int) -> bool | None:

@@ -45,7 +45,7 @@ from .protocol import (CHAT, COMPLETIONS, SseSplitter, chunk_kept, dumps, edit, 
 from .recorder import Join, Record, open_call, remote_context
 from .session_api import SessionAPI
 from .sessions import SessionError, Sessions
-from .upstream import Upstream, UpstreamError, shown_url
+from .upstream import Upstream, UpstreamError, identify, shown_url
 
 __all__ = ["Gateway", "SERVED", "error_response"]
 
@@ -71,6 +71,20 @@ CLIENT_GONE = "the client went away during the stream"
 #: a whole answer the gateway must strip (it asked for ids or logprobs the client did not) is held
 #: up to this many times RTRACE_GATEWAY_MAX_RESPONSE_BYTES (recorded only up to 1x); past it: 502
 HOLD_FACTOR = 4
+
+
+#: while the upstream has not said what it is, it is asked again at most this often (seconds)
+IDENTIFY_EVERY_S = 10.0
+
+
+class UpstreamIdentity:
+    """What the upstream is, shared with the calls' records (read in the worker)."""
+
+    __slots__ = ("provider",)
+
+    def __init__(self) -> None:
+        #: ``gen_ai.provider.name`` (``vllm``, ``sglang``, ``openai``); None: not known
+        self.provider: str | None = None
 
 
 def _model_route(path: str) -> tuple[str | None, str | None]:
@@ -146,6 +160,12 @@ class Gateway(SessionAPI):
         self.upstream_shown = shown_url(self.upstream_url)
         self._upstream: Upstream | None = None  # made on the serving loop (its connections belong to it)
         self._sweeper: Any = None
+        #: what the upstream is (``gen_ai.provider.name`` of the calls: ``vllm``, ``sglang``, ``openai``),
+        #: once it said (identify); asked at start and, while unknown, again with a call at most every
+        #: IDENTIFY_EVERY_S
+        self.identity = UpstreamIdentity()
+        self._identifying: Any = None
+        self._identified_at = -IDENTIFY_EVERY_S
         #: the base URL clients reach this gateway at (set by the server once it listens)
         self.url: str | None = None
         self.app = Starlette(routes=self.routes(), exception_handlers={404: self._not_found, 405: self._not_allowed})
@@ -179,12 +199,34 @@ class Gateway(SessionAPI):
     def startup(self) -> None:
         """Called by the server on its loop once it listens."""
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        self._identify(self._headers({}, None, None))
+
+    def _identify(self, headers: list[tuple[str, str]]) -> None:
+        """Ask the upstream what it is, in a task of its own, unless it said already, is being
+        asked, or was asked within IDENTIFY_EVERY_S (an upstream still starting answers later)."""
+        loop = asyncio.get_running_loop()
+        if self.identity.provider is not None or self._identifying is not None \
+                or loop.time() - self._identified_at < IDENTIFY_EVERY_S:
+            return
+        self._identified_at = loop.time()
+
+        async def ask() -> None:
+            try:
+                self.identity.provider = await identify(self.upstream, headers)
+            except Exception:
+                _stats.incr("internal_errors")
+            finally:
+                self._identifying = None
+
+        self._identifying = loop.create_task(ask())
 
     async def shutdown(self) -> None:
         """Called by the server on its loop once it stopped serving."""
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
+        if self._identifying is not None:
+            self._identifying.cancel()
         if self._upstream is not None:  # its connections belong to the loop that ends now
             self._upstream.close()
             self._upstream = None
@@ -349,7 +391,9 @@ class Gateway(SessionAPI):
         sent, asked = prepare(payload, kind, s.gateway_token_ids, s.gateway_logprobs)
         up_headers = self._headers(headers, key, call.traceparent)
         data = dumps(sent) if sent is not payload else body
-        record = Record(call, kind, payload, asked, self.settings, self.runtime)
+        record = Record(call, kind, payload, asked, self.settings, self.runtime, self.identity)
+        if self.identity.provider is None:
+            self._identify(self._headers(headers, key, None))
         try:
             reply = await self.upstream.request("POST", _PATHS[kind], up_headers, data)
         except UpstreamError as exc:

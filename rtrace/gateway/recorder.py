@@ -171,12 +171,14 @@ class Record:
     references only, read in the worker (:class:`Reading`)."""
 
     __slots__ = ("settings", "runtime", "call", "kind", "payload", "asked", "gaps", "status", "capturing", "done",
-                 "started", "raw", "data", "events", "ended")
+                 "started", "raw", "data", "events", "ended", "upstream")
 
     def __init__(self, call: Call, kind: str, payload: dict[str, Any], asked: Any, settings: Any,
-                 runtime: Any) -> None:
+                 runtime: Any, upstream: Any = None) -> None:
         self.settings = settings
         self.runtime = runtime
+        #: what the upstream is (app.UpstreamIdentity: its ``provider``, read in the worker)
+        self.upstream = upstream
         self.call = call
         self.kind = kind
         self.payload = payload
@@ -271,6 +273,9 @@ class Reading(Deferred):
             inputs["prompt_ids"] = cap.prompt_ids
         answered = error is None and rec.status == 200 and (cap.done or cap.chunks or cap.text or cap.tool_calls)
         output = cap.output() if answered or cap.chunks else None
+        provider = getattr(rec.upstream, "provider", None)
+        if provider is not None:
+            attrs["gen_ai.provider.name"] = provider  # the upstream said what it is (its /v1/models)
         if cap.model is not None:
             attrs["gen_ai.response.model"] = cap.model
         if cap.response_id is not None:
