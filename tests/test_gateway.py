@@ -278,6 +278,137 @@ def test_gateway_access_needs_a_gateway(monkeypatch):
     assert not claims.sampled and 59 < claims.expires - __import__("time").time() <= 60.01
 
 
+#: the calculator tool as the Responses API declares tools (flat: no "function" object)
+RESPONSE_TOOLS = [{"type": "function", "name": "calculator", "description": "Evaluate an expression.",
+                   "parameters": TOOLS[0]["function"]["parameters"]}]
+
+
+def respond(base_url, access=None, stream=False, **body):
+    """A POST /v1/responses call (with the rollout key of ``access``, if given); its answer (the
+    stream's events as ``(event name, data)``) and its status."""
+    body = {"model": "fake-policy", "stream": stream, **body}
+    got = httpx.post(f"{base_url}/responses", json=body, headers=access.headers if access else {}, timeout=30)
+    if not stream:
+        return got.status_code, got.json()
+    events = []
+    for event in got.text.split("\n\n"):
+        if event:
+            head, data = event.split("\n", 1)
+            assert head.startswith("event: ") and data.startswith("data: ")
+            events.append((head[7:], json.loads(data[6:])))
+    return got.status_code, events
+
+
+class TestResponsesAPI:
+    """POST /v1/responses, the OpenAI Agents SDK's default model (docs/gateway.md, The Responses API)."""
+
+    @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+    def test_a_call_is_a_chat_generation(self, captured, gateway, fake, stream):
+        """Recorded as a chat generation: vLLM's token ids (asked with enable_response_messages, taken out
+        again: the client gets the upstream's answer to its own request), the request's conversation as
+        chat messages, the answer (a tool call) as the assistant message the client got, usage."""
+        gateway()
+        body = {"instructions": "Use the calculator.", "input": "What is 12 + 7?", "tools": RESPONSE_TOOLS}
+        direct = respond(fake.url, stream=stream, **body)
+        with rtrace.rollout_context(step=2):
+            access = rtrace.gateway_access()
+            via = respond(access.base_url, access, stream=stream, **body)
+        assert via == direct and via[0] == 200
+        assert fake.requests[-1]["body"]["enable_response_messages"] is True
+        (gen,) = only(captured.trajectories)
+        messages = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 12 + 7?"}]
+        _, calls, sampled = FakeVLLM.reply(messages, RESPONSE_TOOLS)
+        assert (gen.name, gen.attributes["gen_ai.operation.name"]) == ("chat fake-policy", "chat")
+        assert gen.input == {"model": "fake-policy", "stream": stream, **body, "messages": messages}
+        assert (gen.prompt_ids, gen.response_ids) == (encode(render(messages)), encode(sampled))
+        assert gen.output == {"role": "assistant", "content": None, "tool_calls": calls, "finish_reason": "tool_calls"}
+        assert (gen.attributes["gen_ai.usage.input_tokens"], gen.attributes["gen_ai.usage.output_tokens"],
+                gen.attributes["gen_ai.response.id"]) == (len(gen.prompt_ids), len(gen.response_ids), "resp_fake")
+        assert "rtrace.capture_gap" not in gen.attributes
+        assert ("rtrace.time_to_first_token_ms" in gen.attributes) is stream
+
+    def test_an_agent_loop_is_one_conversation(self, captured, gateway, fake):
+        """Two calls as the Agents SDK makes them (the second sends the first's function call and the tool's
+        output as input items): the trajectory's conversation is system, user, the tool call, the tool's
+        answer, the final answer, in order."""
+        gateway()
+        with rtrace.rollout_context(step=1):
+            access = rtrace.gateway_access()
+            _, first = respond(access.base_url, access, instructions="Use the calculator.",
+                               input=[{"role": "user", "content": "What is 12 + 7?"}], tools=RESPONSE_TOOLS)
+            call = first["output"][0]
+            _, second = respond(access.base_url, access, instructions="Use the calculator.", tools=RESPONSE_TOOLS,
+                                input=[{"role": "user", "content": "What is 12 + 7?"}, call,
+                                       {"type": "function_call_output", "call_id": call["call_id"], "output": "19"}])
+        (traj,) = captured.trajectories
+        assert second["output"][0]["content"][0]["text"] == "The answer is 19."
+        assert traj.messages == [
+            {"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 12 + 7?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": call["call_id"], "type": "function", "function": {
+                "name": "calculator", "arguments": call["arguments"]}}]},
+            {"role": "tool", "tool_call_id": call["call_id"], "content": "19"},
+            {"role": "assistant", "content": "The answer is 19."}]
+        assert [g.response_ids for g in only([traj])][1] == encode("The answer is 19.")
+
+    def test_an_upstream_without_ids_and_a_cut_stream(self, captured, gateway, fake):
+        """An upstream that returns no ids (vLLM's harmony models answer messages without tokens) is a
+        not_returned gap; a stream cut before response.completed is an error with an incomplete gap and
+        the text that came."""
+        gateway()
+        with rtrace.rollout_context(step=1):
+            access = rtrace.gateway_access()
+            fake.token_ids = False
+            respond(access.base_url, access, input="What is 2 + 3?")
+            fake.token_ids, fake.cut_after = True, 4
+            with pytest.raises(httpx.HTTPError):
+                respond(access.base_url, access, input="What is 2 + 3?", stream=True)
+        whole, cut = only(captured.trajectories)
+        assert whole.attributes["rtrace.capture_gap.codes"] == ["not_returned"]
+        assert whole.output == {"role": "assistant", "content": "The answer is 5.", "finish_reason": "stop"}
+        assert cut.status == "error" and "incomplete" in cut.attributes["rtrace.capture_gap.codes"]
+        assert cut.output["content"] == "The "
+
+    def test_a_client_that_asks_for_the_messages_gets_them(self, captured, gateway, fake):
+        """The client's own enable_response_messages: the answer passes as it came, ids and all."""
+        gateway()
+        with rtrace.rollout_context(step=1):
+            access = rtrace.gateway_access()
+            _, got = respond(access.base_url, access, input="What is 2 + 3?", enable_response_messages=True)
+        (gen,) = only(captured.trajectories)
+        assert got["output_messages"][0]["tokens"] == gen.response_ids == encode("The answer is 5.")
+
+
+@pytest.mark.parametrize("payload, messages", [
+    ({"input": "Hi"}, [{"role": "user", "content": "Hi"}]),
+    ({"instructions": "Be brief.", "input": [{"type": "message", "role": "user",
+                                              "content": [{"type": "input_text", "text": "Hi "},
+                                                          {"type": "input_text", "text": "there"}]}]},
+     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]),
+    # a model's reasoning, text and function calls (output items given back as input) are one assistant turn
+    ({"input": [{"role": "user", "content": "Q"},
+                {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "think"}]},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me."}]},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "1"},
+                {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "2"}]},
+                {"type": "web_search_call", "id": "ws"}]},
+     [{"role": "user", "content": "Q"},
+      {"role": "assistant", "content": "Let me.", "reasoning_content": "think",
+       "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                      {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
+      {"role": "tool", "tool_call_id": "c1", "content": "1"}, {"role": "tool", "tool_call_id": "c2", "content": "2"}]),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:..."}]}]},
+     [{"role": "user", "content": [{"type": "input_image", "image_url": "data:..."}]}]),
+    ({"previous_response_id": "resp_1"}, None),  # nothing to read
+])
+def test_responses_input_as_chat_messages(payload, messages):
+    """A Responses request's instructions and input items as the chat messages the record keeps."""
+    from rtrace.gateway.responses import chat_messages
+
+    assert chat_messages(payload) == messages
+
+
 class TestTraceparentJoin:
     def test_an_injected_context_makes_the_call_a_child_of_the_callers_span(self, captured, gateway, fake):
         """rtrace.inject() inside a traced agent step: the call is a child of that span, in the
@@ -617,8 +748,8 @@ class TestBadInput:
 
     def test_routes_not_served_are_named(self, captured, gateway, fake):
         gw = gateway()
-        for method, path, status in (("POST", "/v1/responses", 404), ("POST", "/v1/messages", 404),
-                                     ("GET", "/v1/chat/completions", 405)):
+        for method, path, status in (("POST", "/v1/embeddings", 404), ("POST", "/v1/messages", 404),
+                                     ("GET", "/v1/chat/completions", 405), ("GET", "/v1/responses", 405)):
             got = httpx.request(method, gw.url + path, json={})
             error = got.json()["error"]
             assert got.status_code == status and "POST /v1/chat/completions" in error["message"]
@@ -1174,8 +1305,8 @@ class TestServer:
         gw = gateway()
         assert httpx.get(f"{gw.url}/v1/chat/completions").status_code == 405
         assert httpx.post(f"{gw.url}/k/some-key/v1/nothing").status_code == 404
-        got = httpx.post(f"{gw.url}/v1/responses", json={})
-        assert got.status_code == 404 and "POST /v1/chat/completions" in got.json()["error"]["message"]
+        got = httpx.post(f"{gw.url}/v1/messages", json={})
+        assert got.status_code == 404 and "POST /v1/responses" in got.json()["error"]["message"]
 
     def test_a_stream_the_upstream_stalls_is_cut_and_recorded(self, captured, gateway, fake):
         """A stream whose next chunk does not come within RTRACE_GATEWAY_TIMEOUT_S: the client's stream

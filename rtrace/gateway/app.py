@@ -40,7 +40,7 @@ from ..instrumentation.propagation import baggage_coordinates
 from . import keys as _keys
 from .errors import Refused, error_body, error_response
 from .http import Request as HttpRequest, call_asgi
-from .protocol import (CHAT, COMPLETIONS, SseSplitter, chunk_kept, dumps, edit, ends_stream, event_data, loads,
+from .protocol import (CHAT, COMPLETIONS, RESPONSES, SseSplitter, chunk_kept, dumps, edit, ends_stream, event_data, loads,
                        prepare, strip)
 from .recorder import Join, Record, open_call, remote_context
 from .session_api import SessionAPI
@@ -50,14 +50,15 @@ from .upstream import Upstream, UpstreamError, identify, shown_url
 __all__ = ["Gateway", "SERVED", "error_response"]
 
 #: What the gateway serves, named in its 404 answers.
-SERVED = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models (the same under /k/<rollout key>/v1/), "
+SERVED = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models (the same under "
+          "/k/<rollout key>/v1/), "
           "POST /rtrace/sessions, GET /rtrace/sessions/<id>, POST /rtrace/sessions/<id>/reward, "
           "POST /rtrace/sessions/<id>/end, GET /rtrace/stats, GET /rtrace/health")
 
-_PATHS = {CHAT: "/chat/completions", COMPLETIONS: "/completions"}
+_PATHS = {CHAT: "/chat/completions", COMPLETIONS: "/completions", RESPONSES: "/responses"}
 #: the model calls' routes (POST), answered by Gateway.handle itself
-_MODEL_ROUTES = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS}
-_KEYED_ROUTES = {"v1/chat/completions": CHAT, "v1/completions": COMPLETIONS}
+_MODEL_ROUTES = {"/v1" + path: kind for kind, path in _PATHS.items()}
+_KEYED_ROUTES = {"v1" + path: kind for kind, path in _PATHS.items()}
 #: request headers never passed upstream as they are (hop-by-hop, or replaced by the gateway)
 _DROP_REQUEST = frozenset(("host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
                            "trailer", "upgrade", "proxy-authorization", "proxy-connection", "expect",
@@ -176,9 +177,11 @@ class Gateway(SessionAPI):
         return [
             Route("/v1/chat/completions", self._served_natively, methods=["POST"]),
             Route("/v1/completions", self._served_natively, methods=["POST"]),
+            Route("/v1/responses", self._served_natively, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/k/{key}/v1/chat/completions", self._served_natively, methods=["POST"]),
             Route("/k/{key}/v1/completions", self._served_natively, methods=["POST"]),
+            Route("/k/{key}/v1/responses", self._served_natively, methods=["POST"]),
             Route("/k/{key}/v1/models", self.models, methods=["GET"]),
             Route("/rtrace/sessions", self.open_session, methods=["POST"]),
             Route("/rtrace/sessions/{sid}", self.session_info, methods=["GET"]),

@@ -1,11 +1,13 @@
-"""The OpenAI wire format, as the gateway reads and rewrites it (chat completions and completions).
+"""The OpenAI wire format, as the gateway reads and rewrites it (chat completions, completions, and
+the Responses API with rtrace/gateway/responses.py).
 
 Three jobs, each a function or a small class, none of them doing I/O:
 
 * :func:`prepare`: the body sent upstream is the client's, plus what the gateway asks on its
   own behalf: vLLM's ``return_token_ids`` (prompt ids as ``prompt_token_ids``, completion ids
   per choice as ``token_ids``) and the sampled tokens' ``logprobs``, each only when the
-  client did not ask already (:class:`Asked` says which were added);
+  client did not ask already (:class:`Asked` says which were added); of the Responses API,
+  vLLM's ``enable_response_messages`` (the ids in ``input_messages`` / ``output_messages``);
 * :func:`edit` (or :func:`strip` / :func:`strip_chunk` on a parsed answer): what the gateway
   added is taken out of the answer again, so the client sees what the upstream answers it
   without the gateway: the fields become ``null`` as the upstream leaves them when not
@@ -29,6 +31,8 @@ import json
 import re
 import time
 from typing import Any
+
+from .responses import FINAL_EVENTS, read_event, read_response
 
 try:  # the gateway extra brings it; the json module reads and writes the same values, slower
     import orjson
@@ -55,30 +59,38 @@ try:  # the gateway extra brings it; without it, edit() says it cannot and answe
 except ImportError:  # pragma: no cover
     msgspec = None  # type: ignore[assignment]
 
-__all__ = ["CHAT", "COMPLETIONS", "Asked", "prepare", "edit", "strip", "strip_chunk", "chunk_kept", "ends_stream",
+__all__ = ["CHAT", "COMPLETIONS", "RESPONSES", "Asked", "prepare", "edit", "strip", "strip_chunk", "chunk_kept", "ends_stream",
            "Capture", "loads", "dumps", "SseSplitter"]
 
-#: The two kinds of model call, by route.
-CHAT, COMPLETIONS = "chat", "completions"
+#: The kinds of model call, by route.
+CHAT, COMPLETIONS, RESPONSES = "chat", "completions", "responses"
 
 
 class Asked:
-    """What the gateway added to a request on its own behalf."""
+    """What the gateway added to a request on its own behalf (``messages``: the Responses
+    API's ``enable_response_messages``)."""
 
-    __slots__ = ("ids", "logprobs")
+    __slots__ = ("ids", "logprobs", "messages")
 
-    def __init__(self, ids: bool = False, logprobs: bool = False) -> None:
+    def __init__(self, ids: bool = False, logprobs: bool = False, messages: bool = False) -> None:
         self.ids = ids
         self.logprobs = logprobs
+        self.messages = messages
 
     def __bool__(self) -> bool:
-        return self.ids or self.logprobs
+        return self.ids or self.logprobs or self.messages
 
 
 def prepare(payload: dict[str, Any], kind: str, ask_ids: bool, ask_logprobs: bool) -> tuple[dict[str, Any], Asked]:
     """The request body for the upstream and what was added (the client's dict is not changed)."""
     asked = Asked()
     body = payload
+    if kind == RESPONSES:  # ids only (responses.py: no logprobs that line up with them)
+        if ask_ids and not payload.get("enable_response_messages"):
+            body = dict(payload)
+            body["enable_response_messages"] = True
+            asked.messages = True
+        return body, asked
     if ask_ids and not payload.get("return_token_ids"):
         body = dict(payload)
         body["return_token_ids"] = True
@@ -98,6 +110,13 @@ def strip(data: dict[str, Any], asked: Asked) -> bool:
     """Take what the gateway asked for out of a whole answer (in place); True when a value
     that was there (not null) was taken out."""
     changed = False
+    if asked.messages:  # a Responses answer, or a streamed event's (its "response")
+        for obj in (data, data.get("response")):
+            if type(obj) is dict:
+                for key in _MESSAGES:
+                    if obj.get(key) is not None:
+                        obj[key] = None
+                        changed = True
     if asked.ids and data.get("prompt_token_ids") is not None:
         data["prompt_token_ids"] = None
         changed = True
@@ -146,10 +165,6 @@ def chunk_kept(data: dict[str, Any]) -> bool:
     return False
 
 
-#: The Responses API's events that end a stream (the whole answer is in them).
-_RESPONSE_ENDS = frozenset(("response.completed", "response.incomplete", "response.failed"))
-
-
 def ends_stream(data: bytes, one_choice: bool = True) -> bool:
     """A streamed event's ``data`` ends a complete answer: ``[DONE]``; a Responses API event that
     carries the whole answer (``response.completed`` ...); the usage chunk (``choices`` empty, after
@@ -163,7 +178,7 @@ def ends_stream(data: bytes, one_choice: bool = True) -> bool:
         return False
     if type(obj) is not dict:
         return False
-    if obj.get("type") in _RESPONSE_ENDS:
+    if obj.get("type") in FINAL_EVENTS:
         return True
     choices = obj.get("choices")
     if type(choices) is not list:
@@ -179,6 +194,7 @@ _PLAIN_KEY = re.compile(r"[ !#-\[\]-~]*")  # printable ASCII but '"' and '\\': w
 _TOKENS: dict[str, bytes] = {}  # key -> its JSON token (b"" when it may be written with escapes)
 _FALSY = frozenset((b"null", b"false", b"0", b'""', b"{}", b"[]"))
 _IDS = ("token_ids", "prompt_token_ids")
+_MESSAGES = ("input_messages", "output_messages")
 _COMMA, _COLON, _LBRACE, _RBRACE, _LBRACKET, _RBRACKET = b",:{}[]"
 
 
@@ -263,7 +279,7 @@ def edit(raw: bytes, asked: Asked, chunk: bool = False) -> tuple[bytes | None, b
         ``edited`` is None when this cannot say (not a JSON object, a choice that is not
         one, keys written with escapes, msgspec missing): parse and use :func:`strip`.
     """
-    if msgspec is None:
+    if msgspec is None or asked.messages:  # (a Responses answer: parsed, strip())
         return None, True
     try:
         top = _TOP.decode(raw)
@@ -376,6 +392,13 @@ class Capture:
     # ------------------------------------------------------------------ whole answers
     def response(self, data: dict[str, Any]) -> None:
         """Read a whole (non-streamed) answer."""
+        if self.kind == RESPONSES:
+            read_response(self, data)
+            self.done = True
+            version = _version(data)
+            if version is not None:
+                self.version = version
+            return
         self._top(data)
         choices = data.get("choices")
         if type(choices) is not list or not choices:
@@ -432,6 +455,9 @@ class Capture:
         """Read one streamed chunk, which arrived at ``at`` (``time.time_ns()``; default: now)."""
         self.at = at or time.time_ns()
         self.chunks += 1
+        if self.kind == RESPONSES:
+            read_event(self, data)
+            return
         self._top(data)
         choices = data.get("choices")
         if type(choices) is not list:
@@ -513,7 +539,7 @@ class Capture:
         (chat: an assistant message; completions: its text), the finish reason and the
         completion token ids (``response_ids``, read out by the pipeline)."""
         text = "".join(self.text) if self.text else None
-        if self.kind == CHAT:
+        if self.kind != COMPLETIONS:  # chat; the Responses API's answer as the same assistant message
             out: dict[str, Any] = {"role": self.role, "content": text}
             if self.reasoning:
                 out["reasoning_content"] = "".join(self.reasoning)

@@ -47,16 +47,17 @@ from ..instrumentation import _state
 from ..instrumentation.propagation import close_segment, open_segment
 from ..instrumentation.spans import RSpan
 from ..pipeline.records import CallRecord, CallSpec, Deferred
-from .protocol import Capture, loads
+from .protocol import RESPONSES, Capture, loads
+from .responses import chat_messages
 
 __all__ = ["Join", "Call", "Record", "Reading", "open_call", "SPECS", "remote_context"]
 
 #: The call record's spec of each kind of model call (what a decorator decides once).
 SPECS = {
     kind: CallSpec(kind="generation", name=op, capture=True, param_names=(), skip_first=False, options={})
-    for kind, op in (("chat", "chat"), ("completions", "text_completion"))
+    for kind, op in (("chat", "chat"), ("completions", "text_completion"), ("responses", "chat"))
 }
-_OPERATION = {"chat": "chat", "completions": "text_completion"}
+_OPERATION = {"chat": "chat", "completions": "text_completion", "responses": "chat"}
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 
 
@@ -264,6 +265,10 @@ class Reading(Deferred):
         attrs: dict[str, Any] = {"rtrace.gateway.join": rec.call.join.how,
                                  "gen_ai.operation.name": _OPERATION[rec.kind]}
         inputs = dict(rec.payload)
+        if rec.kind == RESPONSES and "messages" not in inputs:
+            messages = chat_messages(rec.payload)  # the conversation as chat messages, read like a chat call's
+            if messages:
+                inputs["messages"] = messages
         stream = rec.payload.get("stream") is True
         if stream:
             attrs["rtrace.gateway.stream"] = True
@@ -297,7 +302,8 @@ class Reading(Deferred):
         noted = {code for code, _ in gaps}
         if answered or cap.chunks:
             if (cap.prompt_ids is None or cap.response_ids is None) and not noted:
-                if not (s.gateway_token_ids or rec.payload.get("return_token_ids")):
+                if not (s.gateway_token_ids or rec.payload.get("return_token_ids")
+                        or rec.payload.get("enable_response_messages")):
                     gaps.append(("not_requested", "token ids were not asked of the upstream "
                                                   "(RTRACE_GATEWAY_TOKEN_IDS=false)"))
                 else:
