@@ -947,6 +947,21 @@ def test_every_gateway_counter_is_documented():
     assert names and {n for n in names if f"`{n}" not in doc} == set()
 
 
+def test_the_performance_part_says_what_the_asks_cost_the_upstream():
+    """docs/gateway.md's Performance part says what the ids and logprobs the gateway asks for cost the
+    upstream (more than the gateway itself costs), and names the switches, which are settings."""
+    import pathlib
+
+    from rtrace.config import PARAMS
+
+    text = (pathlib.Path(rtrace.__file__).parents[1] / "docs" / "gateway.md").read_text()
+    part = text[text.index("## Performance"):]
+    assert "What the gateway's asks cost the upstream" in part
+    settings = {p.env: p for p in PARAMS}
+    for switch in ("RTRACE_GATEWAY_LOGPROBS", "RTRACE_GATEWAY_TOKEN_IDS"):
+        assert f"`{switch}=false`" in part and settings[switch].default is True
+
+
 @pytest.mark.integration
 class TestProcesses:
     def _start(self, args, env, tmp_path):
