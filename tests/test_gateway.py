@@ -316,7 +316,8 @@ class TestResponsesAPI:
         assert via == direct and via[0] == 200
         assert fake.requests[-1]["body"]["enable_response_messages"] is True
         (gen,) = only(captured.trajectories)
-        messages = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 12 + 7?"}]
+        messages = [{"role": "system", "content": "Use the calculator."},
+                    {"role": "user", "content": "What is 12 + 7?"}]
         _, calls, sampled = FakeVLLM.reply(messages, RESPONSE_TOOLS)
         assert (gen.name, gen.attributes["gen_ai.operation.name"]) == ("chat fake-policy", "chat")
         assert gen.input == {"model": "fake-policy", "stream": stream, **body, "messages": messages}
@@ -344,8 +345,9 @@ class TestResponsesAPI:
         assert second["output"][0]["content"][0]["text"] == "The answer is 19."
         assert traj.messages == [
             {"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 12 + 7?"},
-            {"role": "assistant", "content": None, "tool_calls": [{"id": call["call_id"], "type": "function", "function": {
-                "name": "calculator", "arguments": call["arguments"]}}]},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call["call_id"], "type": "function",
+                 "function": {"name": "calculator", "arguments": call["arguments"]}}]},
             {"role": "tool", "tool_call_id": call["call_id"], "content": "19"},
             {"role": "assistant", "content": "The answer is 19."}]
         assert [g.response_ids for g in only([traj])][1] == encode("The answer is 19.")

@@ -40,8 +40,8 @@ from ..instrumentation.propagation import baggage_coordinates
 from . import keys as _keys
 from .errors import Refused, error_body, error_response
 from .http import Request as HttpRequest, call_asgi
-from .protocol import (CHAT, COMPLETIONS, RESPONSES, SseSplitter, chunk_kept, dumps, edit, ends_stream, event_data, loads,
-                       prepare, strip)
+from .protocol import (CHAT, COMPLETIONS, RESPONSES, SseSplitter, chunk_kept, dumps, edit, ends_stream, event_data,
+                       loads, prepare, strip)
 from .recorder import Join, Record, open_call, remote_context
 from .session_api import SessionAPI
 from .sessions import SessionError, Sessions

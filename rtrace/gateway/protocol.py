@@ -59,8 +59,8 @@ try:  # the gateway extra brings it; without it, edit() says it cannot and answe
 except ImportError:  # pragma: no cover
     msgspec = None  # type: ignore[assignment]
 
-__all__ = ["CHAT", "COMPLETIONS", "RESPONSES", "Asked", "prepare", "edit", "strip", "strip_chunk", "chunk_kept", "ends_stream",
-           "Capture", "loads", "dumps", "SseSplitter"]
+__all__ = ["CHAT", "COMPLETIONS", "RESPONSES", "Asked", "prepare", "edit", "strip", "strip_chunk", "chunk_kept",
+           "ends_stream", "Capture", "loads", "dumps", "SseSplitter"]
 
 #: The kinds of model call, by route.
 CHAT, COMPLETIONS, RESPONSES = "chat", "completions", "responses"
