@@ -574,7 +574,7 @@ class Gateway(SessionAPI):
                                         "(RTRACE_GATEWAY_MAX_RESPONSE_BYTES): recorded up to there")
             if not asked:
                 request.write(chunk)  # as it came; kept beside, once the chunk is on its way
-                tail = (tail + chunk)[-_TAIL:]
+                tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else (tail + chunk)[-_TAIL:]
                 if record.capturing:
                     at = now()
                     for event in splitter.feed(chunk):
@@ -606,7 +606,7 @@ class Gateway(SessionAPI):
             if out:
                 data = b"".join(out)
                 request.write(data)
-                tail = (tail + data)[-_TAIL:]
+                tail = data[-_TAIL:] if len(data) >= _TAIL else (tail + data)[-_TAIL:]
             if splitter.pending > hold:  # an event too large to hold and strip: the stream is cut, not leaked
                 _stats.incr("gateway_responses_refused_too_large")
                 reply.fail(f"a streamed event larger than {hold} bytes ({HOLD_FACTOR} x "
