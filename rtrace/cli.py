@@ -124,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway = sub.add_parser(
         "gateway", help="run the capture gateway: an OpenAI-compatible endpoint whose calls are recorded as "
                         "generation spans of the trainer's trajectories",
-        description=("Serve POST /v1/chat/completions, /v1/completions and GET /v1/models in front of an "
-                     "OpenAI-compatible server (vLLM, SGLang, a hosted API), and the session API "
+        description=("Serve POST /v1/chat/completions, /v1/completions, /v1/responses and GET /v1/models in front "
+                     "of an OpenAI-compatible server (vLLM, SGLang, a hosted API), and the session API "
                      "(/rtrace/sessions). Each call is recorded as a generation span of the rollout it names "
                      "(a rollout key from rtrace.gateway_access(), a session key, or a traceparent), with its "
                      "token ids, logprobs and weight version, and written by the sinks of RTRACE_EXPORTER "

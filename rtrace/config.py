@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import tempfile
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Callable, Mapping
@@ -155,6 +156,15 @@ def _str(raw: Any) -> str:
     value = os.fspath(raw).strip()
     if not value:
         raise ValueError("empty value (unset the variable to use the default)")
+    return value
+
+
+def _provider(raw: Any) -> str:
+    """A GenAI provider name as the OTel conventions write them: lower case letters, digits,
+    ``.`` and ``_`` (``vllm``, ``sglang``, ``openai``, ``aws.bedrock``)."""
+    value = _str(raw).lower()
+    if not re.fullmatch(r"[a-z0-9_.]+", value):
+        raise ValueError(f"got {raw!r}")
     return value
 
 
@@ -722,6 +732,12 @@ PARAMS: tuple[Param, ...] = (
           "Phoenix render natively; `genai` leaves out rtrace's copies of what those carry. `rl.*` are always "
           "written. Not `both` by default: it costs the OTLP sink ~1.8x the CPU of `rtrace` (docs/semconv.md).",
           type="str"),
+    Param("genai_provider", "RTRACE_GENAI_PROVIDER", _provider, None,
+          "a provider name: lower case letters, digits, `.` and `_` (vllm, sglang, openai ...)",
+          "`gen_ai.provider.name` on `chat` and `invoke_agent` spans (RTRACE_SEMCONV both / genai) whose "
+          "generation did not record one: the engine that serves the policy. The capture gateway records its "
+          "upstream's own (vLLM, SGLang, OpenAI: from its `/v1/models`). Unset and unknown: not written "
+          "(docs/semconv.md).", type="str | None"),
 )
 
 _PARAMS_BY_NAME = {p.name: p for p in PARAMS}

@@ -217,6 +217,7 @@ class TestLogBatch:
         assert [(s.attributes["rtrace.role"], s.response_ids, s.attributes["rl.loss_tokens"]) for s in tool.spans[1:]] \
             == [("assistant", [12, 13], 2), ("tool", [20, 21], 0), ("assistant", [14, 2], 2)]
         assert tool.spans[1].prompt_ids == [1, 2] and tool.finish_reason == "stop"
+        assert tool.root.attributes["gen_ai.provider.name"] == "vllm"  # open-instruct's engines
         assert trajs[3].finish_reason == "length" and trajs[3].verdict() == "truncated"
 
     def test_a_loss_mask_of_1s_over_a_tool_call_is_not_read_as_the_model_s(self):

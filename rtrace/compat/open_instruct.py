@@ -220,7 +220,7 @@ def _log(result: Any, rows: list[tuple[int, Any, Any, Any, Any, str | None]], st
                        _tool_ran(result.request_info, i), _observers(result.request_info, i, lambda: envs(index)),
                        trained=filtered is None)
         states.append(sample_state(coords, list(query), turns, score, name=name,
-                                   root_attributes={"rtrace.trainer": "open-instruct"}))
+                                   root_attributes=_ROOT))
         traced.append((i, coords))
     logprobs = result.logprobs
     if traced and logprobs and len(logprobs) == len(result.responses):
@@ -230,6 +230,11 @@ def _log(result: Any, rows: list[tuple[int, Any, Any, Any, Any, str | None]], st
                 masks[i] = [0] * len(masks[i])
         token_rows.send(traced, {"logprob": list(logprobs), "loss_mask": masks})
     return submit(states)
+
+
+#: on each trajectory's root: open-instruct generates with vLLM (its engines: the GenAI
+#: conventions' gen_ai.provider.name of the rollout and its chat spans, docs/semconv.md)
+_ROOT = {"rtrace.trainer": "open-instruct", "gen_ai.provider.name": "vllm"}
 
 
 def _tool_ran(info: Any, i: int) -> bool | None:

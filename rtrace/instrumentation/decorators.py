@@ -435,10 +435,11 @@ def _decorate(func: Any, kind: str, name: str | None, capture: bool, options: di
     names = _param_names(func)
     # Default span name: the qualified name, without the "f.<locals>." of nested functions.
     qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    module = getattr(func, "__module__", None)
     spec = CallSpec(kind=kind, name=name or qualname.rsplit("<locals>.", 1)[-1],
                     capture=capture, param_names=names,
                     skip_first=bool(names) and names[0] in ("self", "cls"), options=options,
-                    default_name=not name)
+                    default_name=not name, function=f"{module}.{qualname}" if module else qualname)
     if inspect.isasyncgenfunction(func):
         wrapper = _wrap_async_generator(func, spec)
     elif inspect.iscoroutinefunction(func):
@@ -471,8 +472,8 @@ def traced(func: Any = None, /, *, kind: str = "chain", name: str | None = None,
     Args:
         kind: the span kind shown by the sinks (``chain``, ``agent``, ``retriever`` ...).
         name: the span name; default the function's ``__qualname__`` (a tool span: the
-            tool's name, a generation span: the model's name, when known; the qualified
-            name is then kept in the ``code.function`` attribute).
+            tool's name, a generation span: the model's name, when known; the function's
+            fully-qualified name is then kept in the ``code.function.name`` attribute).
         capture: record arguments (without ``self``/``cls``) and the return value.
             ``False`` records names and timings only.
     """

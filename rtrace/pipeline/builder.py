@@ -174,7 +174,7 @@ class SpanConverter:
             if spec.kind == "tool":
                 _tool_attributes(attrs, out.output)
         if spec.default_name and (spec.kind == "tool" or spec.kind == "generation"):
-            _display_name(out)
+            _display_name(out, spec.function)
 
     @staticmethod
     def _generation(out: SpanRecord, inputs: dict[str, Any], has_output: bool, output: Any,
@@ -267,16 +267,17 @@ def _resolve(out: SpanRecord, rec: Any, conv: Converter) -> None:
         rec.output, rec.has_output = output, output is not None
 
 
-def _display_name(out: SpanRecord) -> None:
+def _display_name(out: SpanRecord, function: str | None) -> None:
     """Name a tool span after its tool (``gen_ai.tool.name``) and a generation span after
     its model (``gen_ai.request.model``), so that every sink shows ``calculator`` rather
-    than ``CalculatorTool.execute``; the function's qualified name stays in the
-    ``code.function`` attribute. Only for spans named by default (no ``name=``)."""
+    than ``CalculatorTool.execute``; the function's fully-qualified name (``module.qualname``)
+    goes in OTel's ``code.function.name`` attribute (``code.function``, which held the bare
+    name, is deprecated). Only for spans named by default (no ``name=``)."""
     attrs = out.attributes
     key = "gen_ai.tool.name" if out.kind == "tool" else "gen_ai.request.model" if out.kind == "generation" else None
     shown = attrs.get(key) if key else None
     if isinstance(shown, str) and shown and shown != out.name:
-        attrs["code.function"] = out.name
+        attrs["code.function.name"] = function or out.name
         out.name = shown
 
 

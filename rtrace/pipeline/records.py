@@ -21,15 +21,18 @@ __all__ = ["CallSpec", "CallRecord", "Deferred", "TrajectoryState", "Mark", "Tal
 class CallSpec:
     """What a decorator knows about its function, decided once at decoration time."""
 
-    __slots__ = ("kind", "name", "capture", "param_names", "skip_first", "options", "default_name")
+    __slots__ = ("kind", "name", "capture", "param_names", "skip_first", "options", "default_name", "function")
 
     def __init__(self, kind: str, name: str, capture: bool, param_names: tuple[str, ...],
-                 skip_first: bool, options: dict[str, Any], default_name: bool = False) -> None:
+                 skip_first: bool, options: dict[str, Any], default_name: bool = False,
+                 function: str | None = None) -> None:
         self.kind = kind
         self.name = name
         #: ``name`` is the function's qualified name (no ``name=`` given): the worker may
         #: show a tool's or a model's own name instead (pipeline/builder.py)
         self.default_name = default_name
+        #: the function's fully-qualified name (``module.qualname``), OTel's ``code.function.name``
+        self.function = function
         self.capture = capture
         self.param_names = param_names
         #: the first positional argument is ``self`` / ``cls`` and is not captured
