@@ -36,6 +36,7 @@ no DuckDB extension is needed.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -44,7 +45,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from .. import _stats
 from .layout import FileName, Store, is_steps_file, open_store, parse_name, parse_partition, parse_steps_dir
-from .schema import MAJOR, SPANS, TRAJECTORIES, VERSION, arrow_schema
+from .schema import MAJOR, SELECTION_KEY, SPANS, TRAJECTORIES, VERSION, arrow_schema
 
 __all__ = ["open_run", "Run", "Relation", "DatasetError", "SchemaVersionError", "Skipped", "list_runs", "vacuum",
            "hf_load_kwargs", "parquet_source", "READ_ATTEMPTS"]
@@ -123,6 +124,11 @@ class Run:
         self._steps: set[tuple[bool, int | None]] = set()
         #: a data file (relative) -> the (validate, step) it holds; a steps/ file's from its footer, read once
         self._file_steps: dict[str, tuple[tuple[bool, int | None], ...]] = {}
+        #: a trajectories file (relative) -> the selection its writer ran (SELECTION_KEY), read once
+        self._selection: dict[str, dict[str, Any]] = {}
+        #: (validate, step) written by several writers -> (its files, the cut's kept reasons by
+        #: trace id, whether the run counts every rollout)
+        self._cuts: dict[tuple[bool, int | None], tuple[frozenset, dict[str, list[str]], bool]] = {}
         if not self.store.exists(TRAJECTORIES):
             runs = list_runs(path)
             hint = f"; it holds runs: {', '.join(runs)} (open one: {os.path.join(path, runs[0])})" if runs else ""
@@ -259,12 +265,77 @@ class Run:
             return f"damaged: its Parquet footer does not parse ({type(exc).__name__}: {str(exc).strip()[:200]})"
         if name.steps is not None:
             self._file_steps[rel] = _steps_of(meta, validate, name)
+        selection = (meta.metadata or {}).get(SELECTION_KEY.encode())
+        if selection is not None:
+            try:
+                self._selection[rel] = json.loads(selection)
+            except ValueError:
+                pass  # a selection that does not parse: its steps are not cut (as before 1.2)
         self._checked[rel] = size
         return None
 
     def _views(self) -> None:
-        for table in (TRAJECTORIES, SPANS):
-            self.con.execute(f"CREATE OR REPLACE VIEW {table} AS {self._source(table)}")
+        sources = {table: self._source(table) for table in (TRAJECTORIES, SPANS)}
+        cut = self._cut(sources[TRAJECTORIES])
+        if cut is None:
+            for table, source in sources.items():
+                self.con.execute(f"CREATE OR REPLACE VIEW {table} AS {source}")
+            return
+        # several collectors' samples of a step, cut to the one-collector sample (dataset/cut.py):
+        # a row the cut leaves out reads as a rollout counted by its summary, its spans are not shown
+        self.con.execute(
+            f"CREATE OR REPLACE VIEW {TRAJECTORIES} AS SELECT t.* REPLACE ("
+            "CASE WHEN c.trace_id IS NULL THEN t.kept ELSE c.kept END AS kept, "
+            "CASE WHEN c.out THEN false ELSE t.recorded END AS recorded, "
+            "CASE WHEN c.out AND NOT c.every THEN false ELSE t.in_sample END AS in_sample) "
+            f"FROM ({sources[TRAJECTORIES]}) t LEFT JOIN {cut} c ON t.trace_id = c.trace_id")
+        self.con.execute(f"CREATE OR REPLACE VIEW {SPANS} AS SELECT s.* FROM ({sources[SPANS]}) s "
+                         f"ANTI JOIN (SELECT trace_id FROM {cut} WHERE out) o ON s.trace_id = o.trace_id")
+
+    def _cut(self, source: str) -> str | None:
+        """The registered table of the rows whose kept reasons the cut changes (trace_id, kept,
+        out: left out, every: the run counts every rollout), or None when no step was written
+        by several writers that chose by rank (dataset/cut.py). Only steps whose files changed
+        are cut again."""
+        writers: dict[tuple[bool, int | None], set[str]] = {}
+        files: dict[tuple[bool, int | None], set[str]] = {}
+        for rel in self.files[TRAJECTORIES]:
+            name = parse_name(rel.rpartition("/")[2])
+            for key in self._file_steps.get(rel, ()):
+                if name is not None:
+                    writers.setdefault(key, set()).add(name.writer)
+                files.setdefault(key, set()).add(rel)
+        multi = {k for k, w in writers.items() if len(w) > 1}
+        self._cuts = {k: v for k, v in self._cuts.items() if k in multi}
+        if not multi:
+            return None
+        stale = [k for k in multi if self._cuts.get(k, (None,))[0] != frozenset(files[k])]
+        for key in stale:
+            selection = next((self._selection[r] for r in sorted(files[key]) if r in self._selection), None)
+            kept: dict[str, list[str]] = {}
+            every = bool(selection and selection.get("summaries"))
+            if selection is not None and (selection.get("val_cap") if key[0] else selection.get("cap")) is not None:
+                from .cut import CANDIDATE_SQL, cut_step
+
+                query = CANDIDATE_SQL.format(source=f"({source})", where="validate = ? AND step = ?")
+                rows = [dict(zip(("validate", "step", "trace_id", "sample_index", "rollout_n", "group_id",
+                                  "priority", "kept", "status", "truncated", "partial", "reward", "unhealthy",
+                                  "annotations_double"), r))
+                        for r in self.con.execute(query, [key[0], key[1]]).fetchall()]
+                kept = cut_step(rows, selection) if rows else {}
+            self._cuts[key] = (frozenset(files[key]), kept, every)
+        import pyarrow as pa
+
+        ids, reasons, out, every = [], [], [], []
+        for _, cut, all_rows in self._cuts.values():
+            for trace_id, why in cut.items():
+                ids.append(trace_id)
+                reasons.append(why)
+                out.append(not why)
+                every.append(all_rows)
+        table = pa.table({"trace_id": pa.array(ids, pa.string()), "kept": pa.array(reasons, pa.list_(pa.string())),
+                          "out": pa.array(out, pa.bool_()), "every": pa.array(every, pa.bool_())})
+        return self._register("_rtrace_cut", table)
 
     def file_steps(self, rel: str) -> tuple[tuple[bool, int | None], ...]:
         """``(validate, step)`` of what a data file of :attr:`files` holds (relative to the run):

@@ -75,7 +75,7 @@ class ParquetSink(Sink):
                          "keep_extremes": s.keep_extremes, "keep_zero_variance": s.keep_zero_variance_groups,
                          "keep_unhealthy": s.keep_unhealthy if s.health_checks else 0,
                          "keep_mismatch": s.keep_mismatch if "logprob_mismatch" in s.health_checks else 0,
-                         "keep_by": s.keep_by}
+                         "keep_by": s.keep_by, "summaries": s.summaries}
             self._writer = DatasetWriter(open_store(self.path), self.run, every_rollout=s.summaries,
                                          selection=selection)
         return self._writer
