@@ -101,17 +101,32 @@ def start_mlflow_server(workdir: str | os.PathLike, timeout_s: float = START_TIM
     return base_url, popen
 
 
-def start_rtrace_collect(env: dict[str, str], exporter: str, *args: str, timeout_s: float = 60.0
+def start_rtrace_collect(env: dict[str, str], exporter: str, *args: str, timeout_s: float = 60.0, port: int = 0
                          ) -> tuple[subprocess.Popen, dict[str, str]]:
-    """``rtrace collect --exporter EXPORTER --port 0 *args`` as a process with ``env``, and the worker environment
-    it printed (its ``export KEY=VALUE`` lines, read until ``RTRACE_CAPTURE`` or for up to
-    ``timeout_s``)."""
-    proc = subprocess.Popen([sys.executable, "-m", "rtrace", "collect", "--exporter", exporter, "--port", "0", *args],
-                            env=env, stdout=subprocess.PIPE, text=True)
-    worker_env: dict[str, str] = {}
+    """``rtrace collect --exporter EXPORTER --port PORT *args`` as a process with ``env``, and the worker
+    environment it printed: its ``export KEY=VALUE`` lines, read until ``RTRACE_CAPTURE`` has come and
+    nothing more for 0.5 s (the variables after it, ``RTRACE_EXPERIMENT``, ``RTRACE_PRE_SAMPLE_RATE``
+    ..., are printed in the same burst), or for up to ``timeout_s``."""
+    import select
+
+    proc = subprocess.Popen([sys.executable, "-m", "rtrace", "collect", "--exporter", exporter, "--port", str(port),
+                             *args], env=env, stdout=subprocess.PIPE)
+    fd = proc.stdout.fileno()
+    text = b""
     deadline = time.monotonic() + timeout_s
-    while "RTRACE_CAPTURE" not in worker_env and time.monotonic() < deadline:
-        line = proc.stdout.readline()
+    while time.monotonic() < deadline:
+        seen = b"export RTRACE_CAPTURE=" in text
+        ready, _, _ = select.select([fd], [], [], 0.5 if seen else max(0.0, deadline - time.monotonic()))
+        if not ready:
+            if seen:
+                break
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:  # the process ended
+            break
+        text += chunk
+    worker_env: dict[str, str] = {}
+    for line in text.decode(errors="replace").splitlines():
         if line.startswith("export "):
             key, _, value = line[len("export "):].strip().partition("=")
             worker_env[key] = value
