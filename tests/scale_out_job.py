@@ -37,6 +37,7 @@ EXPERIMENT = "grpo-40"
 JOB_ID = "job-40"
 CAP = 32
 WORKERS = 4
+SEED = 40
 
 #: the worker metrics whose values depend on wall time (each run's own): compared for presence only
 TIMED = ("latency_ms_", "time_generation_frac", "time_tool_frac", "time_other_frac")
@@ -66,16 +67,31 @@ def turns(step: int, p: int, r: int) -> int:
     return 1 + (p + r) % 3
 
 
+def sample(steps: int, groups: int, n: int, cap: int = CAP, rate: float = 1.0) -> set[tuple]:
+    """The one-collector sample, from the sampler's definition: per step the ``cap // n`` groups of
+    lowest priority among those a worker records in full (priority below ``rate``)."""
+    from rtrace.pipeline.sampling import priority
+
+    out = set()
+    for step in range(steps):
+        ranks = sorted((priority({"validate": False, "step": step, "group_id": f"p{p}"}, SEED, True), p)
+                       for p in range(groups))
+        chosen = [p for rank, p in ranks if rank < rate][: cap // n]
+        out |= {(False, step, p, r) for p in chosen for r in range(n)}
+    return out
+
+
 def _apply(env: dict[str, str]) -> None:
     os.environ.update(env)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def worker(env: dict[str, str], w: int, workers: int, steps: int, groups: int, n: int, barrier: Any,
-           out: Any) -> None:
+           out: Any, paced: bool = False) -> None:
     """Groups ``w, w + workers, ...`` of every step, ``n`` rollouts each (a generation and a tool
     call per turn; some end in error, some truncated), then waits at ``barrier`` for the others
-    and the trainer. Reports (flushed, counters, CPU seconds)."""
+    and the trainer (and, ``paced``, once more: for the test's go). Reports (flushed, counters,
+    CPU seconds)."""
     _apply(env)
     import rtrace
 
@@ -103,6 +119,8 @@ def worker(env: dict[str, str], w: int, workers: int, steps: int, groups: int, n
                 except ValueError:
                     pass
         barrier.wait()  # the step is done everywhere; the trainer annotates it
+        if paced:
+            barrier.wait()
     ok = rtrace.flush(120)
     out.put(("worker", w, ok, rtrace.stats(), time.process_time()))
     out.close()
@@ -110,7 +128,8 @@ def worker(env: dict[str, str], w: int, workers: int, steps: int, groups: int, n
     os._exit(0)
 
 
-def trainer(env: dict[str, str], steps: int, groups: int, n: int, barrier: Any, out: Any) -> None:
+def trainer(env: dict[str, str], steps: int, groups: int, n: int, barrier: Any, out: Any,
+            paced: bool = False) -> None:
     """One ``annotate_batch`` per step with every rollout's advantage, once the workers finished
     the step. Reports (flushed, counters, CPU seconds)."""
     _apply(env)
@@ -121,6 +140,8 @@ def trainer(env: dict[str, str], steps: int, groups: int, n: int, barrier: Any, 
         rows = [(p, r) for p in range(groups) for r in range(n)]
         rtrace.annotate_batch(step=step, sample_index=[p for p, _ in rows], rollout_n=[r for _, r in rows],
                               advantage=[advantage(step, p, r, n) for p, r in rows])
+        if paced:
+            barrier.wait()
     ok = rtrace.flush(120)
     out.put(("trainer", 0, ok, rtrace.stats(), time.process_time()))
     out.close()
@@ -142,7 +163,7 @@ class Job:
 def base_env(root: str, **extra: str) -> dict[str, str]:
     """The collectors' environment: one dataset, one run, one job, one sampling."""
     env = dict(os.environ, RTRACE_PARQUET_PATH=root, RTRACE_EXPERIMENT=EXPERIMENT, RTRACE_JOB_ID=JOB_ID,
-               RTRACE_MAX_TRACES_PER_STEP=str(CAP), RTRACE_SAMPLE_GROUPS="1", RTRACE_AWAIT_ANNOTATIONS="advantage",
+               RTRACE_SAMPLE_SEED=str(SEED), RTRACE_MAX_TRACES_PER_STEP=str(CAP), RTRACE_SAMPLE_GROUPS="1", RTRACE_AWAIT_ANNOTATIONS="advantage",
                RTRACE_ANNOTATION_TIMEOUT_S="120", RTRACE_STEP_LINGER_S="1", HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     for key in ("RTRACE_EXPORTER", "RTRACE_COLLECTOR_ENDPOINT", "MLFLOW_TRACKING_URI"):
@@ -174,8 +195,9 @@ def run_job(root: str, collectors: int, steps: int, groups: int, n: int, pre_sam
             workers: int = WORKERS, cap: int = CAP, between: Any = None, timeout_s: float = 900,
             **env_extra: str) -> Job:
     """The job of the module docstring; returns when the collectors have stopped. ``between(step,
-    procs, endpoints)``, when given, runs in this process once every worker finished ``step``
-    (the workers wait for it): it may kill and restart collectors (replacing ``procs[i]``)."""
+    procs, endpoints, env)``, when given, runs in this process once every worker finished
+    ``step``, while the trainer annotates it; the workers start the next step when it returns. It
+    may kill and restart collectors (replacing ``procs[i]``; ``env`` is theirs)."""
     env = base_env(root, RTRACE_MAX_TRACES_PER_STEP=str(cap), **env_extra)
     if pre_sample_rate < 1.0:
         env["RTRACE_PRE_SAMPLE_RATE"] = repr(pre_sample_rate)
@@ -189,17 +211,18 @@ def run_job(root: str, collectors: int, steps: int, groups: int, n: int, pre_sam
             worker_env = printed
         worker_env = dict(worker_env, RTRACE_COLLECTOR_ENDPOINT=",".join(endpoints), PYTHONPATH=env["PYTHONPATH"],
                           **{k: v for k, v in env_extra.items() if k.startswith("OTEL_")})
-        parties = workers + 1 + (between is not None)
-        barrier, out = SPAWN.Barrier(parties), SPAWN.Queue()
-        children = [SPAWN.Process(target=worker, args=(worker_env, w, workers, steps, groups, n, barrier, out))
+        paced = between is not None
+        barrier, out = SPAWN.Barrier(workers + 1 + paced), SPAWN.Queue()
+        children = [SPAWN.Process(target=worker, args=(worker_env, w, workers, steps, groups, n, barrier, out, paced))
                     for w in range(workers)]
-        children.append(SPAWN.Process(target=trainer, args=(worker_env, steps, groups, n, barrier, out)))
+        children.append(SPAWN.Process(target=trainer, args=(worker_env, steps, groups, n, barrier, out, paced)))
         for child in children:
             child.start()
         if between is not None:
             for step in range(steps):
-                barrier.wait(timeout_s)
-                between(step, procs, endpoints)
+                barrier.wait(timeout_s)  # the step is done
+                between(step, procs, endpoints, env)
+                barrier.wait(timeout_s)  # go on
         reports = [out.get(timeout=timeout_s) for _ in children]
         for child in children:
             child.join(60)
