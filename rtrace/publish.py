@@ -122,8 +122,9 @@ class Publisher:
             self.published[key] = rows
 
     def _count(self, validate: bool, step: int) -> int:
+        # fetchall: DuckDB's relations (what Run.sql returns) have no fetchone()
         return self.run.sql("SELECT count(*) FROM trajectories WHERE validate = ? AND step = ?",
-                            [validate, step]).fetchone()[0]
+                            [validate, step]).fetchall()[0][0]
 
     def _publish(self, validate: bool, step: int) -> None:
         from .dataset.encode import summary_of_row
