@@ -504,7 +504,13 @@ PARAMS: tuple[Param, ...] = (
     Param("max_queue_size", "RTRACE_MAX_QUEUE_SIZE", _int(1), 65_536, "an integer >= 1",
           "Ended spans waiting for the worker thread; beyond it spans are dropped and counted.", type="int"),
     Param("max_open_trajectories", "RTRACE_MAX_OPEN_TRAJECTORIES", _int(1), 20_000, "an integer >= 1",
-          "Trajectories started but not finished; beyond it new ones are not traced (counted).", type="int"),
+          "Trajectories started whose root has not ended (running); beyond it new ones are not traced (counted). "
+          "Finished ones that wait (awaited annotations, the collector's settle time) are held apart: "
+          "max_waiting_trajectories.", type="int"),
+    Param("max_waiting_trajectories", "RTRACE_MAX_WAITING_TRAJECTORIES", _int(1), 20_000, "an integer >= 1",
+          "Finished trajectories held while they wait for awaited annotations (or, in the collector, settle_s), "
+          "apart from the running ones. Beyond it the oldest is written now, complete but without what it waited "
+          "for (counted: trajectories_written_early); a running trajectory is never evicted for it.", type="int"),
     Param("max_spans_per_trajectory", "RTRACE_MAX_SPANS_PER_TRAJECTORY", _int(1), 2_000, "an integer >= 1",
           "Spans kept per trajectory; the rest are dropped and counted.", type="int"),
     Param("orphan_timeout_s", "RTRACE_ORPHAN_TIMEOUT_S", _float(0.0), 1800.0, _SEC.format(0),
@@ -584,9 +590,15 @@ PARAMS: tuple[Param, ...] = (
           "Collector: a span with more attributes than this is refused (counted).", type="int"),
     Param("collector_max_held_bytes", "RTRACE_COLLECTOR_MAX_HELD_BYTES", _int(1024 * 1024), 1024 ** 3,
           "an integer >= 1048576",
-          "Collector: wire bytes the open trajectories may hold. At it (or at max_open_trajectories) the "
-          "receiver pushes back (RESOURCE_EXHAUSTED with RetryInfo / HTTP 429) and the least recently active "
-          "trajectories are written partial until a tenth is free (counted: trajectories_evicted).",
+          "Collector: wire bytes the running trajectories (root not arrived) may hold. At it (or at "
+          "max_open_trajectories) the receiver pushes back (RESOURCE_EXHAUSTED with RetryInfo / HTTP 429) and the "
+          "least recently active running trajectories are written partial until a tenth is free (counted: "
+          "trajectories_evicted). Finished trajectories that wait (settle_s, awaited annotations) are not counted "
+          "here: collector_max_waiting_bytes.", type="int"),
+    Param("collector_max_waiting_bytes", "RTRACE_COLLECTOR_MAX_WAITING_BYTES", _int(1024 * 1024), 1024 ** 3,
+          "an integer >= 1048576",
+          "Collector: wire bytes the finished trajectories waiting for settle_s or awaited annotations may hold. "
+          "Beyond it the oldest is written now, without what it waited for (counted: trajectories_written_early).",
           type="int"),
     # the capture gateway (docs/gateway.md)
     Param("gateway_upstream", "RTRACE_GATEWAY_UPSTREAM", _http_url, None, "an http(s):// URL",

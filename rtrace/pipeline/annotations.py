@@ -3,8 +3,8 @@
 ``rtrace.annotate(step, sample_index, rollout_n, advantage=0.4)`` and
 ``rtrace.annotate_batch(...)`` produce :class:`Annotation` records keyed by a
 trajectory's coordinates ``(validate, step, sample_index, rollout_n)`` (or its trace id).
-The worker thread joins them: to a trajectory still open (waiting, when
-``RTRACE_AWAIT_ANNOTATIONS`` names keys it has not got yet), or, when the trajectory has
+The worker thread joins them: to a trajectory still held (in the registry's waiting
+table, when ``RTRACE_AWAIT_ANNOTATIONS`` names keys it has not got yet), or, when the trajectory has
 not finished yet, to a bounded table of pending annotations that the trajectory picks
 up when its root arrives. An annotation for a trajectory that was already exported is
 counted as ``annotations_late``; one for a sampled-out trajectory as
@@ -149,6 +149,11 @@ class AnnotationTable:
             self._waiting[key] = state
         self._waiting[state.trace_id] = state
         return False
+
+    def forget(self, state: TrajectoryState) -> None:
+        """``state`` is written before it got every awaited key (the waiting table was
+        full): an annotation that comes later no longer joins it."""
+        self._forget(state, coord_key(state.coords))
 
     def _forget(self, state: TrajectoryState, key: Hashable | None) -> None:
         self._waiting.pop(state.trace_id, None)

@@ -105,7 +105,8 @@ class Pipeline:
                  health_tokenizer: Callable[[], Any] = lambda: None) -> None:
         self.settings = settings
         self._tokenizer = health_tokenizer
-        self.registry = TrajectoryRegistry(settings.max_open_trajectories, settings.max_spans_per_trajectory)
+        self.registry = TrajectoryRegistry(settings.max_open_trajectories, settings.max_spans_per_trajectory,
+                                           settings.max_waiting_trajectories, settings.collector_max_waiting_bytes)
         self.fanout = fanout
         self.postprocessors = list(postprocessors)
         self.annotations = AnnotationTable(settings.await_annotations, settings.annotation_timeout_s,
@@ -129,8 +130,6 @@ class Pipeline:
         #: finished states built without spans (log_rollout_batch), and annotations
         self._states: collections.deque[TrajectoryState] = collections.deque()
         self._annotations: collections.deque[Annotation] = collections.deque()
-        #: trajectories whose root arrived, waiting for awaited annotations
-        self._waiting: list[TrajectoryState] = []
         self._cond = threading.Condition()
         self._flush_requests: list[tuple[threading.Event, list]] = []
         self._stopping = False
@@ -185,7 +184,8 @@ class Pipeline:
                 self._cond.notify()
 
     def gauges(self) -> dict[str, int]:
-        return {"open_trajectories": len(self.registry), "queued_spans": len(self._queue)}
+        return {"open_trajectories": len(self.registry), "waiting_trajectories": self.registry.num_waiting(),
+                "queued_spans": len(self._queue)}
 
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:
@@ -248,18 +248,25 @@ class Pipeline:
         for state in arrived:
             self.annotations.arrived(state)
         now = time.monotonic()  # roots arrived during the assembly, after the round's start
-        candidates, self._waiting = self._waiting + arrived, []
-        ready: list[TrajectoryState] = []
         settle = not (force or self._serving_flush or self.settle_s <= 0)
         table = self.annotations
         awaits = not force and bool(table.await_keys or table.await_eval_keys)
-        for state in candidates:
+        registry = self.registry
+
+        def done(state: TrajectoryState) -> bool:
             settled = not settle or state.root_at is None or now - state.root_at >= self.settle_s
-            if settled and (not awaits or table.ready(state, now)):
-                ready.append(state)
-            else:
-                self._waiting.append(state)
-        self.registry.remove_all(ready)
+            return settled and (not awaits or table.ready(state, now))
+
+        ready = [state for state in registry.waiting() if done(state)]
+        waits: list[TrajectoryState] = []
+        for state in arrived:
+            (ready if done(state) else waits).append(state)
+        registry.remove_all(ready)
+        # the ones that wait leave the open table (a running trajectory's room is never theirs);
+        # a full waiting table writes its oldest now, without what they waited for (counted)
+        for state in registry.hold(waits):
+            table.forget(state)
+            ready.append(state)
         ready += self._evict()
         if expire:
             ready += self.registry.expire(now, self.settings.orphan_timeout_s, force)

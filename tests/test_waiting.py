@@ -1,0 +1,222 @@
+"""Finished trajectories that wait are held apart from the running ones (issue 40).
+
+A trajectory whose root arrived but that waits — for an awaited annotation (a trainer's
+advantage) or, in the collector, for the rest of ``settle_s`` — sits in the registry's
+waiting table, not in the open one: it never takes a running rollout's room
+(``max_open_trajectories``, the collector's held bytes), and the collector's push-back
+never evicts a running rollout because of it. The waiting table is bounded on its own
+(``max_waiting_trajectories``, ``RTRACE_COLLECTOR_MAX_WAITING_BYTES``): when full, its
+oldest is written at once, complete, without what it waited for
+(``trajectories_written_early``). Spans and annotations that come for a waiting
+trajectory still join it.
+
+Real parts: the collector (its gRPC receiver, admission, worker) in this process, JSONL
+read back; in one process rtrace's pipeline with a memory sink.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+import rtrace
+from rtrace import _stats
+from rtrace.exporters.jsonl import read_jsonl
+from rtrace.pipeline.annotations import Annotation, coord_key
+from rtrace.trajectory import Trajectory
+from tests.test_collector_admission import export
+from tests.test_collector_security import honest, request_of, written
+
+
+def parts(trace: int, index: int, step: int = 1) -> tuple[Trajectory, Trajectory]:
+    """A worker's trajectory in two requests, as when a round of its exporter cuts a rollout
+    in the middle: its tool span (the rollout still running), then its root."""
+    whole = honest(trace, step, index, 1.0)
+    return (Trajectory(whole.trace_id, "rollout", whole.spans[1:]),
+            Trajectory(whole.trace_id, "rollout", whole.spans[:1]))
+
+
+def advantages(c, indices, step: int = 1) -> None:
+    """The trainer's advantages (sample index / 100) for ``indices`` of ``step``."""
+    c.annotate([Annotation(coord_key({"step": step, "sample_index": i, "rollout_n": 0}), None,
+                           {"advantage": i / 100}) for i in indices])
+
+
+def send(endpoint: str, *trajs: Trajectory) -> grpc.StatusCode:
+    """One request, sent again after push-back as every OTLP sender does (at most 20 times)."""
+    for _ in range(20):
+        code = export(endpoint, request_of(*trajs))[0]
+        if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return code
+        time.sleep(0.2)
+    return code
+
+
+def wait_until(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+class TestRunningTrajectoriesKeepTheirRoom:
+    def test_waiting_for_an_advantage_never_evicts_a_running_rollout_in_the_collector(self, collector, tmp_path):
+        """Issue 40's defect at a small table: 20 rollouts running (their tool span arrived, their
+        root not yet) and 30 finished ones waiting for their advantage fill max_open_trajectories=50;
+        10 more finished rollouts arrive. They are taken without push-back, and once the running
+        ones end and the advantages come, all 60 are written whole with their advantage. Before,
+        the waiting ones counted in the open table: the request was pushed back and the push-back
+        evicted running rollouts, written partial (their roots then dropped as late)."""
+        c = collector(max_open_trajectories=50, await_annotations="advantage", annotation_timeout_s=3600)
+        running = [parts(1000 + i, i) for i in range(20)]
+        assert send(c.endpoint, *[tool for tool, _ in running]) == grpc.StatusCode.OK
+        assert send(c.endpoint, *[honest(2000 + i, 1, 100 + i, 1.0) for i in range(30)]) == grpc.StatusCode.OK
+        assert c.flush(30)  # assembled: the 30 wait for their advantage
+        stats = c.stats()
+        assert (stats["open_trajectories"], stats["waiting_trajectories"]) == (20, 30)
+        assert stats["held_bytes"] > 0 and stats["waiting_bytes"] > 0
+        assert send(c.endpoint, *[honest(3000 + i, 1, 200 + i, 1.0) for i in range(10)]) == grpc.StatusCode.OK
+        assert send(c.endpoint, *[root for _, root in running]) == grpc.StatusCode.OK
+        advantages(c, list(range(20)) + list(range(100, 130)) + list(range(200, 210)))
+        trajs = written(c, tmp_path)
+        assert sorted(t.sample_index for t in trajs) == list(range(20)) + list(range(100, 130)) + list(range(200, 210))
+        assert all(not t.partial and len(t.spans) == 2 for t in trajs)
+        assert all(t.annotations == {"advantage": t.sample_index / 100} for t in trajs)
+        stats = c.stats()
+        for lost in ("trajectories_evicted", "trajectories_partial", "collector_spans_late",
+                     "collector_backpressure_spans", "trajectories_written_early", "trajectories_missing_annotations"):
+            assert lost not in stats, (lost, stats)
+
+    def test_waiting_for_an_advantage_never_takes_a_new_rollouts_room_in_one_process(self):
+        """One process, max_open_trajectories=3: three finished rollouts waiting for their advantage
+        leave room for three more, which are traced (before: not traced, trajectories_dropped_open_limit)."""
+        with rtrace.testing.capture(max_open_trajectories=3, await_annotations="advantage",
+                                    annotation_timeout_s=3600) as got:
+            for i in range(3):
+                with rtrace.rollout_context(step=1, sample_index=i, rollout_n=0):
+                    rtrace.record_reward(1.0)
+            assert rtrace.flush(30)  # the three wait for their advantage
+            assert (got.stats()["open_trajectories"], got.stats()["waiting_trajectories"]) == (0, 3)
+            contexts = [rtrace.rollout_context(step=1, sample_index=i, rollout_n=0) for i in range(3, 6)]
+            for ctx in contexts:  # three running at once, beside the three waiting
+                ctx.__enter__()
+            traced = [ctx.traced for ctx in contexts]
+            for ctx in reversed(contexts):
+                ctx.__exit__(None, None, None)
+            assert traced == [True, True, True]
+            for i in range(6):
+                rtrace.annotate(step=1, sample_index=i, rollout_n=0, advantage=i / 100)
+            trajs = got.trajectories
+            assert sorted(t.sample_index for t in trajs) == list(range(6))
+            assert all(t.annotations == {"advantage": t.sample_index / 100} and not t.partial for t in trajs)
+            stats = got.stats()
+        assert "trajectories_dropped_open_limit" not in stats and "trajectories_written_early" not in stats
+        assert stats["waiting_trajectories"] == 0
+
+
+class TestAFullWaitingTable:
+    def test_its_oldest_is_written_now_without_its_annotation_and_counted(self):
+        """max_waiting_trajectories=3, five finished rollouts waiting for their advantage: the two
+        oldest are written at once, whole and without it (trajectories_written_early), the other
+        three wait and get theirs; the advantages of the two written early come late (counted)."""
+        with rtrace.testing.capture(max_waiting_trajectories=3, await_annotations="advantage",
+                                    annotation_timeout_s=3600) as got:
+            for i in range(5):
+                with rtrace.rollout_context(step=1, sample_index=i, rollout_n=0):
+                    rtrace.record_reward(1.0)
+                assert rtrace.flush(30)  # one at a time: they wait in the order they finished
+            early = got.trajectories
+            assert [(t.sample_index, t.annotations, t.partial) for t in early] == [(0, {}, False), (1, {}, False)]
+            assert got.stats()["trajectories_written_early"] == 2 and got.stats()["waiting_trajectories"] == 3
+            for i in range(5):
+                rtrace.annotate(step=1, sample_index=i, rollout_n=0, advantage=i / 100)
+            trajs = got.trajectories
+            assert [(t.sample_index, t.annotations) for t in trajs[2:]] == [(i, {"advantage": i / 100})
+                                                                            for i in (2, 3, 4)]
+            stats = got.stats()
+        assert stats["trajectories_written_early"] == 2 and stats["annotations_late"] == 2
+        assert "trajectories_missing_annotations" not in stats and "trajectories_partial" not in stats
+
+    def test_the_collectors_waiting_bytes_are_bounded_too(self, collector, tmp_path):
+        """RTRACE_COLLECTOR_MAX_WAITING_BYTES=1 MiB, four finished trajectories of ~450 kB on the
+        wire waiting for their advantage: two fit, the two oldest are written at once without it
+        (trajectories_written_early); the bytes of running rollouts are not touched."""
+        c = collector(collector_max_waiting_bytes=1 << 20, await_annotations="advantage", annotation_timeout_s=3600)
+        big = []
+        for i in range(4):
+            traj = honest(100 + i, 1, i, 1.0)
+            traj.spans[1].output = "x" * 450_000
+            big.append(traj)
+        assert send(c.endpoint, *big) == grpc.StatusCode.OK
+        assert c.flush(30)
+        stats = c.stats()
+        assert stats["trajectories_written_early"] == 2 and stats["waiting_trajectories"] == 2
+        assert 2 * 450_000 < stats["waiting_bytes"] <= 1 << 20 and stats["held_bytes"] == 0
+        advantages(c, range(4))
+        trajs = sorted(written(c, tmp_path), key=lambda t: t.sample_index)
+        assert [(t.sample_index, t.annotations, t.partial) for t in trajs] == [
+            (0, {}, False), (1, {}, False), (2, {"advantage": 0.02}, False), (3, {"advantage": 0.03}, False)]
+        assert c.stats()["annotations_late"] == 2
+
+
+class TestTheWaitTimesOut:
+    def test_written_without_the_annotation_and_counted_once(self, collector, tmp_path):
+        """annotation_timeout_s=0.5 and no advantage ever sent: the three waiting trajectories are
+        written whole without it, each counted once in trajectories_missing_annotations (the
+        timeout, not a full table), and the waiting table is empty again."""
+        c = collector(await_annotations="advantage", annotation_timeout_s=0.5)
+        assert send(c.endpoint, *[honest(100 + i, 1, i, 1.0) for i in range(3)]) == grpc.StatusCode.OK
+        wait_until(lambda: c.stats().get("trajectories_missing_annotations") == 3)
+        stats = c.stats()
+        assert (stats["waiting_trajectories"], stats["waiting_bytes"], stats["open_trajectories"]) == (0, 0, 0)
+        trajs = written(c, tmp_path)
+        assert sorted((t.sample_index, len(t.spans), t.partial) for t in trajs) == [(i, 2, False) for i in range(3)]
+        assert all(t.annotations == {} for t in trajs)
+        stats = c.stats()
+        assert stats["trajectories_missing_annotations"] == 3 and "trajectories_written_early" not in stats
+
+
+class TestLateSpansJoinAWaitingTrajectory:
+    def test_in_the_collector_while_it_settles_or_waits_for_an_annotation(self, collector, tmp_path):
+        """A root arrives first and its trajectory waits (settle_s, or an awaited advantage) in the
+        waiting table; another process's span of it that comes afterwards joins it (one trajectory,
+        two spans), neither opening a new trajectory nor counted late; so does its advantage."""
+        for wait in ({"settle_s": 3600}, {"await_annotations": "advantage", "annotation_timeout_s": 3600}):
+            path = tmp_path / f"{len(wait)}.jsonl"
+            c = collector(jsonl_path=str(path), **wait)
+            _stats.reset()
+            tool, root = parts(7, 3)
+            assert send(c.endpoint, root) == grpc.StatusCode.OK
+            wait_until(lambda: c.stats()["waiting_trajectories"] == 1)
+            assert send(c.endpoint, tool) == grpc.StatusCode.OK
+            wait_until(lambda: c.stats()["collector_spans_received"] == 2)
+            stats = c.stats()
+            assert (stats["open_trajectories"], stats["waiting_trajectories"]) == (0, 1), wait
+            advantages(c, [3])
+            assert c.flush(30)
+            c.stop()
+            (traj,) = read_jsonl(path)
+            assert len(traj.spans) == 2 and not traj.partial, wait
+            assert traj.annotations == {"advantage": 0.03}, wait  # it came while it waited
+            assert "collector_spans_late" not in c.stats(), wait
+
+    def test_in_one_process_a_span_that_ends_after_its_root(self):
+        """A traced generator left unfinished when its rollout ends: its span ends after the root,
+        while the trajectory waits for its advantage, and joins it."""
+        @rtrace.traced_tool
+        def stream():
+            yield 1
+            yield 2
+
+        with rtrace.testing.capture(await_annotations="advantage", annotation_timeout_s=3600) as got:
+            with rtrace.rollout_context(step=1, sample_index=0, rollout_n=0):
+                gen = stream()
+                next(gen)
+            assert rtrace.flush(30)
+            assert got.stats()["waiting_trajectories"] == 1
+            assert list(gen) == [2]  # its span ends now
+            rtrace.annotate(step=1, sample_index=0, rollout_n=0, advantage=0.5)
+            (traj,) = got.trajectories
+            assert [s.kind for s in traj.spans] == ["rollout", "tool"] and traj.annotations == {"advantage": 0.5}
+            assert "spans_late" not in got.stats()
