@@ -446,7 +446,8 @@ class TestGc:
 
     def test_rtrace_collect_tunes_its_own_process(self, monkeypatch, tmp_path, capsys):
         """`rtrace collect` calls tune_gc and tune_malloc once it runs (its process is the
-        collector's alone)."""
+        collector's alone), and prints its counters when it stops."""
+        import json
         import signal
         import threading
 
@@ -467,7 +468,11 @@ class TestGc:
             for s, h in handlers.items():
                 signal.signal(s, h)
         assert calls == [1, 2]
-        assert "rtrace collector stopped" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert "rtrace collector stopped" in out
+        # its counters, as one JSON line after it stopped
+        stats = json.loads(out.split("# rtrace stats: ", 1)[1].splitlines()[0])
+        assert stats["receiver.requests"] == 0 and stats["open_trajectories"] == 0
 
     @pytest.mark.integration
     def test_request_bodies_leave_the_collectors_memory(self, tmp_path):

@@ -16,17 +16,26 @@ read back; in one process rtrace's pipeline with a memory sink.
 
 from __future__ import annotations
 
+import json
+import multiprocessing as mp
+import os
+import signal
 import time
+from collections import Counter
 
 import grpc
+import pytest
 
 import rtrace
 from rtrace import _stats
 from rtrace.exporters.jsonl import read_jsonl
 from rtrace.pipeline.annotations import Annotation, coord_key
 from rtrace.trajectory import Trajectory
+from tests import collector_workers as workers
 from tests.test_collector_admission import export
 from tests.test_collector_security import honest, request_of, written
+
+SPAWN = mp.get_context("spawn")
 
 
 def parts(trace: int, index: int, step: int = 1) -> tuple[Trajectory, Trajectory]:
@@ -220,3 +229,71 @@ class TestLateSpansJoinAWaitingTrajectory:
             (traj,) = got.trajectories
             assert [s.kind for s in traj.spans] == ["rollout", "tool"] and traj.annotations == {"advantage": 0.5}
             assert "spans_late" not in got.stats()
+
+
+@pytest.mark.integration
+class TestAtTheIssuesSize:
+    def test_rtrace_collect_with_four_workers_and_a_trainer_awaiting_advantages(self, tmp_path):
+        """Issue 40's run: one `rtrace collect` (RTRACE_AWAIT_ANNOTATIONS=advantage, a job-wide cap of 32
+        a step with whole groups), 4 worker processes running 50 steps x 64 groups x 8 rollouts, a
+        trainer process whose annotate_batch gives each step its advantages 5 steps later. Up to ~3,000
+        finished trajectories wait for their advantage at once, beside the running ones, against a
+        table of 2,500 (the issue saw it at 20,000 with advantages that came late). Every kept
+        trajectory is whole with its advantage, and the collector evicted, cut short or lost nothing.
+        Before: the waiting ones filled the table, and its push-back evicted running rollouts
+        (written partial, their roots dropped as late)."""
+        from tests.servers import start_rtrace_collect, stop_server
+
+        steps, groups, n, workers_n, lag = STEPS, 64, 8, 4, 5
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = tmp_path / "traces.jsonl"
+        env = dict(os.environ, RTRACE_JSONL_PATH=str(path), HF_HUB_OFFLINE="1", RTRACE_AWAIT_ANNOTATIONS="advantage",
+                   RTRACE_SAMPLE_GROUPS="1", RTRACE_MAX_OPEN_TRAJECTORIES="2500",
+                   # at most 1,024 queued trajectories reserve room in the table: a full queue pushes back
+                   # without evicting, so only finished trajectories that wait could crowd out running ones
+                   RTRACE_MAX_QUEUE_SIZE="2048",
+                   PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+        proc, worker_env = start_rtrace_collect(env, "jsonl", "--max-traces-per-step", "32")
+        try:
+            assert "RTRACE_COLLECTOR_ENDPOINT" in worker_env, "rtrace collect printed no endpoint"
+            worker_env["OTEL_EXPORTER_OTLP_TIMEOUT"] = "120000"  # a batch pushed back is sent again within it
+            barrier = SPAWN.Barrier(workers_n + 1)
+            outs = [SPAWN.Queue() for _ in range(workers_n + 1)]
+            procs = [SPAWN.Process(target=workers.advantage_rollouts,
+                                   args=(worker_env, w, workers_n, steps, groups, n, barrier, outs[w]))
+                     for w in range(workers_n)]
+            procs.append(SPAWN.Process(target=workers.advantage_trainer,
+                                       args=(worker_env, steps, groups, n, lag, barrier, outs[-1])))
+            for p in procs:
+                p.start()
+            reports = [q.get(timeout=600) for q in outs]
+            for p in procs:
+                p.join(60)
+                assert p.exitcode == 0
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=120)
+            stop_server(proc)
+        assert proc.returncode == 0
+        for flushed, sender in reports:  # every batch the workers and the trainer sent was taken
+            assert flushed, sender
+            for lost in ("failed_batches", "dropped_batches", "rejected_spans"):
+                assert sender.get(f"sink.collector.{lost}", 0) == 0, (lost, sender)
+        stats = json.loads(out.split("# rtrace stats: ", 1)[1].splitlines()[0])
+        for lost in ("trajectories_evicted", "trajectories_partial", "trajectories_written_early",
+                     "trajectories_missing_annotations", "collector_spans_late", "trajectories_dropped_open_limit",
+                     "spans_dropped_open_limit", "annotations_unmatched", "annotations_late", "collector_spans_refused"):
+            assert lost not in stats, (lost, stats)
+        assert stats["collector_spans_received"] == steps * groups * n * 4  # 3 spans and an annotation each
+        trajs = read_jsonl(path)
+        assert Counter(t.step for t in trajs) == {step: 32 for step in range(steps)}
+        for step in range(steps):
+            kept = Counter(t.sample_index for t in trajs if t.step == step)
+            assert len(kept) == 4 and set(kept.values()) == {n}, (step, kept)  # whole groups
+        for t in trajs:
+            assert not t.partial and [s.kind for s in t.spans] == ["rollout", "tool", "tool"], t.trace_id
+            assert t.annotations == {"advantage": workers.advantage(t.step, t.sample_index, t.rollout_n)}
+
+
+#: steps of the process-level run (issue 40's: 50)
+STEPS = int(os.environ.get("RTRACE_TEST_WAITING_STEPS", "50"))
