@@ -185,6 +185,21 @@ class TestTheWaitTimesOut:
         stats = c.stats()
         assert stats["trajectories_missing_annotations"] == 3 and "trajectories_written_early" not in stats
 
+    def test_one_still_waiting_at_shutdown_is_written_and_counted(self):
+        """A stop writes what still waits, with the annotations that came: one without its
+        advantage is counted in trajectories_missing_annotations too (before: written uncounted)."""
+        with rtrace.testing.capture(await_annotations="advantage", annotation_timeout_s=3600) as got:
+            for i in range(2):
+                with rtrace.rollout_context(step=1, sample_index=i, rollout_n=0):
+                    rtrace.record_reward(1.0)
+            assert rtrace.flush(30) and got.stats()["waiting_trajectories"] == 2
+            rtrace.annotate(step=1, sample_index=1, rollout_n=0, advantage=0.5)
+            rtrace.shutdown()
+            trajs = sorted(got.sink.trajectories, key=lambda t: t.sample_index)
+            assert [(t.sample_index, t.annotations, t.partial) for t in trajs] == [
+                (0, {}, False), (1, {"advantage": 0.5}, False)]
+            assert rtrace.stats()["trajectories_missing_annotations"] == 1
+
 
 class TestLateSpansJoinAWaitingTrajectory:
     def test_in_the_collector_while_it_settles_or_waits_for_an_annotation(self, collector, tmp_path):

@@ -131,8 +131,9 @@ class AnnotationTable:
             if ann is not None:
                 merge(state.annotations, ann.values)
 
-    def ready(self, state: TrajectoryState, now: float) -> bool:
-        """True when ``state`` has every awaited key, or waited long enough (counted)."""
+    def ready(self, state: TrajectoryState, now: float, stopping: bool = False) -> bool:
+        """True when ``state`` has every awaited key, or waited long enough, or the pipeline
+        is ``stopping`` (it is written now); written without a key, it is counted."""
         keys = self.await_eval_keys if state.coords.get("validate") else self.await_keys
         if not keys:
             return True
@@ -141,7 +142,7 @@ class AnnotationTable:
         if all(k in state.annotations for k in keys):
             self._forget(state, key)
             return True
-        if state.root_at is not None and now - state.root_at >= self.timeout_s:
+        if stopping or (state.root_at is not None and now - state.root_at >= self.timeout_s):
             _stats.incr("trajectories_missing_annotations")
             self._forget(state, key)
             return True

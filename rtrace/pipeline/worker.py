@@ -250,12 +250,12 @@ class Pipeline:
         now = time.monotonic()  # roots arrived during the assembly, after the round's start
         settle = not (force or self._serving_flush or self.settle_s <= 0)
         table = self.annotations
-        awaits = not force and bool(table.await_keys or table.await_eval_keys)
+        awaits = bool(table.await_keys or table.await_eval_keys)
         registry = self.registry
 
-        def done(state: TrajectoryState) -> bool:
+        def done(state: TrajectoryState) -> bool:  # a stop (force) writes everything, a missing key counted
             settled = not settle or state.root_at is None or now - state.root_at >= self.settle_s
-            return settled and (not awaits or table.ready(state, now))
+            return settled and (not awaits or table.ready(state, now, force))
 
         ready = [state for state in registry.waiting() if done(state)]
         waits: list[TrajectoryState] = []
