@@ -124,6 +124,43 @@ class TestRunningTrajectoriesKeepTheirRoom:
         assert stats["waiting_trajectories"] == 0
 
 
+class TestWhatReleasesAWaitingTrajectory:
+    """The worker checks the waiting trajectories something happened to (an annotation came, the
+    settle time or the timeout passed), not the whole table, each part of a round: no flush here."""
+
+    def test_its_annotation(self, collector, tmp_path):
+        c = collector(settle_s=0, await_annotations="advantage", annotation_timeout_s=3600)
+        assert send(c.endpoint, *[honest(100 + i, 1, i, 1.0) for i in range(3)]) == grpc.StatusCode.OK
+        wait_until(lambda: c.stats()["waiting_trajectories"] == 3 and c.stats()["open_trajectories"] == 0)
+        advantages(c, [1])
+        wait_until(lambda: c.stats()["waiting_trajectories"] == 2)
+        c.stop()
+        (traj, *rest) = sorted(read_jsonl(tmp_path / "traces.jsonl"), key=lambda t: bool(t.annotations), reverse=True)
+        assert (traj.sample_index, traj.annotations) == (1, {"advantage": 0.01})
+        assert [t.annotations for t in rest] == [{}, {}]  # still waiting at the stop: written, counted
+        assert c.stats()["trajectories_missing_annotations"] == 2
+
+    def test_its_settle_time(self, collector, tmp_path):
+        c = collector(settle_s=0.3)
+        assert send(c.endpoint, *[honest(100 + i, 1, i, 1.0) for i in range(3)]) == grpc.StatusCode.OK
+        wait_until(lambda: c.stats().get("trajectories_completed") == 3)
+        assert c.stats()["waiting_trajectories"] == 0
+        c.stop()
+        assert sorted(t.sample_index for t in read_jsonl(tmp_path / "traces.jsonl")) == [0, 1, 2]
+
+    def test_its_annotation_in_one_process(self):
+        with rtrace.testing.capture(await_annotations="advantage", annotation_timeout_s=3600) as got:
+            for i in range(2):
+                with rtrace.rollout_context(step=1, sample_index=i, rollout_n=0):
+                    rtrace.record_reward(1.0)
+            wait_until(lambda: got.stats()["waiting_trajectories"] == 2)
+            rtrace.annotate(step=1, sample_index=0, rollout_n=0, advantage=0.5)
+            wait_until(lambda: len(got.sink.trajectories) == 1)
+            (traj,) = got.sink.trajectories
+            assert (traj.sample_index, traj.annotations) == (0, {"advantage": 0.5})
+            assert got.stats()["waiting_trajectories"] == 1
+
+
 class TestAFullWaitingTable:
     def test_its_oldest_is_written_now_without_its_annotation_and_counted(self):
         """max_waiting_trajectories=3, five finished rollouts waiting for their advantage: the two

@@ -88,6 +88,9 @@ class AnnotationTable:
         self._recent: OrderedDict[Hashable, str] = OrderedDict()
         #: trajectories whose root arrived, waiting for awaited keys, by key and trace id
         self._waiting: dict[Hashable, TrajectoryState] = {}
+        #: waiting trajectories an annotation joined since :meth:`take_touched` (the worker
+        #: checks those, not every waiting one)
+        self._touched: list[TrajectoryState] = []
 
     # ------------------------------------------------------------------ outcomes
     def remember(self, key: Hashable | None, trace_id: int, outcome: str) -> None:
@@ -106,6 +109,7 @@ class AnnotationTable:
         state = self._waiting.get(k)
         if state is not None:
             merge(state.annotations, ann.values)
+            self._touched.append(state)
             return
         outcome = self._recent.get(k)
         if outcome is not None:
@@ -150,6 +154,11 @@ class AnnotationTable:
             self._waiting[key] = state
         self._waiting[state.trace_id] = state
         return False
+
+    def take_touched(self) -> list[TrajectoryState]:
+        """The waiting trajectories annotations joined since the last call (worker thread)."""
+        touched, self._touched = self._touched, []
+        return touched
 
     def forget(self, state: TrajectoryState) -> None:
         """``state`` is written before it got every awaited key (the waiting table was

@@ -250,6 +250,19 @@ class TrajectoryRegistry:
     def num_waiting(self) -> int:
         return len(self._held)
 
+    def is_waiting(self, state: TrajectoryState) -> bool:
+        return self._held.get(state.trace_id) is state
+
+    def waiting_since(self, cutoff: float) -> list[TrajectoryState]:
+        """Worker thread: the waiting trajectories, from the oldest, whose root arrived at
+        ``cutoff`` (``time.monotonic()``) or before: those an annotation timeout may release."""
+        out = []
+        for state in self._held.values():
+            if state.root_at is not None and state.root_at > cutoff:
+                break
+            out.append(state)
+        return out
+
     def remember_finished(self, bound: int) -> None:
         """Collector: keep the last ``bound`` trace ids that left the table (finished,
         evicted or expired), so that a span of one of them that comes later is told
