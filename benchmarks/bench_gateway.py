@@ -116,6 +116,9 @@ def upstream_main(port: int, chunks: int, interval_s: float) -> None:
             self.body.append(b)
 
         def on_message_complete(self):
+            if self.parser.get_method() == b"GET":  # the gateway's GET /v1/models when it starts (identify)
+                self.t.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                return
             request = json.loads(b"".join(self.body))
             self.body = []
             ids = request.get("return_token_ids") is True

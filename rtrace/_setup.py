@@ -17,7 +17,7 @@ from typing import Any
 from opentelemetry import trace as otel_trace
 
 from . import _stats
-from .config import ConfigError, Settings, load_settings, unknown_env
+from .config import ConfigError, Settings, load_settings
 from .instrumentation import _state
 
 __all__ = ["configure", "flush", "shutdown", "stats", "is_enabled", "current_settings", "set_tokenizer",
@@ -68,8 +68,7 @@ def configure(**kwargs: Any) -> Settings:
             whose optional dependency is missing.
     """
     global _last_kwargs, _tokenizer
-    settings = load_settings(kwargs)
-    _warn_unknown_env()
+    settings = load_settings(kwargs)  # warns about RTRACE_* variables that are not settings
     with _lock:
         if not settings.enabled:
             _shutdown_locked()
@@ -83,12 +82,6 @@ def configure(**kwargs: Any) -> Settings:
         _install(built, settings)
         _last_kwargs = dict(kwargs)
         return settings
-
-
-def _warn_unknown_env() -> None:
-    for name, close in unknown_env(os.environ):
-        hint = f"; did you mean {close}?" if close else ""
-        _stats.warn_once(f"unknown-env-{name}", "rtrace: unknown environment variable %s is ignored%s", name, hint)
 
 
 def _build(settings: Settings) -> tuple[tuple[Any, Any], Any]:
@@ -106,7 +99,12 @@ def _build(settings: Settings) -> tuple[tuple[Any, Any], Any]:
         except TypeError as exc:
             raise ConfigError(f"configure(tokenizer=...) (env RTRACE_TOKENIZER): {exc}; accepted values: "
                               "an object with batch_decode/decode, or a tokenizer name / local path") from None
-    fanout = Fanout(sinks, settings.max_export_batch_size, settings.sink_queue_size, settings.sink_timeout_s)
+    # Collector mode: the worker waits for room in a sink's queue (as the collector does)
+    # rather than drop a trainer's burst of annotations: the collector sink's export only
+    # routes and encodes (its own threads send, one per endpoint), so the wait is the
+    # encoding's, never a collector's. The traced program's thread never waits either way.
+    fanout = Fanout(sinks, settings.max_export_batch_size, settings.sink_queue_size, settings.sink_timeout_s,
+                    hold_back="collector" in settings.exporter)
     try:
         if "collector" in settings.exporter:
             # Collector mode: spans stream to the job's collector, which decodes and writes.
@@ -193,7 +191,7 @@ def _install(built: tuple[Any, Any] | None, settings: Settings) -> None:
     else:
         sampler = StepSampler(settings.max_traces_per_step, settings.val_cap, settings.sample_groups)
     _state.set_runtime(_state.Runtime(tracer, pipeline.registry, sampler, pipeline, settings.capture,
-                                      settings.experiment))
+                                      settings.experiment, summaries=settings.summaries))
     if not _atexit_registered:
         atexit.register(shutdown)
         _atexit_registered = True

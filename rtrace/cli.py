@@ -124,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway = sub.add_parser(
         "gateway", help="run the capture gateway: an OpenAI-compatible endpoint whose calls are recorded as "
                         "generation spans of the trainer's trajectories",
-        description=("Serve POST /v1/chat/completions, /v1/completions and GET /v1/models in front of an "
-                     "OpenAI-compatible server (vLLM, SGLang, a hosted API), and the session API "
+        description=("Serve POST /v1/chat/completions, /v1/completions, /v1/responses and GET /v1/models in front "
+                     "of an OpenAI-compatible server (vLLM, SGLang, a hosted API), and the session API "
                      "(/rtrace/sessions). Each call is recorded as a generation span of the rollout it names "
                      "(a rollout key from rtrace.gateway_access(), a session key, or a traceparent), with its "
                      "token ids, logprobs and weight version, and written by the sinks of RTRACE_EXPORTER "
@@ -195,6 +195,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how often the runs are read again while they are written (default 1)")
     serve.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve HTTPS")
     serve.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    publish = sub.add_parser(
+        "publish", help="write one trackio / MLflow run from a run's dataset (the collectors of a job write it)",
+        description=("Read a run's dataset, written by one or many rtrace collectors (RTRACE_EXPORTER=parquet), and "
+                     "write each finished step's kept trajectories and its step metrics over every rollout to the "
+                     "sinks: one trackio run, one MLflow run for the whole job (docs/collector.md, section 7). "
+                     "Follows the dataset until SIGINT/SIGTERM, then publishes what is left; --once publishes "
+                     "everything now and exits. Other settings come from RTRACE_* variables."))
+    publish.add_argument("path", help="the run's dataset: <RTRACE_PARQUET_PATH>/<run> (a folder or a URL)")
+    publish.add_argument("--exporter", default=None,
+                         help="comma list of trackio, mlflow, jsonl, otlp, console (default: $RTRACE_EXPORTER)")
+    publish.add_argument("--project", default=None, help="trackio project / MLflow experiment")
+    publish.add_argument("--experiment", default=None, help="run name (default: the dataset's run)")
+    publish.add_argument("--once", action="store_true", help="publish every step now and exit (after the job)")
+    publish.add_argument("--linger", type=_non_negative_float, default=30.0, metavar="SECONDS",
+                         help="a step is published once a later step exists and its files did not change for this "
+                              "long (default 30)")
+    publish.add_argument("--interval", type=_non_negative_float, default=5.0, metavar="SECONDS",
+                         help="how often the dataset is read again (default 5)")
     query = sub.add_parser(
         "query", help="run SQL (DuckDB) over a run's dataset written by the parquet exporter",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -246,11 +264,15 @@ def _query(args: argparse.Namespace) -> int:
         return 2
     if rel is None:  # a statement without a result (SET ...)
         return 0
-    if args.format == "table":
-        rel.show(max_rows=args.max_rows, max_width=10_000)
-        return 0
-    columns = rel.columns
-    rows = rel.fetchall()
+    try:  # the query runs here (a damaged file's data, a division by zero ...): said, never a traceback
+        if args.format == "table":
+            rel.show(max_rows=args.max_rows, max_width=10_000)
+            return 0
+        columns = rel.columns
+        rows = rel.fetchall()
+    except Exception as exc:
+        sys.stderr.write(f"rtrace query: {type(exc).__name__}: {exc}\n")
+        return 2
     if args.format == "csv":
         writer = csv.writer(sys.stdout)
         writer.writerow(columns)
@@ -401,6 +423,44 @@ def _gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def _publish(args: argparse.Namespace) -> int:
+    import os
+    import signal
+    import threading
+
+    from .config import ConfigError, load_settings
+    from .dataset.reader import DatasetError
+    from .publish import Publisher
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    experiment = args.experiment or os.path.basename(os.path.normpath(args.path))
+    try:
+        settings = load_settings({k: v for k, v in (("exporter", args.exporter), ("project", args.project),
+                                                     ("experiment", experiment)) if v is not None})
+        publisher = Publisher(args.path, settings, linger_s=args.linger)
+        publisher.run  # noqa: B018 - a path that holds no run fails here, with its message
+    except ConfigError as exc:
+        sys.stderr.write(config_error("publish", exc, {"exporter": ("--exporter", args.exporter)}) + "\n")
+        return 2
+    except DatasetError as exc:
+        sys.stderr.write(f"rtrace publish: {exc}\n")
+        return 2
+    try:
+        if args.once:
+            publisher.poll(final=True)
+        else:
+            print(f"rtrace publish: following {args.path} (Ctrl-C to publish the rest and stop)", flush=True)
+            publisher.follow(args.interval, stop.is_set)
+        ok = publisher.flush()
+    finally:
+        publisher.close()
+    steps = sorted(publisher.published)
+    print(f"rtrace publish: {len(steps)} steps, {sum(publisher.published.values())} rollouts published", flush=True)
+    return 0 if ok else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rtrace`` console script; returns the exit code."""
     parser = build_parser()
@@ -424,6 +484,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _collect(args)
     if args.command == "query":
         return _query(args)
+    if args.command == "publish":
+        return _publish(args)
     if args.command == "serve":
         from .serve import DEFAULT_PORT, serve_paths
         from .serve.app import TIME_LIMIT_MS

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import tempfile
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Callable, Mapping
 
 __all__ = ["ConfigError", "Settings", "PARAMS", "EXPORTERS", "load_settings", "env_exporters", "env_setting",
-           "writable_path", "dataset_path", "uri_scheme"]
+           "writable_path", "dataset_path", "uri_scheme", "warn_unknown_env"]
 
 #: Sink names accepted by ``RTRACE_EXPORTER`` (besides ``none``).
 EXPORTERS = ("console", "jsonl", "trackio", "mlflow", "otlp", "collector", "parquet")
@@ -155,6 +156,15 @@ def _str(raw: Any) -> str:
     value = os.fspath(raw).strip()
     if not value:
         raise ValueError("empty value (unset the variable to use the default)")
+    return value
+
+
+def _provider(raw: Any) -> str:
+    """A GenAI provider name as the OTel conventions write them: lower case letters, digits,
+    ``.`` and ``_`` (``vllm``, ``sglang``, ``openai``, ``aws.bedrock``)."""
+    value = _str(raw).lower()
+    if not re.fullmatch(r"[a-z0-9_.]+", value):
+        raise ValueError(f"got {raw!r}")
     return value
 
 
@@ -302,6 +312,29 @@ def _url(raw: Any) -> str:
     if parts.scheme == "grpc" and port is None:
         raise ValueError(f"{value!r} has no port")
     return value
+
+
+def _endpoints(raw: Any) -> str:
+    """One rtrace collector endpoint, or a comma list of them (placement by group key across
+    several, rtrace/placement.py): each entry as :func:`_url` accepts it, no endpoint twice
+    (``https://h:1`` and ``h:1`` are one). Kept as the entries joined by commas."""
+    from .placement import endpoint_name
+
+    value = _str(raw)
+    entries = [entry.strip() for entry in value.split(",")]
+    if any(not entry for entry in entries):
+        raise ValueError(f"{value!r} has an empty entry")
+    names: set[str] = set()
+    for entry in entries:
+        try:
+            _url(entry)
+        except ValueError as exc:
+            raise ValueError(f"entry {entry!r}: {exc}") from None
+        name = endpoint_name(entry)
+        if name in names:
+            raise ValueError(f"{name!r} is listed twice")
+        names.add(name)
+    return ",".join(entries)
 
 
 class Secret(str):
@@ -491,7 +524,15 @@ PARAMS: tuple[Param, ...] = (
           "Seed of the collector's job-wide sample (which trajectories of a step are kept).", type="int"),
     Param("pre_sample_rate", "RTRACE_PRE_SAMPLE_RATE", _float(0.0, 1.0), 1.0, "a number from 0 to 1",
           "Collector mode: the fraction of trajectories (by the same hash as the collector's sample) a worker "
-          "records at all; limits worker work for trajectories that will not be kept.", type="float"),
+          "records in full; the others leave a summary only (RTRACE_SUMMARIES), so the step metrics still count "
+          "them. Set it above the cap's share of a step (cap / rollouts per step), with room: the sample is "
+          "chosen among the rollouts recorded in full.", type="float"),
+    Param("summaries", "RTRACE_SUMMARIES", _bool, True, "true/false",
+          "Every rollout leaves a summary (coordinates, reward, verdict, tokens, times; docs/metrics.md): one "
+          "sampled out when it starts (max_traces_per_step in one process, RTRACE_PRE_SAMPLE_RATE in a worker) "
+          "is recorded as a summary only, and the step metrics and the dataset's trajectories table count every "
+          "rollout. Off: a sampled-out rollout costs nothing and is in no metric (they describe the sample).",
+          type="bool"),
     Param("capture", "RTRACE_CAPTURE", _bool, True, "true/false",
           "Capture arguments and return values of decorated calls (off: names and timings only).", type="bool"),
     Param("max_value_chars", "RTRACE_MAX_VALUE_CHARS", _int(16), 20_000, "an integer >= 16",
@@ -533,6 +574,11 @@ PARAMS: tuple[Param, ...] = (
     Param("await_eval_annotations", "RTRACE_AWAIT_EVAL_ANNOTATIONS", _str_list, (), "comma list of keys, or none",
           "The same for validation trajectories (none by default: trainers annotate advantages and returns on "
           "training rollouts only, and a validation rollout would wait in vain).", type="tuple[str, ...]"),
+    Param("annotation_queue_bytes", "RTRACE_ANNOTATION_QUEUE_BYTES", _int(1024 * 1024), 256 * 1024 * 1024,
+          "an integer >= 1048576",
+          "Annotations waiting for rtrace's worker thread, by estimated size (~100 bytes a value, per-token "
+          "arrays by their bytes): one annotate_batch call of 10^5 rows of two values is ~40 MB. Beyond it the "
+          "rows that do not fit are dropped and counted.", type="int"),
     Param("annotation_timeout_s", "RTRACE_ANNOTATION_TIMEOUT_S", _float(0.0), 120.0, _SEC.format(0),
           "How long a trajectory waits for awaited annotations; then it is exported without them (counted).",
           type="float"),
@@ -549,9 +595,17 @@ PARAMS: tuple[Param, ...] = (
     Param("service_name", "OTEL_SERVICE_NAME", _str, "rtrace", "a non-empty name",
           "OTel resource service.name of rtrace's own TracerProvider.", type="str"),
     # collector mode
-    Param("collector_endpoint", "RTRACE_COLLECTOR_ENDPOINT", _url, None, "host:port",
-          "The rtrace collector workers send spans to (exporter `collector`; set by `collector.env`).",
-          type="str | None"),
+    Param("collector_endpoint", "RTRACE_COLLECTOR_ENDPOINT", _endpoints, None,
+          "host:port, or a comma list host1:4317,host2:4317,...",
+          "The rtrace collector workers send spans to (exporter `collector`; set by `collector.env`). A list: "
+          "each rollout goes to the collector that owns its key (run, validate, step, sample_index) on a "
+          "consistent-hash ring, the OpenTelemetry Collector loadbalancing exporter's (docs/collector.md, "
+          "\"Placement\"); give the trainer the same list.", type="str | None"),
+    Param("collector_queue_bytes", "RTRACE_COLLECTOR_QUEUE_BYTES", _int(1024 * 1024), 128 * 1024 * 1024,
+          "an integer >= 1048576",
+          "Collector mode: encoded requests waiting per collector endpoint in a worker or trainer (sent a few MB "
+          "at a time, retried on push-back within OTEL_EXPORTER_OTLP_TIMEOUT); beyond it segments are dropped "
+          "and counted.", type="int"),
     Param("job_id", "RTRACE_JOB_ID", _str, None, "a non-empty id",
           "The training job's id, set by the collector in `collector.env`; stamped as `rtrace.job_id`.",
           type="str | None"),
@@ -690,11 +744,19 @@ PARAMS: tuple[Param, ...] = (
           "Phoenix render natively; `genai` leaves out rtrace's copies of what those carry. `rl.*` are always "
           "written. Not `both` by default: it costs the OTLP sink ~1.8x the CPU of `rtrace` (docs/semconv.md).",
           type="str"),
+    Param("genai_provider", "RTRACE_GENAI_PROVIDER", _provider, None,
+          "a provider name: lower case letters, digits, `.` and `_` (vllm, sglang, openai ...)",
+          "`gen_ai.provider.name` on `chat` and `invoke_agent` spans (RTRACE_SEMCONV both / genai) whose "
+          "generation did not record one: the engine that serves the policy. The capture gateway records its "
+          "upstream's own (vLLM, SGLang, OpenAI: from its `/v1/models`). Unset and unknown: not written "
+          "(docs/semconv.md).", type="str | None"),
 )
 
 _PARAMS_BY_NAME = {p.name: p for p in PARAMS}
-#: Environment variables rtrace reads besides the table's (not settings of their own).
-_OTHER_ENV = ("RTRACE_COLLECTOR_HOST", "RTRACE_COLLECTOR_PORT")
+#: ``RTRACE_*`` variables read besides the table's, never warned about as unknown: those of
+#: the project's tests and benchmarks (the UI tests' cache and screenshots, the browser,
+#: Phoenix), which run with rtrace configured. (rtrace itself reads no other.)
+_OTHER_ENV = ("RTRACE_UI_CACHE", "RTRACE_UI_ARTIFACTS", "RTRACE_CHROMIUM", "RTRACE_PHOENIX")
 
 
 class _SettingsBase:
@@ -764,9 +826,22 @@ def unknown_env(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
     return out
 
 
+def warn_unknown_env(environ: Mapping[str, str]) -> None:
+    """Warn once per process for each ``RTRACE_*`` variable that is not a setting, naming
+    the closest one: ``RTRACE_EXPORTERS=jsonl`` would otherwise trace nothing, without a word."""
+    from . import _stats
+
+    for name, close in unknown_env(environ):
+        hint = f"; did you mean {close}?" if close else ""
+        _stats.warn_once(f"unknown-env-{name}", "rtrace: unknown environment variable %s is ignored%s", name, hint)
+
+
 def load_settings(overrides: Mapping[str, Any] | None = None,
                   environ: Mapping[str, str] | None = None) -> Any:
     """Build :class:`Settings` from keyword overrides, then the environment, then defaults.
+    Reading the process's environment (every start: ``configure()``, a collector, a
+    gateway), it warns once for each ``RTRACE_*`` variable that is not a setting
+    (:func:`warn_unknown_env`).
 
     Args:
         overrides: values given to ``configure()``; ``None`` values are ignored.
@@ -776,7 +851,9 @@ def load_settings(overrides: Mapping[str, Any] | None = None,
         ConfigError: an unknown keyword, or a value that does not parse.
     """
     overrides = dict(overrides or {})
-    environ = os.environ if environ is None else environ
+    if environ is None:
+        environ = os.environ
+        warn_unknown_env(environ)
     values: dict[str, Any] = {}
     sinks = overrides.pop("sinks", None)
     unknown = sorted(k for k in overrides if k not in _PARAMS_BY_NAME)

@@ -177,6 +177,10 @@ class Trajectory:
     #: (no check ran, or a file written before this field): a report then says "not run" of
     #: a check only when it knows.
     health_checks: list[str] | None = None
+    #: its rank in its step's sample (``rtrace.pipeline.sampling.priority``: the lowest are
+    #: kept), set by the pipeline; the dataset keeps it so that readers cut the union of
+    #: several collectors' samples to the one-collector sample. Not in the JSONL schema.
+    priority: float | None = None
 
     # ------------------------------------------------------------------ derived
     @property

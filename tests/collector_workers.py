@@ -242,15 +242,58 @@ def load_client(endpoint: str, client: int, n: int, per_request: int, timeout_s:
                                         "otlp_timeout_s": timeout_s}))
     ready.set()
     go.wait()
-    failed = 0
     for batch in batches:
-        try:
-            sink.export(batch)
-        except ConnectionError:
-            failed += len(batch)
+        sink.export(batch)  # routed and queued: the collector's lane sends, retrying on push-back
+    sink.flush(2 * timeout_s * len(batches))
     sink.shutdown()
     counts = _stats.snapshot()
+    failed = sum(counts.get(f"sink.collector.{what}_trajectories", 0) for what in ("failed", "dropped", "abandoned"))
     out.put((failed, counts.get("sink.collector.rejected_spans", 0), counts.get("sink.collector.backpressure_retries", 0)))
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+def trainer(env: dict[str, str], steps: int, prompts: int, n: int, out: Any) -> None:
+    """The driver of a job with its own process: after the rollouts, one ``annotate_batch`` per
+    step with every rollout's advantage (``step * 1000 + sample_index * 10 + rollout_n``),
+    rows shuffled; then a flush. Reports (flushed, stats)."""
+    _apply(env)
+    import random
+
+    import rtrace
+
+    for step in range(steps):
+        rows = [(p, r) for p in range(prompts) for r in range(n)]
+        random.Random(step).shuffle(rows)
+        rtrace.annotate_batch(step=step, sample_index=[p for p, _ in rows], rollout_n=[r for _, r in rows],
+                              advantage=[float(step * 1000 + p * 10 + r) for p, r in rows])
+    ok = rtrace.flush(60)
+    out.put((ok, rtrace.stats()))
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+def big_annotate_batch(env: dict[str, str], rows: int, joined: list[int], out: Any) -> None:
+    """A trainer's one ``annotate_batch`` for a step of ``rows`` rollouts (step 1, sample_index
+    0..rows-1, advantage = sample_index / 2), flushed; then the rollouts ``joined`` (one tool
+    span each), which pick up their advantage in the collector. Reports (flushed, stats)."""
+    _apply(env)
+    import rtrace
+
+    @rtrace.traced_tool
+    def calc(x: int) -> int:
+        return x
+
+    n = rtrace.annotate_batch(step=1, sample_index=list(range(rows)), rollout_n=[0] * rows,
+                              advantage=[i / 2 for i in range(rows)])
+    ok = rtrace.flush(300) and n == rows
+    for i in joined:
+        with rtrace.rollout_context(step=1, sample_index=i, rollout_n=0):
+            calc(i)
+    ok = rtrace.flush(60) and ok
+    out.put((ok, rtrace.stats()))
     out.close()
     out.join_thread()
     os._exit(0)

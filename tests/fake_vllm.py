@@ -5,7 +5,10 @@ The I/O boundary of the gateway is an HTTP server; this is one, served for real 
 real server in tests/gateway): ``prompt_token_ids`` at the top of a chat answer and
 ``token_ids`` per choice when ``return_token_ids`` is asked (``null`` when not), per-token
 ``logprobs`` when asked, SSE chunks one per token, the first carrying the prompt ids,
-``data: [DONE]`` at the end; ``/v1/completions`` with the ids per choice.
+``data: [DONE]`` at the end; ``/v1/completions`` with the ids per choice; ``/v1/responses`` (the
+Responses API) with vLLM's ``input_messages`` / ``output_messages`` (the prompt's and the answer's
+tokens) when ``enable_response_messages`` is asked, streamed as typed events (``event:`` lines)
+that end with ``response.completed``.
 
 Its "model" is a script, so tests know what it answers: a chat request with tools and no
 tool result yet gets a ``calculator`` tool call on the numbers of the last user message;
@@ -15,13 +18,16 @@ Knobs (attributes of :class:`FakeVLLM`): ``version`` (answered as SGLang's
 ``metadata.weight_version``), ``token_ids`` (False: a server without vLLM's ids, such as a
 hosted API, which ignores the field), ``delay_s`` (before answering), ``fail`` (an HTTP
 status to answer with an OpenAI error), ``cut_after`` (a stream closed after that many
-chunks), ``chunk_delay_s`` (between streamed chunks). ``requests`` keeps every request's path,
-headers and body.
+chunks), ``chunk_delay_s`` (between streamed chunks), ``done_delay_s`` (before a stream's
+``data: [DONE]``), ``tail_delay_s`` (after it, before the body ends: the last HTTP chunk comes
+later), ``owned_by`` (its ``/v1/models``' owner: ``vllm``). ``requests`` keeps every request's
+path, headers and body (``model_list_requests``: those of ``/v1/models``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import re
 import threading
@@ -65,10 +71,16 @@ class FakeVLLM:
         self.fail: int | None = None
         self.cut_after: int | None = None
         self.chunk_delay_s = 0.0
+        self.done_delay_s = 0.0
+        self.tail_delay_s = 0.0
+        #: what its /v1/models says owns the model (vLLM 0.32: "vllm")
+        self.owned_by = "vllm"
         self.requests: list[dict[str, Any]] = []
+        self.model_list_requests: list[dict[str, Any]] = []
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
         ])
         self.url = ""
@@ -98,8 +110,10 @@ class FakeVLLM:
 
     def reset(self) -> None:
         self.version, self.token_ids, self.delay_s, self.fail, self.cut_after = None, True, 0.0, None, None
-        self.chunk_delay_s = 0.0
+        self.chunk_delay_s = self.done_delay_s = self.tail_delay_s = 0.0
+        self.owned_by = "vllm"
         self.requests.clear()
+        self.model_list_requests.clear()
 
     # ------------------------------------------------------------------ the "model"
     @staticmethod
@@ -207,7 +221,20 @@ class FakeVLLM:
             await asyncio.sleep(self.chunk_delay_s)
         yield chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": None,
                      "token_ids": [] if ids_asked else None})
+        async for part in self._done():
+            yield part
+
+    async def _done(self) -> Any:
+        """A stream's end: ``data: [DONE]``, then the end of the body (each after its delay)."""
+        await asyncio.sleep(self.done_delay_s)
         yield b"data: [DONE]\n\n"
+        await asyncio.sleep(self.tail_delay_s)
+
+    @staticmethod
+    def completion(prompt: str) -> str:
+        """The text a completions request gets: the sum of the prompt's numbers, then the prompt's
+        characters beyond ASCII (each several tokens: bytes)."""
+        return f" {sum(numbers(prompt))}" + "".join(c for c in prompt if not c.isascii())
 
     async def completions(self, request: Request) -> Response:
         body, failed = await self._common(request)
@@ -215,22 +242,27 @@ class FakeVLLM:
             return failed
         ids_asked = bool(body.get("return_token_ids")) and self.token_ids
         lp_asked = body.get("logprobs") is not None
-        text = f" {sum(numbers(str(body['prompt'])))}"
+        text = self.completion(str(body["prompt"]))
         prompt_ids, ids = encode(str(body["prompt"])), encode(text)
         lps = self._logprobs(ids)
         if body.get("stream"):
             async def stream() -> Any:
+                # one event per token (a byte), as vLLM sends one per token whatever is asked: a token that
+                # ends mid-character has no text yet
+                decoder = codecs.getincrementaldecoder("utf-8")()
                 for i, t in enumerate(ids):
+                    piece = decoder.decode(bytes([t - 10]))
                     data = {"id": "cmpl-fake", "object": "text_completion", "created": 1, "model": body["model"],
-                            "choices": [{"index": 0, "text": text[i], "finish_reason": "stop" if i == len(ids) - 1
+                            "choices": [{"index": 0, "text": piece, "finish_reason": "stop" if i == len(ids) - 1
                                          else None,
-                                         "logprobs": {"tokens": [text[i]], "token_logprobs": [lps[i]],
+                                         "logprobs": {"tokens": [piece], "token_logprobs": [lps[i]],
                                                       "top_logprobs": None, "text_offset": [i]} if lp_asked else None,
                                          "prompt_token_ids": prompt_ids if ids_asked and i == 0 else None,
                                          "token_ids": [t] if ids_asked else None}]}
                     self._meta(data)
                     yield b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
-                yield b"data: [DONE]\n\n"
+                async for part in self._done():
+                    yield part
 
             return StreamingResponse(stream(), media_type="text/event-stream")
         data = {"id": "cmpl-fake", "object": "text_completion", "created": 1, "model": body["model"],
@@ -244,6 +276,110 @@ class FakeVLLM:
         self._meta(data)
         return JSONResponse(data)
 
+    # ------------------------------------------------------------------ the Responses API
+    @staticmethod
+    def responses_input(body: dict[str, Any]) -> list[dict[str, Any]]:
+        """A Responses request's conversation as the chat messages the fake's template renders
+        (vLLM renders the items through the model's chat template the same way)."""
+        messages: list[dict[str, Any]] = []
+        if body.get("instructions"):
+            messages.append({"role": "system", "content": body["instructions"]})
+        items = body["input"] if isinstance(body["input"], list) else [{"role": "user", "content": body["input"]}]
+        for item in items:
+            kind = item.get("type", "message")
+            if kind == "message":
+                content = item["content"]
+                if isinstance(content, list):
+                    content = "".join(p.get("text", "") for p in content)
+                messages.append({"role": item["role"], "content": content})
+            elif kind == "function_call":
+                if not messages or messages[-1]["role"] != "assistant":
+                    messages.append({"role": "assistant", "content": None})
+                messages[-1].setdefault("tool_calls", []).append(
+                    {"id": item["call_id"], "type": "function",
+                     "function": {"name": item["name"], "arguments": item["arguments"]}})
+            elif kind == "function_call_output":
+                messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        return messages
+
+    async def responses(self, request: Request) -> Response:
+        body, failed = await self._common(request)
+        if failed is not None:
+            return failed
+        messages = self.responses_input(body)
+        content, calls, sampled = self.reply(messages, body.get("tools"))
+        prompt, prompt_ids, ids = render(messages), encode(render(messages)), encode(sampled)
+        if calls:
+            fn = calls[0]["function"]
+            items = [{"id": "fc_fake", "type": "function_call", "call_id": calls[0]["id"], "name": fn["name"],
+                      "arguments": fn["arguments"], "status": "completed"}]
+        else:
+            items = [{"id": "msg_fake", "type": "message", "role": "assistant", "status": "completed",
+                      "content": [{"type": "output_text", "text": content, "annotations": [], "logprobs": None}]}]
+        asked = bool(body.get("enable_response_messages")) and self.token_ids
+        done = {"id": "resp_fake", "object": "response", "created_at": 1, "model": body["model"],
+                "instructions": body.get("instructions"), "status": "completed", "incomplete_details": None,
+                "output": items, "tools": body.get("tools") or [], "tool_choice": "auto",
+                "usage": {"input_tokens": len(prompt_ids), "output_tokens": len(ids),
+                          "total_tokens": len(prompt_ids) + len(ids)},
+                "input_messages": [{"message": prompt, "tokens": prompt_ids, "type": "raw_message_tokens"}]
+                if asked else None,
+                "output_messages": [{"message": sampled, "tokens": ids, "type": "raw_message_tokens"}]
+                if asked else None}
+        self._meta(done)
+        if not body.get("stream"):
+            return JSONResponse(done)
+
+        async def stream() -> Any:
+            seq = 0
+
+            def event(kind: str, **data: Any) -> bytes:
+                nonlocal seq
+                seq += 1
+                return f"event: {kind}\ndata: ".encode() + json.dumps(
+                    {"type": kind, "sequence_number": seq - 1, **data}, separators=(",", ":")).encode() + b"\n\n"
+
+            start = {**done, "status": "in_progress", "output": [], "usage": None, "input_messages": None,
+                     "output_messages": None}
+            yield event("response.created", response=start)
+            yield event("response.in_progress", response=start)
+            item = items[0]
+            if calls:
+                yield event("response.output_item.added", output_index=0, item={**item, "arguments": "",
+                                                                                 "status": "in_progress"})
+                args = item["arguments"]
+                step = max(1, len(args) // 4)
+                for i in range(0, len(args), step):
+                    if self.cut_after is not None and i // step >= self.cut_after:
+                        raise RuntimeError("the fake vLLM cuts the stream")
+                    yield event("response.function_call_arguments.delta", output_index=0, item_id=item["id"],
+                                delta=args[i:i + step])
+                    await asyncio.sleep(self.chunk_delay_s)
+                yield event("response.function_call_arguments.done", output_index=0, item_id=item["id"],
+                            arguments=args, name=item["name"])
+            else:
+                yield event("response.output_item.added", output_index=0,
+                            item={**item, "content": [], "status": "in_progress"})
+                yield event("response.content_part.added", output_index=0, item_id=item["id"], content_index=0,
+                            part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+                for i, c in enumerate(content):
+                    if self.cut_after is not None and i >= self.cut_after:
+                        raise RuntimeError("the fake vLLM cuts the stream")
+                    yield event("response.output_text.delta", output_index=0, item_id=item["id"], content_index=0,
+                                delta=c, logprobs=[])
+                    await asyncio.sleep(self.chunk_delay_s)
+                yield event("response.output_text.done", output_index=0, item_id=item["id"], content_index=0,
+                            text=content, logprobs=[])
+                yield event("response.content_part.done", output_index=0, item_id=item["id"], content_index=0,
+                            part=item["content"][0])
+            yield event("response.output_item.done", output_index=0, item=item)
+            await asyncio.sleep(self.done_delay_s)
+            yield event("response.completed", response=done)
+            await asyncio.sleep(self.tail_delay_s)
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
     async def models(self, request: Request) -> Response:
-        self.requests.append({"path": request.url.path, "headers": dict(request.headers), "body": None})
-        return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "fake"}]})
+        # kept apart from the model calls: the gateway asks it what it is when it starts (identify)
+        self.model_list_requests.append({"path": request.url.path, "headers": dict(request.headers)})
+        return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": self.owned_by}]})

@@ -379,3 +379,15 @@ class TestPromptIndex:
         got = [idx.index(False, 1, u) for u in ("q7", "q3", "q7", "q9")]
         assert got == [0, 1, 0, 2]
         assert [idx.index(True, 1, "q7"), idx.index(False, 2, "q3"), idx.index(False, 1, "q3")] == [0, 0, 1]
+
+    def test_rollout_numbers_count_on_across_calls(self):
+        """claim: a uid's rollout numbers start at 0 in each (validate, step) and count on when it
+        comes again; index() takes none."""
+        from rtrace.instrumentation.turns import PromptIndex
+
+        idx = PromptIndex()
+        got = [idx.claim(False, 1, u) for u in ("q7", "q7", "q3", "q7")]
+        assert got == [(0, 0), (0, 1), (1, 0), (0, 2)]
+        assert idx.claim(False, 1, "q3", 4) == (1, 1) and idx.claim(False, 1, "q3") == (1, 5)
+        assert [idx.claim(True, 1, "q7"), idx.claim(False, 2, "q7")] == [(0, 0), (0, 0)]
+        assert idx.index(False, 1, "q7") == 0 and idx.claim(False, 1, "q7") == (0, 3)

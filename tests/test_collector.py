@@ -134,12 +134,13 @@ class TestAcrossProcesses:
         (traj,) = read_jsonl(tmp_path / "traces.jsonl")
         assert traj.trace_id == ctx.trace_id and not traj.partial
         by_name = {s.name: s for s in traj.spans}
-        # the tool span is named after its tool ("doubler"), the function's name kept in code.function
+        # the tool span is named after its tool ("doubler"), the function's name kept in code.function.name
         assert set(by_name) == {"rollout", "driver.dispatch", "worker", "worker.plan", "tool-server", "doubler"}
         parent = {s.name: next((p.name for p in traj.spans if p.span_id == s.parent_id), None) for s in traj.spans}
         assert parent == {"rollout": None, "driver.dispatch": "rollout", "worker": "driver.dispatch",
                           "worker.plan": "worker", "tool-server": "worker.plan", "doubler": "tool-server"}
-        assert by_name["doubler"].output == 42 and by_name["doubler"].attributes["code.function"] == "double"
+        assert by_name["doubler"].output == 42 and by_name["doubler"].attributes["code.function.name"] == (
+            "tests.collector_workers.tool_server.<locals>.double")
         assert {s.attributes["rl.sample_index"] for s in traj.spans} == {5}
 
 
@@ -177,7 +178,10 @@ class TestFailures:
         assert results == [i * 3 for i in range(20)]
         assert flushed is False
         lost = stats.get("sink.collector.failed_batches", 0) + stats.get("sink.collector.dropped_batches", 0)
-        assert lost >= 1 and stats.get("sink.collector.exported", 0) == 0
+        assert lost >= 1 and stats.get("sink.collector.sent", 0) == 0
+        # every segment routed to the collector's send queue (exported) is counted as lost
+        assert stats["sink.collector.failed_trajectories"] + stats.get("sink.collector.dropped_trajectories", 0) \
+            == stats["sink.collector.exported"] == stats["segments_streamed"]
 
 
 @pytest.mark.integration

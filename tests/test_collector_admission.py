@@ -217,22 +217,27 @@ class TestRefusedSpansAreAnswered:
 class TestTheWorkersSink:
     def test_it_waits_the_delay_the_push_back_names(self):
         """RESOURCE_EXHAUSTED with RetryInfo: the worker's sink waits the delay it names. A delay
-        beyond OTEL_EXPORTER_OTLP_TIMEOUT fails the batch at once (counted by the pipeline), without
-        a second try (before: retried after 50 ms regardless)."""
+        beyond OTEL_EXPORTER_OTLP_TIMEOUT fails the request at once (counted: the segment as failed,
+        for its collector too), without a second try (before: retried after 50 ms regardless)."""
         calls = []
 
         def busy(request):
             calls.append(request)
             raise Backpressure("full", retry_after_s=5.0)
 
+        _stats.reset()
         with OtlpReceiver(busy) as rx:
             sink = CollectorSink(load_settings({"exporter": "collector", "collector_endpoint": rx.endpoint,
                                                 "otlp_timeout_s": 2}))
             try:
-                with pytest.raises(ConnectionError, match="RESOURCE_EXHAUSTED"):
-                    sink.export(trajectories(1, 1))
+                sink.export(trajectories(1, 1))  # routes and queues; the collector's lane sends
+                assert sink.flush(10) is False
             finally:
                 sink.shutdown()
+            stats = _stats.snapshot()
+            assert stats["sink.collector.failed_trajectories"] == 1 and stats["sink.collector.failed_batches"] == 1
+            assert stats[f"collector_endpoint.{rx.endpoint}.failed"] == 1
+            assert "sink.collector.sent" not in stats
         assert len(calls) == 1
 
     def test_it_counts_the_spans_the_collector_refused(self):
@@ -343,6 +348,7 @@ class TestASinkBehind:
         try:
             for i in range(10):  # 200 trajectories, 20 a request: 2 s of the slow sink's time
                 sink.export(trajectories(20 * i, 20))
+            assert sink.flush(60)  # the collector's lane sent them all, retrying on push-back
         finally:
             sink.shutdown()
         assert c.flush(60)

@@ -131,6 +131,57 @@ class TestEnvironmentOnly:
         assert rtrace.current_settings().max_traces_per_step is None
 
 
+class TestUnknownVariables:
+    """A misspelt RTRACE_* variable is said at every start that reads the environment, once per
+    process and name, with the closest setting; rtrace's own other variables are not."""
+
+    OURS = ("RTRACE_UI_CACHE", "RTRACE_UI_ARTIFACTS", "RTRACE_CHROMIUM", "RTRACE_PHOENIX")
+
+    def _said(self, caplog):
+        return sorted(r.getMessage().split(" (logged once")[0] for r in caplog.records
+                      if "unknown environment variable" in r.getMessage())
+
+    def test_a_collector_says_it_too(self, monkeypatch, caplog, tmp_path):
+        """rtrace.start_collector (and so `rtrace collect`) reads the environment without configure():
+        RTRACE_EXPORTERS=jsonl is said there too (before: nothing, the run traced nothing)."""
+        pytest.importorskip("grpc")
+        monkeypatch.setenv("RTRACE_EXPORTERS", "jsonl")
+        monkeypatch.setenv("RTRACE_MAX_TRACE_PER_STEP", "1")
+        monkeypatch.setenv("RTRACE_COLLECTOR_PORT", "4317")  # read by nothing: `rtrace collect --port`
+        for name in self.OURS:
+            monkeypatch.setenv(name, str(tmp_path))
+        with caplog.at_level(logging.WARNING, logger="rtrace"):
+            for _ in range(2):
+                rtrace.start_collector(exporter="jsonl", jsonl_path=str(tmp_path / "c.jsonl")).stop()
+        assert self._said(caplog) == [
+            "rtrace: unknown environment variable RTRACE_COLLECTOR_PORT is ignored; did you mean "
+            "RTRACE_COLLECTOR_ENDPOINT?",
+            "rtrace: unknown environment variable RTRACE_EXPORTERS is ignored; did you mean RTRACE_EXPORTER?",
+            "rtrace: unknown environment variable RTRACE_MAX_TRACE_PER_STEP is ignored; did you mean "
+            "RTRACE_MAX_TRACES_PER_STEP?"]
+
+    def test_the_environment_alone_says_it_at_the_first_traced_call(self, monkeypatch, caplog, tmp_path):
+        """No configure(): the first traced call configures from the environment and says it; the
+        variables of rtrace's own tests and tools are not settings and are not said (before: each
+        was "unknown")."""
+        for name in self.OURS:
+            monkeypatch.setenv(name, str(tmp_path))
+        monkeypatch.setenv("RTRACE_EXPORTER", "jsonl")
+        monkeypatch.setenv("RTRACE_JSONL_PATH", str(tmp_path / "t.jsonl"))
+        monkeypatch.setenv("RTRACE_TOKEN2TXT", "1")
+        with caplog.at_level(logging.WARNING, logger="rtrace"):
+            with rtrace.rollout_context(step=1):
+                tool(1)
+        assert self._said(caplog) == [
+            "rtrace: unknown environment variable RTRACE_TOKEN2TXT is ignored; did you mean RTRACE_TOKEN2TEXT?"]
+
+    def test_a_given_environment_is_not_the_process_s(self, caplog):
+        """load_settings(environ=...) (a check of another process's environment) warns about nothing."""
+        with caplog.at_level(logging.WARNING, logger="rtrace"):
+            rtrace.config.load_settings({}, environ={"RTRACE_EXPORTERS": "jsonl"})
+        assert self._said(caplog) == []
+
+
 class TestEarlyChecks:
     @pytest.mark.parametrize("env, value, match", [
         # a directory where the file should be

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import rtrace  # noqa: E402
 from rtrace.config import ConfigError  # noqa: E402
 from rtrace.dataset import encode, layout, schema  # noqa: E402
 from rtrace.dataset.reader import SchemaVersionError, open_run, vacuum  # noqa: E402
+from rtrace.dataset.schema import VERSION  # noqa: E402
 from rtrace.dataset.writer import DatasetWriter  # noqa: E402
 from rtrace.exporters.jsonl import read_jsonl  # noqa: E402
 from tests.dataset_run import PROMPTS, ROLLOUTS, STEPS, as_read_back, make_run  # noqa: E402
@@ -233,9 +235,11 @@ class TestCompaction:
         for k in range(7):
             w.write(self._trajs(1, 2, start=2 * k))
         names = sorted(os.listdir(tmp_path / "trajectories/train/step=1"))
-        assert names == [f"{w.writer_id}-000000-000005.v1.1.parquet", f"{w.writer_id}-000006.v1.1.parquet"]
+        assert names == [f"{w.writer_id}-000000-000005.v{VERSION}.parquet",
+                         f"{w.writer_id}-000006.v{VERSION}.parquet"]
         w.close()
-        assert os.listdir(tmp_path / "trajectories/train/step=1") == [f"{w.writer_id}-000000-000006.v1.1.parquet"]
+        assert os.listdir(tmp_path / "trajectories/train/step=1") == [
+            f"{w.writer_id}-000000-000006.v{VERSION}.parquet"]
         assert open_run(tmp_path).sql("SELECT count(*), count(DISTINCT trace_id) FROM trajectories").fetchall()[0] == (
             14, 14)
 
@@ -252,7 +256,8 @@ class TestCompaction:
             w.write(self._trajs(1, 2, start=2 * k, blob=blob))
         w.close()
         names = sorted(os.listdir(tmp_path / "trajectories/train/step=1"))
-        assert names == [f"{w.writer_id}-000000-000001.v1.1.parquet", f"{w.writer_id}-000002-000003.v1.1.parquet"]
+        assert names == [f"{w.writer_id}-000000-000001.v{VERSION}.parquet",
+                         f"{w.writer_id}-000002-000003.v{VERSION}.parquet"]
 
     def test_inputs_left_after_a_crash_are_not_counted_twice(self, tmp_path):
         """A merged file and its inputs side by side (a writer stopped between rename and delete):
@@ -446,7 +451,7 @@ class TestStepsFiles:
         [name] = os.listdir(tmp_path / "trajectories/train/steps")
         merged = layout.parse_name(name)
         assert (merged.first, merged.last, merged.steps) == (0, 2, (0, 1))
-        assert f"{w.writer_id}-000001.v1.1.parquet" in os.listdir(tmp_path / "trajectories/train/step=5")
+        assert f"{w.writer_id}-000001.v{VERSION}.parquet" in os.listdir(tmp_path / "trajectories/train/step=5")
         assert self._count(tmp_path) == (8, 8)
 
     def test_late_rows_of_a_merged_step_land_beside_it(self, tmp_path):
@@ -478,7 +483,7 @@ class TestStepsFiles:
             w.compact(idle_only=True)
         names = sorted(os.listdir(tmp_path / "trajectories/train/steps"))
         assert [layout.parse_name(n).steps for n in names] == [(0, 1), (2, 3)]
-        wide = f"{w.writer_id}-000000-000003.s0-3.v1.1.parquet"
+        wide = f"{w.writer_id}-000000-000003.s0-3.v{VERSION}.parquet"
         for table in ("trajectories", "spans"):
             os.rename(tmp_path / table / "train/steps" / names[1], tmp_path / table / "train/steps" / wide)
         assert self._count(tmp_path) == (8, 8)
@@ -650,7 +655,7 @@ class TestManyWriters:
         assert sorted((m.writer, m.steps) for m in many) == sorted(
             (w.writer_id, steps) for w in writers for steps in ((0, 2), (3, 5)))
         assert sorted(os.listdir(tmp_path / "trajectories/train/step=6")) == sorted(
-            f"{w.writer_id}-000006.v1.1.parquet" for w in writers)
+            f"{w.writer_id}-000006.v{VERSION}.parquet" for w in writers)
         assert open_run(tmp_path).sql("SELECT count(*), count(DISTINCT trace_id) FROM trajectories").fetchall() == [
             (28, 28)]
 
@@ -711,7 +716,7 @@ class TestBadFiles:
         folder = Path(path, "trajectories/train/step=1")
         good = next(folder.iterdir())
         data = good.read_bytes()
-        cut = folder / f"{'ab' * 8}-000000.v1.1.parquet"
+        cut = folder / f"{'ab' * 8}-000000.v{VERSION}.parquet"
         cut.write_bytes(data[: len(data) // 2])
         (folder / "notes.parquet").write_bytes(data)
         (Path(path, "trajectories/train") / "README.txt").write_text("hello")
@@ -726,6 +731,44 @@ class TestBadFiles:
             assert any(name in rec.getMessage() for rec in caplog.records), name
         r.refresh()  # warned and counted once per file
         assert rtrace.stats()["dataset.files_skipped"] == 3
+
+    def test_a_damaged_file_that_ends_like_parquet_is_skipped_named_and_counted(self, run, caplog, capsys):
+        """A file of a step=N folder whose footer is damaged but which still ends with PAR1: its
+        footer is read once and does not parse, so it is skipped, named and counted; open_run, its
+        queries and `rtrace query` answer over the rest (before: DuckDB's error, naming no file)."""
+        from rtrace.cli import main
+
+        path, trajs, _ = run
+        folder = Path(path, "trajectories/train/step=1")
+        data = bytearray(next(folder.iterdir()).read_bytes())
+        data[4:-8] = b"A" * (len(data) - 12)  # the pages and the footer, the length and the magic kept
+        damaged = folder / f"{'ab' * 8}-000000.v1.1.parquet"
+        damaged.write_bytes(bytes(data))
+        with caplog.at_level(logging.WARNING, logger="rtrace"):
+            r = open_run(path)
+            assert r.sql("SELECT count(*) FROM trajectories").fetchall()[0][0] == len(trajs)
+        assert [(s.path, s.reason.split(":")[0]) for s in r.skipped] == [
+            (f"trajectories/train/step=1/{damaged.name}", "damaged")]
+        assert rtrace.stats()["dataset.files_skipped"] == 1
+        assert [rec.getMessage() for rec in caplog.records if damaged.name in rec.getMessage()]
+        assert main(["query", path, "SELECT count(*) AS n FROM trajectories", "--format", "csv"]) == 0
+        assert capsys.readouterr().out.splitlines() == ["n", str(len(trajs))]
+
+    def test_query_says_an_error_met_while_it_fetches(self, run, capsys):
+        """A file whose footer is whole but whose data is not fails the query only when DuckDB reads
+        it: `rtrace query` says so and exits 2, no traceback (before: the exception escaped)."""
+        from rtrace.cli import main
+
+        path, _, _ = run
+        folder = Path(path, "trajectories/train/step=1")
+        data = bytearray(next(folder.iterdir()).read_bytes())
+        footer = int.from_bytes(data[-8:-4], "little")
+        data[4:len(data) - 8 - footer] = b"\xff" * (len(data) - 12 - footer)  # every page, the footer kept
+        (folder / f"{'ab' * 8}-000000.v1.1.parquet").write_bytes(bytes(data))
+        for fmt in ("table", "csv"):
+            assert main(["query", path, "SELECT max(task) FROM trajectories", "--format", fmt]) == 2
+            out = capsys.readouterr()
+            assert out.err.startswith("rtrace query: ") and "Traceback" not in out.err and out.out == ""
 
     def test_files_being_written_are_not_read_nor_warned_about(self, run, caplog):
         """A hidden .tmp file (a file being written) is neither data nor a skipped file."""
@@ -784,10 +827,111 @@ class TestBadFiles:
         path, _, _ = run
         folder = Path(path, "trajectories/train/step=1")
         good = next(folder.iterdir())
-        newer = folder / good.name.replace(".v1.1.", ".v2.0.").replace(good.name[:4], "ffff")
+        newer = folder / good.name.replace(f".v{VERSION}.", ".v2.0.").replace(good.name[:4], "ffff")
         shutil.copy(good, newer)
-        with pytest.raises(SchemaVersionError, match=r"schema 2\.x; this rtrace reads schema 1\.1.*upgrade"):
+        expected = rf"schema 2\.x; this rtrace reads schema {re.escape(VERSION)}.*upgrade"
+        with pytest.raises(SchemaVersionError, match=expected):
             open_run(path)
+
+
+# ----------------------------------------------------------------------------- a run being written
+class TestLiveRun:
+    """A writer's merge deletes its inputs right after the merged file is in place: readers that
+    listed them before list again and read again (bounded), never an error, never a row twice."""
+
+    def _two_files(self, tmp_path):
+        comp = TestCompaction()
+        w = comp._writer(tmp_path, compact_files=100)
+        w.write(comp._trajs(1, 3))
+        w.write(comp._trajs(1, 2, start=3))
+        w.write(comp._trajs(2, 2))
+        assert len(os.listdir(tmp_path / "trajectories/train/step=1")) == 2
+        return w
+
+    def test_queries_of_a_run_listed_before_a_merge(self, tmp_path):
+        """A Run listed, then its files merged away: its relations, load() and run.df() list again
+        and answer (before: IO Error: No files found that match the pattern ...)."""
+        w = self._two_files(tmp_path)
+        r = open_run(tmp_path)
+        rel = r.sql("SELECT step, count(*) FROM trajectories GROUP BY step ORDER BY step")
+        w.compact()  # another process merges: both inputs of step 1 are gone
+        assert rel.fetchall() == [(1, 5), (2, 2)]
+        assert rtrace.stats()["dataset.reads_retried"] == 1
+        assert len(r.files["trajectories"]) == 2 and r.skipped == []
+        w.write(TestCompaction()._trajs(2, 1, start=2))
+        w.write(TestCompaction()._trajs(2, 1, start=3))
+        r.refresh()
+        w.compact()
+        assert len(r.df()) == 9
+        assert r.filter("step = 2").count("*").fetchall() == [(4,)]
+        w.write(TestCompaction()._trajs(2, 1, start=4))
+        r.refresh()
+        w.compact()
+        assert sorted(t.sample_index for t in r.load("step = ?", [2])) == [0, 1, 2, 3, 4]
+        assert r.spans.aggregate("count(*)").fetchall() == [(10,)]
+
+    def test_a_merge_while_the_run_is_listed(self, tmp_path, monkeypatch):
+        """Inputs listed, then merged away before they are checked: the listing starts again and finds
+        the merged file (before: skipped as deleted, their rows missing from the answer)."""
+        w = self._two_files(tmp_path)
+        original, merged = layout.Store.list, []
+
+        def listing(store, rel=""):
+            yield from original(store, rel)
+            if rel == "trajectories" and not merged:  # a merge between the two tables' listings
+                merged.append(True)
+                w.compact()
+
+        monkeypatch.setattr(layout.Store, "list", listing)
+        r = open_run(tmp_path)
+        assert merged and r.skipped == []
+        assert r.sql("SELECT count(*), count(DISTINCT trace_id) FROM trajectories").fetchall() == [(7, 7)]
+        assert r.sql("SELECT count(*) FROM spans").fetchall() == [(7,)]
+        assert rtrace.stats().get("dataset.files_skipped", 0) == 0
+
+    def test_rtrace_query_lists_again(self, tmp_path, monkeypatch, capsys):
+        """`rtrace query` on a run whose files are merged away between its listing and its read."""
+        from rtrace.cli import main
+        from rtrace.dataset import reader
+
+        w = self._two_files(tmp_path)
+        original = reader.open_run
+
+        def open_then_merge(path, connection=None):
+            run = original(path, connection)
+            w.compact()
+            return run
+
+        monkeypatch.setattr(reader, "open_run", open_then_merge)
+        sql = "SELECT step, count(*) AS n FROM trajectories GROUP BY step ORDER BY step"
+        assert main(["query", str(tmp_path), sql, "--format", "csv"]) == 0
+        assert capsys.readouterr().out.splitlines() == ["step,n", "1,5", "2,2"]
+
+    def test_serve_lists_again(self, tmp_path, monkeypatch):
+        """rtrace serve's run: a merge between its listing and its reads (the step table at start,
+        a page's query later) is read again over the new listing: no error page."""
+        pytest.importorskip("starlette")
+        from rtrace.dataset import reader
+        from rtrace.serve.sources import RunSource
+
+        w = self._two_files(tmp_path)
+        original, merged = reader.Run.file_steps, []
+
+        def file_steps(run, rel):  # the source's first look at the listing: a merge right then
+            if not merged:
+                merged.append(True)
+                w.compact()
+            return original(run, rel)
+
+        monkeypatch.setattr(reader.Run, "file_steps", file_steps)
+        source = RunSource("live", dataset=str(tmp_path), index=False)
+        source.refresh()
+        assert merged and source.snapshot.problem is None and source.snapshot.trajectories == 7
+        w.write(TestCompaction()._trajs(3, 2))
+        w.write(TestCompaction()._trajs(3, 1, start=2))
+        source.refresh()
+        w.compact()
+        assert source.db(30_000).rows("SELECT count(*) FROM trajectories WHERE step = 3")[1] == [(3,)]
 
 
 # ----------------------------------------------------------------------------- faults while writing
@@ -831,6 +975,49 @@ def test_a_full_disk_loses_only_the_open_batch(tmp_path):
     # the failed batch left no spans either (its spans file, written first, was removed or never whole)
     assert r.sql("SELECT DISTINCT step FROM spans ORDER BY step").fetchall() == [(0,), (2,)]
     assert r.skipped == []
+
+
+def test_a_final_merge_past_the_timeout_is_said_as_such(tmp_path, caplog):
+    """The sink's final merge does not finish within sink_timeout_s (a large run under load): every
+    trajectory was written when it was exported, so shutdown says the data is complete and the merge
+    was left, counts it as sink.parquet.merge_deferred, and counts no shutdown timeout and nothing
+    abandoned (before: "did not finish in time; 0 ... abandoned", a shutdown timeout)."""
+    import threading
+
+    from rtrace.exporters.parquet import ParquetSink
+
+    sink = ParquetSink(rtrace.config.load_settings({"parquet_path": str(tmp_path), "experiment": "r"}))
+    rtrace.configure(sinks=[sink], export_interval_s=0.02, sink_timeout_s=0.5)
+    for batch in range(2):  # two files of step 1: the final merge has work to do
+        for i in range(3):
+            with rtrace.rollout_context(step=1, sample_index=3 * batch + i):
+                rtrace.record_reward(1.0)
+        assert rtrace.flush(30)
+    go, merging = threading.Event(), threading.Event()
+    store, write = sink.writer.store, sink.writer.store.write
+
+    def slow_merge(rel, fill):
+        name = layout.parse_name(rel.rpartition("/")[2])
+        if name is not None and name.first != name.last:
+            merging.set()
+            go.wait(60)
+        return write(rel, fill)
+
+    store.write = slow_merge
+    worker = next(w for w in rtrace._setup._pipeline.fanout.workers if w.sink is sink)
+    try:
+        with caplog.at_level(logging.WARNING, logger="rtrace"):
+            rtrace.shutdown()
+        assert merging.is_set()
+    finally:
+        go.set()
+    worker.thread.join(30)  # the merge goes on once let go
+    stats = rtrace.stats()
+    assert stats["sink.parquet.merge_deferred"] == 1 and stats["sink.parquet.exported"] == 6
+    assert "sink.parquet.shutdown_timeouts" not in stats and "sink.parquet.abandoned_trajectories" not in stats
+    (said,) = [r.getMessage() for r in caplog.records if "did not finish" in r.getMessage()]
+    assert "0 trajectories abandoned" in said and "the data is complete" in said and "final merge" in said
+    assert open_run(tmp_path / "r").sql("SELECT count(*) FROM trajectories").fetchall() == [(6,)]
 
 
 # ----------------------------------------------------------------------------- configuration

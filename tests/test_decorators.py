@@ -135,7 +135,8 @@ class TestShapes:
 
     def test_tool_and_model_names_replace_qualnames(self, jsonl_path):
         """A tool span is named after its tool, a generation after its model, the qualified
-        name kept in code.function; a name= given to the decorator is kept as it is."""
+        name kept, fully qualified, in code.function.name (OTel's; code.function is deprecated); a name=
+        given to the decorator is kept as it is."""
         @rtrace.traced_generation(model="qwen-7b")
         def generate(prompt_ids):
             return [1]
@@ -159,10 +160,13 @@ class TestShapes:
             Agent().execute("call-1", {})
             named_tool("x")
         _, gen, named, unknown, tool, named_t = only(read_back(jsonl_path)).spans
-        assert (gen.name, gen.attributes["code.function"]) == ("qwen-7b", "generate")
-        assert (tool.name, tool.attributes["code.function"]) == ("agent-1", "Agent.execute")
+        assert (gen.name, gen.attributes["code.function.name"]) == (
+            "qwen-7b", f"{__name__}.{type(self).__name__}.test_tool_and_model_names_replace_qualnames.<locals>.generate")
+        assert (tool.name, tool.attributes["code.function.name"]) == ("agent-1", f"{__name__}.Agent.execute")
         assert [s.name for s in (named, unknown, named_t)] == ["policy", "unknown_model", "my-span"]
-        assert not any("code.function" in s.attributes for s in (named, unknown, named_t))
+        assert not any(k.startswith("code.") for s in (gen, tool, named, unknown, named_t) for k in s.attributes
+                       if k != "code.function.name")
+        assert not any("code.function.name" in s.attributes for s in (named, unknown, named_t))
         assert named_t.attributes["gen_ai.tool.name"] == "search"
 
     def test_generator_span_covers_iteration_without_leaking(self, jsonl_path):

@@ -11,9 +11,14 @@ from pathlib import Path
 import pytest
 
 from rtrace.config import ConfigError, load_settings
+from rtrace.exporters.collector import route_of
+from rtrace.exporters.otel import encode_compact
+from rtrace.placement import POSITIONS, ROUTE_ATTR, Ring, route_key
+from rtrace.trajectory import SpanRecord, Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
 LB_CONFIG = ROOT / "deploy" / "otel-collector-loadbalancing.yaml"
+LB_TYPES = {"load_balancing", "loadbalancing"}
 DEFAULT_SERVICES = {"otel-collector", "jaeger", "mlflow"}
 
 
@@ -129,12 +134,20 @@ def test_dockerfile_installs_the_package_and_runs_the_collector():
 
 
 # ----------------------------------------------------------------------------- scale-out config
-def test_loadbalancing_routes_by_trace_id_to_rtrace_collectors(services, lb):
-    """The loadbalancing exporter routes by traceID to >= 2 backends, each an rtrace collector compose
-    service at the port its `rtrace collect --port` listens on, over OTLP/gRPC."""
-    [lb_id] = [k for k in lb["exporters"] if _type(k) == "loadbalancing"]
-    exporter = lb["exporters"][lb_id]
-    assert exporter["routing_key"] == "traceID"
+def _lb_exporter(lb) -> dict:
+    """The load-balancing exporter (`load_balancing`, called `loadbalancing` before otelcol-contrib
+    renamed it)."""
+    [lb_id] = [k for k in lb["exporters"] if _type(k) in LB_TYPES]
+    return lb["exporters"][lb_id]
+
+
+def test_loadbalancing_routes_by_rtrace_route_to_rtrace_collectors(services, lb):
+    """The load-balancing exporter routes by the one attribute rtrace sends its key in
+    (routing_key: attributes, routing_attributes: [rtrace.route]) to >= 2 backends, each an rtrace
+    collector compose service at the port its `rtrace collect --port` listens on, over OTLP/gRPC."""
+    exporter = _lb_exporter(lb)
+    assert exporter["routing_key"] == "attributes"
+    assert exporter["routing_attributes"] == [ROUTE_ATTR]
     otlp = exporter["protocol"]["otlp"]
     assert "endpoint" not in otlp and otlp["tls"]["insecure"] is True
     hostnames = exporter["resolver"]["static"]["hostnames"]
@@ -164,7 +177,7 @@ def test_pipeline_wiring_references_defined_components(lb):
     traces = lb["service"]["pipelines"]["traces"]
     assert traces["processors"][0] == "memory_limiter"  # first, as the collector docs require
     exporter_types = {_type(e): e for e in traces["exporters"]}
-    assert "loadbalancing" in exporter_types
+    assert set(exporter_types) & LB_TYPES
     jaeger = [e for e in traces["exporters"] if _type(e) == "otlp"]
     assert [lb["exporters"][e]["endpoint"] for e in jaeger] == ["jaeger:4317"]
     assert not {_type(k) for k in lb["exporters"]} & {"jaeger", "logging"}  # removed exporters
@@ -182,7 +195,7 @@ def test_lb_service_mounts_the_config_and_publishes_its_receivers(services, lb):
     assert bound == {"0.0.0.0:4317", "0.0.0.0:4318"}
     published = {str(p).rsplit(":", 1)[1] for p in svc["ports"]}
     assert {"4317", "4318", lb["extensions"]["health_check"]["endpoint"].rsplit(":", 1)[1]} <= published
-    hosts = {h.rsplit(":", 1)[0] for h in lb["exporters"]["loadbalancing"]["resolver"]["static"]["hostnames"]}
+    hosts = {h.rsplit(":", 1)[0] for h in _lb_exporter(lb)["resolver"]["static"]["hostnames"]}
     assert hosts | {"jaeger"} <= set(svc["depends_on"])
 
 
@@ -200,5 +213,93 @@ def test_one_token_guards_every_hop(services, lb):
     assert lb["extensions"]["bearertokenauth"]["token"] == "${env:RTRACE_COLLECTOR_TOKEN}"
     for protocol in lb["receivers"]["otlp"]["protocols"].values():
         assert protocol["auth"]["authenticator"] == "bearertokenauth"
-    headers = lb["exporters"]["loadbalancing"]["protocol"]["otlp"]["headers"]
+    headers = _lb_exporter(lb)["protocol"]["otlp"]["headers"]
     assert headers == {"authorization": "Bearer ${env:RTRACE_COLLECTOR_TOKEN}"}
+
+
+# ----------------------------------------------------------------------------- placement agrees
+#: keys -> their owner among the compose collectors, computed by hand from the exporter's
+#: algorithm (crc32 of "rtrace.route=<key>|" mod 36,000; the first of the 100 points per
+#: hostname at or after it; tests/test_placement.py says how), written down as literals
+OWNERS = [
+    ("run-7|0|3|17", "rtrace-collector-2:4317"),
+    ("run-7|0|3|18", "rtrace-collector:4317"),
+    ("run-7|1|3|17", "rtrace-collector-2:4317"),
+    ("|0|0|0", "rtrace-collector-2:4317"),
+    ("|0|0|1", "rtrace-collector:4317"),
+    ("|0|0|2", "rtrace-collector-2:4317"),
+    ("gsm8k|0|12|4095", "rtrace-collector-2:4317"),
+    ("0af7651916cd43dd8448eb211c80319c", "rtrace-collector:4317"),  # no coordinates: the trace id
+]
+
+
+def test_the_config_and_the_workers_place_a_table_of_keys_alike(lb):
+    """The config's backend list gives each key the owner computed by hand, and so does the ring
+    a worker builds from the same list given as RTRACE_COLLECTOR_ENDPOINT, in either order."""
+    hostnames = _lb_exporter(lb)["resolver"]["static"]["hostnames"]
+    assert sorted(hostnames) == sorted({owner for _, owner in OWNERS})
+    for endpoints in (hostnames, list(reversed(hostnames))):
+        settings = load_settings({"exporter": "collector", "collector_endpoint": ",".join(endpoints)})
+        ring = Ring(settings.collector_endpoint.split(","))
+        assert [(key, ring.owner(key)) for key, _ in OWNERS] == OWNERS
+
+
+def _exporter_routing_ids(request, routing_attributes) -> list[str]:
+    """routingIdentifiersFromTraces of trace_exporter.go for one trace's request (attribute
+    routing): per resource, ``name=value|`` for each routing attribute, from the resource, else the
+    first scope's attributes, else the first span's, else ``name=|``."""
+    ids = []
+    for rs in request.resource_spans:
+        key = ""
+        for name in routing_attributes:
+            resource = {kv.key: kv.value.string_value for kv in rs.resource.attributes}
+            scope = {kv.key: kv.value.string_value for kv in request.resource_spans[0].scope_spans[0].scope.attributes}
+            span = {kv.key: kv.value.string_value
+                    for kv in request.resource_spans[0].scope_spans[0].spans[0].attributes}
+            value = resource.get(name, scope.get(name, span.get(name)))
+            key += f"{name}={'' if value is None else value}|"
+        ids.append(key)
+    return ids
+
+
+def test_the_exporter_routes_rtrace_requests_to_the_owner_rtrace_picks(lb):
+    """What the worker sends, as the exporter reads it: rtrace's encoding of a batch of segments (a
+    rollout's root, a later segment of it without the coordinates stamp, an annotation, a span with
+    no coordinates), split per trace as the exporter does (SplitTraces), hashed from the configured
+    routing attribute: each goes to the collector the worker's own ring picks for it."""
+    import zlib
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    exporter = _lb_exporter(lb)
+    hostnames = exporter["resolver"]["static"]["hostnames"]
+    ring = Ring(hostnames)
+
+    def segment(trace, span, **rl):
+        attrs = {f"rl.{k}": v for k, v in rl.items()}
+        return Trajectory(f"{trace:032x}", "rollout", [SpanRecord(f"{span:016x}", None, "rollout", "rollout", 1, 2,
+                                                                  attributes=attrs)])
+
+    batch = [segment(1, 1, experiment="run-7", validate=False, step=3, sample_index=17, rollout_n=0),
+             segment(2, 2, experiment="run-7", validate=False, step=3, sample_index=18, rollout_n=1),
+             segment(3, 3, validate=True, step=3, sample_index=17),  # an annotation: no rl.experiment on it
+             segment(4, 4)]                                          # no coordinates
+    routes = [route_of(t, "run-7") for t in batch]
+    assert routes == ["run-7|0|3|17", "run-7|0|3|18", "run-7|1|3|17", f"{4:032x}"]
+    order = sorted(range(len(batch)), key=lambda i: routes[i])  # the sink groups a request by key
+    request = encode_compact([batch[i] for i in order], {"service.name": "w"}, 100, [routes[i] for i in order])
+    for i in order:  # SplitTraces: one trace at a time, its resource copied
+        one = ExportTraceServiceRequest()
+        for rs in request.resource_spans:
+            spans = [s for ss in rs.scope_spans for s in ss.spans if s.trace_id == bytes.fromhex(batch[i].trace_id)]
+            if spans:
+                new = one.resource_spans.add()
+                new.resource.CopyFrom(rs.resource)
+                new.scope_spans.add().spans.extend(spans)
+        [rid] = _exporter_routing_ids(one, exporter["routing_attributes"])
+        assert rid == f"{ROUTE_ATTR}={routes[i]}|"
+        position = (zlib.crc32(rid.encode()) & 0xFFFFFFFF) % POSITIONS
+        points = ring.points
+        exporter_owner = next((e for p, e in points if p >= position), points[0][1])  # findEndpoint, by scan
+        assert exporter_owner == ring.owner(routes[i]) == Ring(list(reversed(hostnames))).owner(routes[i])
+    assert route_key("run-7", True, 3, 17) == routes[2]

@@ -278,6 +278,139 @@ def test_gateway_access_needs_a_gateway(monkeypatch):
     assert not claims.sampled and 59 < claims.expires - __import__("time").time() <= 60.01
 
 
+#: the calculator tool as the Responses API declares tools (flat: no "function" object)
+RESPONSE_TOOLS = [{"type": "function", "name": "calculator", "description": "Evaluate an expression.",
+                   "parameters": TOOLS[0]["function"]["parameters"]}]
+
+
+def respond(base_url, access=None, stream=False, **body):
+    """A POST /v1/responses call (with the rollout key of ``access``, if given); its answer (the
+    stream's events as ``(event name, data)``) and its status."""
+    body = {"model": "fake-policy", "stream": stream, **body}
+    got = httpx.post(f"{base_url}/responses", json=body, headers=access.headers if access else {}, timeout=30)
+    if not stream:
+        return got.status_code, got.json()
+    events = []
+    for event in got.text.split("\n\n"):
+        if event:
+            head, data = event.split("\n", 1)
+            assert head.startswith("event: ") and data.startswith("data: ")
+            events.append((head[7:], json.loads(data[6:])))
+    return got.status_code, events
+
+
+class TestResponsesAPI:
+    """POST /v1/responses, the OpenAI Agents SDK's default model (docs/gateway.md, The Responses API)."""
+
+    @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+    def test_a_call_is_a_chat_generation(self, captured, gateway, fake, stream):
+        """Recorded as a chat generation: vLLM's token ids (asked with enable_response_messages, taken out
+        again: the client gets the upstream's answer to its own request), the request's conversation as
+        chat messages, the answer (a tool call) as the assistant message the client got, usage."""
+        gateway()
+        body = {"instructions": "Use the calculator.", "input": "What is 12 + 7?", "tools": RESPONSE_TOOLS}
+        direct = respond(fake.url, stream=stream, **body)
+        with rtrace.rollout_context(step=2):
+            access = rtrace.gateway_access()
+            via = respond(access.base_url, access, stream=stream, **body)
+        assert via == direct and via[0] == 200
+        assert fake.requests[-1]["body"]["enable_response_messages"] is True
+        (gen,) = only(captured.trajectories)
+        messages = [{"role": "system", "content": "Use the calculator."},
+                    {"role": "user", "content": "What is 12 + 7?"}]
+        _, calls, sampled = FakeVLLM.reply(messages, RESPONSE_TOOLS)
+        assert (gen.name, gen.attributes["gen_ai.operation.name"]) == ("chat fake-policy", "chat")
+        assert gen.input == {"model": "fake-policy", "stream": stream, **body, "messages": messages}
+        assert (gen.prompt_ids, gen.response_ids) == (encode(render(messages)), encode(sampled))
+        assert gen.output == {"role": "assistant", "content": None, "tool_calls": calls, "finish_reason": "tool_calls"}
+        assert (gen.attributes["gen_ai.usage.input_tokens"], gen.attributes["gen_ai.usage.output_tokens"],
+                gen.attributes["gen_ai.response.id"]) == (len(gen.prompt_ids), len(gen.response_ids), "resp_fake")
+        assert "rtrace.capture_gap" not in gen.attributes
+        assert ("rtrace.time_to_first_token_ms" in gen.attributes) is stream
+
+    def test_an_agent_loop_is_one_conversation(self, captured, gateway, fake):
+        """Two calls as the Agents SDK makes them (the second sends the first's function call and the tool's
+        output as input items): the trajectory's conversation is system, user, the tool call, the tool's
+        answer, the final answer, in order."""
+        gateway()
+        with rtrace.rollout_context(step=1):
+            access = rtrace.gateway_access()
+            _, first = respond(access.base_url, access, instructions="Use the calculator.",
+                               input=[{"role": "user", "content": "What is 12 + 7?"}], tools=RESPONSE_TOOLS)
+            call = first["output"][0]
+            _, second = respond(access.base_url, access, instructions="Use the calculator.", tools=RESPONSE_TOOLS,
+                                input=[{"role": "user", "content": "What is 12 + 7?"}, call,
+                                       {"type": "function_call_output", "call_id": call["call_id"], "output": "19"}])
+        (traj,) = captured.trajectories
+        assert second["output"][0]["content"][0]["text"] == "The answer is 19."
+        assert traj.messages == [
+            {"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 12 + 7?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call["call_id"], "type": "function",
+                 "function": {"name": "calculator", "arguments": call["arguments"]}}]},
+            {"role": "tool", "tool_call_id": call["call_id"], "content": "19"},
+            {"role": "assistant", "content": "The answer is 19."}]
+        assert [g.response_ids for g in only([traj])][1] == encode("The answer is 19.")
+
+    def test_an_upstream_without_ids_and_a_cut_stream(self, captured, gateway, fake):
+        """An upstream that returns no ids (vLLM's harmony models answer messages without tokens) is a
+        not_returned gap; a stream cut before response.completed is an error with an incomplete gap and
+        the text that came."""
+        gateway()
+        with rtrace.rollout_context(step=1):
+            access = rtrace.gateway_access()
+            fake.token_ids = False
+            respond(access.base_url, access, input="What is 2 + 3?")
+            fake.token_ids, fake.cut_after = True, 4
+            with pytest.raises(httpx.HTTPError):
+                respond(access.base_url, access, input="What is 2 + 3?", stream=True)
+        whole, cut = only(captured.trajectories)
+        assert whole.attributes["rtrace.capture_gap.codes"] == ["not_returned"]
+        assert whole.output == {"role": "assistant", "content": "The answer is 5.", "finish_reason": "stop"}
+        assert cut.status == "error" and "incomplete" in cut.attributes["rtrace.capture_gap.codes"]
+        assert cut.output["content"] == "The "
+
+    def test_a_client_that_asks_for_the_messages_gets_them(self, captured, gateway, fake):
+        """The client's own enable_response_messages: the answer passes as it came, ids and all."""
+        gateway()
+        with rtrace.rollout_context(step=1):
+            access = rtrace.gateway_access()
+            _, got = respond(access.base_url, access, input="What is 2 + 3?", enable_response_messages=True)
+        (gen,) = only(captured.trajectories)
+        assert got["output_messages"][0]["tokens"] == gen.response_ids == encode("The answer is 5.")
+
+
+@pytest.mark.parametrize("payload, messages", [
+    ({"input": "Hi"}, [{"role": "user", "content": "Hi"}]),
+    ({"instructions": "Be brief.", "input": [{"type": "message", "role": "user",
+                                              "content": [{"type": "input_text", "text": "Hi "},
+                                                          {"type": "input_text", "text": "there"}]}]},
+     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]),
+    # a model's reasoning, text and function calls (output items given back as input) are one assistant turn
+    ({"input": [{"role": "user", "content": "Q"},
+                {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "think"}]},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me."}]},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "1"},
+                {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "2"}]},
+                {"type": "web_search_call", "id": "ws"}]},
+     [{"role": "user", "content": "Q"},
+      {"role": "assistant", "content": "Let me.", "reasoning_content": "think",
+       "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                      {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
+      {"role": "tool", "tool_call_id": "c1", "content": "1"}, {"role": "tool", "tool_call_id": "c2", "content": "2"}]),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:..."}]}]},
+     [{"role": "user", "content": [{"type": "input_image", "image_url": "data:..."}]}]),
+    ({"previous_response_id": "resp_1"}, None),  # nothing to read
+])
+def test_responses_input_as_chat_messages(payload, messages):
+    """A Responses request's instructions and input items as the chat messages the record keeps."""
+    from rtrace.gateway.responses import chat_messages
+
+    assert chat_messages(payload) == messages
+
+
 class TestTraceparentJoin:
     def test_an_injected_context_makes_the_call_a_child_of_the_callers_span(self, captured, gateway, fake):
         """rtrace.inject() inside a traced agent step: the call is a child of that span, in the
@@ -483,6 +616,54 @@ class TestCaptureGaps:
         assert "incomplete" in gen.attributes["rtrace.capture_gap.codes"]
         assert 0 < len(gen.response_ids) < len(encode(FakeVLLM.reply(QUESTION, TOOLS)[2]))
 
+    @pytest.mark.parametrize("route, body, settings, until, gaps", [
+        # the openai SDK's way: [DONE] read, the connection closed; the gateway asked for ids and logprobs
+        ("chat/completions", {}, {}, "[DONE]", []),
+        # the client asked for both itself: the gateway passes the bytes on as they come
+        ("chat/completions", {"return_token_ids": True, "logprobs": True}, {}, "[DONE]", []),
+        ("completions", {}, {}, "[DONE]", []),
+        # past the size cap nothing more is kept: the end is told from the bytes passed on
+        ("chat/completions", {"return_token_ids": True, "logprobs": True}, {"gateway_max_response_bytes": 1024},
+         "[DONE]", ["too_large"]),
+        # a client that stops at the chunk with the finish reason, before [DONE]
+        ("chat/completions", {}, {}, '"finish_reason":"stop"', []),
+    ], ids=["done", "done-as-it-came", "completions", "done-past-the-cap", "finish-reason"])
+    def test_a_client_that_closes_once_the_end_came_closes_a_complete_answer(self, captured, gateway, fake, route,
+                                                                            body, settings, until, gaps):
+        """The openai SDK closes its connection as soon as it reads ``data: [DONE]``, which may come before
+        the upstream's body ends (its last chunk a little later): once the answer's end (``[DONE]``, or the
+        chunk with the finish reason) has been passed to the client, its close ends a complete answer:
+        recorded as such, no error, no ``incomplete`` gap."""
+        import time
+
+        gw = gateway(gateway_untraced="record", **settings)  # each call its own trajectory: written when it ends
+        if until == "[DONE]":
+            fake.tail_delay_s = 5.0  # the upstream's body ends long after [DONE]
+        else:
+            fake.done_delay_s = 5.0  # [DONE] comes long after the finish reason
+        request = {"model": "fake-policy", "stream": True, **body}
+        request.update({"prompt": "12 + 7 ="} if route == "completions" else {"messages": QUESTION})
+        read = []
+        with httpx.stream("POST", f"{gw.url}/v1/{route}", json=request, timeout=30) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    read.append(line[6:])
+                    if until in line:
+                        break
+        deadline = time.monotonic() + 4  # the gateway records the call when it sees the close
+        while not (gens := only(captured.trajectories)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (gen,) = gens
+        assert (gen.status, gen.error) == ("ok", None)
+        assert gen.attributes.get("rtrace.capture_gap.codes", []) == gaps
+        if not gaps:
+            answer = "".join(json.loads(d)["choices"][0].get("text") or
+                             json.loads(d)["choices"][0].get("delta", {}).get("content") or "" for d in read
+                             if d != "[DONE]")
+            want = FakeVLLM.reply(QUESTION, None)[2] if route == "chat/completions" else " 19"
+            assert answer == want and gen.response_ids == encode(want)
+            assert gen.output["finish_reason"] == "stop"
+
     def test_an_answer_over_the_size_cap_passes_through_unrecorded(self, captured, gateway, fake):
         """An answer larger than RTRACE_GATEWAY_MAX_RESPONSE_BYTES reaches the client whole (as it came
         when there is nothing to take out: the client asked for ids and logprobs itself); the call is
@@ -513,6 +694,36 @@ class TestCaptureGaps:
         (gen,) = only(captured.trajectories)
         assert gen.response_ids and gen.attributes["rtrace.capture_gap.codes"] == ["choices"]
 
+    @pytest.mark.parametrize("owned_by, provider", [("vllm", "vllm"), ("sglang", "sglang"), ("someone", None)])
+    def test_the_upstream_says_what_it_is(self, captured, gateway, fake, owned_by, provider):
+        """The gateway asks its upstream what it is (its /v1/models' owned_by: vLLM says vllm, SGLang
+        sglang) and records it as each call's gen_ai.provider.name; exported (RTRACE_SEMCONV=both) on the
+        chat span, a CLIENT span (a call over HTTP), and on invoke_agent; an upstream that does not say
+        is not guessed."""
+        import time
+
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.trace import SpanKind
+
+        from rtrace.exporters import otel
+
+        fake.owned_by = owned_by
+        gw = gateway()
+        deadline = time.monotonic() + 10  # asked when the gateway starts: until it has the answer
+        while not (fake.model_list_requests and gw.gateway._identifying is None) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with rtrace.rollout_context(step=1):
+            access = rtrace.gateway_access()
+            chat(access.base_url, access.api_key)
+        (traj,) = captured.trajectories
+        (gen,) = only([traj])
+        assert gen.attributes.get("gen_ai.provider.name") == provider == gw.gateway.identity.provider
+        assert len(fake.model_list_requests) == 1  # asked once at start (again only while it does not say)
+        root, chat_span = otel.to_readable_spans(traj, Resource.get_empty(), semconv="both")
+        assert root.attributes.get("gen_ai.provider.name") == chat_span.attributes.get("gen_ai.provider.name") \
+            == provider
+        assert (root.kind, chat_span.kind) == (SpanKind.INTERNAL, SpanKind.CLIENT)
+
     def test_the_servers_weight_version_is_the_generations_policy_version(self, captured, gateway, fake):
         gateway()
         fake.version = "12"
@@ -539,8 +750,8 @@ class TestBadInput:
 
     def test_routes_not_served_are_named(self, captured, gateway, fake):
         gw = gateway()
-        for method, path, status in (("POST", "/v1/responses", 404), ("POST", "/v1/messages", 404),
-                                     ("GET", "/v1/chat/completions", 405)):
+        for method, path, status in (("POST", "/v1/embeddings", 404), ("POST", "/v1/messages", 404),
+                                     ("GET", "/v1/chat/completions", 405), ("GET", "/v1/responses", 405)):
             got = httpx.request(method, gw.url + path, json={})
             error = got.json()["error"]
             assert got.status_code == status and "POST /v1/chat/completions" in error["message"]
@@ -736,6 +947,21 @@ def test_every_gateway_counter_is_documented():
     names = set(re.findall(r'_stats\.incr\(f?"(gateway_[a-z_]+)', source))
     doc = (root.parent / "docs" / "stats.md").read_text()
     assert names and {n for n in names if f"`{n}" not in doc} == set()
+
+
+def test_the_performance_part_says_what_the_asks_cost_the_upstream():
+    """docs/gateway.md's Performance part says what the ids and logprobs the gateway asks for cost the
+    upstream (more than the gateway itself costs), and names the switches, which are settings."""
+    import pathlib
+
+    from rtrace.config import PARAMS
+
+    text = (pathlib.Path(rtrace.__file__).parents[1] / "docs" / "gateway.md").read_text()
+    part = text[text.index("## Performance"):]
+    assert "What the gateway's asks cost the upstream" in part
+    settings = {p.env: p for p in PARAMS}
+    for switch in ("RTRACE_GATEWAY_LOGPROBS", "RTRACE_GATEWAY_TOKEN_IDS"):
+        assert f"`{switch}=false`" in part and settings[switch].default is True
 
 
 @pytest.mark.integration
@@ -940,7 +1166,8 @@ class TestEdit:
         ({"choices": [{"index": 0, "delta": {}, "finish_reason": None}], "usage": {"total_tokens": 3}}, True),
         ({"choices": [{"index": 0, "delta": {}, "finish_reason": None}], "usage": None}, False),
         ({"choices": [], "usage": None, "prompt_token_ids": [1, 2]}, True),  # no choices: kept (vLLM's first)
-        ({"choices": [{"index": 0, "text": "", "finish_reason": None, "token_ids": [5]}]}, False),  # completions
+        # completions: vLLM sends one per token whatever is asked (empty text: a token that ends mid-character)
+        ({"choices": [{"index": 0, "text": "", "finish_reason": None, "token_ids": [5]}]}, True),
         ({"choices": [{"index": 0, "text": "4", "finish_reason": None, "token_ids": [5]}]}, True),
         ({"choices": [{"index": 0, "delta": None, "finish_reason": None}]}, False),
         ({"choices": [{"index": 0, "delta": {}, "finish_reason": None},
@@ -1095,8 +1322,8 @@ class TestServer:
         gw = gateway()
         assert httpx.get(f"{gw.url}/v1/chat/completions").status_code == 405
         assert httpx.post(f"{gw.url}/k/some-key/v1/nothing").status_code == 404
-        got = httpx.post(f"{gw.url}/v1/responses", json={})
-        assert got.status_code == 404 and "POST /v1/chat/completions" in got.json()["error"]["message"]
+        got = httpx.post(f"{gw.url}/v1/messages", json={})
+        assert got.status_code == 404 and "POST /v1/responses" in got.json()["error"]["message"]
 
     def test_a_stream_the_upstream_stalls_is_cut_and_recorded(self, captured, gateway, fake):
         """A stream whose next chunk does not come within RTRACE_GATEWAY_TIMEOUT_S: the client's stream
@@ -1111,6 +1338,29 @@ class TestServer:
         assert gen.status == "error" and "upstream timeout during the stream" in gen.error
         assert "incomplete" in gen.attributes["rtrace.capture_gap.codes"]
         assert captured.stats()["gateway_upstream_errors.timeout"] == 1
+
+
+def accept_call(listener):
+    """``(connection, what it sent so far)``: the next connection of a raw test upstream whose first
+    request is not ``GET /v1/models``, which the gateway sends when it starts to learn what its
+    upstream is (answered 404 here, and closed)."""
+    while True:
+        conn, _ = listener.accept()
+        data = b""
+        while b"\r\n" not in data:
+            more = conn.recv(65536)
+            if not more:
+                break
+            data += more
+        if not data.startswith(b"GET ") or b"/models " not in data.split(b"\r\n", 1)[0]:
+            return conn, data
+        while b"\r\n\r\n" not in data:
+            more = conn.recv(65536)
+            if not more:
+                break
+            data += more
+        conn.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+        conn.close()
 
 
 class SplitUpstream:
@@ -1132,9 +1382,8 @@ class SplitUpstream:
         import socket
         import time
 
-        conn, _ = self.listener.accept()
+        conn, data = accept_call(self.listener)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        data = b""
         while b"\r\n\r\n" not in data:
             data += conn.recv(65536)
         head, _, rest = data.partition(b"\r\n\r\n")
@@ -1216,3 +1465,22 @@ def test_a_record_that_cannot_be_read_is_counted_and_the_span_stays(captured):
     (gen,) = [s for s in traj.spans if s.name == "chat m"]
     assert gen.kind == "generation" and gen.input is None and gen.response_ids is None
     assert captured.stats()["capture_errors"] == 1
+
+
+@pytest.mark.parametrize("data, one_choice, ends", [
+    (b"[DONE]", True, True),
+    (b'{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}', True, True),
+    # n > 1: one choice's end is not the answer's
+    (b'{"choices":[{"index":1,"delta":{},"finish_reason":"stop"}]}', False, False),
+    (b'{"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}', True, False),
+    # the usage chunk (stream_options.include_usage) comes after every choice ended
+    (b'{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}', False, True),
+    (b'{"type":"response.completed","response":{"status":"completed"}}', True, True),
+    (b'{"type":"response.output_text.delta","delta":"x"}', True, False),
+    (b"not json", True, False),
+])
+def test_what_ends_a_stream(data, one_choice, ends):
+    """The events after which a client's close ends a complete answer (protocol.ends_stream)."""
+    from rtrace.gateway.protocol import ends_stream
+
+    assert ends_stream(data, one_choice) is ends

@@ -1,34 +1,50 @@
 """rtrace.compat.open_instruct: checked against open-instruct's real names, on data of its real shape.
 
 open-instruct is not on PyPI and its rollout path imports vLLM, olmo_core and deepspeed: no
-test here can import it. So (1) every field, function, parameter and call the adapter uses is
-checked against ``tests/frameworks/open_instruct_names.json``, read with ``ast`` out of the
-real code at the commit it names (``OPEN_INSTRUCT_DIR=<checkout>`` reads it again and
-compares); (2) the adapter runs on ``GenerationResult`` / ``Batch`` objects with exactly those
-fields; (3) ``install()`` wraps a module of the real function's signature, called the two
-ways open-instruct calls it (the data preparation loop, ``maybe_evaluate``).
+test here can import it. So (1) every field, function, parameter, call and default the adapter
+and its doc rely on is checked against ``tests/frameworks/open_instruct_names.json``, read with
+``ast`` out of the real code at the commit it names (``OPEN_INSTRUCT_DIR=<checkout>`` reads it
+again and compares); (2) the adapter runs on ``GenerationResult`` / ``Batch`` objects with
+exactly those fields; (3) ``install()`` patches a stand-in for ``open_instruct.data_loader``
+(``tests/frameworks/open_instruct_stand_in.py``: the real signatures, the real drops),
+imported under the real name, called the two ways open-instruct calls it (the data
+preparation actor's loop, ``maybe_evaluate``); (4) that actor's class, pickled by value as
+Ray pickles it, is loaded and run in another process.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import json
 import os
+import queue
+import shutil
+import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
 
 import rtrace
 import rtrace.testing
-from rtrace.compat import open_instruct
+from rtrace.compat import _open_instruct_private, open_instruct
+from rtrace.exporters.jsonl import read_jsonl
+from rtrace.instrumentation.turns import PromptIndex
 from tests.frameworks.open_instruct_names import MANIFEST, extract
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = json.loads(MANIFEST.read_text())
+STAND_IN = ROOT / "tests" / "frameworks" / "open_instruct_stand_in.py"
+
+
+@pytest.fixture(autouse=True)
+def fresh_numbering(monkeypatch):
+    """Each test numbers samples from scratch: the adapter's numbering is per process (a
+    dataset index seen again in a step continues its rollout numbers)."""
+    monkeypatch.setattr(open_instruct, "_index", PromptIndex())
 
 
 def attributes_read(module_path: Path, var: str) -> set[str]:
@@ -45,32 +61,34 @@ class TestTheRealNames:
         assert attributes_read(path, "result") <= set(NAMES["classes"]["GenerationResult"])
         assert attributes_read(path, "batch") <= set(NAMES["classes"]["Batch"])
         assert attributes_read(path, "info") <= set(NAMES["classes"]["RequestInfo"])
+        assert attributes_read(path, "call") <= set(NAMES["classes"]["ToolCallStats"])
         assert {"responses", "masks", "finish_reasons", "reward_scores", "model_step", "index",
                 "request_info"} <= attributes_read(path, "result")
 
     def test_the_wrapped_function_and_its_callers(self):
-        """accumulate_inference_batches takes training_step (8th), both callers look it up at call
-        time (a global of data_loader, an attribute of data_loader_lib), and maybe_evaluate is the
-        evaluation caller's name."""
+        """accumulate_inference_batches takes training_step (8th); maybe_evaluate looks it up in
+        the module at each call; the data preparation loop calls it as a global of a method of a
+        @ray.remote class (pickled by value by Ray: TestRayPickling); every private name the
+        adapter lists exists."""
         params = NAMES["functions"]["accumulate_inference_batches"]
         assert params.index("training_step") == 7
         assert NAMES["calls"]["DataPreparationActor._data_preparation_loop"]["calls"] == ["accumulate_inference_batches"]
         assert NAMES["calls"]["maybe_evaluate"]["calls"] == ["data_loader_lib.accumulate_inference_batches"]
-        from rtrace.compat import _open_instruct_private
-
+        assert NAMES["data_preparation_actor_decorators"] == ["ray.remote"]
         for name in _open_instruct_private.PRIVATE_NAMES:
             module, _, attr = name.partition(":")
             if module.startswith("open_instruct"):
-                assert attr in NAMES["functions"] or attr in NAMES["data_loader_imports"], name
+                assert attr in NAMES["functions"] or attr in NAMES["data_loader_imports"] \
+                    or attr in NAMES["defaults"], name
         # the arguments the adapter reads, by name
-        assert {"tokenizer", "training_step"} <= set(params)
+        assert {"tokenizer", "training_step", "dataset", "base_env_config"} <= set(params)
         assert {"result", "dataset"} <= set(NAMES["functions"]["process_group"])
 
     def test_filtered_groups_are_dropped_where_the_adapter_looks(self):
         """accumulate_inference_batches calls process_group as a module global (the wrapped one is
         called), and process_group returns None only for a zero-std group under
         filter_zero_std_samples, which is on by default."""
-        assert NAMES["calls"]["accumulate_inference_batches"]["calls"] == ["process_group"]
+        assert NAMES["calls"]["accumulate_inference_batches"]["calls"] == ["process_group", "result_is_stale"]
         assert NAMES["process_group_returns_none_if"] == [
             "filter_zero_std_samples and np.std(result.reward_scores) == 0"]
         assert NAMES["defaults"]["StreamingDataLoaderConfig.filter_zero_std_samples"] == "True"
@@ -79,6 +97,57 @@ class TestTheRealNames:
         """The loss mask says nothing of authorship without mask_tool_use (on by default)."""
         assert NAMES["tool_output_masks"] == ["masks = [0 if mask_tool_use else 1] * len(tokens)"]
         assert NAMES["defaults"]["StreamingDataLoaderConfig.mask_tool_use"] == "True"
+
+    def test_stale_results_and_truncated_completions_are_dropped_where_the_adapter_looks(self):
+        """accumulate_inference_batches drops a result for which result_is_stale (a module global)
+        is true — asked about its local `result` (what the adapter reads) — i.e. older than
+        max_result_age_steps, which the loop sets to async_steps (8 by default); the loop then
+        keeps only the `stop` completions when mask_truncated_completions (off by default), and
+        gathers the step again (training_step unchanged) when nothing is left or every group
+        was filtered."""
+        assert NAMES["stale_checks"] == ["result_is_stale(result.model_step, training_step, max_result_age_steps)"]
+        assert NAMES["result_is_stale_returns"][0] == "training_step - model_step > max_result_age_steps"
+        assert NAMES["loop_max_result_age_steps"] == ["self.config.async_steps"]
+        assert NAMES["defaults"]["StreamingDataLoaderConfig.async_steps"] == "8"
+        assert NAMES["loop_truncation_calls"] == [
+            "maybe_mask_truncated_completions(result, batch, self.config.mask_truncated_completions)"]
+        assert NAMES["truncation_keeps"][0] == "[i for i, fr in enumerate(result.finish_reasons) if fr == 'stop']"
+        assert NAMES["defaults"]["StreamingDataLoaderConfig.mask_truncated_completions"] == "False"
+        assert NAMES["loop_gathers_again_if"] == ["result is None", "len(result.responses) == 0"]
+
+    def test_text_environments_reply_as_user(self):
+        """A text environment (a TextRLEnvironment, marked is_text_env in the run's env config) is
+        called after every model turn, after the tool calls parsed from it; its reply is inserted
+        with its response_role (user; a tool's: tool), a failed call's error message as tool; each
+        call leaves a ToolCallStats (tool name, success); a prompt's env_config merges over the
+        run's."""
+        calls = NAMES["process_request_tool_calls"]
+        assert calls[0].startswith("tool_calls = [tc for tc in actor.tool_parser.get_tool_calls(output.text)")
+        assert calls[1:] == ["tool_calls.append(EnvCall(id='', name=text_env_name, args={'text': output.text}))"]
+        assert NAMES["process_request_observations"] == [
+            "observations.append((step_result.result, tool_response_roles.get(tc.name, 'tool')))",
+            "observations.append((error_msg, 'tool'))", "observations.append((error_msg, 'tool'))"]
+        assert NAMES["defaults"]["TextRLEnvironment.response_role"] == "'user'"
+        assert NAMES["defaults"]["RLEnvironment.response_role"] == "'tool'"
+        assert all("ToolCallStats(tool_name=tc.name, success=" in c for c in NAMES["process_request_call_stats"])
+        assert [c.split("success=")[1].split(",")[0] for c in NAMES["process_request_call_stats"][1:]] == [
+            "False", "False"]  # the timeout and the exception
+        assert NAMES["base_env_config_entries"] == [
+            "EnvConfigEntry(env_name=pool_name, is_text_env=issubclass(config_cls.tool_class, TextRLEnvironment))"]
+        assert NAMES["functions"]["_merge_env_config"] == ["base_env_config", "sample_env_config"]
+        assert "ENV_CONFIG_KEY" in NAMES["data_loader_imports"]
+
+    def test_the_stand_in_has_the_real_signatures_and_fields(self):
+        """tests/frameworks/open_instruct_stand_in.py: the functions the adapter wraps or calls
+        take the real parameters, its dataclasses have the real fields."""
+        spec = importlib.util.spec_from_file_location("open_instruct_stand_in", STAND_IN)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        for name in ("accumulate_inference_batches", "process_group", "result_is_stale", "_merge_env_config",
+                     "maybe_mask_truncated_completions"):
+            assert list(inspect.signature(getattr(module, name)).parameters) == NAMES["functions"][name], name
+        for name in ("GenerationResult", "RequestInfo", "Batch", "ToolCallStats", "EnvConfig", "EnvConfigEntry"):
+            assert [f.name for f in dataclasses.fields(getattr(module, name))] == NAMES["classes"][name], name
 
     def test_the_doc_s_ray_init_keeps_open_instruct_s_own(self):
         """docs/frameworks/open-instruct.md's ray.init is grpo_fast.main's, key for key (its
@@ -148,6 +217,7 @@ class TestLogBatch:
         assert [(s.attributes["rtrace.role"], s.response_ids, s.attributes["rl.loss_tokens"]) for s in tool.spans[1:]] \
             == [("assistant", [12, 13], 2), ("tool", [20, 21], 0), ("assistant", [14, 2], 2)]
         assert tool.spans[1].prompt_ids == [1, 2] and tool.finish_reason == "stop"
+        assert tool.root.attributes["gen_ai.provider.name"] == "vllm"  # open-instruct's engines
         assert trajs[3].finish_reason == "length" and trajs[3].verdict() == "truncated"
 
     def test_a_loss_mask_of_1s_over_a_tool_call_is_not_read_as_the_model_s(self):
@@ -233,62 +303,67 @@ class TestPerTokenValues:
         assert len(trajs) == 4 and all(s.token_values is None for t in trajs for s in t.spans)
 
 
-FAKE = """
-def accumulate_inference_batches({accumulate}):
-    # as open-instruct's: each prompt's result through process_group (a module global), the kept
-    # groups made into one GenerationResult and Batch; (None, None, None, None) when all are filtered
-    groups = []
-    for result in inference_results_Q:
-        group = process_group(result=result, generation_config=generation_config, tokenizer=tokenizer,
-                              dataset=dataset, max_possible_score=max_possible_score,
-                              no_resampling_pass_rate=no_resampling_pass_rate, iter_dataloader=iter_dataloader,
-                              filter_zero_std_samples=filter_zero_std_samples, replenish_prompts=replenish_prompts,
-                              param_prompt_Q=param_prompt_Q, base_env_config=base_env_config,
-                              ground_truth_overrides=ground_truth_overrides)
-        if group is not None:
-            groups.append(group)
-    if not groups:
-        return None, None, None, None
-    return COMBINE(groups) + ({{}}, None)
+class TestTextEnvironments:
+    @staticmethod
+    def wordle_step():
+        """One prompt, one sample: model, text env's reply, model, a tool's output and the text
+        env's reply in one round, model, the text env's failed call, model."""
+        calls = [real_shape("ToolCallStats", tool_name="wordle", success=True, runtime=0.0),
+                 real_shape("ToolCallStats", tool_name="code", success=True, runtime=0.1),
+                 real_shape("ToolCallStats", tool_name="wordle", success=True, runtime=0.0),
+                 real_shape("ToolCallStats", tool_name="wordle", success=False, runtime=5.0)]
+        result = real_shape(
+            "GenerationResult", responses=[[10, 11, 30, 31, 12, 40, 30, 13, 50, 14, 2]],
+            masks=[[1, 1, 0, 0, 1, 0, 0, 1, 0, 1, 1]], finish_reasons=["stop"],
+            request_info=real_shape("RequestInfo", num_calls=[4], tool_call_stats=[calls]), model_step=1)
+        batch = real_shape("Batch", queries=[[1, 2]], indices=[7], scores=[1.0], model_steps=[1])
+        return result, batch
+
+    def test_a_text_environment_s_replies_are_user_turns(self):
+        """The text environment's own round is a user turn named after it (a user message); a
+        round with a tool's output, or the environment's failed call, is a tool turn."""
+        result, batch = self.wordle_step()
+        with rtrace.testing.capture() as got:
+            open_instruct.log_batch(result, batch, step=2, text_envs={"wordle"})
+            (t,) = got.trajectories
+        assert [(s.attributes["rtrace.role"], s.name, s.response_ids) for s in t.spans[1:]] == [
+            ("assistant", "generation", [10, 11]), ("user", "wordle", [30, 31]), ("assistant", "generation", [12]),
+            ("tool", "tool", [40, 30]), ("assistant", "generation", [13]), ("tool", "tool", [50]),
+            ("assistant", "generation", [14, 2])]
+        assert [m["role"] for m in t.messages] == ["user", "assistant", "user", "assistant", "tool", "assistant",
+                                                   "tool", "assistant"]
+
+    def test_without_a_text_environment_every_observation_is_a_tool_s(self):
+        """The same sample, no text environment in its config: tool turns only."""
+        result, batch = self.wordle_step()
+        with rtrace.testing.capture() as got:
+            open_instruct.log_batch(result, batch, step=2)
+            (t,) = got.trajectories
+        assert [s.attributes["rtrace.role"] for s in t.spans[1:]] == ["assistant", "tool"] * 3 + ["assistant"]
 
 
-def process_group({process_group}):
-    query = dataset[result.index][INPUT_IDS_PROMPT_KEY]
-    scores = result.reward_scores
-    if filter_zero_std_samples and max(scores) == min(scores):
-        return None
-    return result, query
-"""
+def results(*items):
+    """A result queue as open-instruct's vLLM actors fill it (Ray's queue has the same get)."""
+    q = queue.Queue()
+    for item in items:
+        q.put(item)
+    return q
 
 
-def per_prompt(index, responses, masks, scores, finish, calls, model_step=4):
+def per_prompt(index, responses, masks, scores, finish, calls, model_step=4, logprobs=None, stats=None):
     """One prompt's GenerationResult, as a vLLM actor sends it."""
     n = len(responses)
     return real_shape("GenerationResult", responses=responses, masks=masks, finish_reasons=finish,
-                      request_info=real_shape("RequestInfo", num_calls=calls, tool_outputs=[""] * n),
-                      index=index, prompt_id=f"0_{index}", reward_scores=scores, model_step=model_step)
-
-
-def combine(groups):
-    """make_batch_from_groups's shape: one GenerationResult and a Batch for the kept groups."""
-    results = [g[0] for g in groups]
-    result = real_shape("GenerationResult", responses=[r for g in results for r in g.responses],
-                        masks=[m for g in results for m in g.masks],
-                        finish_reasons=[f for g in results for f in g.finish_reasons],
-                        request_info=real_shape("RequestInfo",
-                                                num_calls=[c for g in results for c in g.request_info.num_calls]),
-                        index=None, prompt_id=results[0].prompt_id)
-    batch = real_shape("Batch", queries=[q for r, q in groups for _ in r.responses],
-                       indices=[r.index for r, _ in groups for _ in r.responses],
-                       scores=[s for r, _ in groups for s in r.reward_scores],
-                       model_steps=[r.model_step for r, _ in groups for _ in r.responses])
-    return result, batch
+                      request_info=real_shape("RequestInfo", num_calls=calls, tool_outputs=[""] * n,
+                                              tool_call_stats=stats or [[] for _ in range(n)]),
+                      index=index, prompt_id=f"0_{index}", reward_scores=scores, model_step=model_step,
+                      logprobs=logprobs or [[-0.5] * len(r) for r in responses])
 
 
 DATASET = {7: {"input_ids_prompt": [1, 2]}, 3: {"input_ids_prompt": [5, 6]}, 9: {"input_ids_prompt": [8, 8, 8]}}
 
 
-def queue():
+def step_results():
     """A step's results: prompt 7 mixed (1, 0; its second sample called a tool), prompt 3 all
     solved, prompt 9 all failed (the second cut by the length limit)."""
     return [per_prompt(7, [[10, 11, 2], [12, 13, 20, 21, 14, 2]], [[1, 1, 1], [1, 1, 0, 0, 1, 1]], [1.0, 0.0],
@@ -297,52 +372,79 @@ def queue():
             per_prompt(9, [[17, 18, 2], [19, 19, 19]], [[1, 1, 1], [1, 1, 1]], [0.0, 0.0], ["stop", "length"], [0, 0])]
 
 
+@pytest.fixture
+def data_loader(tmp_path, monkeypatch):
+    """The stand-in, importable as ``open_instruct.data_loader``; install() run before anything
+    imports it (as Ray's setup hook runs before the actor's class loads)."""
+    package = tmp_path / "site" / "open_instruct"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    shutil.copy(STAND_IN, package / "data_loader.py")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert open_instruct.install() and open_instruct.install()  # idempotent
+    assert "open_instruct" not in sys.modules  # install() imports nothing of open-instruct
+    try:
+        yield importlib.import_module("open_instruct.data_loader")
+    finally:
+        for name in [n for n in sys.modules if n == "open_instruct" or n.startswith("open_instruct.")]:
+            del sys.modules[name]
+
+
+def prepare(module, tok, items, training_step, *, config=None, env=None, prompts=3, dataset=DATASET):
+    """The data preparation actor's loop, one step from ``training_step`` (0-based) — gathered
+    again as often as open-instruct gathers it — on these results."""
+    actor = module.ACTOR_CLASS(dataset, results(*items), tok, config or module.StreamingDataLoaderConfig(),
+                               env or module.EnvConfig(), training_step + 1, prompts)
+    actor.training_step = training_step
+    return actor._data_preparation_loop()
+
+
+def evaluate(module, tok, items, training_step):
+    """maybe_evaluate's call (no filter, no staleness bound, the trainer's step)."""
+    def maybe_evaluate():
+        return module.accumulate_inference_batches(results(*items), None, num_prompts=len(items), model_dims=None,
+                                                   tokenizer=tok, dataset=DATASET, base_env_config=None,
+                                                   timeout=0.01, active_sampling=False,
+                                                   filter_zero_std_samples=False, replenish_prompts=False,
+                                                   max_possible_score=1.0, training_step=training_step)
+    return maybe_evaluate()
+
+
+def by_coords(trajs):
+    return sorted(trajs, key=lambda t: (t.validate, t.step, t.sample_index, t.rollout_n))
+
+
+def loss_tokens(t):
+    """(the root's rl.loss_tokens, each turn's, the loss_mask values of its generations)."""
+    return (t.spans[0].attributes.get("rl.loss_tokens"), [s.attributes.get("rl.loss_tokens") for s in t.spans[1:]],
+            [v for s in t.spans_of_kind("generation") for v in s.token_values["loss_mask"].tolist()])
+
+
 class TestInstall:
-    @pytest.fixture
-    def data_loader(self, monkeypatch):
-        """``open_instruct.data_loader`` with accumulate_inference_batches and process_group of the
-        real signatures (the names file), working as the real ones do for what the adapter sees."""
-        module = types.ModuleType("open_instruct.data_loader")
-        module.COMBINE, module.INPUT_IDS_PROMPT_KEY = combine, "input_ids_prompt"
-        sig = {name: ", ".join(f"{p}=None" for p in NAMES["functions"][name])
-               for name in ("accumulate_inference_batches", "process_group")}
-        # the functions' globals are the module's: what install() patches is what they call
-        exec(FAKE.format(accumulate=sig["accumulate_inference_batches"], process_group=sig["process_group"]),
-             module.__dict__)
-        package = types.ModuleType("open_instruct")
-        package.data_loader = module
-        monkeypatch.setitem(sys.modules, "open_instruct", package)
-        monkeypatch.setitem(sys.modules, "open_instruct.data_loader", module)
-        assert open_instruct.install() and open_instruct.install()  # idempotent
-        return module
+    def test_the_module_is_patched_when_imported(self, data_loader):
+        """Imported after install(), the module's functions are rtrace's wrappers, each with its
+        original's module, name and qualified name (what pickling by reference looks up)."""
+        for name in ("accumulate_inference_batches", "process_group", "result_is_stale"):
+            fn = getattr(data_loader, name)
+            assert fn.__rtrace_wrapped__ and fn.__wrapped__.__name__ == name
+            assert (fn.__module__, fn.__qualname__) == ("open_instruct.data_loader", name)
+        assert not getattr(data_loader.maybe_mask_truncated_completions, "__rtrace_wrapped__", False)
 
-    @staticmethod
-    def calls(module, tok, training_step, eval_step):
-        """The two calls open-instruct makes: the data preparation loop's (keywords, 0-based
-        training_step, filter_zero_std_samples on) and maybe_evaluate's (its step, no filter)."""
-        out = module.accumulate_inference_batches(queue(), None, num_prompts=3, model_dims=None, tokenizer=tok,
-                                                  dataset=DATASET, training_step=training_step,
-                                                  filter_zero_std_samples=True, replenish_prompts=True)
-
-        def maybe_evaluate():
-            return module.accumulate_inference_batches(queue(), None, num_prompts=3, model_dims=None,
-                                                       tokenizer=tok, dataset=DATASET, base_env_config=None,
-                                                       timeout=0.01, active_sampling=False,
-                                                       filter_zero_std_samples=False, replenish_prompts=False,
-                                                       max_possible_score=1.0, training_step=eval_step)
-
-        return out, maybe_evaluate()
+    def test_without_open_instruct_install_says_so(self):
+        """Not installed: install() returns False (and warns once), registering nothing."""
+        assert "open_instruct" not in sys.modules
+        assert open_instruct.install() is False
 
     def test_training_and_evaluation_calls(self, data_loader, tok):
-        """The data preparation loop's call (0-based training_step 8) gives training trajectories of
-        the trainer's step 9; maybe_evaluate's at the trainer's step 9 gives validation ones of step
-        9; what open-instruct gets back is unchanged; the text is decoded with the tokenizer
-        argument (token2text not set)."""
+        """The loop's call at its step 8 gives training trajectories of the trainer's step 9;
+        maybe_evaluate's at the trainer's step 9 gives validation ones of step 9; what
+        open-instruct gets back is unchanged; the text is decoded with the tokenizer argument
+        (token2text not set)."""
         with rtrace.testing.capture() as got:
-            out, out_eval = self.calls(data_loader, tok, 8, 9)
+            assert prepare(data_loader, tok, step_results(), 8) == [8]
+            out_eval = evaluate(data_loader, tok, step_results(), 9)
             trajs = got.trajectories
-        assert [len(o[0].responses) for o in (out, out_eval)] == [2, 6]  # the filter dropped 2 groups
-        assert out[0].responses[0] == [10, 11, 2]
+        assert len(out_eval[0].responses) == 6 and out_eval[0].responses[0] == [10, 11, 2]
         assert sorted({(t.step, t.validate) for t in trajs}) == [(9, False), (9, True)]
         assert len(trajs) == 12
         for t in trajs:
@@ -350,32 +452,177 @@ class TestInstall:
                 assert span.attributes["rtrace.response_text"] == tok.decode(span.response_ids or [], skip_special_tokens=True) \
                     or span.response_ids is None
 
-    def test_filtered_groups_are_traced_and_marked(self, data_loader, tok):
+    def test_filtered_groups_are_traced_marked_and_not_trained(self, data_loader, tok):
         """filter_zero_std_samples drops the all-solved and all-failed groups inside the call: they
-        are traced all the same, at the step, with their scores, prompts and model steps, marked
-        extra.filtered = zero_std; the kept group and the evaluation are not marked."""
+        are traced at the step, with their scores, prompts and model steps, marked
+        extra.filtered = zero_std, with no token counted as trained (rl.loss_tokens 0, loss_mask
+        all 0); the kept group and the evaluation are unmarked and trained on."""
         with rtrace.testing.capture() as got:
-            self.calls(data_loader, tok, 11, 12)
+            prepare(data_loader, tok, step_results(), 11)
+            evaluate(data_loader, tok, step_results(), 12)
             trajs = got.trajectories
-        train = sorted((t for t in trajs if not t.validate), key=lambda t: (t.sample_index, t.rollout_n))
+        train = by_coords(t for t in trajs if not t.validate)
         assert [(t.step, t.group_id, t.rollout_n, t.reward, t.policy_version, t.extra.get("filtered"))
                 for t in train] == [(12, "7", 0, 1.0, 4, None), (12, "7", 1, 0.0, 4, None),
                                     (12, "3", 0, 1.0, 3, "zero_std"), (12, "3", 1, 1.0, 3, "zero_std"),
                                     (12, "9", 0, 0.0, 4, "zero_std"), (12, "9", 1, 0.0, 4, "zero_std")]
-        solved = train[2]
-        assert solved.spans[1].attributes["rtrace.prompt_text"] == tok.decode([5, 6], skip_special_tokens=True)
+        assert [loss_tokens(t) for t in train] == [
+            (3, [3], [1.0] * 3), (4, [2, 0, 2], [1.0] * 4),
+            (0, [0], [0.0] * 2), (0, [0], [0.0] * 2), (0, [0], [0.0] * 3), (0, [0], [0.0] * 3)]
+        assert train[2].spans[1].attributes["rtrace.prompt_text"] == tok.decode([5, 6], skip_special_tokens=True)
         assert train[5].finish_reason == "length"
         assert not any(t.extra.get("filtered") for t in trajs if t.validate)
         assert len([t for t in trajs if t.validate]) == 6
 
-    def test_one_process_and_collector_write_the_same(self, data_loader, tok, tmp_path):
+    def test_stale_results_are_traced_marked_and_not_trained(self, data_loader, tok):
+        """A result generated more than async_steps (8) steps before the batch is dropped by
+        open-instruct (result_is_stale) and another gathered in its place: traced at the step,
+        marked extra.filtered = stale, not trained on; the batch is unchanged."""
+        stale = per_prompt(3, [[15, 2], [16, 16, 2]], [[1, 1], [1, 1, 1]], [1.0, 0.0], ["stop", "stop"], [0, 0],
+                           model_step=0)
+        with rtrace.testing.capture() as got:
+            prepare(data_loader, tok, [stale, *step_results()[:1]], 9, prompts=1)  # 9 - 0 > 8
+            trajs = by_coords(got.trajectories)
+        assert [(t.step, t.group_id, t.rollout_n, t.policy_version, t.extra.get("filtered"), loss_tokens(t)[0])
+                for t in trajs] == [(10, "7", 0, 4, None, 3), (10, "7", 1, 4, None, 4),
+                                    (10, "3", 0, 0, "stale", 0), (10, "3", 1, 0, "stale", 0)]
+        assert [loss_tokens(t)[2] for t in trajs[2:]] == [[0.0] * 2, [0.0] * 3]
+
+    def test_truncated_completions_and_a_batch_gathered_again(self, data_loader, tok):
+        """mask_truncated_completions: open-instruct trains on none of the completions that did not
+        finish with stop; a batch of only those is dropped and the step gathered again. All are
+        traced at the step, the dropped ones marked extra.filtered = truncated and not trained on;
+        the prompt drawn again in the second gathering continues its rollout numbers."""
+        first = per_prompt(7, [[10, 10], [11, 11]], [[1, 1], [1, 1]], [1.0, 0.0], ["length", "length"], [0, 0])
+        again = per_prompt(7, [[12, 2], [13, 13]], [[1, 1], [1, 1]], [1.0, 0.0], ["stop", "length"], [0, 0])
+        config = data_loader.StreamingDataLoaderConfig(mask_truncated_completions=True)
+        with rtrace.testing.capture() as got:
+            assert prepare(data_loader, tok, [first, again], 0, config=config, prompts=1) == [0]
+            trajs = by_coords(got.trajectories)
+        assert [(t.step, t.sample_index, t.rollout_n, t.finish_reason, t.extra.get("filtered"), loss_tokens(t))
+                for t in trajs] == [
+            (1, 0, 0, "length", "truncated", (0, [0], [0.0, 0.0])),
+            (1, 0, 1, "length", "truncated", (0, [0], [0.0, 0.0])),
+            (1, 0, 2, "stop", None, (2, [2], [1.0, 1.0])),
+            (1, 0, 3, "length", "truncated", (0, [0], [0.0, 0.0]))]
+
+    def test_truncated_completions_are_trained_on_by_default(self, data_loader, tok):
+        """mask_truncated_completions off (the default): a length-cut completion is trained on."""
+        again = per_prompt(7, [[12, 2], [13, 13]], [[1, 1], [1, 1]], [1.0, 0.0], ["stop", "length"], [0, 0])
+        with rtrace.testing.capture() as got:
+            prepare(data_loader, tok, [again], 0, prompts=1)
+            trajs = by_coords(got.trajectories)
+        assert [(t.finish_reason, t.extra.get("filtered"), loss_tokens(t)[0]) for t in trajs] == [
+            ("stop", None, 2), ("length", None, 2)]
+
+    def test_a_dataset_index_twice_in_a_step(self, data_loader, tok):
+        """Prompt 7 drawn twice in a step (kept both times) and a third time filtered: each sample
+        has its own coordinates, rollout_n counting on over the step's samples of that index."""
+        kept = step_results()[0]
+        twice = per_prompt(7, [[22, 2], [23, 2]], [[1, 1], [1, 1]], [0.0, 1.0], ["stop", "stop"], [0, 0])
+        solved = per_prompt(7, [[24, 2], [25, 2]], [[1, 1], [1, 1]], [1.0, 1.0], ["stop", "stop"], [0, 0])
+        with rtrace.testing.capture() as got:
+            prepare(data_loader, tok, [kept, twice, solved], 4)
+            trajs = by_coords(got.trajectories)
+        first_turns = [[10, 11, 2], [12, 13], [22, 2], [23, 2], [24, 2], [25, 2]]
+        assert [(t.sample_index, t.rollout_n, t.extra.get("filtered"), t.spans[1].attributes["rtrace.response_text"])
+                for t in trajs] == [(0, n, None if n < 4 else "zero_std", tok.decode(ids, skip_special_tokens=True))
+                                    for n, ids in enumerate(first_turns)]
+
+    def test_a_text_environment_through_the_loop(self, data_loader, tok):
+        """The run's env config marks wordle a text environment: its replies are user turns; a
+        prompt whose own env_config says otherwise (merged as open-instruct merges it) gets tool
+        turns."""
+        stats = [[real_shape("ToolCallStats", tool_name="wordle", success=True, runtime=0.0)]] * 2
+        env = data_loader.EnvConfig(env_configs={"wordle": data_loader.EnvConfigEntry("wordle", True)})
+        dataset = {7: {"input_ids_prompt": [1, 2]},
+                   3: {"input_ids_prompt": [5, 6], "env_config": {"env_configs": [{"env_name": "wordle",
+                                                                                  "is_text_env": False}]}}}
+        items = [per_prompt(i, [[10, 30, 11], [12, 30, 13]], [[1, 0, 1], [1, 0, 1]], [1.0, 0.0], ["stop"] * 2,
+                            [1, 1], stats=stats) for i in (7, 3)]
+        with rtrace.testing.capture() as got:
+            prepare(data_loader, tok, items, 0, env=env, prompts=2, dataset=dataset)
+            trajs = by_coords(got.trajectories)
+        assert [(t.group_id, [s.attributes["rtrace.role"] for s in t.spans[1:]]) for t in trajs] == [
+            ("7", ["assistant", "user", "assistant"])] * 2 + [("3", ["assistant", "tool", "assistant"])] * 2
+
+    def test_staleness_within_async_steps_is_healthy_with_the_documented_bound(self, data_loader, tok):
+        """The oldest result open-instruct keeps (generated async_steps = 8 steps before the
+        batch) is 9 steps old in the trainer's steps: RTRACE_HEALTH_MAX_STALENESS=9 (the doc's
+        advice, async_steps + 1) says nothing of it, the default 1 reports it."""
+        oldest = per_prompt(7, [[10, 2], [11, 2]], [[1, 1], [1, 1]], [1.0, 0.0], ["stop"] * 2, [0, 0], model_step=0)
+        doc = (ROOT / "docs" / "frameworks" / "open-instruct.md").read_text()
+        bound = int(NAMES["defaults"]["StreamingDataLoaderConfig.async_steps"]) + 1
+        assert f"RTRACE_HEALTH_MAX_STALENESS={bound}" in doc
+        for setting, findings in ((bound, []), (1, ["staleness"])):
+            with rtrace.testing.capture(health_max_staleness=setting) as got:
+                prepare(data_loader, tok, [oldest], 8, prompts=1)
+                trajs = got.trajectories
+            assert [(t.step, t.policy_version) for t in trajs] == [(9, 0)] * 2
+            assert [[f["check"] for f in t.health] for t in trajs] == [findings] * 2
+
+    def test_one_process_and_collector_write_the_same(self, data_loader, tok, tmp_path, monkeypatch):
         """The same calls, in one process and through rtrace.start_collector: the same records,
         field by field (ids and times aside), filtered groups and decoded text included."""
         pytest.importorskip("grpc")
         from tests.test_fidelity import _both_ways
 
-        one, through = _both_ways(lambda: self.calls(data_loader, tok, 20, 21), tmp_path)
+        def produce():
+            monkeypatch.setattr(open_instruct, "_index", PromptIndex())  # the same numbers both times
+            prepare(data_loader, tok, step_results(), 9)
+            evaluate(data_loader, tok, step_results(), 10)
+
+        one, through = _both_ways(produce, tmp_path)
         assert len(one) == 12 and sum(1 for t in one if t["extra"].get("filtered")) == 4
         assert all(s["attributes"].get("rtrace.response_text") is not None for t in one for s in t["spans"]
                    if s["kind"] == "generation")
         assert through == one
+
+
+ACTOR = """
+import pickle, queue, sys
+import rtrace, rtrace.compat.open_instruct
+
+path, out = sys.argv[1], sys.argv[2]
+if out != "-":
+    rtrace.configure(exporter="jsonl", jsonl_path=out)
+    rtrace.compat.open_instruct.install()  # Ray's worker_process_setup_hook: before the actor's class loads
+    assert "open_instruct.data_loader" not in sys.modules
+cls = pickle.loads(open(path, "rb").read())  # what Ray does with the class it exported
+import open_instruct.data_loader as dl
+q = queue.Queue()
+q.put(dl.GenerationResult(responses=[[10, 2], [11, 2]], masks=[[1, 1], [1, 1]], finish_reasons=["stop"] * 2,
+                          request_info=dl.RequestInfo(num_calls=[0, 0]), index=7, reward_scores=[1.0, 0.0],
+                          model_step=0, logprobs=[[-0.1, -0.2], [-0.3, -0.4]]))
+actor = cls({7: {"input_ids_prompt": [1, 2]}}, q, None, dl.StreamingDataLoaderConfig(), dl.EnvConfig(), 1, 1)
+called = cls._data_preparation_loop.__globals__["accumulate_inference_batches"]
+print(actor._data_preparation_loop(), called is dl.accumulate_inference_batches,
+      getattr(called, "__rtrace_wrapped__", False))
+rtrace.flush(30)
+rtrace.shutdown()
+"""
+
+
+class TestRayPickling:
+    def test_the_actor_class_pickles_by_value_and_its_loop_calls_the_wrapper(self, data_loader, tmp_path):
+        """install() ran before the actor is created (grpo_fast.main, the documented set-up): Ray
+        pickles DataPreparationActor by value, its loop's global accumulate_inference_batches
+        being rtrace's wrapper. It pickles as a reference to open-instruct's name (no rtrace state
+        in it); loaded in a process that ran install() as the setup hook, the loop calls the
+        wrapper and its trajectories are written; in one that did not, the original, untraced."""
+        cloudpickle = pytest.importorskip("ray.cloudpickle")
+        assert data_loader.accumulate_inference_batches.__rtrace_wrapped__
+        data = cloudpickle.dumps(data_loader.ACTOR_CLASS)  # Ray's pickler, as in export_actor_class
+        assert b"rtrace" not in data
+        (tmp_path / "actor.pkl").write_bytes(data)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(ROOT),
+                                                           os.environ.get("PYTHONPATH", "")]))
+        traced = tmp_path / "actor.jsonl"
+        for out, expected in ((traced, "[0] True True"), ("-", "[0] True False")):
+            run = subprocess.run([sys.executable, "-c", ACTOR, str(tmp_path / "actor.pkl"), str(out)], env=env,
+                                 capture_output=True, text=True, timeout=120)
+            assert run.returncode == 0, run.stderr
+            assert run.stdout.split("\n")[-2] == expected
+        trajs = by_coords(read_jsonl(traced))
+        assert [(t.step, t.sample_index, t.rollout_n, t.reward, t.spans[1].response_ids) for t in trajs] == [
+            (1, 0, 0, 1.0, [10, 2]), (1, 0, 1, 0.0, [11, 2])]

@@ -147,7 +147,7 @@ def test_http_export_keeps_ids_tree_times_status_and_attributes(receiver, tmp_pa
                               "gen_ai.request.model": "tiny-chat", "gen_ai.usage.input_tokens": 3,
                               "gen_ai.usage.output_tokens": 3, "gen_ai.response.finish_reasons": ["stop"],
                               "rtrace.input": "{}", "rtrace.output": '{"finish_reason": "stop"}',
-                              "code.function": "generate", "rtrace.message_index": 1, "rtrace.prompt_ids": [1, 2, 3],
+                              "code.function.name": f"{__name__}.generate", "rtrace.message_index": 1, "rtrace.prompt_ids": [1, 2, 3],
                               "rtrace.response_ids": [7, 8, 9]}
     [chain] = by_name["parse"]
     assert chain.attributes["rtrace.kind"] == "chain" and chain.parent_span_id == loop.span_id
@@ -156,7 +156,7 @@ def test_http_export_keeps_ids_tree_times_status_and_attributes(receiver, tmp_pa
     ok, failed = sorted(by_name["calculator"], key=lambda s: s.start_ns)
     assert ok.attributes == {**rl, "rtrace.kind": "tool", "gen_ai.operation.name": "execute_tool",
                              "gen_ai.tool.name": "calculator", "gen_ai.tool.call.id": "call-1",
-                             "code.function": "calculate",
+                             "code.function.name": f"{__name__}.calculate",
                              "rtrace.input": '{"expression": "2+2", "tool_call_id": "call-1"}',
                              "rtrace.output": '{"value": 4}'}
     assert (ok.status_code, failed.status_code) == (UNSET, ERROR)

@@ -61,7 +61,8 @@ def odd_trajectory() -> Trajectory:
     child = SpanRecord("2" * 16, "1" * 16, "", "tool", 10, 5, status="error", error="",
                        attributes={"gen_ai.tool.name": "t"}, input={"q": "é"}, output=None)
     failed = SpanRecord("3" * 16, "1" * 16, "gen", "generation", 7, 9, status="error",
-                        error="ValueError: bad \ud800", attributes={"gen_ai.request.model": "m"},
+                        error="ValueError: bad \ud800", attributes={"gen_ai.request.model": "m",
+                                                                  "rtrace.gateway.join": "key"},  # CLIENT
                         prompt_ids=[1, 2, 3], response_ids=[])
     return Trajectory("f" * 32, "segment", [root, child, failed], reward=math.nan, outcome={"ok": True})
 

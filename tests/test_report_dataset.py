@@ -17,7 +17,10 @@ from tests.dataset_run import make_run, records_as_read_back  # noqa: E402
 
 @pytest.fixture
 def both(tmp_path):
-    path, trajs, jsonl = make_run(tmp_path, max_traces_per_step=10, keep_extremes=2)
+    # RTRACE_SUMMARIES=0: the dataset then holds what the JSONL file holds, the recorded
+    # trajectories (with summaries on it also holds every sampled-out rollout's row, which a
+    # JSONL file never has: tests/test_summaries.py)
+    path, trajs, jsonl = make_run(tmp_path, max_traces_per_step=10, keep_extremes=2, summaries=False)
     return path, jsonl
 
 

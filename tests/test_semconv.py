@@ -133,9 +133,48 @@ class TestGenAiSpans:
         with pytest.raises(ValueError, match="semconv"):
             otel.to_readable_spans(trajectory(), _resource(), semconv="otel")
 
+    def test_the_provider_name(self):
+        """gen_ai.provider.name, required on chat and invoke_agent: what a generation recorded (the
+        gateway's upstream), else the root's, else RTRACE_GENAI_PROVIDER; on invoke_agent the root's,
+        else the one its generations agree on, else the setting; never guessed, never on tools."""
+        def provider(traj, semconv="both", setting=None):
+            return [s.attributes.get("gen_ai.provider.name")
+                    for s in otel.to_readable_spans(traj, _resource(), semconv=semconv, provider=setting)]
+
+        assert provider(trajectory()) == [None] * 4  # not known, not set: not written
+        assert provider(trajectory(), setting="sglang") == ["sglang", "sglang", None, "sglang"]
+        assert provider(trajectory(), "rtrace", "sglang") == [None] * 4  # rtrace's names only
+        traj = trajectory()
+        for gen in (traj.spans[1], traj.spans[3]):
+            gen.attributes["gen_ai.provider.name"] = "vllm"
+        assert provider(traj, setting="sglang") == ["vllm", "vllm", None, "vllm"]  # what they recorded
+        traj.spans[3].attributes["gen_ai.provider.name"] = "openai"  # they disagree: the root is the setting's
+        assert provider(traj, setting="sglang") == ["sglang", "vllm", None, "openai"]
+        assert provider(traj) == [None, "vllm", None, "openai"]
+        traj = trajectory()
+        traj.spans[0].attributes["gen_ai.provider.name"] = "vllm"  # the root's (an engine adapter's) own
+        assert provider(traj, setting="sglang") == ["vllm", "vllm", None, "vllm"]
+
+    def test_a_call_over_http_is_a_client_span(self):
+        """A generation the capture gateway recorded (a call to a model server over HTTP) is a CLIENT span,
+        in the SDK's spans and in the OTLP bytes; the rest (decorated generations included) INTERNAL."""
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+        from opentelemetry.trace import SpanKind
+
+        traj = trajectory()
+        traj.spans[3].attributes["rtrace.gateway.join"] = "key"
+        for mode in semconv.MODES:
+            assert [s.kind for s in otel.to_readable_spans(traj, _resource(), semconv=mode)] == [
+                SpanKind.INTERNAL, SpanKind.INTERNAL, SpanKind.INTERNAL, SpanKind.CLIENT]
+            request = ExportTraceServiceRequest.FromString(otel.encode_request(traj, _resource(), semconv=mode))
+            assert [s.kind for s in otel.otlp_spans(request)] == [1, 1, 1, 3]  # INTERNAL, CLIENT
+
     def test_the_setting_is_validated(self):
         with pytest.raises(ConfigError, match="RTRACE_SEMCONV"):
             rtrace.configure(exporter="none", semconv="openinference")
+        with pytest.raises(ConfigError, match="RTRACE_GENAI_PROVIDER.*lower case"):
+            rtrace.configure(exporter="none", genai_provider="my provider")
+        assert rtrace.configure(exporter="none", genai_provider="AWS.Bedrock").genai_provider == "aws.bedrock"
 
 
 class TestMessages:
@@ -219,15 +258,20 @@ def _loop(step=1):
 
 
 def test_otlp_receiver_reads_the_genai_spans():
-    """The OTLP sink sends the GenAI names, messages and evaluation events (RTRACE_SEMCONV=both)."""
+    """The OTLP sink sends the GenAI names, messages and evaluation events (RTRACE_SEMCONV=both), and
+    the configured provider (RTRACE_GENAI_PROVIDER) on the chat and invoke_agent spans."""
     with OtlpHttpReceiver() as rx:
-        rtrace.configure(exporter="otlp", otlp_endpoint=rx.base_url, export_interval_s=0.05, semconv="both")
+        rtrace.configure(exporter="otlp", otlp_endpoint=rx.base_url, export_interval_s=0.05, semconv="both",
+                         genai_provider="vllm")
         trace_id = _loop()
         assert rtrace.flush(20)
         spans = {s.name: s for s in rx.wait_for_spans(4, 10)}
     assert sorted(spans) == ["chat toy", "execute_tool calc", "invoke_agent rollout"]
     root = spans["invoke_agent rollout"]
     assert root.attributes["gen_ai.conversation.id"] == trace_id
+    assert root.attributes["gen_ai.provider.name"] == spans["chat toy"].attributes["gen_ai.provider.name"] == "vllm"
+    assert "gen_ai.provider.name" not in spans["execute_tool calc"].attributes
+    assert {s.kind for s in spans.values()} == {1}  # SPAN_KIND_INTERNAL: decorated calls, in the process
     assert [(e["name"], e["attributes"]["gen_ai.evaluation.name"]) for e in root.events] == [
         ("gen_ai.evaluation.result", "reward"), ("gen_ai.evaluation.result", "correct")]
     tool = spans["execute_tool calc"]

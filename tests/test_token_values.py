@@ -256,6 +256,55 @@ class TestMismatch:
             (t,) = got.trajectories
         assert t.health == [] and t.annotations["logprob_mismatch_max"] == 0.0
 
+    def test_a_non_finite_logprob_on_a_trained_token_is_the_worst_mismatch(self):
+        """The trainer's logprob is NaN (inf) on a trained token, equal elsewhere: the mismatch is not
+        a mean over the other tokens (before: k1 = k3 = max = 0, no finding). Its values are
+        missing, the trajectory fails the check (health/logprob_mismatch_rate counts it, the
+        step's mean leaves it out) and the finding says how many tokens were not finite. A NaN on
+        a token the loss mask leaves out changes nothing."""
+        sink_metrics = []
+
+        class Metrics(rtrace.Sink):
+            name = "metrics"
+
+            def export(self, trajectories):
+                pass
+
+            def export_step_metrics(self, metrics):
+                sink_metrics.extend(metrics)
+
+        nan, inf, untrained = list(RESPONSE), list(RESPONSE), list(RESPONSE)
+        nan[5] = math.nan
+        inf[0], inf[4] = -math.inf, math.nan
+        untrained[2] = math.nan  # a tool token: loss mask 0
+        off = list(RESPONSE)
+        off[5] = -3.0
+        with rtrace.testing.capture(await_annotations="old_logprob", annotation_timeout_s=30, health_checks="all",
+                                    sinks=[Metrics(None)]) as got:
+            for i in range(5):
+                rollout(i)
+            rtrace.annotate_batch(step=1, sample_index=list(range(5)), rollout_n=[0] * 5,
+                                  old_logprob=[RESPONSE, nan, inf, untrained, off], loss_mask=[LOSS] * 5)
+            trajs = {t.sample_index: t for t in got.trajectories}
+            stats = got.stats()
+        findings = {i: [f for f in t.health if f["check"] == "logprob_mismatch"] for i, t in trajs.items()}
+        assert findings[1] == [{"check": "logprob_mismatch", "detail": (
+            "1 of 5 trained tokens have a logprob that is not finite (trainer 1, sampler 0): the mismatch is not "
+            "measured (k1, k3, max and share left out); first: turn 2, token 1 (id 9): sampler logprob -0.4, "
+            "trainer nan")}]
+        assert findings[2][0]["detail"].startswith("2 of 5 trained tokens have a logprob that is not finite "
+                                                   "(trainer 2, sampler 0)")
+        assert findings[2][0]["detail"].endswith("first: turn 1, token 0 (id 4): sampler logprob -0.1, trainer -inf")
+        for i in (1, 2):
+            assert not [k for k in trajs[i].annotations if k.startswith("logprob_mismatch")]
+        assert findings[0] == findings[3] == [] and trajs[3].annotations["logprob_mismatch_max"] == 0.0
+        assert stats["logprob_mismatch_nonfinite"] == 2
+        (m,) = sink_metrics
+        assert m.values["rollout/health/logprob_mismatch_rate"] == pytest.approx(3 / 5)  # 1, 2 and the -3.0 one
+        # the step's mean is over the three measured rollouts (0, 3, 4): rollout 4's k3 / 3
+        assert m.values["rollout/logprob_mismatch_k3_mean"] == pytest.approx(
+            trajs[4].annotations["logprob_mismatch_k3"] / 3, rel=1e-6)
+
     def test_keep_mismatch_keeps_the_worst_past_the_cap_and_step_metrics(self):
         """Cap 2, keep_mismatch 2: the sample and the two worst by k3 among the others;
         the step metrics have the mismatch's mean, p90 and max."""
@@ -287,6 +336,75 @@ class TestMismatch:
         (m,) = sink_metrics
         assert {"rollout/logprob_mismatch_k3_mean", "rollout/logprob_mismatch_k3_p90",
                 "rollout/logprob_mismatch_k3_max"} <= set(m.values)
+
+
+class TestLateRows:
+    """The trainer's rows after their trajectory was written: the check measured nothing. That is
+    said once per run and counted, never silent (before: only annotations_late showed it)."""
+
+    def _said(self, caplog):
+        return [r.getMessage() for r in caplog.records if "old_logprob rows" in r.getMessage()]
+
+    def test_rows_after_the_trajectories_are_said_once_and_counted(self, caplog):
+        with caplog.at_level("WARNING", logger="rtrace"), rtrace.testing.capture() as got:
+            rtrace.annotate_batch(step=1, sample_index=[0], rollout_n=[0], old_logprob=[RESPONSE])
+            rollout(0)  # its row came first: measured
+            for i in (1, 2):
+                rollout(i)
+                assert rtrace.flush(10)
+                rtrace.annotate_batch(step=1, sample_index=[i], rollout_n=[0], old_logprob=[RESPONSE])
+            assert rtrace.flush(10)
+            trajs = {t.sample_index: t for t in got.trajectories}
+            stats = got.stats()
+        assert trajs[0].annotations["logprob_mismatch_k3"] == 0.0
+        assert all("logprob_mismatch_k3" not in trajs[i].annotations for i in (1, 2))
+        assert stats["logprob_mismatch_unchecked"] == 2 and stats["annotations_late"] == 2
+        (said,) = self._said(caplog)
+        assert "the logprob_mismatch check does not measure those trajectories" in said
+        assert "RTRACE_AWAIT_ANNOTATIONS=old_logprob" in said
+
+    def test_rows_after_the_wait_say_the_timeout(self, caplog):
+        with caplog.at_level("WARNING", logger="rtrace"), rtrace.testing.capture(
+                await_annotations="old_logprob", annotation_timeout_s=0) as got:
+            rollout(0)
+            assert rtrace.flush(10)
+            rtrace.annotate_batch(step=1, sample_index=[0], rollout_n=[0], old_logprob=[RESPONSE])
+            assert rtrace.flush(10)
+            stats = got.stats()
+        assert stats["logprob_mismatch_unchecked"] == 1
+        (said,) = self._said(caplog)
+        assert "they came after 0 s of waiting (raise RTRACE_ANNOTATION_TIMEOUT_S)" in said
+
+    def test_an_adapter_that_sends_its_rows_first_needs_no_wait(self, caplog):
+        """The TRL callback's order (rtrace/compat/trl.py): the batch's rows, then its completions,
+        from one call. The rows are waiting when the trajectories arrive: measured with no
+        RTRACE_AWAIT_ANNOTATIONS (which would hold every completion for the timeout when TRL
+        keeps no old_per_token_logps, its default)."""
+        from rtrace.compat import token_rows
+        from rtrace.instrumentation.turns import Turn, sample_state, submit
+
+        coords = [{"step": 1, "sample_index": i, "rollout_n": 0, "validate": False} for i in range(2)]
+        with caplog.at_level("WARNING", logger="rtrace"), rtrace.testing.capture() as got:
+            token_rows.send(list(enumerate(coords)), {"logprob": [[-0.1, -0.2, -0.3]] * 2,
+                                                      "old_logprob": [[-0.1, -0.2, -0.3], [-0.1, -3.0, -0.3]]},
+                            token_lengths=[3, 3])
+            submit([sample_state(c, [1, 2], [Turn("assistant", [5, 6, 7], finish_reason="stop")]) for c in coords])
+            assert rtrace.flush(10)
+            trajs = {t.sample_index: t for t in got.trajectories}
+            stats = got.stats()
+        assert trajs[0].annotations["logprob_mismatch_k3"] == 0.0
+        assert trajs[1].annotations["logprob_mismatch_max"] == pytest.approx(2.8, rel=1e-6)
+        assert "logprob_mismatch_unchecked" not in stats and self._said(caplog) == []
+
+    def test_other_late_values_are_not_about_the_check(self, caplog):
+        with caplog.at_level("WARNING", logger="rtrace"), rtrace.testing.capture() as got:
+            rollout(0)
+            assert rtrace.flush(10)
+            rtrace.annotate_batch(step=1, sample_index=[0], rollout_n=[0], advantage=[RESPONSE])
+            assert rtrace.flush(10)
+            stats = got.stats()
+        assert stats["annotations_late"] == 1 and "logprob_mismatch_unchecked" not in stats
+        assert self._said(caplog) == []
 
 
 class TestEveryMode:

@@ -152,7 +152,7 @@ class TestRoundTrip:
         assert gen0["model"] == "toy-lm"
         assert gen0["usage"] == {"input_tokens": 20, "output_tokens": 3, "total_tokens": 23}
         assert gen0["metadata"]["rtrace.response_ids"] == [7, 7, 7]  # ids without token2text are kept
-        assert gen0["metadata"]["code.function"] == "generate"
+        assert gen0["metadata"]["code.function.name"] == f"{__name__}.generate"
         assert tool0["output"] == "51" and tool0["metadata"]["gen_ai.tool.call.id"] == "call_0"
         assert tool0["usage"] is None and tool0["model"] is None
 

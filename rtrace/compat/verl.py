@@ -35,8 +35,8 @@ The three names keep veRL's signatures and behaviour (see docs/frameworks/verl.m
   and ``rl.experiment`` = experiment_name. ``trace=False`` runs the block untraced, and
   every ``rollout_trace_op`` inside it calls straight through.
 * ``rollout_trace_op`` — decorates a method (sync or async). The span's name is the
-  method's ``__qualname__`` (a tool's span: the tool's name, the qualified name kept in
-  ``code.function``), its input the bound arguments without ``self`` (defaults
+  method's ``__qualname__`` (a tool's span: the tool's name, the fully-qualified name kept
+  in ``code.function.name``), its input the bound arguments without ``self`` (defaults
   applied; ``**kwargs`` shown flat, as rtrace's decorators show them), its output the
   return value, which the caller gets untouched. The span kind follows veRL's traced
   methods: ``generate`` is a generation (prompt ids, response ids / ``token_ids``,
@@ -267,7 +267,7 @@ def rollout_trace_op(func: Optional[Callable] = None, /, *, kind: Optional[str] 
     """Trace a method (sync or async) as a span of the current trajectory (veRL's decorator).
 
     The span is named ``func.__qualname__`` (a tool span: the tool's ``self.name``, the
-    qualified name kept in ``code.function``); its input is the bound arguments without
+    fully-qualified name kept in ``code.function.name``); its input is the bound arguments without
     ``self`` (defaults applied, ``**kwargs`` shown flat); the caller gets the return value
     untouched.
 
@@ -281,7 +281,6 @@ def rollout_trace_op(func: Optional[Callable] = None, /, *, kind: Optional[str] 
     if not sig.parameters:
         raise TypeError(f"rollout_trace_op decorates methods; {func.__qualname__} takes no self")
     first = next(iter(sig.parameters))
-    name = func.__qualname__.rsplit("<locals>.", 1)[-1]
     kind = kind or KIND_BY_METHOD.get(func.__name__, "chain")
 
     var_kw = next((p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), None)
@@ -304,7 +303,7 @@ def rollout_trace_op(func: Optional[Callable] = None, /, *, kind: Optional[str] 
             args, kwargs = _CALL.get()
             return await func(self, *args, **kwargs)
 
-        traced_op = _decorate(op, kind, name)
+        traced_op = _decorate(op, kind, func)
 
         @functools.wraps(func)
         async def async_wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -326,7 +325,7 @@ def rollout_trace_op(func: Optional[Callable] = None, /, *, kind: Optional[str] 
         args, kwargs = _CALL.get()
         return func(self, *args, **kwargs)
 
-    traced_sync = _decorate(sync_op, kind, name)
+    traced_sync = _decorate(sync_op, kind, func)
 
     @functools.wraps(func)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -345,11 +344,13 @@ def rollout_trace_op(func: Optional[Callable] = None, /, *, kind: Optional[str] 
     return wrapper
 
 
-def _decorate(op: Callable, kind: str, name: str) -> Callable:
-    # The op takes the method's qualified name as its own, and no name= is given: the
-    # span is named as rtrace names any decorated method (a tool after its tool name,
-    # a generation after its model, when known; the qualified name otherwise).
-    op.__qualname__ = name
+def _decorate(op: Callable, kind: str, func: Callable) -> Callable:
+    # The op takes the method's qualified name and module as its own, and no name= is given:
+    # the span is named as rtrace names any decorated method (a tool after its tool name,
+    # a generation after its model, when known; the qualified name otherwise), and
+    # code.function.name is the method's.
+    op.__qualname__ = func.__qualname__
+    op.__module__ = func.__module__
     if kind == "generation":
         return rtrace.traced_generation(op)
     if kind == "tool":

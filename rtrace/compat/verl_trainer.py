@@ -29,10 +29,6 @@ wait for them (``RTRACE_AWAIT_ANNOTATIONS=old_logprob``).
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
-import threading
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
@@ -41,7 +37,7 @@ from ..config import ConfigError, env_exporters
 from ..instrumentation import _state
 from ..instrumentation.annotate import annotate_batch as _annotate
 from ..pipeline import annotations as _annotations
-from . import _verl_private
+from . import _after_import, _verl_private
 
 __all__ = ["annotate_batch", "install_hook", "COLUMNS"]
 
@@ -212,51 +208,7 @@ def _patch(module: Any = None) -> bool:
     return _verl_private.patch(_verl_private.trainer_class(module), _wrap_balance, _wrap_old_log_prob, _wrap_update)
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds veRL's trainer module with the ordinary path finder, and has its loader wrap the
-    trainer class once the module has run (installing this imports nothing of veRL)."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != _verl_private.TRAINER_MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return None
-        spec.loader = _PatchingLoader(spec.loader)
-        return spec
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    """The module's own loader (everything delegated: ``get_source`` ... still work), whose
-    ``exec_module`` then wraps the trainer class."""
-
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self._loader.exec_module(module)
-        try:
-            _patch(module)
-        except Exception:
-            _stats.incr("internal_errors")
-            _stats.warn_once("verl-trainer-patch", "rtrace.compat.verl could not wrap veRL's RayPPOTrainer",
-                             exc_info=True)
-
-
-_lock = threading.Lock()
-
-
 def install_hook() -> None:
     """Wrap veRL's ``RayPPOTrainer`` now if its module is imported, else when it is. Cheap
     and idempotent (called by ``rtrace.compat.verl.install()``)."""
-    with _lock:
-        if _verl_private.TRAINER_MODULE in sys.modules:
-            _patch(sys.modules[_verl_private.TRAINER_MODULE])
-        elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-            sys.meta_path.insert(0, _AfterImport())
+    _after_import.when_imported(_verl_private.TRAINER_MODULE, _patch)

@@ -22,6 +22,7 @@ from typing import Any, Iterable, Sequence
 import pyarrow as pa
 
 from .._serialize import fast_json, json_default, json_safe, plain_json, vouched
+from ..summary import RolloutSummary
 from ..trajectory import Trajectory
 from .schema import SPANS, TRAJECTORIES, TABLES, cached_schema
 
@@ -170,10 +171,15 @@ def _events(events: list) -> list:
 Rows = tuple
 
 
-def rows_of(traj: Trajectory, run: str) -> Rows:
+def rows_of(traj: Trajectory | RolloutSummary, run: str, every_rollout: bool = False) -> Rows:
     """A trajectory's row and its spans' rows, in the tables' column order (the messages
     column apart: given as they are, see :func:`_messages_column`). Pure Python, no Arrow:
-    the sink computes it on the pipeline's thread (``Sink.prepare``)."""
+    the sink computes it on the pipeline's thread (``Sink.prepare``). A rollout's summary
+    (:class:`~rtrace.summary.RolloutSummary`) is a row without spans (:func:`summary_rows`).
+    ``every_rollout``: the run counts every rollout (one row each): every row is
+    ``in_sample``."""
+    if type(traj) is RolloutSummary:
+        return summary_rows(traj, run)
     srows: list[tuple] = []
     validate, step = partition_of(traj)
     sample_index, rollout_n = _int(traj.sample_index), _int(traj.rollout_n)
@@ -184,6 +190,7 @@ def rows_of(traj: Trajectory, run: str) -> Rows:
     dumps = _plain_text if vouched(traj) else json_text
     turns = tools = tokens_in = tokens_out = gen_ns = tool_ns = end = 0
     truncated = False
+    counted: dict[str, int] = {}
     for span in spans:
         attrs = span.attributes
         kind = span.kind
@@ -203,8 +210,10 @@ def rows_of(traj: Trajectory, run: str) -> Rows:
             gen_ns += end_ns - start_ns
             tokens_in += t_in or 0
             tokens_out += t_out or 0
-            if reasons and "length" in reasons:
-                truncated = True
+            if reasons:
+                truncated = truncated or "length" in reasons
+                for r in reasons:
+                    counted[r] = counted.get(r, 0) + 1
         elif kind == "tool":
             tools += 1
             tool_ns += end_ns - start_ns
@@ -226,12 +235,29 @@ def rows_of(traj: Trajectory, run: str) -> Rows:
         run, trace_id, traj.name, step, validate, sample_index, rollout_n, group_id, policy_version,
         _str(traj.experiment), None if group is None else str(group), _finite(traj.reward),
         _finite(traj.annotations.get("advantage")), traj.verdict(), traj.status, _str(traj.error),
-        bool(traj.partial), traj.finish_reason, truncated, kept, not kept or "sampled" in kept,
+        bool(traj.partial), traj.finish_reason, truncated, kept, every_rollout or not kept or "sampled" in kept,
         _health(traj.health), turns, tools, len(spans), int(traj.dropped_spans), tokens_in, tokens_out,
         root_start, end, (end - root_start) / 1e6, gen_ns / 1e6, tool_ns / 1e6, task, answer, None,
         *_maps(traj.extra), *_maps(traj.outcome), *_maps(traj.annotations), _str(root_attrs.get("rtrace.job_id")),
-        traj.health_checks)
+        traj.health_checks, True, _finite(traj.priority), list(counted.items()))
     return trow, srows, traj.messages
+
+
+def summary_rows(s: RolloutSummary, run: str) -> Rows:
+    """A rollout counted by its summary only: its trajectories row (``recorded`` false: no
+    spans, no conversation), in the order of :func:`rows_of`'s."""
+    step = s.step if type(s.step) is int else None
+    group = s.group
+    kept = [k if type(k) is str else str(k) for k in s.kept]
+    trow = (
+        run, s.trace_id, _str(s.name), step, bool(s.validate), _int(s.sample_index), _int(s.rollout_n),
+        _str(s.group_id), _int(s.policy_version), _str(s.experiment), None if group is None else str(group),
+        _finite(s.reward), _finite(s.annotations.get("advantage")), s.verdict(), s.status, _str(s.error),
+        bool(s.partial), s.finish_reason, s.truncated, kept, True, _health(s.health), s.turns, s.tool_calls, 0,
+        int(s.dropped_spans), s.tokens_in, s.tokens_out, s.start_ns, s.end_ns, (s.end_ns - s.start_ns) / 1e6,
+        s.generation_ms, s.tool_ms, None, None, None, *_maps(s.extra), *_maps(s.outcome), *_maps(s.annotations),
+        None, None, False, _finite(s.priority), list(s.finish_reasons.items()))
+    return trow, [], None
 
 
 _MESSAGES_AT = [name for name, _, _ in TABLES[TRAJECTORIES]].index("messages")
@@ -286,16 +312,17 @@ def tables(rows: Sequence[Rows]) -> tuple[pa.Table, pa.Table]:
     return trajectories, _spans_table([s for r in rows for s in r[1]], owners, trajectories)
 
 
-def encode(trajs: Sequence[Trajectory], run: str) -> tuple[pa.Table, pa.Table]:
-    """The trajectories and spans tables of a batch.
+def encode(trajs: Sequence[Trajectory], run: str, every_rollout: bool = False) -> tuple[pa.Table, pa.Table]:
+    """The trajectories and spans tables of a batch (``every_rollout``: see :func:`rows_of`).
 
     Raises:
         Exception: a value Arrow cannot take (see :func:`encode_safely`).
     """
-    return tables([rows_of(t, run) for t in trajs])
+    return tables([rows_of(t, run, every_rollout) for t in trajs])
 
 
-def encode_safely(trajs: Sequence[Trajectory], run: str) -> tuple[pa.Table, pa.Table, int, int]:
+def encode_safely(trajs: Sequence[Trajectory], run: str,
+                  every_rollout: bool = False) -> tuple[pa.Table, pa.Table, int, int]:
     """:func:`encode`, and when the batch does not encode, one trajectory at a time: one
     that still fails is encoded with its bad values degraded (:func:`json_safe`).
 
@@ -303,7 +330,7 @@ def encode_safely(trajs: Sequence[Trajectory], run: str) -> tuple[pa.Table, pa.T
         (trajectories, spans, degraded, unwritable): unwritable ones are left out.
     """
     try:
-        t, s = encode(trajs, run)
+        t, s = encode(trajs, run, every_rollout)
         return t, s, 0, 0
     except Exception:
         pass
@@ -311,12 +338,14 @@ def encode_safely(trajs: Sequence[Trajectory], run: str) -> tuple[pa.Table, pa.T
     degraded = unwritable = 0
     for traj in trajs:
         try:
-            tables.append(encode([traj], run))
+            tables.append(encode([traj], run, every_rollout))
             continue
         except Exception:
             pass
         try:
-            tables.append(encode([Trajectory.from_dict(json_safe(traj.to_dict()))], run))
+            safe = (RolloutSummary.from_wire(json_safe(traj.to_wire())) if type(traj) is RolloutSummary
+                    else Trajectory.from_dict(json_safe(traj.to_dict())))
+            tables.append(encode([safe], run, every_rollout))
             degraded += 1
         except Exception:
             unwritable += 1
@@ -386,8 +415,32 @@ def to_trajectories(traj_rows: Iterable[dict[str, Any]], span_rows: Iterable[dic
             annotations=_unmap(r, "annotations"), kept=list(r["kept"] or []), status=r["status"] or "ok",
             error=r["error"], partial=bool(r["partial"]), dropped_spans=r["dropped_spans"] or 0,
             messages=[_message_back(m) for m in r["messages"] or ()], health=r["health"],
-            health_checks=r.get("health_checks")))
+            health_checks=r.get("health_checks"), priority=r.get("priority")))
     return out
+
+
+def summary_of_row(r: dict[str, Any]) -> RolloutSummary:
+    """A trajectories row (``pa.Table.to_pylist()`` with timestamps as ints) as the
+    :class:`~rtrace.summary.RolloutSummary` it was written from: the step metrics of a run
+    are those of its rows (``rtrace publish``). A row of a file before 1.2 has no
+    ``finish_reasons``: its last generation's counts for all."""
+    reasons = r.get("finish_reasons")
+    if reasons is None:
+        reasons = {r["finish_reason"]: r.get("num_turns") or 1} if r.get("finish_reason") else {}
+    else:
+        reasons = dict(reasons)
+    recorded = r.get("recorded")
+    return RolloutSummary(
+        r["trace_id"], r["name"], step=r["step"], sample_index=r["sample_index"], rollout_n=r["rollout_n"],
+        validate=bool(r["validate"]), experiment=r["experiment"], group_id=r["group_id"],
+        policy_version=r["policy_version"], extra=_unmap(r, "extra"), reward=r["reward"],
+        outcome=_unmap(r, "outcome"), annotations=_unmap(r, "annotations"), status=r["status"] or "ok",
+        error=r["error"], partial=bool(r["partial"]), turns=r["num_turns"] or 0, tool_calls=r["num_tool_calls"] or 0,
+        tokens_in=r["input_tokens"] or 0, tokens_out=r["output_tokens"] or 0, finish_reasons=reasons,
+        finish_reason=r["finish_reason"], start_ns=_ns(r["start_time"]), end_ns=_ns(r["end_time"]),
+        generation_ms=r["generation_ms"] or 0.0, tool_ms=r["tool_ms"] or 0.0, health=r["health"],
+        recorded=recorded is not False, kept=list(r["kept"] or []), priority=r.get("priority"),
+        dropped_spans=r["dropped_spans"] or 0)
 
 
 def _tree_order(spans: list) -> list:

@@ -7,9 +7,19 @@ ones that are data, and gives two DuckDB views over them on its own connection,
 - a hidden ``.<name>.tmp`` file: a file being written (not yet renamed into place);
 - a file a compacted file of the same writer covers: its rows are in that file (the
   writer deletes it right after; a reader that lists in between must not count them twice);
-- a file that is not the dataset's (another name, another folder) or that is cut short
-  (no Parquet footer): skipped with a warning naming it, counted in ``run.skipped`` and
+- a file that is not the dataset's (another name, another folder), cut short (no Parquet
+  footer) or damaged (a footer that does not parse: each file's footer is read once, when
+  it is first listed): skipped with a warning naming it, counted in ``run.skipped`` and
   ``rtrace.stats()`` (``dataset.files_skipped``), never a failed query over the whole run.
+
+A run that is being written changes under its readers: a writer's merge deletes its inputs
+right after the merged file is in place, so a file listed a moment ago may be gone when
+DuckDB opens it. A listing that meets a vanished file lists again; a query that fails
+because a listed file is gone (:meth:`Run.retrying`) lists again and runs once more, at
+most :data:`READ_ATTEMPTS` times in all (``dataset.reads_retried``). The relations
+:meth:`Run.sql`, :attr:`Run.trajectories` and :attr:`Run.spans` give do so on their own: a
+DuckDB relation reads the views as they are when it runs, so the same relation runs again
+over the new listing.
 
 A file written by a newer major version of the schema (``.v2.`` in its name) stops the
 reader: :class:`SchemaVersionError` says which file and which version, and that a newer
@@ -26,20 +36,31 @@ no DuckDB extension is needed.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from .. import _stats
 from .layout import FileName, Store, is_steps_file, open_store, parse_name, parse_partition, parse_steps_dir
-from .schema import MAJOR, SPANS, TRAJECTORIES, VERSION, arrow_schema
+from .schema import MAJOR, SELECTION_KEY, SPANS, TRAJECTORIES, VERSION, arrow_schema
 
-__all__ = ["open_run", "Run", "DatasetError", "SchemaVersionError", "Skipped", "list_runs", "vacuum",
-           "hf_load_kwargs", "parquet_source"]
+__all__ = ["open_run", "Run", "Relation", "DatasetError", "SchemaVersionError", "Skipped", "list_runs", "vacuum",
+           "hf_load_kwargs", "parquet_source", "READ_ATTEMPTS"]
 
 logger = logging.getLogger("rtrace")
+
+#: Attempts at a listing, or at a query, when a file listed is gone (a writer's merge replaced
+#: it meanwhile): each one lists again. A merge replaces a partition's files once per
+#: ``compact_files`` batches, so a second attempt almost always finds the new listing whole.
+READ_ATTEMPTS = 4
+
+
+T = TypeVar("T")
+#: :meth:`Run._check` of a file deleted since it was listed
+_GONE = object()
 
 
 class DatasetError(Exception):
@@ -103,6 +124,11 @@ class Run:
         self._steps: set[tuple[bool, int | None]] = set()
         #: a data file (relative) -> the (validate, step) it holds; a steps/ file's from its footer, read once
         self._file_steps: dict[str, tuple[tuple[bool, int | None], ...]] = {}
+        #: a trajectories file (relative) -> the selection its writer ran (SELECTION_KEY), read once
+        self._selection: dict[str, dict[str, Any]] = {}
+        #: (validate, step) written by several writers -> (its files, the cut's kept reasons by
+        #: trace id, whether the run counts every rollout)
+        self._cuts: dict[tuple[bool, int | None], tuple[frozenset, dict[str, list[str]], bool]] = {}
         if not self.store.exists(TRAJECTORIES):
             runs = list_runs(path)
             hint = f"; it holds runs: {', '.join(runs)} (open one: {os.path.join(path, runs[0])})" if runs else ""
@@ -112,74 +138,99 @@ class Run:
     # ----------------------------------------------------------------- files
     def refresh(self) -> "Run":
         """List the run's files again: new files are read from now on, files a compaction
-        replaced are dropped. Cheap when nothing changed (each file is checked once).
+        replaced are dropped. Cheap when nothing changed (each file is checked once). A file
+        that vanishes while it is listed (a writer's merge replaced it) makes it list again.
 
         Raises:
             SchemaVersionError: a file of a newer major version appeared.
         """
         with self._lock:
-            files: dict[str, list[tuple[str, FileName]]] = {TRAJECTORIES: [], SPANS: []}
-            steps: set[tuple[bool, int | None]] = set()
-            skipped: list[Skipped] = []
-            for rel, size in [f for table in (TRAJECTORIES, SPANS) for f in self.store.list(table)]:
-                folder, _, name = rel.rpartition("/")
-                if name.startswith("."):  # a file being written, or a hidden file: not data
+            for attempt in range(READ_ATTEMPTS):
+                last = attempt == READ_ATTEMPTS - 1
+                if not self._list(last) and not last:
+                    _stats.incr("dataset.reads_retried")
                     continue
-                part: tuple[str, bool, int | None] | None = parse_partition(folder)
-                fname = parse_name(name)
-                if part is None and fname is not None and fname.steps is not None:
-                    many = parse_steps_dir(folder)
-                    part = (many[0], many[1], None) if many is not None else None
-                elif fname is not None and fname.steps is not None:
-                    part = None  # a many-step file belongs in steps/, never in a step=N folder
-                if part is None or fname is None:
-                    skipped.append(self._skip(rel, "not a file of an rtrace dataset (name or folder)"))
+                try:
+                    self._views()  # binding a view opens a file of it
+                except Exception:
+                    if last or not self._vanished():
+                        raise
+                    _stats.incr("dataset.reads_retried")
                     continue
-                if fname.major > MAJOR:
-                    raise SchemaVersionError(
-                        f"{os.path.join(self.path, rel)} was written with rtrace dataset schema {fname.major}.x; this "
-                        f"rtrace reads schema {VERSION} (major {MAJOR}): upgrade rtrace to read this run")
-                reason = self._check(rel, size)
-                if reason is None and fname.steps is not None and rel not in self._file_steps:
-                    reason = self._read_steps(rel, part[1], fname)
-                if reason is not None:
-                    skipped.append(self._skip(rel, reason))
-                    continue
-                files[part[0]].append((rel, fname))
-                if fname.steps is None:
-                    self._file_steps[rel] = ((part[1], part[2]),)
-            for table in files:
-                self.files[table] = _uncovered(files[table])
-            for rel in self.files[TRAJECTORIES]:
-                steps.update(self._file_steps[rel])
-            listed = set(self.files[TRAJECTORIES]) | set(self.files[SPANS])
-            self._file_steps = {k: v for k, v in self._file_steps.items() if k in listed}
-            self.skipped = skipped
-            self._steps = steps
-            self._views()
+                break
         return self
 
-    def _read_steps(self, rel: str, validate: bool, name: FileName) -> str | None:
-        """Read the steps a ``steps/`` file holds from its footer (the row groups' statistics
-        of ``step``; a row group without them: every step of the name's range). None, or
-        why the file cannot be read."""
-        try:
-            meta = self.store.read_metadata(rel)
-        except FileNotFoundError:
-            return "deleted while listing (a compaction replaced it)"
-        except Exception as exc:  # not Parquet after all, unreadable
-            return f"unreadable footer ({exc})"
-        assert name.steps is not None
-        column = next((i for i in range(meta.num_columns) if meta.schema.column(i).path == "step"), None)
-        found: set[int] = set()
-        for g in range(meta.num_row_groups):
-            stats = meta.row_group(g).column(column).statistics if column is not None else None
-            if stats is not None and stats.has_min_max and meta.row_group(g).num_rows:
-                found.update(range(int(stats.min), int(stats.max) + 1))
-            elif meta.row_group(g).num_rows:
-                found.update(range(name.steps[0], name.steps[1] + 1))
-        self._file_steps[rel] = tuple((validate, s) for s in sorted(found))
-        return None
+    def _list(self, last: bool) -> bool:
+        """One listing: :attr:`files`, :attr:`skipped` and the steps. False when a listed
+        file vanished before it was checked (the listing may miss the file that replaced
+        it); on the ``last`` attempt such files are left out and the listing kept."""
+        files: dict[str, list[tuple[str, FileName]]] = {TRAJECTORIES: [], SPANS: []}
+        steps: set[tuple[bool, int | None]] = set()
+        skipped: list[Skipped] = []
+        whole = True
+        for rel, size in [f for table in (TRAJECTORIES, SPANS) for f in self.store.list(table)]:
+            folder, _, name = rel.rpartition("/")
+            if name.startswith("."):  # a file being written, or a hidden file: not data
+                continue
+            part: tuple[str, bool, int | None] | None = parse_partition(folder)
+            fname = parse_name(name)
+            if part is None and fname is not None and fname.steps is not None:
+                many = parse_steps_dir(folder)
+                part = (many[0], many[1], None) if many is not None else None
+            elif fname is not None and fname.steps is not None:
+                part = None  # a many-step file belongs in steps/, never in a step=N folder
+            if part is None or fname is None:
+                skipped.append(self._skip(rel, "not a file of an rtrace dataset (name or folder)"))
+                continue
+            if fname.major > MAJOR:
+                raise SchemaVersionError(
+                    f"{os.path.join(self.path, rel)} was written with rtrace dataset schema {fname.major}.x; this "
+                    f"rtrace reads schema {VERSION} (major {MAJOR}): upgrade rtrace to read this run")
+            reason = self._check(rel, size, part[1], fname)
+            if reason is _GONE:
+                whole = False
+                continue
+            if reason is not None:
+                skipped.append(self._skip(rel, reason))
+                continue
+            files[part[0]].append((rel, fname))
+            if fname.steps is None:
+                self._file_steps[rel] = ((part[1], part[2]),)
+        if not whole and not last:
+            return False
+        for table in files:
+            self.files[table] = _uncovered(files[table])
+        for rel in self.files[TRAJECTORIES]:
+            steps.update(self._file_steps[rel])
+        listed = set(self.files[TRAJECTORIES]) | set(self.files[SPANS])
+        self._file_steps = {k: v for k, v in self._file_steps.items() if k in listed}
+        self.skipped = skipped
+        self._steps = steps
+        return whole
+
+    def _vanished(self) -> bool:
+        """Is a file of :attr:`files` gone (merged away since the listing)? One listing."""
+        present = {rel for table in (TRAJECTORIES, SPANS) for rel, _ in self.store.list(table)}
+        return any(rel not in present for table in (TRAJECTORIES, SPANS) for rel in self.files[table])
+
+    def retrying(self, fn: Callable[[], T]) -> T:
+        """``fn()`` (a query over the views, with its fetch), run again after :meth:`refresh`
+        when it failed because a file the run listed is gone (a writer's merge replaced it
+        after the listing): at most :data:`READ_ATTEMPTS` times in all. Any other error is
+        raised as it is.
+
+        The relations :meth:`sql`, :attr:`trajectories` and :attr:`spans` give already run
+        through it; a query on a :meth:`cursor` of another thread goes through it by hand."""
+        errors = (_duckdb().Error, OSError)  # what a missing file raises (DuckDB's, pyarrow's)
+        for attempt in range(READ_ATTEMPTS):
+            try:
+                return fn()
+            except errors:
+                if attempt == READ_ATTEMPTS - 1 or not self._vanished():
+                    raise
+                _stats.incr("dataset.reads_retried")
+                self.refresh()
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _skip(self, rel: str, reason: str) -> Skipped:
         if rel not in self._bad:
@@ -188,8 +239,12 @@ class Run:
             logger.warning("rtrace dataset: skipped %s: %s", os.path.join(self.path, rel), reason)
         return Skipped(rel, reason)
 
-    def _check(self, rel: str, size: int) -> str | None:
-        """None for a whole Parquet file; else why not (read once per file: its last four bytes)."""
+    def _check(self, rel: str, size: int, validate: bool, name: FileName) -> Any:
+        """None for a whole Parquet file, :data:`_GONE` for one deleted since it was listed,
+        else why it is skipped. Each file's footer is read once (a data file never changes
+        once in place): a file cut short has none, a damaged one does not parse (DuckDB
+        would fail every query over the run on it, naming no file); a ``steps/`` file's
+        steps are read from it."""
         if self._checked.get(rel) == size:
             return None
         if rel in self._bad:
@@ -197,19 +252,90 @@ class Run:
         if size < 12:
             return f"cut short ({size} bytes: not a whole Parquet file)"
         try:
-            tail = self.store.read_range(rel, -4, 4)
-        except FileNotFoundError:
-            return "deleted while listing (a compaction replaced it)"
-        except OSError as exc:
-            return f"unreadable ({exc})"
-        if tail != b"PAR1":  # a Parquet file ends with its footer's magic: a cut file does not
-            return "cut short or not Parquet (no Parquet footer)"
+            meta = self.store.read_metadata(rel)
+        except Exception as exc:
+            if not self.store.exists(rel):
+                return _GONE
+            try:
+                tail = self.store.read_range(rel, -4, 4)
+            except OSError:
+                tail = b""
+            if tail != b"PAR1":  # a Parquet file ends with its footer's magic: a cut file does not
+                return "cut short or not Parquet (no Parquet footer)"
+            return f"damaged: its Parquet footer does not parse ({type(exc).__name__}: {str(exc).strip()[:200]})"
+        if name.steps is not None:
+            self._file_steps[rel] = _steps_of(meta, validate, name)
+        selection = (meta.metadata or {}).get(SELECTION_KEY.encode())
+        if selection is not None:
+            try:
+                self._selection[rel] = json.loads(selection)
+            except ValueError:
+                pass  # a selection that does not parse: its steps are not cut (as before 1.2)
         self._checked[rel] = size
         return None
 
     def _views(self) -> None:
-        for table in (TRAJECTORIES, SPANS):
-            self.con.execute(f"CREATE OR REPLACE VIEW {table} AS {self._source(table)}")
+        sources = {table: self._source(table) for table in (TRAJECTORIES, SPANS)}
+        cut = self._cut(sources[TRAJECTORIES])
+        if cut is None:
+            for table, source in sources.items():
+                self.con.execute(f"CREATE OR REPLACE VIEW {table} AS {source}")
+            return
+        # several collectors' samples of a step, cut to the one-collector sample (dataset/cut.py):
+        # a row the cut leaves out reads as a rollout counted by its summary, its spans are not shown
+        self.con.execute(
+            f"CREATE OR REPLACE VIEW {TRAJECTORIES} AS SELECT t.* REPLACE ("
+            "CASE WHEN c.trace_id IS NULL THEN t.kept ELSE c.kept END AS kept, "
+            "CASE WHEN c.out THEN false ELSE t.recorded END AS recorded, "
+            "CASE WHEN c.out AND NOT c.every THEN false ELSE t.in_sample END AS in_sample) "
+            f"FROM ({sources[TRAJECTORIES]}) t LEFT JOIN {cut} c ON t.trace_id = c.trace_id")
+        self.con.execute(f"CREATE OR REPLACE VIEW {SPANS} AS SELECT s.* FROM ({sources[SPANS]}) s "
+                         f"ANTI JOIN (SELECT trace_id FROM {cut} WHERE out) o ON s.trace_id = o.trace_id")
+
+    def _cut(self, source: str) -> str | None:
+        """The registered table of the rows whose kept reasons the cut changes (trace_id, kept,
+        out: left out, every: the run counts every rollout), or None when no step was written
+        by several writers that chose by rank (dataset/cut.py). Only steps whose files changed
+        are cut again."""
+        writers: dict[tuple[bool, int | None], set[str]] = {}
+        files: dict[tuple[bool, int | None], set[str]] = {}
+        for rel in self.files[TRAJECTORIES]:
+            name = parse_name(rel.rpartition("/")[2])
+            for key in self._file_steps.get(rel, ()):
+                if name is not None:
+                    writers.setdefault(key, set()).add(name.writer)
+                files.setdefault(key, set()).add(rel)
+        multi = {k for k, w in writers.items() if len(w) > 1}
+        self._cuts = {k: v for k, v in self._cuts.items() if k in multi}
+        if not multi:
+            return None
+        stale = [k for k in multi if self._cuts.get(k, (None,))[0] != frozenset(files[k])]
+        for key in stale:
+            selection = next((self._selection[r] for r in sorted(files[key]) if r in self._selection), None)
+            kept: dict[str, list[str]] = {}
+            every = bool(selection and selection.get("summaries"))
+            if selection is not None and (selection.get("val_cap") if key[0] else selection.get("cap")) is not None:
+                from .cut import CANDIDATE_SQL, cut_step
+
+                query = CANDIDATE_SQL.format(source=f"({source})", where="validate = ? AND step = ?")
+                rows = [dict(zip(("validate", "step", "trace_id", "sample_index", "rollout_n", "group_id",
+                                  "priority", "kept", "status", "truncated", "partial", "reward", "unhealthy",
+                                  "annotations_double"), r))
+                        for r in self.con.execute(query, [key[0], key[1]]).fetchall()]
+                kept = cut_step(rows, selection) if rows else {}
+            self._cuts[key] = (frozenset(files[key]), kept, every)
+        import pyarrow as pa
+
+        ids, reasons, out, every = [], [], [], []
+        for _, cut, all_rows in self._cuts.values():
+            for trace_id, why in cut.items():
+                ids.append(trace_id)
+                reasons.append(why)
+                out.append(not why)
+                every.append(all_rows)
+        table = pa.table({"trace_id": pa.array(ids, pa.string()), "kept": pa.array(reasons, pa.list_(pa.string())),
+                          "out": pa.array(out, pa.bool_()), "every": pa.array(every, pa.bool_())})
+        return self._register("_rtrace_cut", table)
 
     def file_steps(self, rel: str) -> tuple[tuple[bool, int | None], ...]:
         """``(validate, step)`` of what a data file of :attr:`files` holds (relative to the run):
@@ -236,21 +362,20 @@ class Run:
     # ----------------------------------------------------------------- queries
     @property
     def trajectories(self) -> Any:
-        """The ``trajectories`` view as a DuckDB relation."""
-        return self.con.table(TRAJECTORIES)
+        """The ``trajectories`` view as a DuckDB relation (:class:`Relation`)."""
+        return Relation(self, self.retrying(lambda: self.con.table(TRAJECTORIES)))
 
     @property
     def spans(self) -> Any:
-        """The ``spans`` view as a DuckDB relation."""
-        return self.con.table(SPANS)
+        """The ``spans`` view as a DuckDB relation (:class:`Relation`)."""
+        return Relation(self, self.retrying(lambda: self.con.table(SPANS)))
 
     def sql(self, query: str, params: Any = None) -> Any:
-        """A DuckDB relation of ``query`` over the views ``trajectories`` and ``spans``;
-        ``params``: a list for ``?`` or a dict for ``$name`` placeholders (values are
-        never pasted into the SQL)."""
-        if params is None:
-            return self.con.sql(query)
-        return self.con.sql(query, params=params)
+        """A DuckDB relation (:class:`Relation`) of ``query`` over the views ``trajectories``
+        and ``spans``; ``params``: a list for ``?`` or a dict for ``$name`` placeholders
+        (values are never pasted into the SQL). None for a statement without a result."""
+        rel = self.retrying(lambda: self.con.sql(query) if params is None else self.con.sql(query, params=params))
+        return Relation(self, rel) if rel is not None else None
 
     def cursor(self) -> Any:
         """A DuckDB cursor on the run's connection, for another thread (same views; call it
@@ -268,11 +393,14 @@ class Run:
 
     def load(self, where: str = "true", params: Any = None, limit: int | None = None) -> list[Any]:
         """The :class:`~rtrace.trajectory.Trajectory` objects of the trajectories matching
-        ``where`` (SQL over the trajectories view), with their spans: ``run.load("step = ?", [3])``."""
+        ``where`` (SQL over the trajectories view), with their spans: ``run.load("step = ?", [3])``.
+        Rows of rollouts counted by their summary only (``recorded`` false) are no trajectories:
+        they are left out (read them with :meth:`sql`)."""
         from .encode import to_trajectories
 
         limit_sql = f" LIMIT {int(limit)}" if limit is not None else ""
-        traj = _arrow(self.sql(f"SELECT * FROM trajectories WHERE {where}{limit_sql}", params))
+        traj = _arrow(self.sql(f"SELECT * FROM trajectories WHERE recorded IS NOT FALSE AND ({where}){limit_sql}",
+                               params))
         traj = _ints_for_times(traj)
         ids = traj.column("trace_id").to_pylist()
         if not ids:
@@ -283,8 +411,8 @@ class Run:
             step_filter = f"({step_filter} OR step IS NULL)"
         self.con.register("_rtrace_ids", _ids_table(ids))
         try:
-            spans = _arrow(self.con.sql(f"SELECT s.* FROM spans s SEMI JOIN _rtrace_ids i ON s.trace_id = i.trace_id "
-                                        f"WHERE {step_filter}"))
+            spans = self.retrying(lambda: _arrow(self.con.sql(
+                f"SELECT s.* FROM spans s SEMI JOIN _rtrace_ids i ON s.trace_id = i.trace_id WHERE {step_filter}")))
         finally:
             self.con.unregister("_rtrace_ids")
         return to_trajectories(traj.to_pylist(), _ints_for_times(spans).to_pylist())
@@ -308,6 +436,57 @@ class Run:
         self.close()
 
 
+class Relation:
+    """A DuckDB relation over a :class:`Run`'s views that lists the run again and runs once
+    more when a file it read was merged away after the listing (:meth:`Run.retrying`).
+    Everything else is the DuckDB relation's own (``.df()``, ``.fetchall()``, ``.filter()``
+    ...): a method that returns a relation returns one of these; :attr:`relation` is the
+    DuckDB object itself (to hand to DuckDB's own functions)."""
+
+    __slots__ = ("run", "relation")
+
+    def __init__(self, run: Run, relation: Any) -> None:
+        self.run, self.relation = run, relation
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("run", "relation") or name.startswith("__"):  # unset slots (a copy being made)
+            raise AttributeError(name)
+        if name == "shape":  # the one property that runs the query (its row count)
+            return self.run.retrying(lambda: self.relation.shape)
+        value = getattr(self.relation, name)
+        if not callable(value) or _is_relation(value):
+            return self._wrap(value)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            args = tuple(a.relation if isinstance(a, Relation) else a for a in args)
+            kwargs = {k: v.relation if isinstance(v, Relation) else v for k, v in kwargs.items()}
+            # the same relation again: DuckDB binds the views anew each time it runs one
+            return self._wrap(self.run.retrying(lambda: getattr(self.relation, name)(*args, **kwargs)))
+
+        call.__name__ = name
+        call.__doc__ = getattr(value, "__doc__", None)
+        return call
+
+    def _wrap(self, value: Any) -> Any:
+        return Relation(self.run, value) if _is_relation(value) else value
+
+    def __repr__(self) -> str:  # DuckDB prints the first rows: it runs the query
+        return self.run.retrying(lambda: repr(self.relation))
+
+    def __str__(self) -> str:
+        return self.run.retrying(lambda: str(self.relation))
+
+    def __len__(self) -> int:
+        return self.run.retrying(lambda: len(self.relation))
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._wrap(self.run.retrying(lambda: self.relation[key]))
+
+
+def _is_relation(value: Any) -> bool:
+    return isinstance(value, _duckdb().DuckDBPyRelation)
+
+
 def parquet_source(paths: Sequence[str], options: str = "") -> str:
     """A DuckDB query (``SELECT * FROM ...``) over local data files of one table (full paths):
     the files of ``step=N`` folders read with hive partitioning (a query on a step opens its
@@ -329,6 +508,21 @@ def parquet_source(paths: Sequence[str], options: str = "") -> str:
         union = ", union_by_name = true" if len(versions) > 1 else ""
         reads.append(f"SELECT * FROM read_parquet([{listed}], {hive}{union}{options})")
     return " UNION ALL BY NAME ".join(reads)
+
+
+def _steps_of(meta: Any, validate: bool, name: FileName) -> tuple[tuple[bool, int | None], ...]:
+    """The ``(validate, step)`` a ``steps/`` file holds, from its footer: the row groups'
+    statistics of ``step`` (a row group without them: every step of the name's range)."""
+    assert name.steps is not None
+    column = next((i for i in range(meta.num_columns) if meta.schema.column(i).path == "step"), None)
+    found: set[int] = set()
+    for g in range(meta.num_row_groups):
+        stats = meta.row_group(g).column(column).statistics if column is not None else None
+        if stats is not None and stats.has_min_max and meta.row_group(g).num_rows:
+            found.update(range(int(stats.min), int(stats.max) + 1))
+        elif meta.row_group(g).num_rows:
+            found.update(range(name.steps[0], name.steps[1] + 1))
+    return tuple((validate, s) for s in sorted(found))
 
 
 def _uncovered(files: list[tuple[str, FileName]]) -> list[str]:

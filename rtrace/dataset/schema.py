@@ -30,14 +30,17 @@ from typing import Any
 
 import pyarrow as pa
 
-__all__ = ["VERSION", "MAJOR", "MINOR", "SCHEMA_KEY", "TABLES", "MAP_KINDS", "arrow_schema", "schema_json",
+__all__ = ["VERSION", "MAJOR", "MINOR", "SCHEMA_KEY", "SELECTION_KEY", "TABLES", "MAP_KINDS", "arrow_schema", "schema_json",
            "reference_markdown", "TRAJECTORIES", "SPANS"]
 
 #: The schema version written in every file's metadata (key :data:`SCHEMA_KEY`).
-VERSION = "1.1"
+VERSION = "1.2"
 MAJOR, MINOR = (int(v) for v in VERSION.split("."))
 #: The Parquet key-value metadata key holding ``rtrace.dataset/<VERSION>``.
 SCHEMA_KEY = "rtrace.schema"
+#: The key holding how the writer's process chose what it kept (JSON: the per-step caps, whole
+#: groups, the seed, the tail settings): a reader cuts several writers' samples with it.
+SELECTION_KEY = "rtrace.selection"
 TRAJECTORIES = "trajectories"
 SPANS = "spans"
 
@@ -91,8 +94,9 @@ TABLES: dict[str, list[tuple[str, pa.DataType, str]]] = {
         ("truncated", pa.bool_(), "a generation stopped at `length`"),
         ("kept", pa.list_(pa.string()), "why it was kept: `sampled`, `error`, `unhealthy`, `best`, `worst`, "
                                        "`zero_variance`; empty when every trajectory is kept"),
-        ("in_sample", pa.bool_(), "counted by the step metrics (kept by the sample, or no cap), not only for "
-                                  "the tail"),
+        ("in_sample", pa.bool_(), "counted by the step metrics: every row when the run counts every rollout "
+                                  "(`RTRACE_SUMMARIES`, the default: one row per rollout); else kept by the sample "
+                                  "(or no cap), not only for the tail"),
         ("health", _HEALTH, "rollout-health findings; empty when healthy, NULL when no check ran"),
         ("num_turns", pa.int32(), "generation spans"),
         ("num_tool_calls", pa.int32(), "tool spans"),
@@ -116,6 +120,13 @@ TABLES: dict[str, list[tuple[str, pa.DataType, str]]] = {
         # 1.1
         ("health_checks", pa.list_(pa.string()), "the health checks that ran on it (docs/health.md); NULL when "
                                                  "unknown"),
+        # 1.2
+        ("recorded", pa.bool_(), "recorded in full: its spans and conversation are written; false: a rollout "
+                                 "counted by its summary only (sampled out); NULL in files before 1.2 (recorded)"),
+        ("priority", pa.float64(), "its rank in the step's sample (the lowest are kept): readers cut the samples of "
+                                   "several collectors to the one-collector sample by it"),
+        ("finish_reasons", pa.map_(pa.string(), pa.int64()), "every generation's finish reasons, counted "
+                                                             "(the step metrics' `finish_reason/<reason>_frac`)"),
     ],
     SPANS: [
         ("run", pa.string(), "as in trajectories"),

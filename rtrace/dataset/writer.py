@@ -42,6 +42,7 @@ each.
 from __future__ import annotations
 
 import bisect
+import json
 import os
 import threading
 import time
@@ -56,7 +57,7 @@ from .. import _stats
 from ..trajectory import Trajectory
 from . import encode
 from .layout import FileName, Store, partition_dir, steps_dir
-from .schema import SPANS, TRAJECTORIES
+from .schema import SELECTION_KEY, SPANS, TRAJECTORIES
 
 __all__ = ["DatasetWriter", "WriteResult", "ROW_GROUP_ROWS"]
 
@@ -109,9 +110,15 @@ class DatasetWriter:
 
     def __init__(self, store: Store, run: str, compact_files: int = 8, idle_s: float = 30.0,
                  target_bytes: int = 256 * 1024 * 1024, stats_prefix: str = "sink.parquet",
-                 cache_bytes: int = 64 * 1024 * 1024, steps_per_file: int | None = None) -> None:
+                 cache_bytes: int = 64 * 1024 * 1024, steps_per_file: int | None = None,
+                 every_rollout: bool = False, selection: dict[str, Any] | None = None) -> None:
         self.store = store
         self.run = run
+        #: how the writer's process chose the trajectories it keeps (``SELECTION_KEY`` in every
+        #: file's metadata): readers cut several writers' per-step samples with the same rule
+        self.selection = json.dumps(selection, sort_keys=True).encode() if selection else None
+        #: the run counts every rollout (a row each, summaries included): every row is in_sample
+        self.every_rollout = every_rollout
         self.writer_id = os.urandom(8).hex()
         self.compact_files = max(2, compact_files)
         #: finished steps merged into one file of steps/ (0 or 1: never)
@@ -200,10 +207,11 @@ class DatasetWriter:
 
     def _encode(self, trajs: list[Trajectory], rows: list[Any]) -> tuple[pa.Table, pa.Table, int, int]:
         try:
-            t, s = encode.tables([r if r is not None else encode.rows_of(t, self.run) for t, r in zip(trajs, rows)])
+            t, s = encode.tables([r if r is not None else encode.rows_of(t, self.run, self.every_rollout)
+                                  for t, r in zip(trajs, rows)])
             return t, s, 0, 0
         except Exception:  # one trajectory at a time, degrading what Arrow refuses
-            return encode.encode_safely(trajs, self.run)
+            return encode.encode_safely(trajs, self.run, self.every_rollout)
 
     def _write_pair(self, part: _Partition, name: FileName, ttable: Any, stable: Any) -> int:
         """Write a file of each table. Returns the bytes written. ``ttable`` / ``stable``: a
@@ -252,6 +260,8 @@ class DatasetWriter:
         metadata = dict(tables[0].schema.metadata or {})
         metadata[b"rtrace.writer"] = self.writer_id.encode()
         metadata[b"rtrace.run"] = self.run.encode()
+        if self.selection is not None:
+            metadata[SELECTION_KEY.encode()] = self.selection
         if len(tables) == 1:
             pq.write_table(tables[0].replace_schema_metadata(metadata), out, row_group_size=ROW_GROUP_ROWS,
                            compression=codec, use_dictionary=DICTIONARY[name], write_statistics=STATISTICS[name])

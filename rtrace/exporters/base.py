@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..config import Settings
+from ..summary import RolloutSummary
 from ..trajectory import StepMetrics, Trajectory
 
 __all__ = ["Sink", "PartialExport"]
@@ -88,6 +89,16 @@ class Sink:
             metrics: one entry per finished (validate, step).
         """
 
+    def export_summaries(self, summaries: Sequence[RolloutSummary]) -> None:
+        """Optional: write the summaries of finished rollouts this sink gets no trajectory
+        of (sampled out, or recorded as summaries only; docs/metrics.md), so that it holds
+        every rollout (the dataset's trajectories table). Called from the sink's thread;
+        what it raises is counted (``sink.<name>.failed_summaries``).
+
+        Args:
+            summaries: one :class:`~rtrace.summary.RolloutSummary` per rollout.
+        """
+
     def flush(self, timeout_s: float) -> None:
         """Make everything exported so far durable (e.g. wait for a writer thread).
 
@@ -97,3 +108,17 @@ class Sink:
 
     def shutdown(self) -> None:
         """Flush and release resources; no export follows."""
+
+    def unfinished_shutdown(self) -> str | None:
+        """Optional: :meth:`shutdown` did not return within ``sink_timeout_s``, though every
+        trajectory handed to the sink was exported (nothing was queued or inside
+        :meth:`export`). A sink whose exported data is complete all the same says what its
+        shutdown left undone (the parquet sink: its final merge), counting it itself; the
+        default, None, counts a shutdown timeout (``sink.<name>.shutdown_timeouts``).
+        Called from the stopping thread while the sink's own thread is still in shutdown:
+        read nothing it changes.
+
+        Returns:
+            A sentence for the log, or None.
+        """
+        return None

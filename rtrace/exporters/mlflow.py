@@ -237,7 +237,8 @@ def mlflow_attributes(traj: Trajectory, span: SpanRecord, is_root: bool, tag_att
 class _Converter:
     """Trajectories -> OTel spans (the shared conversion) with MLflow's attributes."""
 
-    def __init__(self, max_value_chars: int = DEFAULT_MAX_VALUE_CHARS, semconv: str = DEFAULT_SEMCONV) -> None:
+    def __init__(self, max_value_chars: int = DEFAULT_MAX_VALUE_CHARS, semconv: str = DEFAULT_SEMCONV,
+                 provider: str | None = None) -> None:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
@@ -249,13 +250,15 @@ class _Converter:
         self.scope = InstrumentationScope("rtrace", __version__)
         self.max_value_chars = max_value_chars
         self.semconv = semconv
+        self.provider = provider
 
     def request(self, trajectories: Sequence[Trajectory], tag_attributes: bool = True) -> Any:
         """One OTLP request holding the spans of ``trajectories``, MLflow's attributes included."""
         def extra(traj: Trajectory, span: SpanRecord, is_root: bool) -> dict[str, Any]:
             return mlflow_attributes(traj, span, is_root, tag_attributes)
 
-        return to_otlp_request(trajectories, self.resource, self.scope, self.max_value_chars, extra, self.semconv)
+        return to_otlp_request(trajectories, self.resource, self.scope, self.max_value_chars, extra, self.semconv,
+                               self.provider)
 
     def trajectory(self, traj: Trajectory, tag_attributes: bool = True) -> list[Any]:
         """The OTLP protobuf spans of one trajectory."""
@@ -558,7 +561,8 @@ class MlflowSink(Sink):
                 backend = _StoreBackend(uri)
         else:
             backend = _StoreBackend(uri)
-        self._converter = _Converter(self.settings.max_value_chars, self.settings.semconv)
+        self._converter = _Converter(self.settings.max_value_chars, self.settings.semconv,
+                                     self.settings.genai_provider)
         self._backend = backend
         return backend
 

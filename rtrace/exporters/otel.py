@@ -8,8 +8,9 @@ into SDK ``ReadableSpan`` objects by :func:`to_readable_spans`. The MLflow sink 
 to ``Span.from_otel_proto``. Every output therefore shows a trajectory the same way:
 
 * **ids**: the trace id and span ids of the trajectory (hex in the Trajectory, ints in
-  the SDK, bytes in OTLP); span kind INTERNAL; start / end times (an end before the start
-  is raised to the start).
+  the SDK, bytes in OTLP); span kind INTERNAL, but CLIENT for a generation the capture
+  gateway recorded (a call to a model server over HTTP: :func:`~rtrace.exporters.semconv.span_kind`);
+  start / end times (an end before the start is raised to the start).
 * **parents**: each span's ``parent_id``. A trajectory root normally has none. A
   *segment* root (the part of a trajectory that ran in another process, opened by
   ``rtrace.extract``) carries ``rtrace.remote_parent`` = the 16-hex id of the span that
@@ -41,7 +42,8 @@ to ``Span.from_otel_proto``. Every output therefore shows a trajectory the same 
   GenAI attributes (messages as typed parts, tool call arguments and result, conversation
   id...), and the reward terms are ``gen_ai.evaluation.result`` events on the root
   (:mod:`rtrace.exporters.semconv`, docs/semconv.md); ``genai`` leaves out rtrace's copies
-  of what those carry. ``rl.*`` is the same in every mode.
+  of what those carry, and ``gen_ai.provider.name`` is written where known (``provider``:
+  ``RTRACE_GENAI_PROVIDER``). ``rl.*`` is the same in every mode.
 
 A sink may add backend-specific attributes on top of the encoded spans (``extra`` of
 :func:`to_otlp_request`): OTLP ``AnyValue`` has maps and nested lists, which the SDK's
@@ -55,13 +57,14 @@ doubled the MLflow sink's conversion cost).
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
+from ..placement import ROUTE_ATTR
 from .._serialize import attr_ok, fast_json, json_default, plain_json, strict_json, truncate, vouched
 from ..trajectory import SpanRecord, Trajectory, token_field
 from . import otlp_wire
 from .semconv import (DUPLICATES, INPUT_CHARS_FACTOR, MODES, Conversation, evaluation_events,
-                      genai_attributes, span_name)
+                      genai_attributes, span_kind, span_name)
 
 __all__ = ["encode_compact", "RECORD_ATTR", "to_readable_spans", "otel_spans", "OtelSpan", "encode_request",
            "to_otlp_request", "to_otlp_protos", "otlp_spans",
@@ -88,6 +91,7 @@ class OtelSpan(NamedTuple):
     attributes: dict[str, Any]
     events: list[tuple[str, Mapping[str, Any], int]]  #: (name, attributes, time)
     error: str | None | bool  #: False: status UNSET; else ERROR with this description (None: none)
+    kind: str = "internal"  #: ``internal`` or ``client`` (semconv.span_kind)
 
 
 #: ``extra(trajectory, span, is_root) -> {key: value}``: attributes a sink adds on top.
@@ -220,14 +224,15 @@ def set_any_value(pb: Any, value: Any) -> None:
 # ----------------------------------------------------------------------------- spans
 def span_attributes(traj: Trajectory, rec: SpanRecord, is_root: bool,
                     max_value_chars: int = DEFAULT_MAX_VALUE_CHARS, semconv: str = DEFAULT_SEMCONV,
-                    conversation: Conversation | None = None) -> dict[str, Any]:
+                    conversation: Conversation | None = None, provider: str | None = None) -> dict[str, Any]:
     """The OTel attributes of one span (see the module docstring); with ``semconv``
     ``both`` or ``genai``, the GenAI ones too (:func:`rtrace.exporters.semconv.genai_attributes`;
-    ``conversation``: the trajectory's, shared by its spans)."""
+    ``conversation``: the trajectory's, shared by its spans; ``provider``: the configured
+    ``gen_ai.provider.name``)."""
     attrs = attributes(rec.attributes)
     drop = ()
     if semconv != "rtrace":
-        conversation = conversation or Conversation(traj, max_value_chars * INPUT_CHARS_FACTOR)
+        conversation = conversation or Conversation(traj, max_value_chars * INPUT_CHARS_FACTOR, provider)
         attrs.update(genai_attributes(conversation, rec, is_root))
         if semconv == "genai":
             drop = DUPLICATES.get(rec.kind, ())
@@ -283,7 +288,7 @@ def _token_attributes(attrs: dict[str, Any], values: dict[str, Any], limit: int)
 
 
 def otel_spans(trajectories: Iterable[Trajectory], max_value_chars: int = DEFAULT_MAX_VALUE_CHARS,
-               semconv: str = DEFAULT_SEMCONV) -> Iterator[OtelSpan]:
+               semconv: str = DEFAULT_SEMCONV, provider: str | None = None) -> Iterator[OtelSpan]:
     """The one conversion: each span of the trajectories, in their order, as an
     :class:`OtelSpan` (what the module docstring describes). :func:`to_readable_spans` makes
     SDK spans of them, :func:`encode_request` OTLP protobuf bytes."""
@@ -292,7 +297,7 @@ def otel_spans(trajectories: Iterable[Trajectory], max_value_chars: int = DEFAUL
     genai = semconv != "rtrace"
     limit = max_value_chars * INPUT_CHARS_FACTOR
     for traj in trajectories:
-        conversation = Conversation(traj, limit) if genai else None
+        conversation = Conversation(traj, limit, provider) if genai else None
         for i, rec in enumerate(traj.spans):
             is_root = i == 0
             parent, remote = rec.parent_id, False
@@ -311,11 +316,12 @@ def otel_spans(trajectories: Iterable[Trajectory], max_value_chars: int = DEFAUL
             # an error's description: its text, or None; False: status UNSET
             error = (utf8(rec.error) if rec.error else None) if rec.status == "error" else False
             yield OtelSpan(traj.trace_id, rec.span_id, parent or None, remote, utf8(name), rec.start_ns,
-                           max(rec.end_ns, rec.start_ns), attrs, events, error)
+                           max(rec.end_ns, rec.start_ns), attrs, events, error, span_kind(rec))
 
 
 def to_readable_spans(trajectories: Trajectory | Iterable[Trajectory], resource: Any, scope: Any = None,
-                      max_value_chars: int = DEFAULT_MAX_VALUE_CHARS, semconv: str = DEFAULT_SEMCONV) -> list[Any]:
+                      max_value_chars: int = DEFAULT_MAX_VALUE_CHARS, semconv: str = DEFAULT_SEMCONV,
+                      provider: str | None = None) -> list[Any]:
     """The SDK ``ReadableSpan`` objects of one or more trajectories, in their order.
 
     Args:
@@ -339,21 +345,23 @@ def to_readable_spans(trajectories: Trajectory | Iterable[Trajectory], resource:
     sampled = TraceFlags(TraceFlags.SAMPLED)
     unset = Status(StatusCode.UNSET)
     out = []
-    for s in otel_spans(trajectories, max_value_chars, semconv):
+    for s in otel_spans(trajectories, max_value_chars, semconv, provider):
         trace_id = int(s.trace_id, 16)
         parent = (SpanContext(trace_id, int(s.parent_id, 16), is_remote=s.remote, trace_flags=sampled)
                   if s.parent_id else None)
         out.append(ReadableSpan(
             name=s.name, context=SpanContext(trace_id, int(s.span_id, 16), is_remote=False, trace_flags=sampled),
             parent=parent, resource=resource, attributes=s.attributes,
-            events=[Event(n, a, timestamp=ts) for n, a, ts in s.events], kind=SpanKind.INTERNAL,
+            events=[Event(n, a, timestamp=ts) for n, a, ts in s.events],
+            kind=SpanKind.CLIENT if s.kind == "client" else SpanKind.INTERNAL,
             status=unset if s.error is False else Status(StatusCode.ERROR, s.error),
             start_time=s.start_ns, end_time=s.end_ns, instrumentation_scope=scope))
     return out
 
 
 def encode_request(trajectories: Trajectory | Iterable[Trajectory], resource: Any, scope: Any = None,
-                   max_value_chars: int = DEFAULT_MAX_VALUE_CHARS, semconv: str = DEFAULT_SEMCONV) -> bytes:
+                   max_value_chars: int = DEFAULT_MAX_VALUE_CHARS, semconv: str = DEFAULT_SEMCONV,
+                   provider: str | None = None) -> bytes:
     """The serialized OTLP ``ExportTraceServiceRequest`` of the trajectories' spans (an
     OTLP/HTTP request body, a gRPC ``Export`` request): the same bytes as the OTel SDK's
     encoder makes of :func:`to_readable_spans` (same arguments), written directly
@@ -368,11 +376,11 @@ def encode_request(trajectories: Trajectory | Iterable[Trajectory], resource: An
     spans: list[bytes] = []
     fields: dict = {}  # attributes encoded in this request (otlp_wire.attributes)
     trace_hex = trace_id = None
-    for s in otel_spans(trajectories, max_value_chars, semconv):
+    for s in otel_spans(trajectories, max_value_chars, semconv, provider):
         if s.trace_id is not trace_hex:
             trace_hex, trace_id = s.trace_id, _id_bytes(s.trace_id, 16)
         spans.append(span(trace_id, _id_bytes(s.span_id, 8), _id_bytes(s.parent_id, 8) if s.parent_id else None,
-                          s.remote, s.name, s.start_ns, s.end_ns, s.attributes, s.events, s.error, fields))
+                          s.remote, s.name, s.start_ns, s.end_ns, s.attributes, s.events, s.error, fields, s.kind))
     scope_body = otlp_wire.scope(scope.name, scope.version) if scope is not None else b""
     return otlp_wire.request(resource.attributes, scope_body, spans)
 
@@ -389,7 +397,7 @@ def _id_bytes(hex_id: str, size: int) -> bytes:
 
 def to_otlp_request(trajectories: Trajectory | Iterable[Trajectory], resource: Any, scope: Any = None,
                     max_value_chars: int = DEFAULT_MAX_VALUE_CHARS, extra: ExtraAttributes | None = None,
-                    semconv: str = DEFAULT_SEMCONV) -> Any:
+                    semconv: str = DEFAULT_SEMCONV, provider: str | None = None) -> Any:
     """The trajectories' spans as one OTLP ``ExportTraceServiceRequest`` message: the
     bytes of :func:`encode_request` (what the OTel SDK's encoder makes of
     :func:`to_readable_spans`) parsed, then ``extra(trajectory, span, is_root)``
@@ -401,7 +409,7 @@ def to_otlp_request(trajectories: Trajectory | Iterable[Trajectory], resource: A
 
     trajectories = (trajectories,) if isinstance(trajectories, Trajectory) else tuple(trajectories)
     request = ExportTraceServiceRequest.FromString(
-        encode_request(trajectories, resource, scope, max_value_chars, semconv))
+        encode_request(trajectories, resource, scope, max_value_chars, semconv, provider))
     if extra is not None:
         protos = iter(otlp_spans(request))  # one resource and scope: the spans' order
         for traj in trajectories:
@@ -417,10 +425,11 @@ def to_otlp_request(trajectories: Trajectory | Iterable[Trajectory], resource: A
 
 def to_otlp_protos(trajectories: Trajectory | Iterable[Trajectory], resource: Any, scope: Any = None,
                    max_value_chars: int = DEFAULT_MAX_VALUE_CHARS,
-                   extra: ExtraAttributes | None = None, semconv: str = DEFAULT_SEMCONV) -> list[Any]:
+                   extra: ExtraAttributes | None = None, semconv: str = DEFAULT_SEMCONV,
+                   provider: str | None = None) -> list[Any]:
     """The OTLP protobuf ``Span`` messages of :func:`to_otlp_request` (same arguments),
     one per span, in the trajectories' order."""
-    return otlp_spans(to_otlp_request(trajectories, resource, scope, max_value_chars, extra, semconv))
+    return otlp_spans(to_otlp_request(trajectories, resource, scope, max_value_chars, extra, semconv, provider))
 
 
 def otlp_spans(request: Any) -> list[Any]:
@@ -438,7 +447,7 @@ _COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators
 
 
 def encode_compact(trajectories: Iterable[Trajectory], resource_attributes: Mapping[str, Any],
-                   max_value_chars: int = DEFAULT_MAX_VALUE_CHARS) -> Any:
+                   max_value_chars: int = DEFAULT_MAX_VALUE_CHARS, routes: Sequence[str] | None = None) -> Any:
     """One OTLP ``ExportTraceServiceRequest`` for the worker -> collector hop.
 
     Each span keeps its standard OTLP fields (trace and span ids, parent, name, times,
@@ -449,6 +458,11 @@ def encode_compact(trajectories: Iterable[Trajectory], resource_attributes: Mapp
     (``rtrace.pipeline.collector``). One protobuf value instead of one per attribute: the
     encoding costs the worker a fraction of the SDK's generic encoder. The sinks' OTLP
     output (:func:`to_readable_spans`) is unaffected.
+
+    ``routes`` (one per trajectory; equal ones next to each other): each run of equal routes
+    gets a resource of its own, the resource attributes plus :data:`rtrace.placement.ROUTE_ATTR`
+    = the route, which an OpenTelemetry Collector's loadbalancing exporter routes by
+    (``routing_key: attributes``): once per rollout group rather than once per span.
     """
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
     from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
@@ -476,8 +490,20 @@ def encode_compact(trajectories: Iterable[Trajectory], resource_attributes: Mapp
     resource_spans = request.resource_spans.add()
     for key, value in attributes(resource_attributes).items():
         put(resource_spans.resource.attributes, key, value)
+    base = None
     add = resource_spans.scope_spans.add().spans.add
-    for traj in trajectories:
+    route: str | None = None
+    for n, traj in enumerate(trajectories):
+        if routes is not None and routes[n] != route:
+            if route is None:  # the first group: the resource made above
+                base = type(resource_spans.resource)()
+                base.CopyFrom(resource_spans.resource)
+            else:  # the next group: a resource of its own
+                resource_spans = request.resource_spans.add()
+                resource_spans.resource.CopyFrom(base)
+                add = resource_spans.scope_spans.add().spans.add
+            route = routes[n]
+            put(resource_spans.resource.attributes, ROUTE_ATTR, route)
         trace_id = fromhex(traj.trace_id)
         # a segment the worker vouched for (converted values only) skips the NaN walk
         to_json = plain_json if vouched(traj) else fast_json

@@ -133,7 +133,7 @@ class OtlpSink(Sink):
                 raise RuntimeError("the otlp sink is shut down")
             sender = self._get_sender()
         body = encode_request(trajectories, self._resource, self._scope, self.settings.max_value_chars,
-                              self.settings.semconv)
+                              self.settings.semconv, self.settings.genai_provider)
         if body:
             sender.send(body)
 

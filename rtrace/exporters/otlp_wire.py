@@ -12,7 +12,7 @@ sets (a span's status, an attribute's value) always written
 (``tests/test_otlp_wire.py`` compares the bytes with the SDK encoder's, and decodes them
 with opentelemetry-proto).
 
-Only what rtrace's spans hold is written: ids, parent, name, kind INTERNAL, times,
+Only what rtrace's spans hold is written: ids, parent, name, kind (INTERNAL, CLIENT), times,
 attributes, events, status and flags; no trace state, links or dropped counts (always
 empty or zero in rtrace's spans). Values follow the SDK encoder's rules (bool, str, int,
 float, bytes, sequences, mappings, None as an empty value).
@@ -39,6 +39,7 @@ _ARRAY, _KVLIST, _BYTES = b"*", b"2", b":"          # AnyValue 5, 6, 7
 _SPAN_ATTRIBUTE, _SPAN_EVENT, _SPAN_STATUS = b"J", b"Z", b"z"   # Span 9, 11, 15
 _EVENT_ATTRIBUTE = b"\x1a"                            # Span.Event 3
 _KIND_INTERNAL = b"0\x01"                             # Span 6 = SPAN_KIND_INTERNAL
+_KIND_CLIENT = b"0\x03"                               # Span 6 = SPAN_KIND_CLIENT
 #: Span 16 (fixed32): SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE, with _IS_REMOTE for a remote parent
 _FLAGS_LOCAL, _FLAGS_REMOTE = b"\x85\x01" + _fixed32(0x100), b"\x85\x01" + _fixed32(0x300)
 _STATUS_UNSET = b"z\x00"                              # a Status message with nothing set
@@ -167,17 +168,17 @@ def event(name: str, attrs: Mapping[str, Any], time_ns: int, fields: dict | None
 
 def span(trace_id: bytes, span_id: bytes, parent_id: bytes | None, remote: bool, name: str, start_ns: int,
          end_ns: int, attrs: Mapping[str, Any], events: Iterable[tuple[str, Mapping[str, Any], int]],
-         error: str | None | bool, fields: dict | None = None) -> bytes:
-    """A ``Span`` message (its body): kind INTERNAL; ``error`` False for status UNSET, else
-    status ERROR with that description (None or "" for none); ``fields``: see
-    :func:`attributes`."""
+         error: str | None | bool, fields: dict | None = None, kind: str = "internal") -> bytes:
+    """A ``Span`` message (its body): ``kind`` INTERNAL or ``client`` CLIENT; ``error`` False
+    for status UNSET, else status ERROR with that description (None or "" for none);
+    ``fields``: see :func:`attributes`."""
     parts = [b"\n\x10" + trace_id + b"\x12\x08" + span_id]
     if parent_id:
         parts.append(b'"\x08' + parent_id)
     if name:
         data = _utf8(name)
         parts.append(b"*" + varint(len(data)) + data)
-    parts.append(_KIND_INTERNAL)
+    parts.append(_KIND_CLIENT if kind == "client" else _KIND_INTERNAL)
     if start_ns:
         parts.append(b"9" + _fixed64(start_ns))
     if end_ns:

@@ -23,6 +23,7 @@ from typing import Sequence
 
 from .. import _stats
 from ..config import Settings
+from ..summary import RolloutSummary
 from ..trajectory import Trajectory
 from .base import PartialExport, Sink
 
@@ -68,16 +69,24 @@ class ParquetSink(Sink):
             from ..dataset.layout import open_store
             from ..dataset.writer import DatasetWriter
 
-            self._writer = DatasetWriter(open_store(self.path), self.run)
+            s = self.settings
+            selection = {"cap": s.max_traces_per_step, "val_cap": s.val_cap, "groups": s.sample_groups,
+                         "seed": s.sample_seed, "prompts": s.sample_prompts, "keep_errors": s.keep_errors,
+                         "keep_extremes": s.keep_extremes, "keep_zero_variance": s.keep_zero_variance_groups,
+                         "keep_unhealthy": s.keep_unhealthy if s.health_checks else 0,
+                         "keep_mismatch": s.keep_mismatch if "logprob_mismatch" in s.health_checks else 0,
+                         "keep_by": s.keep_by, "summaries": s.summaries}
+            self._writer = DatasetWriter(open_store(self.path), self.run, every_rollout=s.summaries,
+                                         selection=selection)
         return self._writer
 
     def prepare(self, trajectories: Sequence[Trajectory]) -> None:
         """Each trajectory's rows, on the pipeline's thread (a trajectory that fails is left
         to :meth:`export`, which encodes it again and counts it)."""
-        rows_of, run = self._encode.rows_of, self.run
+        rows_of, run, every = self._encode.rows_of, self.run, self.settings.summaries
         for traj in trajectories:
             try:
-                traj.__dict__[_ROWS] = rows_of(traj, run)
+                traj.__dict__[_ROWS] = rows_of(traj, run, every)
             except Exception:
                 pass
 
@@ -104,6 +113,19 @@ class ParquetSink(Sink):
             raise OSError(f"rtrace parquet sink: {result.failed} trajectories were not written to {self.path} "
                           "(see sink.parquet.write_errors)")
 
+    def export_summaries(self, summaries: Sequence[RolloutSummary]) -> None:
+        """Write the rows of rollouts counted by their summaries only (``recorded`` false),
+        beside the trajectories' (docs/dataset.md): the table then holds every rollout.
+
+        Raises:
+            OSError: some were not written (counted: ``sink.parquet.failed_summaries``).
+        """
+        rows_of, run = self._encode.rows_of, self.run
+        result = self.writer.write(summaries, [rows_of(s, run) for s in summaries])
+        if result.failed:
+            raise OSError(f"rtrace parquet sink: {result.failed} of {len(summaries)} rollout summaries were not "
+                          f"written to {self.path} (see sink.parquet.write_errors)")
+
     def flush(self, timeout_s: float) -> None:
         """Everything exported is durable already; merge the partitions that went idle."""
         if self._writer is not None:
@@ -113,3 +135,12 @@ class ParquetSink(Sink):
         """Merge each partition's files into one (a step is one file per writer)."""
         if self._writer is not None:
             self._writer.close()
+
+    def unfinished_shutdown(self) -> str:
+        """The final merge ran out of ``sink_timeout_s`` (a large run, a loaded disk): every
+        batch was whole on disk when export returned, so the data is complete; the merge goes
+        on in the background and stops with the process (``sink.parquet.merge_deferred``)."""
+        _stats.incr("sink.parquet.merge_deferred")
+        return (f"every batch it exported is whole in {self.path}, so the data is complete; its final merge was left "
+                "for later (it goes on in the background until the process exits): the run keeps more files than "
+                "merged, which readers read as they are (rtrace.dataset.vacuum removes what a merge cut short leaves)")

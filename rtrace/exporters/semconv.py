@@ -8,7 +8,11 @@ collector's output and the MLflow sink all speak them:
 * **span names**: a ``rollout`` / ``agent`` span is ``invoke_agent {name}``, a generation
   ``chat {gen_ai.request.model}`` (``chat`` without a model), a tool call
   ``execute_tool {gen_ai.tool.name}``; every other span keeps its name;
-* **attributes**: ``gen_ai.operation.name``, ``gen_ai.agent.name``,
+* **span kind**: ``CLIENT`` for a generation the capture gateway recorded (a call to a model
+  server over HTTP), ``INTERNAL`` for every other span (:func:`span_kind`, in every mode);
+* **attributes**: ``gen_ai.operation.name``, ``gen_ai.provider.name`` (what the generation
+  recorded, else ``RTRACE_GENAI_PROVIDER``; on ``invoke_agent`` the root's own, else the one
+  its generations agree on, else the setting), ``gen_ai.agent.name``,
   ``gen_ai.conversation.id`` (the trajectory: its trace id), ``gen_ai.input.messages`` /
   ``gen_ai.output.messages`` (JSON text of the conventions' message schema: role and typed
   parts ``text``, ``tool_call``, ``tool_call_response``, ``reasoning``),
@@ -34,14 +38,21 @@ from .._serialize import json_default, plain_json, strict_json
 from ..trajectory import (MESSAGE_INDEX, SpanRecord, Trajectory, chat_argument, response_text,
                           tool_call_id)
 
-__all__ = ["MODES", "EVALUATION_EVENT", "span_name", "genai_attributes", "evaluation_events",
-           "message_parts", "encode_message", "Conversation", "DUPLICATES", "input_messages", "INPUT_CHARS_FACTOR"]
+__all__ = ["MODES", "EVALUATION_EVENT", "PROVIDER", "span_name", "span_kind", "genai_attributes",
+           "evaluation_events", "message_parts", "encode_message", "Conversation", "DUPLICATES", "input_messages",
+           "INPUT_CHARS_FACTOR"]
 
 #: ``RTRACE_SEMCONV``: GenAI names next to rtrace's, GenAI names only, rtrace's only.
 MODES = ("both", "genai", "rtrace")
 
 #: The event a reward term becomes (``gen_ai.evaluation.result``).
 EVALUATION_EVENT = "gen_ai.evaluation.result"
+
+#: Which provider (engine, service) served a model call: required on ``chat`` and ``invoke_agent``.
+PROVIDER = "gen_ai.provider.name"
+
+#: The attribute the capture gateway puts on each call it records (rtrace/gateway/recorder.py).
+_GATEWAY_CALL = "rtrace.gateway.join"
 
 #: rtrace's copies of what the GenAI attributes carry, left out in ``genai`` mode (by span
 #: kind): the captured call and decoded text (the messages, the tool call's arguments and
@@ -212,18 +223,36 @@ def input_messages(encoded: list[str], task: int, limit: int) -> str:
 
 
 class Conversation:
-    """A trajectory's conversation, each message encoded once (GenAI schema, JSON text)."""
+    """A trajectory's conversation, each message encoded once (GenAI schema, JSON text), and
+    its provider (``provider``: the configured one, ``RTRACE_GENAI_PROVIDER``)."""
 
-    __slots__ = ("traj", "limit", "_encoded", "_calls", "_task", "_prefixes")
+    __slots__ = ("traj", "limit", "provider", "_agent_provider", "_encoded", "_calls", "_task", "_prefixes")
 
-    def __init__(self, traj: Trajectory, limit: int) -> None:
+    def __init__(self, traj: Trajectory, limit: int, provider: str | None = None) -> None:
         self.traj = traj
         self.limit = limit
+        self.provider = provider
+        self._agent_provider: Any = False  # not looked for yet
         self._encoded: list[str | None] = [None] * len(traj.messages)
         self._calls: dict[str, tuple[Any, str | None]] | None = None
         self._task: int | None = None
         #: end -> prefix(end): the root and the first generation share the task
         self._prefixes: dict[int, str] = {}
+
+    def generation_provider(self) -> str | None:
+        """``gen_ai.provider.name`` of a generation that recorded none: the root's, else the setting."""
+        root = self.traj.spans[0].attributes.get(PROVIDER) if self.traj.spans else None
+        return root if isinstance(root, str) and root else self.provider
+
+    def agent_provider(self) -> str | None:
+        """``gen_ai.provider.name`` of an ``invoke_agent`` span that recorded none: the one the
+        trajectory's generations recorded when they agree, else the setting."""
+        if self._agent_provider is False:
+            seen = {s.attributes.get(PROVIDER) for s in self.traj.spans if s.kind == "generation"}
+            seen.discard(None)
+            one = seen.pop() if len(seen) == 1 else None
+            self._agent_provider = one if isinstance(one, str) and one else self.provider
+        return self._agent_provider
 
     def encoded(self, i: int) -> str:
         text = self._encoded[i]
@@ -294,6 +323,14 @@ def span_name(rec: SpanRecord) -> str | None:
         tool = attrs.get("gen_ai.tool.name") or rec.name
         return f"execute_tool {tool}"
     return None
+
+
+def span_kind(rec: SpanRecord) -> str:
+    """The OTel span kind of a span: ``client`` for a generation the capture gateway recorded
+    (a call to a model server over HTTP: the GenAI conventions' CLIENT); ``internal`` for the
+    rest, a decorated generation included (in the process, or through the trainer's own
+    engine: rtrace cannot tell a server call from a model in the process)."""
+    return "client" if rec.kind == "generation" and _GATEWAY_CALL in rec.attributes else "internal"
 
 
 def _error_type(rec: SpanRecord) -> str:
@@ -385,6 +422,10 @@ def genai_attributes(conv: Conversation, rec: SpanRecord, is_root: bool) -> dict
     out: dict[str, Any] = {}
     if kind in _AGENT_KINDS:
         out["gen_ai.operation.name"] = "invoke_agent"
+        if PROVIDER not in attrs:
+            provider = conv.agent_provider()
+            if provider is not None:
+                out[PROVIDER] = provider
         out["gen_ai.agent.name"] = rec.name
         out["gen_ai.conversation.id"] = traj.trace_id
         if is_root and traj.messages:
@@ -394,6 +435,10 @@ def genai_attributes(conv: Conversation, rec: SpanRecord, is_root: bool) -> dict
                 out["gen_ai.output.messages"] = output_message(conv.encoded(last), traj.finish_reason)
     elif kind == "generation":
         out["gen_ai.operation.name"] = "chat"
+        if PROVIDER not in attrs:
+            provider = conv.generation_provider()
+            if provider is not None:
+                out[PROVIDER] = provider
         out["gen_ai.conversation.id"] = traj.trace_id
         _request_attributes(out, rec)
         linked = traj.turn_of(rec) is not None

@@ -40,23 +40,25 @@ from ..instrumentation.propagation import baggage_coordinates
 from . import keys as _keys
 from .errors import Refused, error_body, error_response
 from .http import Request as HttpRequest, call_asgi
-from .protocol import CHAT, COMPLETIONS, SseSplitter, chunk_kept, dumps, edit, event_data, loads, prepare, strip
+from .protocol import (CHAT, COMPLETIONS, RESPONSES, SseSplitter, chunk_kept, dumps, edit, ends_stream, event_data,
+                       loads, prepare, strip)
 from .recorder import Join, Record, open_call, remote_context
 from .session_api import SessionAPI
 from .sessions import SessionError, Sessions
-from .upstream import Upstream, UpstreamError, shown_url
+from .upstream import Upstream, UpstreamError, identify, shown_url
 
 __all__ = ["Gateway", "SERVED", "error_response"]
 
 #: What the gateway serves, named in its 404 answers.
-SERVED = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models (the same under /k/<rollout key>/v1/), "
+SERVED = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models (the same under "
+          "/k/<rollout key>/v1/), "
           "POST /rtrace/sessions, GET /rtrace/sessions/<id>, POST /rtrace/sessions/<id>/reward, "
           "POST /rtrace/sessions/<id>/end, GET /rtrace/stats, GET /rtrace/health")
 
-_PATHS = {CHAT: "/chat/completions", COMPLETIONS: "/completions"}
+_PATHS = {CHAT: "/chat/completions", COMPLETIONS: "/completions", RESPONSES: "/responses"}
 #: the model calls' routes (POST), answered by Gateway.handle itself
-_MODEL_ROUTES = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS}
-_KEYED_ROUTES = {"v1/chat/completions": CHAT, "v1/completions": COMPLETIONS}
+_MODEL_ROUTES = {"/v1" + path: kind for kind, path in _PATHS.items()}
+_KEYED_ROUTES = {"v1" + path: kind for kind, path in _PATHS.items()}
 #: request headers never passed upstream as they are (hop-by-hop, or replaced by the gateway)
 _DROP_REQUEST = frozenset(("host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
                            "trailer", "upgrade", "proxy-authorization", "proxy-connection", "expect",
@@ -65,9 +67,25 @@ _DROP_REQUEST = frozenset(("host", "content-length", "connection", "keep-alive",
 _DROP_RESPONSE = frozenset((b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"date",
                             b"server"))
 _JSON = [(b"content-type", b"application/json")]
+#: what _pipe returns when the client closed its connection before the upstream's body ended
+CLIENT_GONE = "the client went away during the stream"
 #: a whole answer the gateway must strip (it asked for ids or logprobs the client did not) is held
 #: up to this many times RTRACE_GATEWAY_MAX_RESPONSE_BYTES (recorded only up to 1x); past it: 502
 HOLD_FACTOR = 4
+
+
+#: while the upstream has not said what it is, it is asked again at most this often (seconds)
+IDENTIFY_EVERY_S = 10.0
+
+
+class UpstreamIdentity:
+    """What the upstream is, shared with the calls' records (read in the worker)."""
+
+    __slots__ = ("provider",)
+
+    def __init__(self) -> None:
+        #: ``gen_ai.provider.name`` (``vllm``, ``sglang``, ``openai``); None: not known
+        self.provider: str | None = None
 
 
 def _model_route(path: str) -> tuple[str | None, str | None]:
@@ -143,6 +161,12 @@ class Gateway(SessionAPI):
         self.upstream_shown = shown_url(self.upstream_url)
         self._upstream: Upstream | None = None  # made on the serving loop (its connections belong to it)
         self._sweeper: Any = None
+        #: what the upstream is (``gen_ai.provider.name`` of the calls: ``vllm``, ``sglang``, ``openai``),
+        #: once it said (identify); asked at start and, while unknown, again with a call at most every
+        #: IDENTIFY_EVERY_S
+        self.identity = UpstreamIdentity()
+        self._identifying: Any = None
+        self._identified_at = -IDENTIFY_EVERY_S
         #: the base URL clients reach this gateway at (set by the server once it listens)
         self.url: str | None = None
         self.app = Starlette(routes=self.routes(), exception_handlers={404: self._not_found, 405: self._not_allowed})
@@ -153,9 +177,11 @@ class Gateway(SessionAPI):
         return [
             Route("/v1/chat/completions", self._served_natively, methods=["POST"]),
             Route("/v1/completions", self._served_natively, methods=["POST"]),
+            Route("/v1/responses", self._served_natively, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/k/{key}/v1/chat/completions", self._served_natively, methods=["POST"]),
             Route("/k/{key}/v1/completions", self._served_natively, methods=["POST"]),
+            Route("/k/{key}/v1/responses", self._served_natively, methods=["POST"]),
             Route("/k/{key}/v1/models", self.models, methods=["GET"]),
             Route("/rtrace/sessions", self.open_session, methods=["POST"]),
             Route("/rtrace/sessions/{sid}", self.session_info, methods=["GET"]),
@@ -176,12 +202,34 @@ class Gateway(SessionAPI):
     def startup(self) -> None:
         """Called by the server on its loop once it listens."""
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        self._identify(self._headers({}, None, None))
+
+    def _identify(self, headers: list[tuple[str, str]]) -> None:
+        """Ask the upstream what it is, in a task of its own, unless it said already, is being
+        asked, or was asked within IDENTIFY_EVERY_S (an upstream still starting answers later)."""
+        loop = asyncio.get_running_loop()
+        if self.identity.provider is not None or self._identifying is not None \
+                or loop.time() - self._identified_at < IDENTIFY_EVERY_S:
+            return
+        self._identified_at = loop.time()
+
+        async def ask() -> None:
+            try:
+                self.identity.provider = await identify(self.upstream, headers)
+            except Exception:
+                _stats.incr("internal_errors")
+            finally:
+                self._identifying = None
+
+        self._identifying = loop.create_task(ask())
 
     async def shutdown(self) -> None:
         """Called by the server on its loop once it stopped serving."""
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
+        if self._identifying is not None:
+            self._identifying.cancel()
         if self._upstream is not None:  # its connections belong to the loop that ends now
             self._upstream.close()
             self._upstream = None
@@ -346,7 +394,9 @@ class Gateway(SessionAPI):
         sent, asked = prepare(payload, kind, s.gateway_token_ids, s.gateway_logprobs)
         up_headers = self._headers(headers, key, call.traceparent)
         data = dumps(sent) if sent is not payload else body
-        record = Record(call, kind, payload, asked, self.settings, self.runtime)
+        record = Record(call, kind, payload, asked, self.settings, self.runtime, self.identity)
+        if self.identity.provider is None:
+            self._identify(self._headers(headers, key, None))
         try:
             reply = await self.upstream.request("POST", _PATHS[kind], up_headers, data)
         except UpstreamError as exc:
@@ -491,7 +541,7 @@ class Gateway(SessionAPI):
         finally:
             request.on_gone = request.on_pause = None
         if error == "gone":
-            return "the client went away during the stream"
+            return CLIENT_GONE
         reply.close()
         if error is not None:
             _stats.incr(f"gateway_upstream_errors.{error.kind}")
@@ -507,12 +557,15 @@ class Gateway(SessionAPI):
         hold = limit * HOLD_FACTOR  # the most of one event held to strip it
         splitter = SseSplitter()
         size = 0
+        #: the last bytes passed to the client: did they end the answer? (a client that closes then
+        #: closes a complete answer: see below)
+        tail = b""
 
         events = record.events
         now = time.time_ns
 
         def on_data(chunk: bytes) -> None:
-            nonlocal size
+            nonlocal size, tail
             size += len(chunk)
             if size > limit and record.capturing:
                 record.capturing = False
@@ -521,6 +574,7 @@ class Gateway(SessionAPI):
                                         "(RTRACE_GATEWAY_MAX_RESPONSE_BYTES): recorded up to there")
             if not asked:
                 request.write(chunk)  # as it came; kept beside, once the chunk is on its way
+                tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else (tail + chunk)[-_TAIL:]
                 if record.capturing:
                     at = now()
                     for event in splitter.feed(chunk):
@@ -550,7 +604,9 @@ class Gateway(SessionAPI):
                 elif chunk_kept(obj):
                     out.append(_event_with(event, dumps(obj)))
             if out:
-                request.write(b"".join(out))
+                data = b"".join(out)
+                request.write(data)
+                tail = data[-_TAIL:] if len(data) >= _TAIL else (tail + data)[-_TAIL:]
             if splitter.pending > hold:  # an event too large to hold and strip: the stream is cut, not leaked
                 _stats.incr("gateway_responses_refused_too_large")
                 reply.fail(f"a streamed event larger than {hold} bytes ({HOLD_FACTOR} x "
@@ -563,6 +619,13 @@ class Gateway(SessionAPI):
         except BaseException:
             record.finish(error="the gateway stopped during the stream")
             raise
+        if error == CLIENT_GONE and (_done(tail) or (events and ends_stream(
+                events[-1][1], record.payload.get("n") in (None, 1)))):
+            # The client closed after the answer's end had reached it: the openai SDK closes as soon
+            # as it reads `data: [DONE]`, which may come before the upstream's body has ended (its
+            # last chunk a little later). What it got is the whole answer, not a cut one.
+            record.ended = True
+            error = None
         # the span ends before the client's answer does (see _whole)
         record.finish(error=error)
         # an unterminated last event: held back only when something had to be taken out
@@ -642,6 +705,16 @@ class Gateway(SessionAPI):
     async def health(self, request: Request) -> Response:
         """``GET /rtrace/health``: 200 while the gateway serves."""
         return _json_response({"status": "ok", "upstream": self.upstream_shown})
+
+
+#: the bytes of the answer's end kept to tell whether a closing client had it (``data: [DONE]``)
+_TAIL = 32
+
+
+def _done(tail: bytes) -> bool:
+    """The stream passed on so far ends with a whole ``data: [DONE]`` event."""
+    tail = tail.replace(b"\r\n", b"\n")
+    return tail.endswith(b"\n\n") and event_data(tail.rstrip().rsplit(b"\n", 1)[-1]) == b"[DONE]"
 
 
 def _error_text(status: int, raw: bytes) -> str:

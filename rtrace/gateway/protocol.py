@@ -1,11 +1,13 @@
-"""The OpenAI wire format, as the gateway reads and rewrites it (chat completions and completions).
+"""The OpenAI wire format, as the gateway reads and rewrites it (chat completions, completions, and
+the Responses API with rtrace/gateway/responses.py).
 
 Three jobs, each a function or a small class, none of them doing I/O:
 
 * :func:`prepare`: the body sent upstream is the client's, plus what the gateway asks on its
   own behalf: vLLM's ``return_token_ids`` (prompt ids as ``prompt_token_ids``, completion ids
   per choice as ``token_ids``) and the sampled tokens' ``logprobs``, each only when the
-  client did not ask already (:class:`Asked` says which were added);
+  client did not ask already (:class:`Asked` says which were added); of the Responses API,
+  vLLM's ``enable_response_messages`` (the ids in ``input_messages`` / ``output_messages``);
 * :func:`edit` (or :func:`strip` / :func:`strip_chunk` on a parsed answer): what the gateway
   added is taken out of the answer again, so the client sees what the upstream answers it
   without the gateway: the fields become ``null`` as the upstream leaves them when not
@@ -29,6 +31,8 @@ import json
 import re
 import time
 from typing import Any
+
+from .responses import FINAL_EVENTS, read_event, read_response
 
 try:  # the gateway extra brings it; the json module reads and writes the same values, slower
     import orjson
@@ -55,30 +59,38 @@ try:  # the gateway extra brings it; without it, edit() says it cannot and answe
 except ImportError:  # pragma: no cover
     msgspec = None  # type: ignore[assignment]
 
-__all__ = ["CHAT", "COMPLETIONS", "Asked", "prepare", "edit", "strip", "strip_chunk", "chunk_kept", "Capture", "loads",
-           "dumps", "SseSplitter"]
+__all__ = ["CHAT", "COMPLETIONS", "RESPONSES", "Asked", "prepare", "edit", "strip", "strip_chunk", "chunk_kept",
+           "ends_stream", "Capture", "loads", "dumps", "SseSplitter"]
 
-#: The two kinds of model call, by route.
-CHAT, COMPLETIONS = "chat", "completions"
+#: The kinds of model call, by route.
+CHAT, COMPLETIONS, RESPONSES = "chat", "completions", "responses"
 
 
 class Asked:
-    """What the gateway added to a request on its own behalf."""
+    """What the gateway added to a request on its own behalf (``messages``: the Responses
+    API's ``enable_response_messages``)."""
 
-    __slots__ = ("ids", "logprobs")
+    __slots__ = ("ids", "logprobs", "messages")
 
-    def __init__(self, ids: bool = False, logprobs: bool = False) -> None:
+    def __init__(self, ids: bool = False, logprobs: bool = False, messages: bool = False) -> None:
         self.ids = ids
         self.logprobs = logprobs
+        self.messages = messages
 
     def __bool__(self) -> bool:
-        return self.ids or self.logprobs
+        return self.ids or self.logprobs or self.messages
 
 
 def prepare(payload: dict[str, Any], kind: str, ask_ids: bool, ask_logprobs: bool) -> tuple[dict[str, Any], Asked]:
     """The request body for the upstream and what was added (the client's dict is not changed)."""
     asked = Asked()
     body = payload
+    if kind == RESPONSES:  # ids only (responses.py: no logprobs that line up with them)
+        if ask_ids and not payload.get("enable_response_messages"):
+            body = dict(payload)
+            body["enable_response_messages"] = True
+            asked.messages = True
+        return body, asked
     if ask_ids and not payload.get("return_token_ids"):
         body = dict(payload)
         body["return_token_ids"] = True
@@ -98,6 +110,13 @@ def strip(data: dict[str, Any], asked: Asked) -> bool:
     """Take what the gateway asked for out of a whole answer (in place); True when a value
     that was there (not null) was taken out."""
     changed = False
+    if asked.messages:  # a Responses answer, or a streamed event's (its "response")
+        for obj in (data, data.get("response")):
+            if type(obj) is dict:
+                for key in _MESSAGES:
+                    if obj.get(key) is not None:
+                        obj[key] = None
+                        changed = True
     if asked.ids and data.get("prompt_token_ids") is not None:
         data["prompt_token_ids"] = None
         changed = True
@@ -124,10 +143,12 @@ def strip_chunk(data: dict[str, Any], asked: Asked) -> bool:
 
 def chunk_kept(data: dict[str, Any]) -> bool:
     """A streamed chunk (stripped already) still carries something for the client: no choices,
-    usage, prompt ids, or a choice with a finish reason, a non-empty delta, text, or token ids /
-    prompt ids / logprobs that the client asked for itself (so the gateway left them). A chunk
-    that only carried what the gateway asked for is dropped: vLLM sends one per token once ids
-    or logprobs are asked, and the upstream would not have sent it to the client."""
+    usage, prompt ids, or a choice with a finish reason, a non-empty delta, or token ids / prompt
+    ids / logprobs that the client asked for itself (so the gateway left them); and every
+    completions chunk (``text``, even empty: vLLM sends one per token whatever is asked, with no
+    text for a token that ends mid-character). A chat chunk that only carried what the gateway
+    asked for is dropped: vLLM sends one per token once ids or logprobs are asked (a delta it
+    would otherwise skip, ``{}``), and the upstream would not have sent it to the client."""
     choices = data.get("choices")
     if not choices or data.get("usage") or data.get("prompt_token_ids") is not None:
         return True
@@ -137,13 +158,34 @@ def chunk_kept(data: dict[str, Any]) -> bool:
         if choice.get("token_ids") is not None or choice.get("prompt_token_ids") is not None \
                 or choice.get("logprobs") is not None:
             return True
-        delta = choice.get("delta")
-        if delta is None:  # completions: a text chunk
-            if choice.get("text"):
-                return True
-        elif delta:
+        if "text" in choice:  # completions: sent whatever its text
+            return True
+        if choice.get("delta"):
             return True
     return False
+
+
+def ends_stream(data: bytes, one_choice: bool = True) -> bool:
+    """A streamed event's ``data`` ends a complete answer: ``[DONE]``; a Responses API event that
+    carries the whole answer (``response.completed`` ...); the usage chunk (``choices`` empty, after
+    every choice ended); a chunk with a finish reason when the call asked for ``one_choice``. A client
+    may close its connection once it has read it (the openai SDK closes on ``[DONE]``)."""
+    if data.strip() == b"[DONE]":
+        return True
+    try:
+        obj = loads(data)
+    except ValueError:
+        return False
+    if type(obj) is not dict:
+        return False
+    if obj.get("type") in FINAL_EVENTS:
+        return True
+    choices = obj.get("choices")
+    if type(choices) is not list:
+        return False
+    if not choices:
+        return bool(obj.get("usage"))
+    return one_choice and any(type(c) is dict and c.get("finish_reason") is not None for c in choices)
 
 
 # ----------------------------------------------------------------------------- edits in the bytes
@@ -152,6 +194,7 @@ _PLAIN_KEY = re.compile(r"[ !#-\[\]-~]*")  # printable ASCII but '"' and '\\': w
 _TOKENS: dict[str, bytes] = {}  # key -> its JSON token (b"" when it may be written with escapes)
 _FALSY = frozenset((b"null", b"false", b"0", b'""', b"{}", b"[]"))
 _IDS = ("token_ids", "prompt_token_ids")
+_MESSAGES = ("input_messages", "output_messages")
 _COMMA, _COLON, _LBRACE, _RBRACE, _LBRACKET, _RBRACKET = b",:{}[]"
 
 
@@ -236,7 +279,7 @@ def edit(raw: bytes, asked: Asked, chunk: bool = False) -> tuple[bytes | None, b
         ``edited`` is None when this cannot say (not a JSON object, a choice that is not
         one, keys written with escapes, msgspec missing): parse and use :func:`strip`.
     """
-    if msgspec is None:
+    if msgspec is None or asked.messages:  # (a Responses answer: parsed, strip())
         return None, True
     try:
         top = _TOP.decode(raw)
@@ -267,18 +310,15 @@ def edit(raw: bytes, asked: Asked, chunk: bool = False) -> tuple[bytes | None, b
                 cuts += [at[k] for k in _IDS if k in at]
             if asked.logprobs and "logprobs" in at:
                 cuts.append(at["logprobs"])
-            if not keep:  # chunk_kept's test: a finish reason, what the client asked for, a delta, text
-                delta = at.get("delta")
+            if not keep:  # chunk_kept's test: a finish reason, what the client asked for, completions, a delta
                 if not _null(raw, at.get("finish_reason")):
                     keep = True
                 elif not asked.ids and not (_null(raw, at.get("token_ids")) and _null(raw, at.get("prompt_token_ids"))):
                     keep = True  # ids the client asked for itself
                 elif not asked.logprobs and not _null(raw, at.get("logprobs")):
                     keep = True
-                elif _null(raw, delta):  # completions
-                    keep = not _falsy(raw, at.get("text"))
                 else:
-                    keep = not _falsy(raw, delta)
+                    keep = "text" in at or not _falsy(raw, at.get("delta"))
         # (the value's end: _past skipped the white space after its ']', if any)
         if _past(raw, i, _RBRACKET) < 0 or raw.rfind(b"]", i, stop + 1) != stop - 1:
             return None, True
@@ -352,6 +392,13 @@ class Capture:
     # ------------------------------------------------------------------ whole answers
     def response(self, data: dict[str, Any]) -> None:
         """Read a whole (non-streamed) answer."""
+        if self.kind == RESPONSES:
+            read_response(self, data)
+            self.done = True
+            version = _version(data)
+            if version is not None:
+                self.version = version
+            return
         self._top(data)
         choices = data.get("choices")
         if type(choices) is not list or not choices:
@@ -408,6 +455,9 @@ class Capture:
         """Read one streamed chunk, which arrived at ``at`` (``time.time_ns()``; default: now)."""
         self.at = at or time.time_ns()
         self.chunks += 1
+        if self.kind == RESPONSES:
+            read_event(self, data)
+            return
         self._top(data)
         choices = data.get("choices")
         if type(choices) is not list:
@@ -489,7 +539,7 @@ class Capture:
         (chat: an assistant message; completions: its text), the finish reason and the
         completion token ids (``response_ids``, read out by the pipeline)."""
         text = "".join(self.text) if self.text else None
-        if self.kind == CHAT:
+        if self.kind != COMPLETIONS:  # chat; the Responses API's answer as the same assistant message
             out: dict[str, Any] = {"role": self.role, "content": text}
             if self.reasoning:
                 out["reasoning_content"] = "".join(self.reasoning)

@@ -47,16 +47,17 @@ from ..instrumentation import _state
 from ..instrumentation.propagation import close_segment, open_segment
 from ..instrumentation.spans import RSpan
 from ..pipeline.records import CallRecord, CallSpec, Deferred
-from .protocol import Capture, loads
+from .protocol import RESPONSES, Capture, loads
+from .responses import chat_messages
 
 __all__ = ["Join", "Call", "Record", "Reading", "open_call", "SPECS", "remote_context"]
 
 #: The call record's spec of each kind of model call (what a decorator decides once).
 SPECS = {
     kind: CallSpec(kind="generation", name=op, capture=True, param_names=(), skip_first=False, options={})
-    for kind, op in (("chat", "chat"), ("completions", "text_completion"))
+    for kind, op in (("chat", "chat"), ("completions", "text_completion"), ("responses", "chat"))
 }
-_OPERATION = {"chat": "chat", "completions": "text_completion"}
+_OPERATION = {"chat": "chat", "completions": "text_completion", "responses": "chat"}
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 
 
@@ -171,12 +172,14 @@ class Record:
     references only, read in the worker (:class:`Reading`)."""
 
     __slots__ = ("settings", "runtime", "call", "kind", "payload", "asked", "gaps", "status", "capturing", "done",
-                 "started", "raw", "data", "events")
+                 "started", "raw", "data", "events", "ended", "upstream")
 
     def __init__(self, call: Call, kind: str, payload: dict[str, Any], asked: Any, settings: Any,
-                 runtime: Any) -> None:
+                 runtime: Any, upstream: Any = None) -> None:
         self.settings = settings
         self.runtime = runtime
+        #: what the upstream is (app.UpstreamIdentity: its ``provider``, read in the worker)
+        self.upstream = upstream
         self.call = call
         self.kind = kind
         self.payload = payload
@@ -192,6 +195,8 @@ class Record:
         self.data: dict[str, Any] | None = None
         #: a stream: ``(time.time_ns() at arrival, the event's data)`` of each data event
         self.events: list[tuple[int, bytes]] = []
+        #: the client closed a stream once its end had reached it: complete, whatever came after
+        self.ended = False
 
     def gap(self, code: str, detail: str) -> None:
         self.gaps.append((code, detail))
@@ -260,6 +265,10 @@ class Reading(Deferred):
         attrs: dict[str, Any] = {"rtrace.gateway.join": rec.call.join.how,
                                  "gen_ai.operation.name": _OPERATION[rec.kind]}
         inputs = dict(rec.payload)
+        if rec.kind == RESPONSES and "messages" not in inputs:
+            messages = chat_messages(rec.payload)  # the conversation as chat messages, read like a chat call's
+            if messages:
+                inputs["messages"] = messages
         stream = rec.payload.get("stream") is True
         if stream:
             attrs["rtrace.gateway.stream"] = True
@@ -269,6 +278,9 @@ class Reading(Deferred):
             inputs["prompt_ids"] = cap.prompt_ids
         answered = error is None and rec.status == 200 and (cap.done or cap.chunks or cap.text or cap.tool_calls)
         output = cap.output() if answered or cap.chunks else None
+        provider = getattr(rec.upstream, "provider", None)
+        if provider is not None:
+            attrs["gen_ai.provider.name"] = provider  # the upstream said what it is (its /v1/models)
         if cap.model is not None:
             attrs["gen_ai.response.model"] = cap.model
         if cap.response_id is not None:
@@ -290,13 +302,14 @@ class Reading(Deferred):
         noted = {code for code, _ in gaps}
         if answered or cap.chunks:
             if (cap.prompt_ids is None or cap.response_ids is None) and not noted:
-                if not (s.gateway_token_ids or rec.payload.get("return_token_ids")):
+                if not (s.gateway_token_ids or rec.payload.get("return_token_ids")
+                        or rec.payload.get("enable_response_messages")):
                     gaps.append(("not_requested", "token ids were not asked of the upstream "
                                                   "(RTRACE_GATEWAY_TOKEN_IDS=false)"))
                 else:
                     gaps.append(("not_returned", "the upstream returned no token ids (not vLLM / SGLang, or an "
                                                  "older version)"))
-            if error is not None or (stream and not cap.done and "too_large" not in noted):
+            if error is not None or (stream and not (cap.done or rec.ended) and "too_large" not in noted):
                 gaps.append(("incomplete", "the answer was cut before its end: "
                                            + (error or "the stream ended without [DONE]")))
             if cap.choices > 1:

@@ -18,11 +18,15 @@ parser (C, uvicorn's): ~0.06 ms of CPU per request.
 * a timeout bounds each wait for the upstream (the response head, then each chunk):
   :class:`UpstreamError` ``timeout``; a refused or lost connection is ``unreachable``; a
   response that is not HTTP is ``protocol``.
+
+:func:`identify` asks the upstream what it is (its ``/models``' ``owned_by``: ``vllm``, ``sglang``)
+for the calls' ``gen_ai.provider.name``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import ssl
 from collections import deque
 from typing import Any, AsyncIterator
@@ -30,7 +34,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["Upstream", "Reply", "UpstreamError", "shown_url"]
+__all__ = ["Upstream", "Reply", "UpstreamError", "shown_url", "identify"]
 
 #: bytes buffered from the upstream before the socket is paused (resumed below _LOW)
 _HIGH, _LOW = 1 << 20, 1 << 18
@@ -48,6 +52,13 @@ def shown_url(url: str) -> str:
     except ValueError:
         return "<the upstream URL>"
     return f"{parts.scheme}://{host}{port}{parts.path}"
+
+
+#: ``owned_by`` of an OpenAI-compatible server's models -> the GenAI ``gen_ai.provider.name``
+#: (vLLM 0.32's model cards say ``vllm``, SGLang's ``sglang``)
+_OWNERS = {"vllm": "vllm", "sglang": "sglang"}
+#: the most of a ``/models`` answer read to identify the upstream
+_MODELS_BYTES = 1 << 20
 
 
 class UpstreamError(Exception):
@@ -430,3 +441,34 @@ class Upstream:
         for conn in idle:
             if conn.transport is not None:
                 conn.transport.close()
+
+
+async def identify(upstream: "Upstream", headers: list[tuple[str, str]]) -> str | None:
+    """The GenAI provider name of the server behind ``upstream`` (``vllm``, ``sglang``,
+    ``openai``), from its ``GET /models``: the ``owned_by`` its model cards carry, or OpenAI's
+    own host; None when it does not say (or does not answer)."""
+    if upstream.host == "api.openai.com" or upstream.host.endswith(".openai.com"):
+        return "openai"
+    try:
+        reply = await upstream.request("GET", "/models", headers, b"")
+    except UpstreamError:
+        return None
+    parts, size = [], 0
+    try:
+        async for chunk in reply.chunks():
+            size += len(chunk)
+            if size > _MODELS_BYTES:
+                reply.abort()
+                return None
+            parts.append(chunk)
+    except UpstreamError:
+        return None
+    if reply.status != 200:
+        return None
+    try:
+        data = json.loads(b"".join(parts))
+        owners = {m.get("owned_by") for m in data["data"] if isinstance(m, dict)}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    names = {_OWNERS.get(o) for o in owners if isinstance(o, str)}
+    return names.pop() if len(names) == 1 and None not in names else None

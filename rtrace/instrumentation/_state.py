@@ -13,6 +13,7 @@ Two pieces of state, both deliberately small:
 from __future__ import annotations
 
 from contextvars import ContextVar
+from time import time_ns
 from typing import Any, Callable, Protocol, Sequence
 
 from opentelemetry.context import Context
@@ -20,8 +21,9 @@ from opentelemetry.trace import Link, Tracer
 
 from .. import _stats
 from ..pipeline.annotations import Annotation
-from ..pipeline.records import TrajectoryState
+from ..pipeline.records import Tally, TrajectoryState
 from ..pipeline.registry import Registry
+from .._ids import trace_id as _new_trace_id
 from ._otel_private import current_span
 from .spans import RSpan
 
@@ -67,6 +69,9 @@ class Intake(Protocol):
     def submit_states(self, states: Sequence[TrajectoryState]) -> int:
         """Queue finished trajectories built without spans; returns how many were queued."""
 
+    def submit_tallies(self, tallies: Sequence[Tally]) -> int:
+        """Queue rollouts recorded as summaries only; returns how many were queued."""
+
     def annotate(self, annotations: Sequence[Annotation]) -> None:
         """Queue annotations for trajectories (by coordinates or trace id)."""
 
@@ -75,10 +80,11 @@ class Runtime:
     """What the hot path needs from the configured pipeline (set by ``rtrace.configure``)."""
 
     __slots__ = ("tracer", "registry", "sampler", "intake", "capture", "experiment", "root_attributes",
-                 "start_child", "start_root")
+                 "start_child", "start_root", "summaries")
 
     def __init__(self, tracer: Tracer, registry: Registry, sampler: Sampler, intake: Intake, capture: bool,
-                 experiment: str | None, root_attributes: dict[str, Any] | None = None) -> None:
+                 experiment: str | None, root_attributes: dict[str, Any] | None = None,
+                 summaries: bool = False) -> None:
         self.tracer = tracer
         #: ``start_child(name)``: a span in the current context (rtrace's own tracer has a
         #: fast one; an application's SDK tracer is called as it is)
@@ -97,17 +103,22 @@ class Runtime:
         self.experiment = experiment
         #: attributes every root span starts with (collector mode: ``rtrace.root``)
         self.root_attributes = root_attributes
+        #: a trajectory the sampler does not admit is recorded as a summary only (a Tally)
+        self.summaries = summaries
 
 
 class Frame:
     """The open trajectory as seen from a context. ``state`` is None when not traced
-    (tracing off, sampled out, over a cap, or ``trace=False`` in the veRL shim)."""
+    (tracing off, sampled out, over a cap, or ``trace=False`` in the veRL shim); ``tally``
+    is set when it is sampled out but counted: recorded as a summary only (its calls are
+    :class:`~rtrace.pipeline.records.Mark` s, no spans; ``RTRACE_SUMMARIES``)."""
 
-    __slots__ = ("coords", "state")
+    __slots__ = ("coords", "state", "tally")
 
-    def __init__(self, coords: dict[str, Any], state: TrajectoryState | None) -> None:
+    def __init__(self, coords: dict[str, Any], state: TrajectoryState | None, tally: Tally | None = None) -> None:
         self.coords = coords
         self.state = state
+        self.tally = tally
 
 
 FRAME: ContextVar[Frame | None] = ContextVar("rtrace_frame", default=None)
@@ -131,6 +142,9 @@ def start_root(rt: Runtime, name: str, kind: str, coords: dict[str, Any]) -> tup
     not used as the parent.
     """
     if not rt.sampler.admit(coords):
+        if rt.summaries:  # counted all the same: its calls are tallied, its summary made in the worker
+            return None, Frame(coords, None, Tally(_new_trace_id(), name, kind, coords, time_ns(),
+                                                   rt.intake.submit_tallies))
         return None, Frame(coords, None)
     current = current_span().get_span_context()
     links = (Link(current),) if current.is_valid else None

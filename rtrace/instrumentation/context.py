@@ -91,6 +91,15 @@ class RolloutContext:
             if exc is not None:
                 fail_span(span, exc)
             span.end()
+        elif self._frame is not None and self._frame.tally is not None:  # recorded as a summary only
+            tally = self._frame.tally
+            try:
+                if exc is not None:
+                    tally.fail(exc)
+                tally.end()
+            except Exception:  # telemetry never breaks the traced program
+                _stats.incr("internal_errors")
+                _stats.warn_once("tally-end", "rtrace could not end a summarized rollout", exc_info=True)
 
     async def __aenter__(self) -> "RolloutContext":
         return self.__enter__()
@@ -150,9 +159,11 @@ def _record(frame: _state.Frame | None, value: Any, outcome: dict[str, Any]) -> 
             _stats.incr("rewards_outside_trajectory")
             _stats.warn_once("reward_outside", "rtrace.record_reward() called outside any trajectory; ignored")
         return
-    state = frame.state
-    if state is None:  # not traced: nothing to do
-        return
+    state: Any = frame.state
+    if state is None:
+        state = frame.tally  # recorded as a summary only: the reward is counted all the same
+        if state is None:  # not traced: nothing to do
+            return
     state.reward = value
     state.has_reward = True
     if outcome:

@@ -19,12 +19,13 @@ from __future__ import annotations
 import functools
 import inspect
 import traceback
+from time import time_ns as _time_ns
 from typing import Any, Callable, TypeVar, overload
 
 from opentelemetry.trace import Status, StatusCode
 
 from .. import _stats
-from ..pipeline.records import CallRecord, CallSpec
+from ..pipeline.records import CallRecord, CallSpec, Mark, Tally
 from . import _state
 from ._otel_private import attach_span as _attach_span
 from ._otel_private import detach as _detach
@@ -66,12 +67,13 @@ def _open(rt: _state.Runtime, spec: CallSpec, args: tuple, kwargs: dict) -> tupl
     if frame is None:
         # No trajectory is open: this call is the root of a new one.
         span, frame = _state.start_root(rt, spec.name, spec.kind, {})
-        if span is None:
-            return None, None, frame
+        if span is None:  # not traced; the root call of a summarized rollout ends its tally
+            return None, frame.tally, frame
         opened = frame
     else:
         if frame.state is None:
-            return None
+            tally = frame.tally
+            return None if tally is None else _mark(rt, tally, spec, args, kwargs)
         span = rt.start_child(spec.name)
         opened = None
     state = frame.state
@@ -87,28 +89,48 @@ def _open(rt: _state.Runtime, spec: CallSpec, args: tuple, kwargs: dict) -> tupl
         if len(captures) < rt.registry.max_spans:
             captures[span.get_span_context().span_id] = record
     if spec.capture and rt.capture:
-        # The call's own argument tuple is kept as it is when it holds no dict (a dict is
-        # copied): a list's length is noted, the snapshot made in the worker. One object
-        # less per call for Python's GC to walk while the trajectory waits.
-        if _dict in map(type, args):
-            record.args, record.arg_lens = tuple(map(snapshot, args)), None
-        elif _list in map(type, args):
-            record.args, record.arg_lens = args, tuple([len(a) if type(a) is _list else -1 for a in args])
-        else:
-            record.args, record.arg_lens = args, None
-        if kwargs:
-            values = kwargs.values()
-            record.kwargs = ({k: snapshot(v) for k, v in kwargs.items()}
-                             if _list in map(type, values) or _dict in map(type, values) else kwargs)
-        else:
-            record.kwargs = kwargs
-        if spec.skip_first and args and spec.kind == "tool":
-            owner_name = getattr(args[0], "name", None)
-            if isinstance(owner_name, str):
-                record.owner_name = owner_name
+        _capture(record, spec, args, kwargs)
     else:
         record.args = record.kwargs = record.arg_lens = None
     return span, record, opened
+
+
+def _mark(rt: _state.Runtime, tally: Tally, spec: CallSpec, args: tuple, kwargs: dict) -> tuple | None:
+    """A call inside a rollout recorded as a summary only: a :class:`Mark` in its tally
+    (no span, nothing made current); ``(None, mark, None)``, or None past the tally's bound."""
+    marks = tally.marks
+    if len(marks) >= rt.registry.max_spans:
+        tally.dropped_marks += 1
+        return None
+    mark = Mark(spec, _time_ns(), None)
+    marks.append(mark)
+    if spec.capture and rt.capture:
+        _capture(mark, spec, args, kwargs)
+    return None, mark, None
+
+
+def _capture(record: Any, spec: CallSpec, args: tuple, kwargs: dict) -> None:
+    """What the call saw, kept on ``record`` (an RSpan, a CallRecord or a Mark): references,
+    a dict copied, a list's length noted (the snapshot is made in the worker)."""
+    # The call's own argument tuple is kept as it is when it holds no dict (a dict is
+    # copied): a list's length is noted, the snapshot made in the worker. One object
+    # less per call for Python's GC to walk while the trajectory waits.
+    if _dict in map(type, args):
+        record.args, record.arg_lens = tuple(map(snapshot, args)), None
+    elif _list in map(type, args):
+        record.args, record.arg_lens = args, tuple([len(a) if type(a) is _list else -1 for a in args])
+    else:
+        record.args, record.arg_lens = args, None
+    if kwargs:
+        values = kwargs.values()
+        record.kwargs = ({k: snapshot(v) for k, v in kwargs.items()}
+                         if _list in map(type, values) or _dict in map(type, values) else kwargs)
+    else:
+        record.kwargs = kwargs
+    if spec.skip_first and args and spec.kind == "tool":
+        owner_name = getattr(args[0], "name", None)
+        if isinstance(owner_name, str):
+            record.owner_name = owner_name
 
 
 class _Call:
@@ -152,10 +174,14 @@ class _Call:
         span = self.span
         if span is not None:
             fail_span(span, exc)
+        elif self.record is not None:  # a summarized rollout's call (a Mark) or root (its Tally)
+            self.record.fail(exc)
 
     def end(self) -> None:
         if self.span is not None:
             self.span.end()
+        elif self.record is not None:
+            self.record.end()
 
 
 def fail_span(span: Any, exc: BaseException) -> None:
@@ -221,6 +247,8 @@ def _wrap_function(func: Callable, spec: CallSpec) -> Callable:
         except BaseException as exc:
             if span is not None:
                 fail_span(span, exc)
+            elif record is not None:  # a summarized rollout's call (a Mark) or root (its Tally)
+                record.fail(exc)
             raise
         else:
             # before the span ends: once ended, the worker may read its record any time
@@ -234,6 +262,8 @@ def _wrap_function(func: Callable, spec: CallSpec) -> Callable:
                 _detach(span_token)
             if span is not None:
                 span.end()
+            elif record is not None:
+                record.end()
         return result
 
     return wrapper
@@ -255,6 +285,8 @@ def _wrap_coroutine(func: Callable, spec: CallSpec) -> Callable:
         except BaseException as exc:
             if span is not None:
                 fail_span(span, exc)
+            elif record is not None:  # a summarized rollout's call (a Mark) or root (its Tally)
+                record.fail(exc)
             raise
         else:
             # before the span ends: once ended, the worker may read its record any time
@@ -268,6 +300,8 @@ def _wrap_coroutine(func: Callable, spec: CallSpec) -> Callable:
                 _detach(span_token)
             if span is not None:
                 span.end()
+            elif record is not None:
+                record.end()
         return result
 
     return wrapper
@@ -401,10 +435,11 @@ def _decorate(func: Any, kind: str, name: str | None, capture: bool, options: di
     names = _param_names(func)
     # Default span name: the qualified name, without the "f.<locals>." of nested functions.
     qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    module = getattr(func, "__module__", None)
     spec = CallSpec(kind=kind, name=name or qualname.rsplit("<locals>.", 1)[-1],
                     capture=capture, param_names=names,
                     skip_first=bool(names) and names[0] in ("self", "cls"), options=options,
-                    default_name=not name)
+                    default_name=not name, function=f"{module}.{qualname}" if module else qualname)
     if inspect.isasyncgenfunction(func):
         wrapper = _wrap_async_generator(func, spec)
     elif inspect.iscoroutinefunction(func):
@@ -437,8 +472,8 @@ def traced(func: Any = None, /, *, kind: str = "chain", name: str | None = None,
     Args:
         kind: the span kind shown by the sinks (``chain``, ``agent``, ``retriever`` ...).
         name: the span name; default the function's ``__qualname__`` (a tool span: the
-            tool's name, a generation span: the model's name, when known; the qualified
-            name is then kept in the ``code.function`` attribute).
+            tool's name, a generation span: the model's name, when known; the function's
+            fully-qualified name is then kept in the ``code.function.name`` attribute).
         capture: record arguments (without ``self``/``cls``) and the return value.
             ``False`` records names and timings only.
     """

@@ -200,16 +200,24 @@ def sample_state(coords: dict[str, Any], prompt: list[int] | None, turns: Sequen
 class PromptIndex:
     """Dense ``sample_index`` values for prompt uids, per (validate, step), in order of first
     arrival and across calls: the first uid seen in step 3's evaluation is 0, the next new
-    one 1, ... however the batches of that step are split. Thread-safe; the last 64 steps
-    of each stream are remembered."""
+    one 1, ... however the batches of that step are split. With :meth:`claim`, also the
+    uid's rollout numbers, counted on across calls: a uid that comes twice in a step (a
+    prompt drawn again, a batch gathered again) gets new ones, not the first's again.
+    Thread-safe; the last 64 steps of each stream are remembered."""
 
     _STEPS = 64
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._steps: OrderedDict[tuple[bool, Any], dict[Hashable, int]] = OrderedDict()
+        #: (validate, step) -> uid -> [its dense index, rollout numbers claimed]
+        self._steps: OrderedDict[tuple[bool, Any], dict[Hashable, list[int]]] = OrderedDict()
 
     def index(self, validate: bool, step: Any, uid: Hashable) -> int:
+        return self.claim(validate, step, uid, 0)[0]
+
+    def claim(self, validate: bool, step: Any, uid: Hashable, count: int = 1) -> tuple[int, int]:
+        """``uid``'s dense index in the (validate, step), and the first of ``count`` rollout
+        numbers taken for it: 0 at its first claim, then counting on."""
         key = (bool(validate), step)
         with self._lock:
             uids = self._steps.get(key)
@@ -219,5 +227,7 @@ class PromptIndex:
                     self._steps.popitem(last=False)
             found = uids.get(uid)
             if found is None:
-                found = uids[uid] = len(uids)
-            return found
+                found = uids[uid] = [len(uids), 0]
+            first = found[1]
+            found[1] += count
+            return found[0], first

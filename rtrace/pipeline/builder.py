@@ -24,7 +24,7 @@ from .messages import tool_result
 from .records import CallRecord, Deferred, TrajectoryState, snapshot_args, start_end
 from .tokens import LOGPROB_KEYS, SAMPLER, TOKEN_PROBLEM, sampler_logprobs
 
-__all__ = ["SpanConverter", "finish", "coordinates", "tail_of", "as_id_list"]
+__all__ = ["SpanConverter", "finish", "coordinates", "tail_of", "as_id_list", "call_inputs", "results"]
 
 _ERROR = StatusCode.ERROR
 
@@ -152,15 +152,7 @@ class SpanConverter:
 
     def _captured(self, out: SpanRecord, rec: CallRecord, conv: Converter) -> None:
         spec = rec.spec
-        args, names = snapshot_args(rec), spec.param_names
-        if spec.skip_first:
-            args, names = args[1:], names[1:]
-        if len(args) <= len(names):
-            inputs = dict(zip(names, args))
-        else:
-            inputs = {names[i] if i < len(names) else f"arg{i}": value for i, value in enumerate(args)}
-        if rec.kwargs:
-            inputs.update(rec.kwargs)
+        inputs = call_inputs(rec)
         has_output = rec.has_output
         output = unsnap(rec.output) if has_output else None
         attrs = out.attributes
@@ -182,7 +174,7 @@ class SpanConverter:
             if spec.kind == "tool":
                 _tool_attributes(attrs, out.output)
         if spec.default_name and (spec.kind == "tool" or spec.kind == "generation"):
-            _display_name(out)
+            _display_name(out, spec.function)
 
     @staticmethod
     def _generation(out: SpanRecord, inputs: dict[str, Any], has_output: bool, output: Any,
@@ -238,6 +230,22 @@ class SpanConverter:
         return has_output, output
 
 
+def call_inputs(rec: Any) -> dict[str, Any]:
+    """A captured call's arguments by name (``self`` / ``cls`` left out; list arguments
+    as they were at the call)."""
+    spec = rec.spec
+    args, names = snapshot_args(rec), spec.param_names
+    if spec.skip_first:
+        args, names = args[1:], names[1:]
+    if len(args) <= len(names):
+        inputs = dict(zip(names, args))
+    else:
+        inputs = {names[i] if i < len(names) else f"arg{i}": value for i, value in enumerate(args)}
+    if rec.kwargs:
+        inputs.update(rec.kwargs)
+    return inputs
+
+
 def _resolve(out: SpanRecord, rec: Any, conv: Converter) -> None:
     """A record read only now (:class:`~rtrace.pipeline.records.Deferred`): its inputs and
     output become the record's, its attributes the span's (over its own). A failure to read
@@ -259,16 +267,17 @@ def _resolve(out: SpanRecord, rec: Any, conv: Converter) -> None:
         rec.output, rec.has_output = output, output is not None
 
 
-def _display_name(out: SpanRecord) -> None:
+def _display_name(out: SpanRecord, function: str | None) -> None:
     """Name a tool span after its tool (``gen_ai.tool.name``) and a generation span after
     its model (``gen_ai.request.model``), so that every sink shows ``calculator`` rather
-    than ``CalculatorTool.execute``; the function's qualified name stays in the
-    ``code.function`` attribute. Only for spans named by default (no ``name=``)."""
+    than ``CalculatorTool.execute``; the function's fully-qualified name (``module.qualname``)
+    goes in OTel's ``code.function.name`` attribute (``code.function``, which held the bare
+    name, is deprecated). Only for spans named by default (no ``name=``)."""
     attrs = out.attributes
     key = "gen_ai.tool.name" if out.kind == "tool" else "gen_ai.request.model" if out.kind == "generation" else None
     shown = attrs.get(key) if key else None
     if isinstance(shown, str) and shown and shown != out.name:
-        attrs["code.function"] = out.name
+        attrs["code.function.name"] = function or out.name
         out.name = shown
 
 
@@ -330,11 +339,7 @@ def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Traje
 
     stamped = state.coordinates is not None
     coords, extra, stamp = state.coordinates if stamped else coordinates(state, settings, conv)
-    outcome = conv.convert_named(state.outcome)
-    reward = _reward(state.reward, outcome) if state.has_reward else None
-    annotations = conv.convert_named({k: v for k, v in state.annotations.items() if k != "reward"})
-    if "reward" in state.annotations:
-        reward = _reward(state.annotations["reward"], annotations)
+    reward, outcome, annotations = results(state, conv)
     if not stamped:  # (the one-process worker stamped each record when it converted it)
         for span in spans:
             own = span.attributes
@@ -367,6 +372,18 @@ def finish(state: TrajectoryState, settings: Settings, conv: Converter) -> Traje
             and (reward is None or reward - reward == 0.0)):
         vouch(traj)  # converted values only, none of them NaN or kept as it was
     return traj
+
+
+def results(state: TrajectoryState, conv: Converter) -> tuple[float | None, dict[str, Any], dict[str, Any]]:
+    """A finished state's reward (an annotated ``reward`` over the recorded one), outcome
+    and annotations, converted (a reward that is no number is counted and kept as outcome
+    ``reward_raw``: call this once per trajectory)."""
+    outcome = conv.convert_named(state.outcome)
+    reward = _reward(state.reward, outcome) if state.has_reward else None
+    annotations = conv.convert_named({k: v for k, v in state.annotations.items() if k != "reward"})
+    if "reward" in state.annotations:
+        reward = _reward(state.annotations["reward"], annotations)
+    return reward, outcome, annotations
 
 
 def tail_of(state: TrajectoryState, keep_by: str) -> Any:

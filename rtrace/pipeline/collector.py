@@ -38,6 +38,7 @@ from .. import _stats
 from .._serialize import only_ints
 from ..config import ConfigError, Secret, Settings, load_settings
 from ..exporters.otel import RECORD_ATTR
+from ..summary import RolloutSummary
 from ..trajectory import RL_FIELDS, SpanRecord, read_token_field
 from . import annotations as _annotations
 from .annotations import Annotation, coord_key
@@ -47,7 +48,8 @@ from .admission import Admission
 from .otlp_receiver import OtlpReceiver, PartialSuccess, TlsFiles, attributes
 from .records import TrajectoryState
 from .sampling import selector_for
-from .stream import ANNOTATION_SPAN, ANNOTATIONS_ATTR, MESSAGES_ATTR, TOKENIZER_ATTR
+from .stream import ANNOTATION_SPAN, ANNOTATIONS_ATTR, MESSAGES_ATTR, SUMMARIES_ATTR, SUMMARIES_SPAN, TOKENIZER_ATTR
+from .summaries import summary_state
 from .token2text import Token2Text, check_tokenizer, load_tokenizer
 from .tokens import TOKENS_KEY, TokenBatch, TokenRow, as_float32
 from .worker import Pipeline
@@ -175,6 +177,9 @@ class CollectorPipeline(Pipeline):
         if span.name == ANNOTATION_SPAN and "rtrace.annotation.values" in attrs:
             self.annotations.add(_annotation(attrs))
             return
+        if span.name == SUMMARIES_SPAN and SUMMARIES_ATTR in attrs:
+            arrived.extend(self._summaries(attrs[SUMMARIES_ATTR]))
+            return
         coords = _coords(attrs)
         record = _record(span, attrs, record_data)
         if record.end_ns < record.start_ns:  # a clock step on the sender, or garbage: zero length
@@ -219,6 +224,23 @@ class CollectorPipeline(Pipeline):
                 self.on_tokenizer_name(tokenizer)
             arrived.append(state)
         state.add(record)
+
+    def _summaries(self, items: Any) -> list[TrajectoryState]:
+        """A worker's rollout summaries (rtrace.summaries), each a summary-only state; one that
+        cannot be read is refused and counted alone (``collector_refused.summary``)."""
+        if not isinstance(items, list):
+            raise _Refused("summary")
+        out = []
+        for item in items:
+            try:
+                summary = RolloutSummary.from_wire(item)
+                trace_id = int(summary.trace_id, 16)
+            except (ValueError, TypeError):
+                _refuse("summary")
+                continue
+            out.append(summary_state(summary, trace_id))
+        _stats.incr("collector_summaries_received", len(out))
+        return out
 
     def _open(self, trace_id: int) -> TrajectoryState | None:
         """A new trajectory for ``trace_id``. Admission reserved room for it; should the

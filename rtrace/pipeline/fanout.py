@@ -6,7 +6,8 @@ first merged into the queued batches that have room, and if that is not enough t
 samples fewer trajectories of every step (:meth:`SinkWorker._thin`), so a sink that
 falls behind still shows every step, with failures and tail-kept trajectories kept
 longest, rather than missing whole batches at random. (In the collector, whose senders
-can be told to wait, the worker waits for room instead while the sink makes progress:
+can be told to wait, and in a collector-mode worker, whose collector sink only routes and
+encodes, the worker waits for room instead while the sink makes progress:
 ``Fanout(hold_back=True)``.) Sinks run with OTel
 instrumentation suppressed, so a backend's own HTTP calls are not traced into the
 trajectories. Shutdown is bounded per sink: each sink gets its
@@ -14,7 +15,9 @@ own deadline, a sink that hangs is abandoned (its thread is a daemon) and everyt
 still queued for it, or inside its export call, is counted as
 ``sink.<name>.abandoned_trajectories``; the next sink is shut down all the same. So
 for every sink, the trajectories handed to it are ``exported + failed_trajectories +
-dropped_trajectories + abandoned_trajectories``.
+dropped_trajectories + abandoned_trajectories``. A sink whose ``shutdown()`` alone ran out
+of time, everything exported, may say that its data is complete and what was left undone
+(``Sink.unfinished_shutdown``: the parquet sink's final merge); that is no shutdown timeout.
 
 Stopping starts no thread: each sink's own thread exports what is queued, then runs the
 sink's ``shutdown()`` and ends; the stopping thread only waits, with one deadline for all
@@ -33,6 +36,7 @@ from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, attach, detach,
 
 from .. import _stats
 from ..exporters.base import PartialExport, Sink
+from ..summary import RolloutSummary
 from ..trajectory import StepMetrics, Trajectory
 
 __all__ = ["SinkWorker", "Fanout"]
@@ -55,6 +59,8 @@ class SinkWorker:
         self._abandoned = False
         #: set by request_stop(): the thread ends once its queue is drained
         self._stop_requested = False
+        #: the thread is in the sink's shutdown(): everything queued was exported or counted
+        self._closing = False
         #: ``time.monotonic()`` when the thread took the item it works on (None: waiting)
         self._busy_since: float | None = None
         self._lock = threading.Lock()
@@ -203,7 +209,9 @@ class SinkWorker:
                     break  # stop was requested while the queue was full: it is drained now
             # The end: everything queued before is exported. The sink shuts down here, on
             # its own thread: stopping starts no thread (see the module docstring).
-            if not self._abandoned:
+            with self._lock:
+                closing = self._closing = not self._abandoned
+            if closing:
                 self._call("shutdown", self.sink.shutdown)
         finally:
             detach(token)
@@ -212,6 +220,15 @@ class SinkWorker:
         if isinstance(item, _Metrics):
             if not self._call("export_step_metrics", self.sink.export_step_metrics, list(item)):
                 self._count("failed_step_metrics", len(item))
+            return
+        if isinstance(item, _Summaries):
+            if self._abandoned:
+                self._count("abandoned_summaries", len(item))
+            elif self._call("export_summaries", self.sink.export_summaries, list(item)):
+                self._count("exported_summaries", len(item))
+            else:
+                self._failed_since_marker = True
+                self._count("failed_summaries", len(item))
             return
         if isinstance(item, _Marker):
             flushed = self._call("flush", self.sink.flush, self.timeout_s)
@@ -287,20 +304,54 @@ class SinkWorker:
         with self._lock:
             self._abandoned = True
             lost = len(self._in_flight) if self._in_flight is not None else 0
+            closing = self._closing
         while True:
             try:
                 item = self.queue.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(item, list) and not isinstance(item, _Metrics):
+            if isinstance(item, _Summaries):
+                self._count("abandoned_summaries", len(item))
+            elif isinstance(item, list) and not isinstance(item, _Metrics):
                 lost += len(item)
             elif isinstance(item, _Marker):
                 item.set()
+        if closing and not lost and self._unfinished():
+            return
         self._count("shutdown_timeouts", 1)
         if lost:
             self._count("abandoned_trajectories", lost)
         _stats.warn_once(f"sink-hang-{self.name}", "rtrace sink %r did not finish in time; %d queued "
                          "or in-flight trajectories abandoned", self.name, lost)
+
+    def _unfinished(self) -> bool:
+        """Only the sink's shutdown() ran out of time, every trajectory exported: True when
+        the sink says its data is complete (and what was left undone), logged once."""
+        try:
+            note = self.sink.unfinished_shutdown()
+        except Exception:
+            note = None
+        if not note:
+            return False
+        _stats.warn_once(f"sink-unfinished-{self.name}", "rtrace sink %r did not finish shutting down in time, with "
+                         "nothing left to export (0 trajectories abandoned): %s", self.name, note)
+        return True
+
+
+def _put_waiting(q: queue.Queue, item: Any, wait: Callable[[], bool] | None) -> bool:
+    """Put ``item`` in ``q``: at once, or while ``wait()`` says to wait for room. False: full."""
+    while True:
+        try:
+            q.put_nowait(item)
+            return True
+        except queue.Full:
+            if wait is None or not wait():
+                return False
+        try:
+            q.put(item, timeout=0.05)
+            return True
+        except queue.Full:
+            pass
 
 
 def _implements(sink: Sink, method: str) -> bool:
@@ -315,6 +366,10 @@ def _sample_only(traj: Trajectory) -> bool:
 
 class _Metrics(list):
     """A batch of StepMetrics in a sink's queue."""
+
+
+class _Summaries(list):
+    """A batch of RolloutSummary in a sink's queue (sinks with ``export_summaries``)."""
 
 
 class _Marker(threading.Event):
@@ -341,6 +396,8 @@ class Fanout:
         self.stopping = False
         #: the sinks that encode on the pipeline's thread, while the trajectories are hot (Sink.prepare)
         self._preparing = [w for w in self.workers if _implements(w.sink, "prepare")]
+        #: the sinks that write every rollout's summary (Sink.export_summaries: the dataset)
+        self._summarizing = [w for w in self.workers if _implements(w.sink, "export_summaries")]
 
     @property
     def wants_step_metrics(self) -> bool:
@@ -377,6 +434,27 @@ class Fanout:
                 return True
             return wait_until is not None and time.monotonic() < wait_until
         return wait
+
+    @property
+    def wants_summaries(self) -> bool:
+        """Does any sink write the summaries of rollouts it gets no trajectory of?"""
+        return bool(self._summarizing)
+
+    def submit_summaries(self, summaries: list[RolloutSummary], wait_until: float | None = None) -> None:
+        """Hand rollout summaries to the sinks that write them, in batches (as :meth:`submit`:
+        with ``hold_back`` a full queue is waited for; else the batch is dropped, counted in
+        ``sink.<name>.dropped_summaries``)."""
+        size = max(self.batch_size, 4096)  # small records: fewer, larger batches
+        for worker in self._summarizing:
+            for i in range(0, len(summaries), size):
+                batch = _Summaries(summaries[i:i + size])
+                wait = self._waiting(worker, wait_until) if self.hold_back else None
+                if not _put_waiting(worker.queue, batch, wait):
+                    with worker._lock:
+                        worker._failed_since_marker = True
+                    worker._count("dropped_summaries", len(batch))
+                    _stats.warn_once(f"sink-summaries-{worker.name}", "rtrace sink %r cannot keep up with the "
+                                     "rollout summaries; some are dropped (counted)", worker.name)
 
     def submit_metrics(self, metrics: list[StepMetrics]) -> None:
         for worker in self.workers:

@@ -202,25 +202,29 @@ class HealthChecker:
                                                                  "logprob_mismatch", "token_arrays"))
 
     # ------------------------------------------------------------------ phase 1
-    def check_state(self, state: Any) -> None:
+    def check_state(self, state: Any, records: bool = True, rollout: bool = True) -> None:
         """Check a finished trajectory's spans, reward and coordinates (a
-        :class:`~rtrace.pipeline.records.TrajectoryState`); findings go to ``state.health``."""
+        :class:`~rtrace.pipeline.records.TrajectoryState`); findings go to ``state.health``.
+        A summarized rollout in collector mode is checked in two places: its records in the
+        worker (``rollout=False``), its reward, staleness and coordinates in the collector,
+        where its annotations and the rest of its step are (``records=False``)."""
         out: list[dict[str, str]] = list(state.health)
         try:
-            self._check_state(state, out)
+            self._check_state(state, out, records, rollout)
         finally:
             if out:
                 state.health = out
 
-    def _check_state(self, state: Any, out: list[dict[str, str]]) -> None:
+    def _check_state(self, state: Any, out: list[dict[str, str]], check_records: bool = True,
+                     rollout: bool = True) -> None:
         records = state.records
         gens = _gens(records)
-        on = self.checks
+        on = self.checks if check_records else frozenset()
         if "token_continuity" in on:
             self._continuity(gens, out)
         if "generation" in on:
             self._generation(records, gens, out)
-        if any(g.token_values or TOKEN_PROBLEM in g.attributes for g in gens):
+        if check_records and any(g.token_values or TOKEN_PROBLEM in g.attributes for g in gens):
             self._tokens(gens, state.annotations, out)
         if "capture_gap" in on:
             for k, gen in enumerate(gens, 1):
@@ -228,6 +232,7 @@ class HealthChecker:
                 if gap:
                     out.append(finding("capture_gap", f"turn {k}: {gap}"))
         coords = state.coords
+        on = self.checks if rollout else frozenset()
         if state.kind == "segment":
             # the part of a trajectory that ran in another process (rtrace.extract): its
             # reward and coordinates belong to the driver's part, written on its own
@@ -298,9 +303,15 @@ class HealthChecker:
             return
         if m is None:
             return
+        if m.nonfinite[0]:
+            # a bf16 overflow, a bad kernel: the worst mismatch there is, never a mean over the
+            # other tokens (that read as none, and pulled the step's mean down)
+            _stats.incr("logprob_mismatch_nonfinite")
+            out.append(finding("logprob_mismatch", _nonfinite_detail(m)))
+            return
         annotations.update(m.values())
         _, max_frac, max_k3 = self.mismatch
-        if m.frac > max_frac or m.k3 > max_k3:
+        if m.frac > max_frac or m.k3 > max_k3:  # type: ignore[operator]
             out.append(finding("logprob_mismatch", _mismatch_detail(m, self.mismatch)))
 
     def _is_special(self, token: int) -> bool:
@@ -580,6 +591,15 @@ def _mismatch_detail(m: Mismatch, limits: tuple[float, float, float]) -> str:
     return (f"{m.frac:.1%} of {m.tokens} tokens outside [1/{ratio:g}, {ratio:g}] (max {max_frac:g}), k3 {m.k3:.3g} "
             f"(max {max_k3:g}), k1 {m.k1:.3g}; worst: turn {turn}, token {pos}{tok}: sampler logprob {s:.4g}, "
             f"trainer {t:.4g} (|Δ| {abs(t - s):.3g})")
+
+
+def _nonfinite_detail(m: Mismatch) -> str:
+    n, sampler, trainer = m.nonfinite
+    turn, pos, token, s, t = m.worst
+    tok = f" (id {token})" if token is not None else ""
+    return (f"{n} of {m.tokens} trained tokens have a logprob that is not finite (trainer {trainer}, sampler "
+            f"{sampler}): the mismatch is not measured (k1, k3, max and share left out); first: turn {turn}, token "
+            f"{pos}{tok}: sampler logprob {s:.4g}, trainer {t:.4g}")
 
 
 def _special_ids(tok: Any) -> frozenset[int]:

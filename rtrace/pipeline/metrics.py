@@ -6,10 +6,14 @@ step of the same stream was exported, or at flush / shutdown) hands one
 :class:`~rtrace.trajectory.StepMetrics` to every sink that has
 ``export_step_metrics`` (trackio logs them at the step, MLflow on the run).
 
-Only trajectories kept by the sample (``kept`` contains ``sampled``, or every one when
-there is no cap) are counted, so the figures are those of an unbiased sample: the
-extra ones kept for the tail (``error``, ``best``, ``worst``, ``zero_variance``) are
-not. Every statistic is a count, a sum, a sum of squares, a min or a max, or the list
+Every rollout is counted, kept or not, once: each finished rollout leaves a
+:class:`~rtrace.summary.RolloutSummary` (the ones the sample drops, and the ones sampled out
+when they started, which were recorded as summaries only), and the statistics are those
+of all of them, not of a sample (:meth:`StepMetricsTracker.count`). With
+``RTRACE_SUMMARIES=0`` a sampled-out rollout leaves nothing, and only the trajectories kept
+by the sample (``kept`` contains ``sampled``, or every one when there is no cap) are
+counted: the extra ones kept for the tail (``error``, ``best``, ``worst``,
+``zero_variance``) are not, so the figures are an unbiased sample's. Every statistic is a count, a sum, a sum of squares, a min or a max, or the list
 of trajectory durations, so the metrics of several workers merge exactly
 (count-weighted, as AReaL's stats_tracker does); :meth:`StepStats.merge` does it.
 
@@ -39,6 +43,7 @@ from typing import Any, Iterable
 
 from .. import _stats
 from .._serialize import truncate
+from ..summary import RolloutSummary, summarize
 from ..trajectory import StepMetrics, Trajectory
 
 __all__ = ["StepStats", "StepMetricsTracker", "TABLE_COLUMNS", "table_row", "in_sample"]
@@ -197,55 +202,50 @@ class StepStats:
     group_sizes: Counter = field(default_factory=Counter)
     group_flagged: Counter = field(default_factory=Counter)
 
-    def add(self, traj: Trajectory) -> None:
+    def add(self, item: RolloutSummary | Trajectory) -> None:
+        """Count one rollout: its summary (a trajectory is summarized first)."""
+        s = item if type(item) is RolloutSummary else summarize(item)
         self.n += 1
-        r = traj.reward
+        r = s.reward
+        group = s.group_id if s.group_id is not None else s.sample_index
         if isinstance(r, (int, float)) and not isinstance(r, bool):
             if math.isfinite(r):
                 self.reward.add(float(r))
-                group = traj.group_id if traj.group_id is not None else traj.sample_index
                 if group is not None:
                     self.groups.setdefault(str(group), []).append(float(r))
             else:
                 self.reward_non_finite += 1
-        for key, value in traj.annotations.items():
+        for key, value in s.annotations.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 self.keys.setdefault(key, _Moments()).add(float(value))
                 if key.startswith("logprob_mismatch_"):
                     values = self.mismatch.setdefault(key, [])
                     if len(values) < _MAX_DURATIONS:
                         values.append(float(value))
-        truncated = False
-        for span in traj.spans:
-            attrs = span.attributes
-            if span.kind == "generation":
-                self.turns += 1
-                self.time_generation += span.duration_ms
-                self.tokens_in += _int(attrs.get("gen_ai.usage.input_tokens"))
-                self.tokens_out += _int(attrs.get("gen_ai.usage.output_tokens"))
-                for reason in attrs.get("gen_ai.response.finish_reasons") or ():
-                    self.finish[str(reason)] += 1
-                    truncated = truncated or reason == "length"
-            elif span.kind == "tool":
-                self.tool_calls += 1
-                self.time_tool += span.duration_ms
-        self.errors += traj.status == "error"
-        self.truncated += truncated
-        group = traj.group_id if traj.group_id is not None else traj.sample_index
+        self.turns += s.turns
+        self.tool_calls += s.tool_calls
+        self.tokens_in += s.tokens_in
+        self.tokens_out += s.tokens_out
+        self.time_generation += s.generation_ms
+        self.time_tool += s.tool_ms
+        if s.finish_reasons:
+            self.finish.update(s.finish_reasons)
+        self.errors += s.status == "error"
+        self.truncated += s.truncated
         if group is not None:
             self.group_sizes[str(group)] += 1
-        if traj.health is not None:
+        if s.health is not None:
             self.checked += 1
-            failed = {f["check"] for f in traj.health}
+            failed = {f["check"] for f in s.health}
             self.health.update(failed)
             if group is not None and "coordinates" in failed:
                 self.group_flagged[str(group)] += 1
-        self.partial += traj.partial
-        duration = traj.duration_ms
+        self.partial += s.partial
+        duration = s.duration_ms
         if len(self.durations) < _MAX_DURATIONS:
             self.durations.append(duration)
         if duration > self.slowest[0]:
-            self.slowest = (duration, traj.trace_id)
+            self.slowest = (duration, s.trace_id)
 
     def merge(self, o: "StepStats") -> None:
         """Add another worker's statistics of the same step (exact)."""
@@ -360,7 +360,7 @@ class StepMetricsTracker:
     """
 
     def __init__(self, linger_s: float = 0.0, table_rows: int = 0, checks: tuple[str, ...] = (),
-                 whole_groups: bool = False) -> None:
+                 whole_groups: bool = False, every_rollout: bool = False) -> None:
         self.linger_s = linger_s
         #: rows kept per step's rollouts table (0: none)
         self.table_rows = table_rows
@@ -368,6 +368,10 @@ class StepMetricsTracker:
         #: whole (no cap, or whole groups sampled): only then are odd group sizes reported
         self.checks = checks
         self.whole_groups = whole_groups
+        #: the statistics count every rollout, from its summary (:meth:`count`); the
+        #: trajectories :meth:`observe` gets then fill the rollouts table only. Else they
+        #: count the sample's exported trajectories (``RTRACE_SUMMARIES=0``)
+        self.every_rollout = every_rollout
         self._open: dict[tuple[bool, int], StepStats] = {}
         #: (validate, step) -> [rows, rows left out]
         self._rows: dict[tuple[bool, int], list] = {}
@@ -375,28 +379,54 @@ class StepMetricsTracker:
         self._last: dict[bool, int] = {}
         self._newest: dict[bool, int] = {}
 
+    def _key(self, validate: bool, step: Any) -> tuple[bool, int] | None:
+        """The open step a rollout of (validate, step) is counted in; None for no step, or
+        a step already released (counted late)."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            return None
+        key = (validate, step)
+        if step <= self._last.get(validate, -1) and key not in self._open:
+            _stats.incr("step_metrics_late_trajectories")
+            return None
+        return key
+
+    def _add(self, key: tuple[bool, int], item: Any, now: float) -> None:
+        stats = self._open.get(key)
+        if stats is None:
+            stats = self._open[key] = StepStats()
+        stats.add(item)
+        self._seen[key] = now
+        self._newest[key[0]] = max(key[1], self._newest.get(key[0], -1))
+
     def observe(self, trajectories: Iterable[Trajectory], now: float = 0.0) -> list[StepMetrics]:
-        """Add exported trajectories; returns the metrics of steps now done."""
+        """Add exported trajectories (their rows; their statistics too unless
+        ``every_rollout``); returns the metrics of steps now done."""
         for traj in trajectories:
-            step = traj.step
-            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            key = self._key(traj.validate, traj.step)
+            if key is None:
                 continue
-            key = (traj.validate, step)
-            if step <= self._last.get(traj.validate, -1) and key not in self._open:
-                _stats.incr("step_metrics_late_trajectories")
-                continue
-            stats = self._open.setdefault(key, StepStats())
+            self._open.setdefault(key, StepStats())
             if self.table_rows:  # the table shows every exported trajectory, tail included
                 rows = self._rows.setdefault(key, [[], 0])
                 if len(rows[0]) < self.table_rows:
                     rows[0].append(table_row(traj))
                 else:
                     rows[1] += 1
+            if self.every_rollout:
+                self._seen[key] = now
+                continue
             if not in_sample(traj):
                 continue  # kept for the tail only: not part of the sample's statistics
-            stats.add(traj)
-            self._seen[key] = now
-            self._newest[traj.validate] = max(step, self._newest.get(traj.validate, -1))
+            self._add(key, traj, now)
+        return self.due(now)
+
+    def count(self, summaries: Iterable[RolloutSummary], now: float = 0.0) -> list[StepMetrics]:
+        """Count rollouts by their summaries (``every_rollout``: each rollout once, kept or
+        not); returns the metrics of steps now done."""
+        for summary in summaries:
+            key = self._key(summary.validate, summary.step)
+            if key is not None:
+                self._add(key, summary, now)
         return self.due(now)
 
     def due(self, now: float) -> list[StepMetrics]:

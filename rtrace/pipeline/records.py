@@ -14,22 +14,25 @@ from typing import Any, Sequence
 from .._serialize import ListSnapshot
 from ..trajectory import SpanRecord
 
-__all__ = ["CallSpec", "CallRecord", "Deferred", "TrajectoryState", "snapshot_args", "ids_of", "record_of",
+__all__ = ["CallSpec", "CallRecord", "Deferred", "TrajectoryState", "Mark", "Tally", "snapshot_args", "ids_of", "record_of",
            "start_end"]
 
 
 class CallSpec:
     """What a decorator knows about its function, decided once at decoration time."""
 
-    __slots__ = ("kind", "name", "capture", "param_names", "skip_first", "options", "default_name")
+    __slots__ = ("kind", "name", "capture", "param_names", "skip_first", "options", "default_name", "function")
 
     def __init__(self, kind: str, name: str, capture: bool, param_names: tuple[str, ...],
-                 skip_first: bool, options: dict[str, Any], default_name: bool = False) -> None:
+                 skip_first: bool, options: dict[str, Any], default_name: bool = False,
+                 function: str | None = None) -> None:
         self.kind = kind
         self.name = name
         #: ``name`` is the function's qualified name (no ``name=`` given): the worker may
         #: show a tool's or a model's own name instead (pipeline/builder.py)
         self.default_name = default_name
+        #: the function's fully-qualified name (``module.qualname``), OTel's ``code.function.name``
+        self.function = function
         self.capture = capture
         self.param_names = param_names
         #: the first positional argument is ``self`` / ``cls`` and is not captured
@@ -125,7 +128,7 @@ class TrajectoryState:
     __slots__ = ("trace_id", "root_span_id", "name", "kind", "coords", "captures", "reward",
                  "has_reward", "outcome", "created", "created_ns", "records", "dropped_spans",
                  "partial", "root_lost", "root_at", "annotations", "remote_parent", "messages", "kept", "health",
-                 "span_ids", "touched", "held_bytes", "plain", "coordinates")
+                 "span_ids", "touched", "held_bytes", "plain", "coordinates", "summary_only", "summary")
 
     def __init__(self, trace_id: int, root_span_id: int | None, name: str, kind: str,
                  coords: dict[str, Any]) -> None:
@@ -174,6 +177,13 @@ class TrajectoryState:
         #: first span was converted, whose ``rl.*`` stamp every record of it then got at
         #: conversion (finish() does not stamp them again); None: records made any other way
         self.coordinates: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] | None = None
+        #: a rollout recorded as a summary only (made from a :class:`Tally`): its records are
+        #: its root and a light record per generation and tool call, enough for its summary
+        #: and the first phase of the health checks; it is never kept
+        self.summary_only = False
+        #: the collector: the summary a worker made of a rollout it recorded as a summary only
+        #: (its annotations and the collector's checks are added when it is counted)
+        self.summary: Any = None
 
     def add(self, record: SpanRecord) -> None:
         """Add a converted span to ``records`` (the list is made by the first one)."""
@@ -181,3 +191,106 @@ class TrajectoryState:
             self.records.append(record)  # type: ignore[attr-defined]
         else:
             self.records = [record]
+
+
+class Mark:
+    """One decorated call inside a rollout recorded as a summary only (a :class:`Tally`):
+    what a :class:`CallRecord` holds, with the call's times and failure, and no span.
+
+    The pipeline reads it as it reads one of rtrace's spans (``name``, ``start_time``,
+    ``end_time``, ``status`` ...): the generation's token counts and finish reason come
+    from the same code as a recorded call's (pipeline/summaries.py), and a rollout the
+    worker decides to keep after all (collector mode: an error, a truncation) is converted
+    from its marks as from spans.
+    """
+
+    __slots__ = ("spec", "args", "kwargs", "arg_lens", "output", "has_output", "owner_name", "start_time",
+                 "end_time", "error", "parent")
+
+    def __init__(self, spec: CallSpec, start_time: int, parent: "Mark | None") -> None:
+        self.spec = spec
+        self.args: Any = None
+        self.kwargs: Any = None
+        self.arg_lens: tuple[int, ...] | None = None
+        self.output: Any = None
+        self.has_output = False
+        self.owner_name: str | None = None
+        self.start_time = start_time
+        self.end_time: int | None = None
+        #: ``"<ExceptionType>: <message>"`` when the call raised (bounded), else None
+        self.error: str | None = None
+        #: the enclosing call's mark (None: the rollout's root)
+        self.parent = parent
+
+    def fail(self, exc: BaseException) -> None:
+        """The call raised ``exc`` (never raises itself)."""
+        self.error = error_text(exc)
+
+    def end(self) -> None:
+        self.end_time = time.time_ns()
+
+
+class Tally:
+    """A rollout recorded as a summary only: sampled out when it started
+    (``max_traces_per_step`` in one process, ``RTRACE_PRE_SAMPLE_RATE`` in a collector's
+    worker) while ``RTRACE_SUMMARIES`` is on. The hot path appends a :class:`Mark` per
+    decorated call and sets the reward and outcome; when the rollout ends it is handed to
+    the pipeline (``Pipeline.submit_tallies``), which makes its summary
+    (:class:`~rtrace.summary.RolloutSummary`) so the step metrics count it.
+
+    Fields written by the hot path: all of them, until ``end_ns`` is set; the pipeline
+    reads it only after that.
+    """
+
+    __slots__ = ("trace_id", "name", "kind", "coords", "start_ns", "end_ns", "error", "reward", "has_reward",
+                 "outcome", "marks", "dropped_marks", "on_end")
+
+    #: a root call's record is the tally itself: nothing of its own call is captured
+    args = None
+
+    def __init__(self, trace_id: int, name: str, kind: str, coords: dict[str, Any], start_ns: int,
+                 on_end: Any = None) -> None:
+        self.trace_id = trace_id
+        self.name = name
+        self.kind = kind
+        self.coords = coords
+        self.start_ns = start_ns
+        self.end_ns: int | None = None
+        #: the root's failure (``"<ExceptionType>: <message>"``), else None
+        self.error: str | None = None
+        self.reward: Any = None
+        self.has_reward = False
+        self.outcome: dict[str, Any] = {}
+        #: the rollout's decorated calls, in the order they started (bounded by
+        #: ``max_spans_per_trajectory``: the rest are counted in ``dropped_marks``)
+        self.marks: list[Mark] = []
+        self.dropped_marks = 0
+        #: called with ``[self]`` when the rollout ends (the pipeline's ``submit_tallies``)
+        self.on_end = on_end
+
+    def fail(self, exc: BaseException) -> None:
+        """The rollout (its root) raised ``exc`` (never raises itself)."""
+        self.error = error_text(exc)
+
+    def end(self) -> None:
+        """The rollout ended: hand it to the pipeline (once)."""
+        if self.end_ns is not None:
+            return
+        self.end_ns = time.time_ns()
+        on_end = self.on_end
+        if on_end is not None:
+            on_end([self])
+
+
+#: The longest exception text a summarized call keeps (its summary keeps less).
+_ERROR_CHARS = 1000
+
+
+def error_text(exc: BaseException) -> str:
+    """``"<ExceptionType>: <message>"``, bounded; never raises (an exception whose
+    ``__str__`` raises reaches the program unchanged)."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = "<str() of the exception failed>"
+    return f"{type(exc).__name__}: {text[:_ERROR_CHARS]}"

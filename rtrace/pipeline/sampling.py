@@ -156,7 +156,7 @@ class StepSelector:
     def __init__(self, cap: int | None, val_cap: int | None, groups: bool, seed: int, linger_s: float,
                  on_drop: Any = None, keep_errors: int = 0, keep_extremes: int = 0,
                  keep_zero_variance: int = 0, prompts: bool = False, keep_unhealthy: int = 0,
-                 keep_mismatch: int = 0) -> None:
+                 keep_mismatch: int = 0, counted: bool = True) -> None:
         #: called with each item sampled out (the collector remembers it for annotations)
         self.on_drop = on_drop or (lambda item: None)
         self.caps = {False: cap, True: val_cap}
@@ -168,6 +168,8 @@ class StepSelector:
         self._released: OrderedDict[tuple[bool, Any], int] = OrderedDict()
         self._latest: dict[bool, Any] = {}
         self._n = 0
+        #: count what it keeps and drops in rtrace.stats() (a dataset reader's cut does not)
+        self._incr = _stats.incr if counted else _no_count
 
     def priority(self, coords: dict[str, Any]) -> float:
         if self.prompts:
@@ -176,8 +178,10 @@ class StepSelector:
                       "group_id": prompt, "rollout_n": coords.get("rollout_n")}
         return priority(coords, self.seed, self.groups or self.prompts)
 
-    def offer(self, coords: dict[str, Any], item: Any, now: float, tail: Tail | None = None) -> list[Any]:
-        """Add a finished trajectory; returns what passes at once (no cap, late step)."""
+    def offer(self, coords: dict[str, Any], item: Any, now: float, tail: Tail | None = None,
+              prio: float | None = None) -> list[Any]:
+        """Add a finished trajectory; returns what passes at once (no cap, late step).
+        ``prio``: its :meth:`priority` when known (a dataset row's)."""
         validate = bool(coords.get("validate"))
         cap = self.caps[validate]
         if cap is None:
@@ -189,11 +193,11 @@ class StepSelector:
             if latest is None or step > latest:
                 self._latest[validate] = step
         if key in self._released:
-            _stats.incr("trajectories_late_step")
+            self._incr("trajectories_late_step")
             if self._released[key] < cap:
                 self._released[key] += 1
                 return [item]
-            _stats.incr("trajectories_sampled_out")
+            self._incr("trajectories_sampled_out")
             self.on_drop(item)
             return []
         entry = self._open.get(key)
@@ -201,7 +205,8 @@ class StepSelector:
             entry = self._open[key] = _Step()
         entry.last = now
         self._n += 1
-        prio = self.priority(coords)
+        if prio is None:
+            prio = self.priority(coords)
         rank = (-prio, -_plain_num(coords.get("rollout_n")), -self._n)
         uid = self._n
         entry.items[uid] = [item, 0]
@@ -247,7 +252,7 @@ class StepSelector:
 
     def _drop(self, entry: "_Step", uid: int) -> None:
         item, _ = entry.items.pop(uid)
-        _stats.incr("trajectories_sampled_out")
+        self._incr("trajectories_sampled_out")
         self.on_drop(item)
 
     def _group(self, entry: "_Step", coords: dict[str, Any], tail: Tail, prio: float, uid: int) -> None:
@@ -307,11 +312,11 @@ class StepSelector:
             for uid, (item, _) in entry.items.items():
                 why = reasons.get(uid)
                 if why is None:
-                    _stats.incr("trajectories_sampled_out")
+                    self._incr("trajectories_sampled_out")
                     self.on_drop(item)
                     continue
                 for reason in why:
-                    _stats.incr(f"trajectories_kept_{reason}")
+                    self._incr(f"trajectories_kept_{reason}")
                 if hasattr(item, "kept"):
                     item.kept = why
                 out.append(item)
@@ -342,6 +347,10 @@ class _Step:
         #: uid -> [item, references held]
         self.items: dict[int, list] = {}
         self.last = 0.0
+
+
+def _no_count(name: str, n: int = 1) -> None:
+    pass
 
 
 def selector_for(settings: Any, linger_s: float, on_drop: Any = None) -> StepSelector:

@@ -12,7 +12,6 @@ half second; its open trajectories are written by the collector as partial.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -21,14 +20,18 @@ from .._serialize import attr_ok, json_safe, json_text, vouch
 from ..trajectory import SpanRecord, Trajectory
 from .annotations import Annotation
 from .builder import SpanConverter, _reward, coordinates
+from .summaries import summary_of_state
 from .records import TrajectoryState, ids_of, record_of
 from .tokens import wire_values
 from .worker import _CHUNK, Pipeline
 
-__all__ = ["StreamPipeline", "ANNOTATION_SPAN", "MESSAGES_ATTR", "ANNOTATIONS_ATTR", "TOKENIZER_ATTR"]
+__all__ = ["StreamPipeline", "ANNOTATION_SPAN", "MESSAGES_ATTR", "ANNOTATIONS_ATTR", "TOKENIZER_ATTR",
+           "SUMMARIES_SPAN", "SUMMARIES_ATTR", "summaries_shells"]
 
 #: Name of the span that carries an annotation to the collector.
 ANNOTATION_SPAN = "rtrace.annotation"
+#: Annotations turned into shells and handed to the sink at a time.
+_ANNOTATION_PART = 4096
 
 
 class StreamPipeline(Pipeline):
@@ -48,10 +51,10 @@ class StreamPipeline(Pipeline):
         self._part(left, now, expire, force)
 
     def _part(self, n: int, now: float, expire: bool, force: bool) -> None:
-        q, pre, anns = self._queue, self._states, self._annotations
+        q, pre = self._queue, self._states
         spans = [q.popleft() for _ in range(n)]
         prebuilt = [pre.popleft() for _ in range(len(pre))]
-        annotations = [anns.popleft() for _ in range(len(anns))]
+        annotations = self._take_annotations()
         conv = SpanConverter(self.settings)
         values = conv.conv
         shells: dict[int, Trajectory] = {}
@@ -94,11 +97,42 @@ class StreamPipeline(Pipeline):
             # arrived is already at the collector, which writes them as partial.
             for state in self.registry.expire(now, self.settings.orphan_timeout_s, force):
                 _stats.incr("trajectories_left_to_collector")
-        out = list(shells.values()) + [_annotation_shell(a) for a in annotations]
+        tallies = self._tallies
+        if tallies:
+            summaries = self._summaries([tallies.popleft() for _ in range(len(tallies))], conv)
+            if summaries:
+                parts = summaries_shells(summaries)
+                _stats.incr("segments_streamed", len(parts))
+                self.fanout.submit(parts)
         conv.count()
+        if shells:
+            _stats.incr("segments_streamed", len(shells))
+            self.fanout.submit(list(shells.values()))
+        # A trainer's annotate_batch for a step (10^5 rows) leaves in parts: the collector sink
+        # encodes each part while the next is made, and the fanout waits for its room
+        # (hold_back, rtrace._setup), so no part is dropped and never are all the shells alive at once.
+        for i in range(0, len(annotations), _ANNOTATION_PART):
+            part = [_annotation_shell(a) for a in annotations[i:i + _ANNOTATION_PART]]
+            _stats.incr("segments_streamed", len(part))
+            self.fanout.submit(part)
+
+    def _summaries(self, tallies: list, conv: SpanConverter) -> list[dict[str, Any]]:
+        """Rollouts recorded as summaries only, as the collector reads them: the checks of
+        their records here (the reward, staleness and coordinates are checked in the collector,
+        where the annotations and the rest of the step are)."""
+        out = []
+        health = self.health
+        for state in self._from_tallies(tallies, conv):
+            try:
+                if health is not None:
+                    health.check_state(state, rollout=False)
+                out.append(summary_of_state(state, self.settings, conv.conv).to_wire())
+            except Exception:
+                _stats.incr("summaries_build_failed")
+                _stats.warn_once("summary", "rtrace could not summarize a rollout; it is not counted", exc_info=True)
         if out:
-            _stats.incr("segments_streamed", len(out))
-            self.fanout.submit(out)
+            _stats.incr("rollouts_summarized", len(out))
+        return out
 
     def _stamp(self, state: TrajectoryState, record: SpanRecord, is_root: bool,
                stamps: dict[int, dict[str, Any]], conv: SpanConverter) -> None:
@@ -160,9 +194,44 @@ def _carry(state: TrajectoryState, root: SpanRecord) -> None:
         root.attributes[ANNOTATIONS_ATTR] = json_text(json_safe(state.annotations))
 
 
+#: Name of the span that carries rollout summaries to the collector, and its attribute: a
+#: list of :meth:`~rtrace.summary.RolloutSummary.to_wire` dicts (each with its coordinates:
+#: a router splits the list by them).
+SUMMARIES_SPAN = "rtrace.summaries"
+SUMMARIES_ATTR = "rtrace.summaries"
+#: Summaries per span (~0.5 kB each: well within the collector's span size bound)
+SUMMARIES_PER_SPAN = 1024
+
+
+def summaries_shells(summaries: list[dict[str, Any]]) -> list[Trajectory]:
+    """Rollout summaries as one-span segments (each a trace of its own), one per placement
+    key (a GRPO group's, :func:`rtrace.placement.route_key`): the span carries the key's
+    ``rl.*`` coordinates, so each goes to the collector that owns its rollouts, and so do its
+    annotations."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for s in summaries:
+        key = (s.get("experiment"), bool(s.get("validate")), s.get("step"), s.get("sample_index"))
+        groups.setdefault(key, []).append(s)
+    now = time.time_ns()
+    out = []
+    for (experiment, validate, step, index), group in groups.items():
+        for i in range(0, len(group), SUMMARIES_PER_SPAN):
+            attrs: dict[str, Any] = {"rl.validate": validate}
+            for name, value in (("rl.experiment", experiment), ("rl.step", step), ("rl.sample_index", index)):
+                if value is not None:
+                    attrs[name] = value
+            attrs[SUMMARIES_ATTR] = group[i:i + SUMMARIES_PER_SPAN]
+            span = SpanRecord(span_id=format(_ids.span_id(), "016x"), parent_id=None, name=SUMMARIES_SPAN,
+                              kind="summaries", start_ns=now, end_ns=now, attributes=attrs)
+            out.append(Trajectory(trace_id=format(_ids.trace_id(), "032x"), name=SUMMARIES_SPAN, spans=[span]))
+    return out
+
+
 def _annotation_shell(ann: Annotation) -> Trajectory:
     """An annotation as a one-span segment (its own trace, or the target's when known)."""
-    attrs: dict[str, Any] = {"rtrace.annotation.values": json.dumps(wire_values(ann.values), default=str)}
+    # json_text: json.dumps(default=str) without the Python layers (a third of the time: a
+    # trainer's annotate_batch makes 10^5 of these on rtrace's thread, beside the trainer's)
+    attrs: dict[str, Any] = {"rtrace.annotation.values": json_text(wire_values(ann.values))}
     if ann.key is not None:
         validate, step, index, rollout = ann.key
         attrs.update({"rl.validate": validate, "rl.step": step, "rl.sample_index": index})
@@ -171,7 +240,8 @@ def _annotation_shell(ann: Annotation) -> Trajectory:
     if ann.trace_id is not None:
         attrs["rtrace.annotation.trace_id"] = format(ann.trace_id, "032x")
     trace_id = ann.trace_id if ann.trace_id is not None else _ids.trace_id()
+    now = time.time_ns()
     span = SpanRecord(span_id=format(_ids.span_id(), "016x"), parent_id=None, name=ANNOTATION_SPAN,
-                      kind="annotation", start_ns=time.time_ns(), end_ns=time.time_ns(),
+                      kind="annotation", start_ns=now, end_ns=now,
                       attributes={k: v for k, v in attrs.items() if attr_ok(v)})
     return Trajectory(trace_id=format(trace_id, "032x"), name=ANNOTATION_SPAN, spans=[span])

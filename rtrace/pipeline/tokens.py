@@ -27,7 +27,10 @@ that are not finite, a mask that selects nothing, a tensor that cannot be read: 
 the loss-masked tokens (``loss_mask`` when given): k1 = mean(sampler - trainer) and
 k3 = mean(r - 1 - log r) with r = exp(trainer - sampler) (estimators of KL(sampler ||
 trainer) from the sampler's tokens), the largest |Δ| and the share of tokens whose
-probability ratio leaves [1/ratio, ratio] (NeMo-RL's ``token_mult_prob_error`` idea).
+probability ratio leaves [1/ratio, ratio] (NeMo-RL's ``token_mult_prob_error`` idea). A
+trained token whose logprob is not finite (NaN, ±inf: a bf16 overflow, a bad kernel) is the
+worst mismatch there is, not a token to leave out: the values are then missing and the
+check says how many tokens were not finite.
 
 numpy is needed for per-token values (every trainer has it); without it they are left out
 and counted (``token_arrays_no_numpy``).
@@ -335,18 +338,25 @@ def _not_finite(values: Any) -> int:
 
 # ----------------------------------------------------------------------------- mismatch
 class Mismatch:
-    """The train-inference mismatch of one trajectory (see the module docstring)."""
+    """The train-inference mismatch of one trajectory (see the module docstring). With
+    ``nonfinite`` trained tokens whose logprob (either side's) is NaN or infinite, the
+    values are missing (None) and ``worst`` is the first such token."""
 
-    __slots__ = ("k1", "k3", "max_abs", "frac", "tokens", "worst")
+    __slots__ = ("k1", "k3", "max_abs", "frac", "tokens", "worst", "nonfinite")
 
-    def __init__(self, k1: float, k3: float, max_abs: float, frac: float, tokens: int,
-                 worst: tuple[int, int, int | None, float, float]) -> None:
+    def __init__(self, k1: float | None, k3: float | None, max_abs: float | None, frac: float | None, tokens: int,
+                 worst: tuple[int, int, int | None, float, float], nonfinite: tuple[int, int, int] = (0, 0, 0)) -> None:
         self.k1, self.k3, self.max_abs, self.frac, self.tokens = k1, k3, max_abs, frac, tokens
         #: (turn, position in its response, token id, sampler logprob, trainer logprob)
         self.worst = worst
+        #: trained tokens whose logprob is not finite: (either side's, the sampler's, the trainer's)
+        self.nonfinite = nonfinite
 
     def values(self) -> dict[str, float]:
-        return dict(zip(MISMATCH_KEYS, (self.k1, self.k3, self.max_abs, self.frac)))
+        """The per-rollout values (MISMATCH_KEYS); none when a trained token's logprob is not finite."""
+        if self.nonfinite[0]:
+            return {}
+        return dict(zip(MISMATCH_KEYS, (self.k1, self.k3, self.max_abs, self.frac)))  # type: ignore[arg-type]
 
 
 def mismatch(records: Sequence[SpanRecord], ratio: float) -> Mismatch | None | str:
@@ -357,20 +367,32 @@ def mismatch(records: Sequence[SpanRecord], ratio: float) -> Mismatch | None | s
         return None
     gens = sorted((r for r in records if r.kind == "generation"), key=lambda r: (r.start_ns, r.end_ns))
     sampler, trainer, where = [], [], []
+    trained = bad_n = bad_s = bad_t = 0
+    first_bad: tuple[int, SpanRecord, int] | None = None
     for k, gen in enumerate(gens, 1):
         tv = gen.token_values
         if not tv or SAMPLER not in tv or TRAINER not in tv:
             continue
         s, t = tv[SAMPLER], tv[TRAINER]
-        keep = np.isfinite(s) & np.isfinite(t)
-        if LOSS_MASK in tv:
-            keep &= tv[LOSS_MASK] != 0
-        idx = np.nonzero(keep)[0]
+        keep = tv[LOSS_MASK] != 0 if LOSS_MASK in tv else np.ones(s.shape, bool)
+        finite_s, finite_t = np.isfinite(s), np.isfinite(t)
+        bad = keep & ~(finite_s & finite_t)
+        if bad.any():  # a trained token without a number: nothing about this trajectory can be measured
+            bad_n += int(bad.sum())
+            bad_s += int((keep & ~finite_s).sum())
+            bad_t += int((keep & ~finite_t).sum())
+            if first_bad is None:
+                first_bad = (k, gen, int(np.argmax(bad)))
+        trained += int(keep.sum())
+        idx = np.nonzero(keep & finite_s & finite_t)[0]
         sampler.append(s[idx])
         trainer.append(t[idx])
         where.append((k, gen, idx))
     if not where:
         return None
+    if first_bad is not None:
+        k, gen, pos = first_bad
+        return Mismatch(None, None, None, None, trained, _token(k, gen, pos), (bad_n, bad_s, bad_t))
     s = np.concatenate(sampler).astype(np.float64)
     t = np.concatenate(trainer).astype(np.float64)
     if s.size == 0:
@@ -386,10 +408,14 @@ def mismatch(records: Sequence[SpanRecord], ratio: float) -> Mismatch | None | s
     # where the worst token is: its turn and position in that turn's response
     for k, gen, idx in where:
         if at < idx.size:
-            pos = int(idx[at])
-            ids = gen.response_ids
-            token = ids[pos] if ids is not None and pos < len(ids) else None
-            worst = (k, pos, token, float(gen.token_values[SAMPLER][pos]), float(gen.token_values[TRAINER][pos]))
+            worst = _token(k, gen, int(idx[at]))
             break
         at -= idx.size
     return Mismatch(k1, k3, float(absd.max()), frac, int(s.size), worst)
+
+
+def _token(k: int, gen: SpanRecord, pos: int) -> tuple[int, int, int | None, float, float]:
+    """(turn, position, token id, sampler logprob, trainer logprob) of a generation's token."""
+    ids = gen.response_ids
+    token = ids[pos] if ids is not None and pos < len(ids) else None
+    return k, pos, token, float(gen.token_values[SAMPLER][pos]), float(gen.token_values[TRAINER][pos])

@@ -28,15 +28,17 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 
 from .. import _stats
 from ..config import Settings
+from ..summary import RolloutSummary
 from ..trajectory import Trajectory
-from .annotations import Annotation, AnnotationTable, coord_key
+from .annotations import Annotation, AnnotationTable, coord_key, estimated_bytes
 from .builder import SpanConverter, coordinates, finish, tail_of
 from .fanout import Fanout
 from .health import NO_REWARD, HealthChecker, finding
 from .messages import build_messages
 from .metrics import StepMetricsTracker
-from .records import TrajectoryState, ids_of, record_of
+from .records import Tally, TrajectoryState, ids_of, record_of
 from .registry import TrajectoryRegistry
+from .summaries import state_of_tally, summarize, summary_of_state
 from .tokens import attach as attach_tokens, has_rows
 
 __all__ = ["Pipeline", "ProcessorBridge"]
@@ -116,7 +118,15 @@ class Pipeline:
         whole = settings.sample_groups or (settings.max_traces_per_step is None and settings.val_cap is None)
         self.metrics = StepMetricsTracker(min(self.metrics_linger_s, settings.step_linger_s),
                                           settings.step_table_rows, settings.health_checks,
-                                          whole) if settings.summary_metrics and fanout.wants_step_metrics else None
+                                          whole, every_rollout=settings.summaries,
+                                          ) if settings.summary_metrics and fanout.wants_step_metrics else None
+        #: every finished rollout leaves a summary (RTRACE_SUMMARIES): for the step metrics and
+        #: the sinks that write one row per rollout (the dataset's ``export_summaries``)
+        self.summaries = settings.summaries
+        #: rollouts recorded as summaries only (the hot path's tallies), for the worker
+        self._tallies: collections.deque[Tally] = collections.deque()
+        #: states the selection dropped in this part of a round: summarized at its end
+        self._dropped: list[TrajectoryState] = []
         #: end-of-trajectory selection (the collector; one process with tail keeping)
         self.selector: Any = None
         #: rollout-health checks (None: RTRACE_HEALTH_CHECKS=none)
@@ -130,6 +140,10 @@ class Pipeline:
         #: finished states built without spans (log_rollout_batch), and annotations
         self._states: collections.deque[TrajectoryState] = collections.deque()
         self._annotations: collections.deque[Annotation] = collections.deque()
+        #: the estimated bytes of the queued annotations (annotation_queue_bytes), and its lock:
+        #: callers' threads add, the worker takes everything at once
+        self._annotation_bytes = 0
+        self._annotation_lock = threading.Lock()
         #: waiting trajectories whose settle time had not passed when last seen, oldest root
         #: first (the collector; a trajectory written meanwhile is skipped when it comes up)
         self._settling: collections.deque[TrajectoryState] = collections.deque()
@@ -176,12 +190,36 @@ class Pipeline:
             self._cond.notify()
         return min(room, len(states))
 
+    def submit_tallies(self, tallies: Sequence[Tally]) -> int:
+        """Queue rollouts recorded as summaries only (the hot path's tallies): each becomes
+        a summary in the worker (pipeline/summaries.py).
+
+        Returns:
+            How many were queued; the rest were dropped (queue full) and counted.
+        """
+        room = max(0, self._max_queue - len(self._tallies))
+        if room < len(tallies):
+            _stats.incr("summaries_dropped_queue", len(tallies) - room)
+        self._tallies.extend(tallies[:room])
+        return min(room, len(tallies))
+
     def annotate(self, annotations: Sequence[Annotation]) -> None:
-        """Queue annotations for the worker (bounded; the excess is counted)."""
-        room = max(0, self._max_queue - len(self._annotations))
-        if room < len(annotations):
-            _stats.incr("annotations_dropped_queue", len(annotations) - room)
-        self._annotations.extend(annotations[:room])
+        """Queue annotations for the worker, bounded in (estimated) bytes, not rows: one
+        ``annotate_batch`` call for a step of 10^5 rollouts fits whole (``annotation_queue_bytes``);
+        rows beyond the bound are dropped and counted."""
+        if not annotations:
+            return
+        size = estimated_bytes(annotations)
+        per_row = max(1, size // len(annotations))
+        with self._annotation_lock:
+            room = max(0, self.settings.annotation_queue_bytes - self._annotation_bytes)
+            taken = len(annotations) if size <= room else room // per_row
+            self._annotations.extend(annotations[:taken] if taken < len(annotations) else annotations)
+            self._annotation_bytes += size if taken == len(annotations) else taken * per_row
+        if taken < len(annotations):
+            _stats.incr("annotations_dropped_queue", len(annotations) - taken)
+            _stats.warn_once("annotation-queue", "rtrace's annotation queue is full (annotation_queue_bytes=%d); "
+                             "annotations are dropped (counted)", self.settings.annotation_queue_bytes)
         if self.settings.await_annotations or self.settings.await_eval_annotations:
             with self._cond:
                 self._cond.notify()
@@ -241,13 +279,16 @@ class Pipeline:
         """One part of a round: the next ``n`` spans, and what finished with them. Only the
         round's ``last`` part may release a step's selection at a flush: a step is sampled
         from its whole backlog, not from the first part of it."""
-        q, pre, anns = self._queue, self._states, self._annotations
+        q, pre = self._queue, self._states
         spans = [q.popleft() for _ in range(n)]
         prebuilt = [pre.popleft() for _ in range(len(pre))]
-        for _ in range(len(anns)):
-            self.annotations.add(anns.popleft())
+        for ann in self._take_annotations():
+            self.annotations.add(ann)
         conv = SpanConverter(self.settings)
         arrived = self._assemble(spans, conv) + prebuilt
+        tallies = self._tallies
+        if tallies:
+            arrived += self._from_tallies([tallies.popleft() for _ in range(len(tallies))], conv)
         for state in arrived:
             self.annotations.arrived(state)
         now = time.monotonic()  # roots arrived during the assembly, after the round's start
@@ -290,14 +331,28 @@ class Pipeline:
                     _stats.incr("health_errors")
                     _stats.warn_once("health", "rtrace could not run the health checks on a trajectory",
                                      exc_info=True)
+        summary_only = [state for state in ready if state.summary_only]
+        if summary_only:  # never kept: counted by their summaries only
+            ready = [state for state in ready if not state.summary_only]
         ready = self._select(ready, now, force, last)
         if ready:
             self._export(ready, conv)
+        if summary_only or self._dropped:
+            dropped, self._dropped = self._dropped, []
+            self._summarize(summary_only + dropped, conv)
         conv.count()
         if self.metrics is not None:
             rows = self.metrics.due(time.monotonic())
             if rows:
                 self.fanout.submit_metrics(rows)
+
+    def _take_annotations(self) -> list[Annotation]:
+        """Every queued annotation, at once (their bytes leave the queue's bound)."""
+        with self._annotation_lock:
+            taken = list(self._annotations)
+            self._annotations.clear()
+            self._annotation_bytes = 0
+        return taken
 
     def _due(self, now: float, force: bool, awaits: bool) -> list[TrajectoryState]:
         """The waiting trajectories that may be ready now, each once: every one at a flush or a
@@ -334,8 +389,54 @@ class Pipeline:
         return []
 
     def dropped(self, state: TrajectoryState) -> None:
-        """The selector sampled ``state`` out: its annotations are then dropped cheaply."""
-        self.annotations.remember(coord_key(state.coords), state.trace_id, "sampled_out")
+        """The selector sampled ``state`` out: its annotations are then dropped cheaply, and
+        its summary counted (at the end of the round's part: :meth:`_summarize`)."""
+        if self.summaries:
+            self._dropped.append(state)
+        else:
+            self.annotations.remember(coord_key(state.coords), state.trace_id, "sampled_out")
+
+    def _from_tallies(self, tallies: list[Tally], conv: SpanConverter) -> list[TrajectoryState]:
+        """Summary-only states of tallied rollouts (they wait for annotations like others)."""
+        out = []
+        for tally in tallies:
+            try:
+                out.append(state_of_tally(tally, self.settings, conv))
+            except Exception:
+                _stats.incr("summaries_build_failed")
+                _stats.warn_once("tally", "rtrace could not summarize a rollout; it is not counted", exc_info=True)
+        return out
+
+    def _summarize(self, states: list[TrajectoryState], conv: SpanConverter) -> None:
+        """The summaries of rollouts that are not exported (summary-only, or dropped by the
+        selection): to the step metrics and the sinks that write every rollout."""
+        out: list[RolloutSummary] = []
+        for state in states:
+            self.annotations.arrived(state)  # annotations that came while the selection held it
+            if state.health and state.annotations.get("reward", state.reward) is not None:
+                state.health = [f for f in state.health if f != finding("reward", NO_REWARD)]
+            try:
+                out.append(summary_of_state(state, self.settings, conv.conv, self.priority_of(state.coords)))
+            except Exception:
+                _stats.incr("summaries_build_failed")
+                _stats.warn_once("summary", "rtrace could not summarize a rollout; it is not counted", exc_info=True)
+                continue
+            self.annotations.remember(coord_key(state.coords), state.trace_id, "sampled_out")
+        if not out:
+            return
+        _stats.incr("rollouts_summarized", len(out))
+        self.fanout.submit_summaries(out, self._wait_until)
+        if self.metrics is not None:
+            rows = self.metrics.count(out, time.monotonic())
+            if rows:
+                self.fanout.submit_metrics(rows)
+
+    def priority_of(self, coords: dict[str, Any]) -> float | None:
+        """A rollout's rank in its step's sample (the selector's ``priority``), for the
+        dataset's readers to cut several collectors' samples; None when the sample is not
+        chosen by rank (one process without tail keeping: decided as trajectories start)."""
+        selector = self.selector
+        return selector.priority(coords) if selector is not None else None
 
     def _select(self, states: list[TrajectoryState], now: float, force: bool,
                 last: bool = True) -> list[TrajectoryState]:
@@ -417,6 +518,7 @@ class Pipeline:
                 _stats.warn_once("build", "rtrace could not build a trajectory; it is dropped", exc_info=True)
                 continue
             self.annotations.remember(coord_key(state.coords), state.trace_id, "exported")
+            out[-1].priority = self.priority_of(state.coords)
         health = self.health
         if health is not None:
             self._step(health.check_ids, out, "health")  # while the token ids are on the spans
@@ -445,7 +547,10 @@ class Pipeline:
         if self.metrics is not None:
             # observe() releases the steps these trajectories show are done: they go to
             # the sinks now, after the trajectories (a step's rows were lost here before)
-            rows = self.metrics.observe(out, time.monotonic())
+            now = time.monotonic()
+            rows = self.metrics.observe(out, now)
+            if self.summaries:  # counted after their rows are in the table: a step's table is whole
+                rows += self.metrics.count([summarize(t, t.priority) for t in out], now)
             if rows:
                 self.fanout.submit_metrics(rows)
 

@@ -90,7 +90,12 @@ class TimedDb:
     @contextlib.contextmanager
     def pinned(self) -> Any:
         """Queries in the block run on one cursor, in one transaction: they read one snapshot
-        of the run (a refresh in between changes none of their answers)."""
+        of the flat index (a refresh in between changes none of their answers, nor its
+        rowids). Over the run's views there is nothing to pin (rows are found again by trace
+        id), and each query stays free to list the run again (:meth:`_run`)."""
+        if not self.flat:
+            yield self
+            return
         cursor = self.source.cursor()
         cursor.execute("BEGIN TRANSACTION")
         self._pinned = cursor
@@ -105,6 +110,12 @@ class TimedDb:
                 pass
 
     def _run(self, sql: str, params: Sequence[Any] | None, fetch: str) -> Any:
+        if self._pinned is not None:
+            return self._once(sql, params, fetch)
+        # a file merged away since the run was listed: listed again, the query run again
+        return self.source.retrying(lambda: self._once(sql, params, fetch))
+
+    def _once(self, sql: str, params: Sequence[Any] | None, fetch: str) -> Any:
         cursor = self._pinned or self.source.cursor()
         timer = threading.Timer(self.limit_ms / 1000.0, cursor.interrupt)
         timer.daemon = True
@@ -438,14 +449,27 @@ class RunSource:
                     return False
             else:
                 self.run.refresh()
-            files = self._partition_files()
-        changed = {p for p in set(files) | set(self._files) if files.get(p) != self._files.get(p)}
         first = not self._read_once
-        if changed or first:
-            self._read_once = True
-            self._update(files, changed)
+
+        def update() -> bool:
+            with self._lock:
+                files = self._partition_files()
+            changed = {p for p in set(files) | set(self._files) if files.get(p) != self._files.get(p)}
+            if changed or first:
+                self._update(files, changed)
+            return bool(changed)
+
+        # a file merged away between the listing and the reads: listed again, read again
+        changed = self.retrying(update)
+        self._read_once = True
         self.index_words()
-        return bool(changed) or first
+        return changed or first
+
+    def retrying(self, fn: Any) -> Any:
+        """``fn()``, read again over a new listing when a file of the run was merged away
+        meanwhile (:meth:`rtrace.dataset.Run.retrying`)."""
+        run = self.run
+        return run.retrying(fn) if run is not None else fn()
 
     def index_words(self, budget_s: float | None = None) -> int:
         """Index a slice of the answers' words not indexed yet (the text search's index, built

@@ -23,14 +23,24 @@ MANIFEST = HERE / "open_instruct_names.json"
 
 #: (file, class) -> dataclass fields; (file, function) -> parameters
 CLASSES = [("open_instruct/data_types.py", "GenerationResult"), ("open_instruct/data_types.py", "RequestInfo"),
-           ("open_instruct/data_types.py", "PromptRequest"), ("open_instruct/model_utils.py", "Batch")]
+           ("open_instruct/data_types.py", "PromptRequest"), ("open_instruct/model_utils.py", "Batch"),
+           ("open_instruct/data_types.py", "ToolCallStats"), ("open_instruct/data_types.py", "EnvConfig"),
+           ("open_instruct/data_types.py", "EnvConfigEntry")]
 FUNCTIONS = [("open_instruct/data_loader.py", "accumulate_inference_batches"),
              ("open_instruct/grpo_utils.py", "maybe_evaluate"),
              ("open_instruct/data_loader.py", "DataPreparationActor._data_preparation_loop"),
-             ("open_instruct/data_loader.py", "process_group")]
+             ("open_instruct/data_loader.py", "process_group"),
+             ("open_instruct/data_loader.py", "result_is_stale"),
+             ("open_instruct/data_loader.py", "_merge_env_config"),
+             ("open_instruct/data_loader.py", "maybe_mask_truncated_completions")]
 #: dataclass fields whose defaults the docs state: (file, class, field)
 DEFAULTS = [("open_instruct/data_loader.py", "StreamingDataLoaderConfig", "filter_zero_std_samples"),
-            ("open_instruct/data_loader.py", "StreamingDataLoaderConfig", "mask_tool_use")]
+            ("open_instruct/data_loader.py", "StreamingDataLoaderConfig", "mask_tool_use"),
+            ("open_instruct/data_loader.py", "StreamingDataLoaderConfig", "async_steps"),
+            ("open_instruct/data_loader.py", "StreamingDataLoaderConfig", "mask_truncated_completions"),
+            # the role an environment's observations are inserted with, by class
+            ("open_instruct/environments/base.py", "RLEnvironment", "response_role"),
+            ("open_instruct/environments/base.py", "TextRLEnvironment", "response_role")]
 
 
 def _fields(tree: ast.Module, name: str) -> list[str]:
@@ -40,14 +50,22 @@ def _fields(tree: ast.Module, name: str) -> list[str]:
     raise KeyError(name)
 
 
-def _function(tree: ast.Module, dotted: str) -> ast.FunctionDef:
+def _function(tree: ast.Module, dotted: str) -> ast.FunctionDef | ast.AsyncFunctionDef:
     scope: list[ast.stmt] = tree.body
     node: ast.AST | None = None
     for part in dotted.split("."):
-        node = next(n for n in scope if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part)
+        node = next(n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                    and n.name == part)
         scope = node.body
-    assert isinstance(node, ast.FunctionDef)
+    assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
     return node
+
+
+def _calls(fn: ast.AST, name: str) -> list[str]:
+    """Every call of ``name`` (a function or method, by its dotted spelling) in ``fn``, as
+    written, in source order."""
+    found = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and ast.unparse(n.func) == name]
+    return [ast.unparse(n) for n in sorted(found, key=lambda n: (n.lineno, n.col_offset))]
 
 
 def _default(tree: ast.Module, cls: str, name: str) -> str:
@@ -74,7 +92,8 @@ def extract(root: Path) -> dict:
         out["functions"][dotted] = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
         # how accumulate_inference_batches is called there, and what the loop reads
         calls = sorted({ast.unparse(n.func) for n in ast.walk(fn) if isinstance(n, ast.Call)
-                        and ast.unparse(n.func).endswith(("accumulate_inference_batches", "process_group"))})
+                        and ast.unparse(n.func).endswith(("accumulate_inference_batches", "process_group",
+                                                          "result_is_stale"))})
         attrs = sorted({ast.unparse(n) for n in ast.walk(fn) if isinstance(n, ast.Attribute)
                         and ast.unparse(n).startswith(("self.training_step", "self.config.num_samples_per_prompt"))})
         if calls or attrs:
@@ -84,6 +103,38 @@ def extract(root: Path) -> dict:
                 ast.unparse(n.test) for n in ast.walk(fn) if isinstance(n, ast.If) and any(
                     isinstance(r, ast.Return) and isinstance(r.value, ast.Constant) and r.value.value is None
                     for r in n.body))
+    loader = trees["open_instruct/data_loader.py"]
+    loop = _function(loader, "DataPreparationActor._data_preparation_loop")
+    accumulate = _function(loader, "accumulate_inference_batches")
+    # what the data preparation loop does with the batch: the staleness bound it passes, the
+    # truncation filter after the call, the conditions on which it gathers the step again
+    (call,) = [n for n in ast.walk(loop) if isinstance(n, ast.Call) and ast.unparse(n.func) == "accumulate_inference_batches"]
+    out["loop_max_result_age_steps"] = [ast.unparse(k.value) for k in call.keywords if k.arg == "max_result_age_steps"]
+    out["loop_truncation_calls"] = _calls(loop, "maybe_mask_truncated_completions")
+    out["loop_gathers_again_if"] = [ast.unparse(n.test) for n in ast.walk(loop) if isinstance(n, ast.If)
+                                    and isinstance(n.body[-1], ast.Continue)]
+    out["stale_checks"] = _calls(accumulate, "result_is_stale")
+    out["result_is_stale_returns"] = [ast.unparse(n.value) for n in ast.walk(_function(loader, "result_is_stale"))
+                                      if isinstance(n, ast.Return)]
+    out["truncation_keeps"] = [ast.unparse(n) for n in ast.walk(_function(loader, "maybe_mask_truncated_completions"))
+                               if isinstance(n, ast.ListComp) and "finish_reasons" in ast.unparse(n)]
+    # the Ray actor: @ray.remote leaves the module's name bound to Ray's wrapper, so Ray
+    # pickles the class (and its methods' globals) by value
+    out["data_preparation_actor_decorators"] = [
+        ast.unparse(d) for n in loader.body if isinstance(n, ast.ClassDef) and n.name == "DataPreparationActor"
+        for d in n.decorator_list]
+    # text environments: a shadow call to each after the parsed tool calls; the roles the
+    # observations are inserted with; the per-call stats; how the run marks a text env
+    vllm = ast.parse((root / "open_instruct/vllm_utils.py").read_text())
+    request = _function(vllm, "process_request")
+    out["process_request_tool_calls"] = [ast.unparse(n) for n in sorted(
+        (n for n in ast.walk(request) if (isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "tool_calls")
+         or (isinstance(n, ast.Call) and ast.unparse(n.func) == "tool_calls.append")),
+        key=lambda n: (n.lineno, n.col_offset))]
+    out["process_request_observations"] = _calls(request, "observations.append")
+    out["process_request_call_stats"] = _calls(request, "rollout.tool_call_stats.append")
+    fast = trees["open_instruct/grpo_fast.py"]
+    out["base_env_config_entries"] = _calls(_function(fast, "build_base_env_config"), "EnvConfigEntry")
     for path, cls, name in DEFAULTS:
         out["defaults"][f"{cls}.{name}"] = _default(trees[path], cls, name)
     # the dataset keys the data loader module imports (INPUT_IDS_PROMPT_KEY: process_group's query)

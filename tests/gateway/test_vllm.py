@@ -42,25 +42,42 @@ def gens(traj: dict) -> list[dict]:
     return [s for s in traj["spans"] if s["kind"] == "generation"]
 
 
+def is_responses(span: dict) -> bool:
+    """The span recorded a Responses API call (its request has ``input``; the gateway adds ``messages``)."""
+    return "input" in span["input"] and "prompt" not in span["input"]
+
+
 def upstream_ids(vllm: str, span: dict) -> tuple[list[int], list[int]]:
     """The ids vLLM itself gives for the request a generation span recorded, asked again directly."""
     body = {k: v for k, v in span["input"].items() if k not in ("prompt_ids", "stream", "stream_options")}
-    body["return_token_ids"] = True
-    kind = "chat/completions" if "messages" in body else "completions"
+    if is_responses(span):
+        del body["messages"]  # the gateway's reading of `input`, not part of the request
+        body["enable_response_messages"] = True
+        kind = "responses"
+    else:
+        body["return_token_ids"] = True
+        kind = "chat/completions" if "messages" in body else "completions"
     request = urllib.request.Request(f"{vllm}/{kind}", data=json.dumps(body).encode(),
                                      headers={"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as response:
         data = json.loads(response.read())
+    if kind == "responses":
+        return data["input_messages"][0]["tokens"], data["output_messages"][0]["tokens"]
     choice = data["choices"][0]
     return data.get("prompt_token_ids") or choice.get("prompt_token_ids"), choice["token_ids"]
 
 
 def check_calls(vllm: str, traj: dict) -> None:
-    """Every generation of the trajectory: ids equal to the upstream's, logprobs aligned, no gap."""
+    """Every generation of the trajectory: ids equal to the upstream's, logprobs aligned (none for the
+    Responses API), no gap, vLLM as its provider (asked of its /v1/models), a CLIENT span once exported."""
     for span in gens(traj):
         assert (span["prompt_ids"], span["response_ids"]) == upstream_ids(vllm, span), span["name"]
-        assert len(span["token_values"]["logprob"]) == len(span["response_ids"])
+        if is_responses(span):
+            assert "logprob" not in (span.get("token_values") or {})
+        else:
+            assert len(span["token_values"]["logprob"]) == len(span["response_ids"])
         assert "rtrace.capture_gap" not in span["attributes"]
+        assert span["attributes"]["gen_ai.provider.name"] == "vllm"
     assert not [f for f in traj["health"] if f["check"] == "capture_gap"]
 
 
@@ -158,6 +175,44 @@ def test_openai_agents_sdk_tool_agent(job, vllm):
     check_calls(vllm, traj)
 
 
+def test_openai_agents_sdk_default_model(job, vllm):
+    """The OpenAI Agents SDK's default model calls the Responses API (POST /v1/responses), which the
+    gateway serves: the same agent, its calls generations with vLLM's ids (enable_response_messages),
+    its tool turn in the conversation in order."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    ran = []
+
+    @function_tool
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression."""
+        ran.append(calculator_result(expression))
+        return ran[-1]
+
+    async def rollout():
+        async with rtrace.rollout_context(step=3, sample_index=1, rollout_n=0):
+            access = rtrace.gateway_access()
+            client = openai.AsyncOpenAI(base_url=access.base_url, api_key=access.api_key)
+            agent = Agent(name="calculator-agent", instructions=SYSTEM, tools=[calculator],
+                          model=OpenAIResponsesModel(model=MODEL_NAME, openai_client=client),
+                          model_settings=ModelSettings(temperature=0, max_tokens=60))
+            result = await Runner.run(agent, "What is 12 + 7?", max_turns=4)
+            return result.final_output
+
+    final = asyncio.run(rollout())
+    (traj,) = job.read()
+    calls = gens(traj)
+    assert len(calls) >= 2 and ran
+    assert all(c["status"] == "ok" and c["attributes"]["gen_ai.operation.name"] == "chat" for c in calls)
+    roles = [m["role"] for m in traj["messages"]]
+    assert roles[:5] == ["system", "user", "assistant", "tool", "assistant"]
+    assert traj["messages"][2]["tool_calls"][0]["function"]["name"] == "calculator"
+    assert traj["messages"][3]["content"] == ran[0]
+    assert traj["messages"][-1]["content"] == final
+    check_calls(vllm, traj)
+
+
 def test_langgraph_tool_agent(job, vllm):
     """LangGraph's ReAct agent with langchain-openai's ChatOpenAI: the same."""
     from langchain_core.tools import tool
@@ -238,10 +293,14 @@ def test_an_otel_instrumented_agent_joins_by_traceparent(job, vllm):
     check_calls(vllm, traj)
 
 
+#: what differs between two identical requests: ids (of the answer, its items, its tool calls), creation times
+_VARYING = frozenset(("id", "created", "created_at", "call_id", "item_id"))
+
+
 def _normal(data):
     """An answer without what differs between two identical requests (ids, creation times)."""
     if isinstance(data, dict):
-        return {k: ("<id>" if k in ("id", "created") else _normal(v)) for k, v in data.items()}
+        return {k: ("<id>" if k in _VARYING else _normal(v)) for k, v in data.items()}
     if isinstance(data, list):
         return [_normal(v) for v in data]
     return data
@@ -285,3 +344,70 @@ def test_the_client_sees_what_vllm_answers(job, vllm):
     calls = gens(traj)
     assert [c["status"] for c in calls] == ["ok", "ok", "error"]
     assert calls[2]["attributes"]["http.response.status_code"] == 400
+
+
+def _events(text: str) -> list:
+    """A streamed answer's events, each ``(its other lines, its data JSON-decoded)`` (``[DONE]`` as is)."""
+    out = []
+    for event in text.split("\n\n"):
+        if event:
+            lines = event.split("\n")
+            data = "\n".join(x[6:] for x in lines if x.startswith("data: "))
+            out.append(([x for x in lines if not x.startswith("data: ")],
+                        data if data == "[DONE]" else json.loads(data)))
+    return out
+
+
+def test_completions_and_responses_streams_event_for_event(job, vllm):
+    """/v1/completions streams (vLLM sends an event per token, with empty text for a token that ends
+    mid-character) and /v1/responses, whole and streamed: the client gets vLLM's answer event for
+    event through the gateway, which asked for ids (and logprobs) on its own behalf."""
+    prompts = ["Écris « douze plus sept » en 日本語 :", "What is 3 + 4?"]
+    with rtrace.rollout_context(step=1):
+        access = rtrace.gateway_access()
+        for prompt in prompts:
+            body = {"model": MODEL_NAME, "prompt": prompt, "temperature": 0, "max_tokens": 16, "stream": True}
+            direct = _raw(f"{vllm}/completions", body)
+            via = _raw(f"{access.base_url}/completions", body, access.api_key)
+            assert direct[0] == via[0] == 200
+            assert _normal(_events(direct[1])) == _normal(_events(via[1]))
+        for stream in (False, True):
+            body = {"model": MODEL_NAME, "instructions": SYSTEM, "input": "What is 12 + 7?", "temperature": 0,
+                    "max_output_tokens": 40, "stream": stream}
+            direct = _raw(f"{vllm}/responses", body)
+            via = _raw(f"{access.base_url}/responses", body, access.api_key)
+            assert direct[0] == via[0] == 200
+            if stream:
+                assert _normal(_events(direct[1])) == _normal(_events(via[1]))
+            else:
+                assert _normal(json.loads(direct[1])) == _normal(json.loads(via[1]))
+                assert json.loads(via[1])["output_messages"] is None  # what the gateway asked for, taken out
+    (traj,) = job.read()
+    calls = gens(traj)
+    assert len(calls) == 4 and all(c["status"] == "ok" for c in calls)
+    check_calls(vllm, traj)
+
+
+def test_sdk_streams_are_recorded_whole(job, vllm):
+    """The openai SDK closes a stream's connection as soon as it reads `data: [DONE]`, which can reach it
+    before vLLM's body has ended: each stream is recorded whole (no error, no `incomplete` gap), its ids
+    vLLM's (it was recorded cut in one stream of four)."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 12 + 7?"}]
+    texts = []
+    with rtrace.rollout_context(step=8):
+        access = rtrace.gateway_access()
+        client = openai.OpenAI(base_url=access.base_url, api_key=access.api_key)
+        for i in range(8):
+            if i % 2:
+                chunks = client.completions.create(model=MODEL_NAME, prompt="What is 3 + 4?", temperature=0,
+                                                   max_tokens=8, stream=True)
+                texts.append("".join(c.choices[0].text for c in chunks if c.choices))
+            else:
+                chunks = client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0,
+                                                        max_tokens=8, stream=True)
+                texts.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+    (traj,) = job.read()
+    calls = gens(traj)
+    assert [c["status"] for c in calls] == ["ok"] * 8
+    assert [c["output"].get("text", c["output"].get("content")) for c in calls] == texts
+    check_calls(vllm, traj)

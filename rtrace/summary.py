@@ -1,0 +1,203 @@
+"""The summary of one rollout: what the step metrics and the dataset's trajectories table
+need, for every rollout, recorded in full or not.
+
+A step of 10^5-10^6 rollouts cannot be recorded span by span; its metrics must still count
+every rollout. So each finished rollout leaves a :class:`RolloutSummary`: a few dozen
+plain values (its coordinates, reward, outcome and annotations, verdict, health codes,
+turns, tool calls, tokens, times). The full spans, the conversation and the per-token
+arrays travel only for the rollouts that may be kept (the per-step sample, the tail).
+
+Where a summary comes from:
+
+* a trajectory recorded in full: :func:`summarize` reads it (in the pipeline, for the
+  kept ones and for those the sample drops: its step metrics count both);
+* a rollout recorded as a summary only (sampled out when it started: ``max_traces_per_step``
+  in one process, ``RTRACE_PRE_SAMPLE_RATE`` in a collector's worker): the pipeline builds it
+  from the hot path's tally of the rollout's calls (``rtrace/pipeline/summaries.py``).
+
+It crosses to a collector as JSON (:meth:`RolloutSummary.to_wire`), becomes a row of the
+dataset's trajectories table (``recorded`` false: no spans, no conversation), and is read
+back from there (the step metrics a publisher computes over many collectors' rows).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .trajectory import Trajectory
+
+__all__ = ["RolloutSummary", "summarize", "SUMMARY_SCHEMA"]
+
+#: Version tag of the wire form (:meth:`RolloutSummary.to_wire`).
+SUMMARY_SCHEMA = "rtrace.summary/1"
+
+#: The longest error text a summary keeps (a summary is small by design).
+ERROR_CHARS = 500
+
+
+class RolloutSummary:
+    """One rollout's summary (see the module docstring). Plain values only."""
+
+    __slots__ = ("trace_id", "name", "step", "sample_index", "rollout_n", "validate", "experiment", "group_id",
+                 "policy_version", "extra", "reward", "outcome", "annotations", "status", "error", "partial",
+                 "turns", "tool_calls", "tokens_in", "tokens_out", "finish_reasons", "finish_reason",
+                 "start_ns", "end_ns", "generation_ms", "tool_ms", "health", "recorded", "kept", "priority",
+                 "dropped_spans")
+
+    def __init__(self, trace_id: str, name: str = "rollout", *, step: int | None = None,
+                 sample_index: int | None = None, rollout_n: int | None = None, validate: bool = False,
+                 experiment: str | None = None, group_id: Any = None, policy_version: int | None = None,
+                 extra: dict[str, Any] | None = None, reward: float | None = None,
+                 outcome: dict[str, Any] | None = None, annotations: dict[str, Any] | None = None,
+                 status: str = "ok", error: str | None = None, partial: bool = False, turns: int = 0,
+                 tool_calls: int = 0, tokens_in: int = 0, tokens_out: int = 0,
+                 finish_reasons: dict[str, int] | None = None, finish_reason: str | None = None,
+                 start_ns: int = 0, end_ns: int = 0, generation_ms: float = 0.0, tool_ms: float = 0.0,
+                 health: list[dict[str, str]] | None = None, recorded: bool = False,
+                 kept: list[str] | None = None, priority: float | None = None, dropped_spans: int = 0) -> None:
+        self.trace_id = trace_id
+        self.name = name
+        self.step = step
+        self.sample_index = sample_index
+        self.rollout_n = rollout_n
+        self.validate = validate
+        self.experiment = experiment
+        self.group_id = group_id
+        self.policy_version = policy_version
+        self.extra = extra or {}
+        #: a float (None: no reward; NaN and infinities as they are, the metrics count them)
+        self.reward = reward
+        self.outcome = outcome or {}
+        self.annotations = annotations or {}
+        self.status = status
+        self.error = error
+        self.partial = partial
+        self.turns = turns
+        self.tool_calls = tool_calls
+        self.tokens_in = tokens_in
+        self.tokens_out = tokens_out
+        #: every generation's finish reasons, counted (``{"stop": 3, "tool_calls": 2}``)
+        self.finish_reasons = finish_reasons or {}
+        #: the last generation's (what ``Trajectory.finish_reason`` says)
+        self.finish_reason = finish_reason
+        self.start_ns = start_ns
+        self.end_ns = end_ns
+        self.generation_ms = generation_ms
+        self.tool_ms = tool_ms
+        #: rollout-health findings (``{"check", "detail"}``); None: no check ran
+        self.health = health
+        #: recorded in full (spans, conversation) somewhere: kept, or a candidate for it
+        self.recorded = recorded
+        #: why it was kept (the selection's reasons); empty: not kept
+        self.kept = kept or []
+        #: the per-step sample's rank (``pipeline.sampling.priority``), when known
+        self.priority = priority
+        self.dropped_spans = dropped_spans
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def duration_ms(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e6
+
+    @property
+    def truncated(self) -> bool:
+        """A generation stopped at ``length``."""
+        return "length" in self.finish_reasons
+
+    @property
+    def group(self) -> Any:
+        """The group the step metrics count: ``group_id``, else ``sample_index``."""
+        return self.group_id if self.group_id is not None else self.sample_index
+
+    def verdict(self) -> str:
+        """As :meth:`rtrace.Trajectory.verdict`: ``error``, ``partial``, ``truncated``,
+        ``correct`` / ``wrong`` (``outcome["correct"]``), else ``ok``."""
+        if self.status == "error":
+            return "error"
+        if self.partial:
+            return "partial"
+        if self.finish_reason == "length":
+            return "truncated"
+        correct = self.outcome.get("correct")
+        if isinstance(correct, bool):
+            return "correct" if correct else "wrong"
+        return "ok"
+
+    def __repr__(self) -> str:
+        return (f"RolloutSummary(step={self.step}, sample_index={self.sample_index}, rollout_n={self.rollout_n}, "
+                f"validate={self.validate}, reward={self.reward}, recorded={self.recorded})")
+
+    # ------------------------------------------------------------------ wire
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON form a worker sends to its collector (plain values; NaN rewards as
+        ``"NaN"`` strings: strict JSON)."""
+        out = {name: getattr(self, name) for name in self.__slots__}
+        reward = self.reward
+        if isinstance(reward, float) and not math.isfinite(reward):
+            out["reward"] = repr(reward)  # "nan", "inf", "-inf": float() reads them back
+        return out
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "RolloutSummary":
+        """Read :meth:`to_wire`'s form; raises ValueError on anything else."""
+        if not isinstance(data, dict) or not isinstance(data.get("trace_id"), str):
+            raise ValueError("not a rollout summary")
+        fields = {k: data[k] for k in cls.__slots__ if k in data and k != "trace_id"}
+        reward = fields.get("reward")
+        if isinstance(reward, str):
+            fields["reward"] = float(reward)
+        elif reward is not None and not isinstance(reward, (int, float)) or isinstance(reward, bool):
+            raise ValueError("a summary's reward is a number")
+        for key in ("step", "sample_index", "rollout_n", "policy_version", "turns", "tool_calls", "tokens_in",
+                    "tokens_out", "start_ns", "end_ns", "dropped_spans"):
+            value = fields.get(key)
+            if value is not None and type(value) is not int:
+                raise ValueError(f"a summary's {key} is an int")
+        for key in ("extra", "outcome", "annotations", "finish_reasons"):
+            if not isinstance(fields.get(key, {}), dict):
+                raise ValueError(f"a summary's {key} is a dict")
+        summary = cls(data["trace_id"], **fields)
+        summary.validate = bool(summary.validate)
+        return summary
+
+
+def summarize(traj: Trajectory, priority: float | None = None) -> RolloutSummary:
+    """The summary of a trajectory recorded in full (``recorded`` True)."""
+    turns = tools = tokens_in = tokens_out = 0
+    # summed in nanoseconds (ints: exact), so a rollout's summary is the same kept (tree order),
+    # dropped (arrival order) or tallied (start order), and equal to its dataset row's
+    gen_ns = tool_ns = 0
+    reasons: dict[str, int] = {}
+    last_reason = None
+    for span in traj.spans:
+        kind = span.kind
+        if kind == "generation":
+            attrs = span.attributes
+            turns += 1
+            gen_ns += span.end_ns - span.start_ns
+            tokens_in += _int(attrs.get("gen_ai.usage.input_tokens"))
+            tokens_out += _int(attrs.get("gen_ai.usage.output_tokens"))
+            found = attrs.get("gen_ai.response.finish_reasons")
+            if found:
+                for reason in found if isinstance(found, (list, tuple)) else (found,):
+                    reasons[str(reason)] = reasons.get(str(reason), 0) + 1
+                last_reason = str(found[0] if isinstance(found, (list, tuple)) else found)
+        elif kind == "tool":
+            tools += 1
+            tool_ns += span.end_ns - span.start_ns
+    spans = traj.spans
+    return RolloutSummary(
+        traj.trace_id, traj.name, step=traj.step, sample_index=traj.sample_index, rollout_n=traj.rollout_n,
+        validate=traj.validate, experiment=traj.experiment, group_id=traj.group_id,
+        policy_version=traj.policy_version, extra=traj.extra, reward=traj.reward, outcome=traj.outcome,
+        annotations=traj.annotations, status=traj.status,
+        error=traj.error[:ERROR_CHARS] if isinstance(traj.error, str) else None, partial=traj.partial,
+        turns=turns, tool_calls=tools, tokens_in=tokens_in, tokens_out=tokens_out, finish_reasons=reasons,
+        finish_reason=last_reason, start_ns=spans[0].start_ns, end_ns=max(s.end_ns for s in spans),
+        generation_ms=gen_ns / 1e6, tool_ms=tool_ns / 1e6, health=traj.health, recorded=True,
+        kept=list(traj.kept), priority=priority, dropped_spans=traj.dropped_spans)
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
