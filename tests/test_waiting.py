@@ -288,22 +288,24 @@ class TestAtTheIssuesSize:
     def test_rtrace_collect_with_four_workers_and_a_trainer_awaiting_advantages(self, tmp_path):
         """Issue 40's run: one `rtrace collect` (RTRACE_AWAIT_ANNOTATIONS=advantage, a job-wide cap of 32
         a step with whole groups), 4 worker processes running 50 steps x 64 groups x 8 rollouts, a
-        trainer process whose annotate_batch gives each step its advantages 5 steps later. About 2,500 to
-        3,000 finished trajectories wait for their advantage at once, beside the running ones, against
-        a table of 2,500 (the issue saw it at 20,000 with advantages that came late). Every kept
+        trainer process whose annotate_batch gives each step its advantages 14 steps later. About 7,000
+        to 7,700 finished trajectories wait for their advantage at once, beside the running ones,
+        against a table of 6,000 (the issue saw it at 20,000 with advantages that came late). Every kept
         trajectory is whole with its advantage, and the collector evicted, cut short or lost nothing.
         Before: the waiting ones filled the table, and its push-back evicted running rollouts
         (written partial, their roots dropped as late)."""
         from tests.servers import start_rtrace_collect, stop_server
 
-        steps, groups, n, workers_n, lag = 50, 64, 8, 4, 5
+        steps, groups, n, workers_n, lag = 50, 64, 8, 4, 14
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         path = tmp_path / "traces.jsonl"
         env = dict(os.environ, RTRACE_JSONL_PATH=str(path), HF_HUB_OFFLINE="1", RTRACE_AWAIT_ANNOTATIONS="advantage",
-                   RTRACE_SAMPLE_GROUPS="1", RTRACE_MAX_OPEN_TRAJECTORIES="2500",
-                   # at most 1,024 queued trajectories reserve room in the table: a full queue pushes back
-                   # without evicting, so only finished trajectories that wait could crowd out running ones
-                   RTRACE_MAX_QUEUE_SIZE="2048",
+                   RTRACE_SAMPLE_GROUPS="1", RTRACE_MAX_OPEN_TRAJECTORIES="6000",
+                   # queued requests reserve room for at most ~5,500 new trajectories (3 spans each): a full
+                   # queue pushes back without evicting, so only finished trajectories that wait could crowd
+                   # running ones out of the table. A trainer's merged annotation request (4 MiB, ~12,000
+                   # spans) still fits the queue whole
+                   RTRACE_MAX_QUEUE_SIZE="16384",
                    PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
         proc, worker_env = start_rtrace_collect(env, "jsonl", "--max-traces-per-step", "32")
         try:
