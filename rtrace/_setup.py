@@ -296,7 +296,8 @@ def stats() -> dict[str, int]:
     ``trajectories_dropped_open_limit``, ``sink.<name>.exported`` /
     ``.failed_batches`` / ``.dropped_batches`` / ``.abandoned_trajectories``,
     ``values_truncated``, ``values_redacted``, ``internal_errors`` ... plus the gauges
-    ``open_trajectories``, ``waiting_trajectories`` and ``queued_spans``. The full list is in docs/stats.md.
+    ``open_trajectories``, ``waiting_trajectories`` and ``queued_spans``. The full list is in
+    docs/stats.md.
     """
     out = _stats.snapshot()
     pipeline = _pipeline

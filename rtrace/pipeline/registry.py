@@ -22,7 +22,7 @@ within ``settle_s``) still joins it. Three parties use the registry, each throug
 methods of :class:`Registry` only:
 
 * the hot path registers a trajectory when its root span starts (``register``) and the
-  span processor asks whether an ended span is ours (``lookup``: one dict read, safe
+  span processor asks whether an ended span is ours (``lookup``: a dict read or two, safe
   without the lock under the GIL);
 * ``rtrace.extract`` moves a segment unit's root to the segment still open
   (``set_root``), and the worker decides whether an arriving span is the root

@@ -358,7 +358,7 @@ class Pipeline:
         """The waiting trajectories that may be ready now, each once: every one at a flush or a
         stop; else those whose settle time or annotation timeout has passed, and those an
         annotation came for. A part of a round costs what happened, not the size of the
-        waiting table (a scan of 20,000 waiting ones took ~50 ms, each part)."""
+        waiting table (a scan of 20,000 waiting ones took 60-90 ms, each part)."""
         registry = self.registry
         if force or self._serving_flush:
             return registry.waiting()
