@@ -552,6 +552,11 @@ PARAMS: tuple[Param, ...] = (
           "Finished trajectories held while they wait for awaited annotations (or, in the collector, settle_s), "
           "apart from the running ones. Beyond it the oldest is written now, complete but without what it waited "
           "for (counted: trajectories_written_early); a running trajectory is never evicted for it.", type="int"),
+    Param("max_waiting_summaries", "RTRACE_MAX_WAITING_SUMMARIES", _int(1), 100_000, "an integer >= 1",
+          "Rollouts recorded as summaries only (docs/metrics.md) held while they wait for awaited annotations, apart "
+          "from the trajectories (~1.5 kB each: a step of more summarized rollouts per collector, all waiting for "
+          "the trainer's advantages, needs more). Beyond it the oldest is counted now without what it waited for "
+          "(counted: trajectories_written_early).", type="int"),
     Param("max_spans_per_trajectory", "RTRACE_MAX_SPANS_PER_TRAJECTORY", _int(1), 2_000, "an integer >= 1",
           "Spans kept per trajectory; the rest are dropped and counted.", type="int"),
     Param("orphan_timeout_s", "RTRACE_ORPHAN_TIMEOUT_S", _float(0.0), 1800.0, _SEC.format(0),

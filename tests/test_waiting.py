@@ -349,3 +349,62 @@ class TestAtTheIssuesSize:
         for t in trajs:
             assert not t.partial and [s.kind for s in t.spans] == ["rollout", "tool", "tool"], t.trace_id
             assert t.annotations == {"advantage": workers.advantage(t.step, t.sample_index, t.rollout_n)}
+
+
+class TestSummariesWaitApart:
+    """Rollouts recorded as summaries only wait for their annotations in a table of their own
+    (``max_waiting_summaries``): a step of them waiting for the trainer's advantages neither
+    fills the trajectories' waiting table nor is written early because of it."""
+
+    @staticmethod
+    def _run(max_summaries: int):
+        class Metrics(rtrace.Sink):
+            name = "metrics"
+
+            def __init__(self):
+                super().__init__(None)
+                self.metrics = []
+
+            def export(self, trajectories):
+                pass
+
+            def export_step_metrics(self, metrics):
+                self.metrics += metrics
+
+        sink = Metrics()
+        rtrace.configure(exporter="none", sinks=[sink], max_traces_per_step=1, await_annotations="advantage",
+                         annotation_timeout_s=60, max_waiting_trajectories=2, max_waiting_summaries=max_summaries,
+                         export_interval_s=0.02)
+
+        @rtrace.traced_tool
+        def tool(x):
+            return x
+
+        for i in range(50):
+            with rtrace.rollout_context(step=1, sample_index=i, rollout_n=0):
+                tool(i)
+                rtrace.record_reward(1.0)
+        time.sleep(0.3)  # the worker takes them: 49 summaries and 1 trajectory now wait
+        for i in range(50):
+            rtrace.annotate(step=1, sample_index=i, rollout_n=0, advantage=i / 100)
+        assert rtrace.flush(30)
+        stats = rtrace.stats()
+        rtrace.shutdown()
+        (m,) = sink.metrics
+        return m.values, stats
+
+    def test_a_step_of_summaries_waits_whole(self):
+        """50 rollouts, 1 recorded in full, a trajectories' waiting table of 2: every advantage
+        joins (the step's advantage_mean is that of all 50), nothing is written early."""
+        values, stats = self._run(1000)
+        assert values["rollout/trajectories"] == 50
+        assert values["rollout/advantage_mean"] == pytest.approx(sum(i / 100 for i in range(50)) / 50)
+        assert stats.get("trajectories_written_early", 0) == 0
+
+    def test_past_its_bound_the_oldest_summaries_are_counted_early(self):
+        """A summaries' table of 10: the 39 oldest of the 49 summaries are counted without their
+        advantage (trajectories_written_early), the rest wait for it."""
+        values, stats = self._run(10)
+        assert values["rollout/trajectories"] == 50
+        assert stats["trajectories_written_early"] == 39
+        assert values["rollout/advantage_mean"] != pytest.approx(sum(i / 100 for i in range(50)) / 50)

@@ -68,7 +68,7 @@ class TrajectoryRegistry:
     """The one implementation of :class:`Registry`, plus the worker's side."""
 
     def __init__(self, max_open: int, max_spans: int, max_waiting: int = 20_000,
-                 max_waiting_bytes: int = 1 << 62) -> None:
+                 max_waiting_bytes: int = 1 << 62, max_waiting_summaries: int = 100_000) -> None:
         self.max_open = max_open
         self.max_spans = max_spans
         self._lock = threading.Lock()
@@ -85,6 +85,12 @@ class TrajectoryRegistry:
         self.max_waiting_bytes = max_waiting_bytes
         #: collector: wire bytes of the spans the waiting trajectories hold
         self.waiting_bytes = 0
+        #: rollouts recorded as summaries only that wait (a state and a summary each, no spans:
+        #: never looked up by a span), oldest first, at most ``max_waiting_summaries``; a step of
+        #: 10^5 summarized rollouts waiting for the trainer's advantages must not push out the
+        #: trajectories recorded in full, nor they it
+        self._light: OrderedDict[int, TrajectoryState] = OrderedDict()
+        self.max_waiting_summaries = max_waiting_summaries
         #: collector (:meth:`remember_finished`): trace ids that left the table, oldest
         #: first, at most this many (0: not kept, as in one process, where a span of an
         #: unknown trace is never opened as a new trajectory)
@@ -209,6 +215,8 @@ class TrajectoryRegistry:
                     del self._held[state.trace_id]
                     self.waiting_bytes -= state.held_bytes
                     self._left(state.trace_id)
+                elif self._light.get(state.trace_id) is state:
+                    del self._light[state.trace_id]
 
     def hold(self, states: Iterable[TrajectoryState]) -> list[TrajectoryState]:
         """Worker thread: ``states`` (root arrived) wait for awaited annotations or
@@ -220,9 +228,12 @@ class TrajectoryRegistry:
         (counted: ``trajectories_written_early``). Never a running trajectory."""
         early: list[TrajectoryState] = []
         with self._lock:
-            held = self._held
+            held, light = self._held, self._light
             for state in states:
                 tid = state.trace_id
+                if state.summary_only:
+                    light[tid] = state
+                    continue
                 if held.get(tid) is state:
                     continue
                 held[tid] = state  # first: a lookup without the lock finds it in one table or the other
@@ -236,6 +247,8 @@ class TrajectoryRegistry:
                 self.waiting_bytes -= state.held_bytes
                 self._left(state.trace_id)
                 early.append(state)
+            while len(light) > self.max_waiting_summaries:
+                early.append(light.popitem(last=False)[1])
         if early:
             _stats.incr("trajectories_written_early", len(early))
             _stats.warn_once("waiting-limit", "rtrace: more than %d finished trajectories (or %d bytes) wait for "
@@ -245,22 +258,24 @@ class TrajectoryRegistry:
 
     def waiting(self) -> list[TrajectoryState]:
         """Worker thread (the waiting table's only writer): the waiting trajectories, oldest first."""
-        return list(self._held.values())
+        return list(self._held.values()) + list(self._light.values())
 
     def num_waiting(self) -> int:
-        return len(self._held)
+        return len(self._held) + len(self._light)
 
     def is_waiting(self, state: TrajectoryState) -> bool:
-        return self._held.get(state.trace_id) is state
+        table = self._light if state.summary_only else self._held
+        return table.get(state.trace_id) is state
 
     def waiting_since(self, cutoff: float) -> list[TrajectoryState]:
         """Worker thread: the waiting trajectories, from the oldest, whose root arrived at
         ``cutoff`` (``time.monotonic()``) or before: those an annotation timeout may release."""
         out = []
-        for state in self._held.values():
-            if state.root_at is not None and state.root_at > cutoff:
-                break
-            out.append(state)
+        for table in (self._held, self._light):
+            for state in table.values():
+                if state.root_at is not None and state.root_at > cutoff:
+                    break
+                out.append(state)
         return out
 
     def remember_finished(self, bound: int) -> None:

@@ -108,7 +108,8 @@ class Pipeline:
         self.settings = settings
         self._tokenizer = health_tokenizer
         self.registry = TrajectoryRegistry(settings.max_open_trajectories, settings.max_spans_per_trajectory,
-                                           settings.max_waiting_trajectories, settings.collector_max_waiting_bytes)
+                                           settings.max_waiting_trajectories, settings.collector_max_waiting_bytes,
+                                           settings.max_waiting_summaries)
         self.fanout = fanout
         self.postprocessors = list(postprocessors)
         self.annotations = AnnotationTable(settings.await_annotations, settings.annotation_timeout_s,
