@@ -573,9 +573,12 @@ PARAMS: tuple[Param, ...] = (
     Param("flush_on_sigterm", "RTRACE_FLUSH_ON_SIGTERM", _bool, True, "true/false",
           "On SIGTERM, flush (bounded by sink_timeout_s) and then let the signal do what it did before "
           "(the previous handler, or the default: terminate). Main thread only.", type="bool"),
-    Param("await_annotations", "RTRACE_AWAIT_ANNOTATIONS", _str_list, (), "comma list of keys, or none",
+    Param("await_annotations", "RTRACE_AWAIT_ANNOTATIONS", _str_list, None, "comma list of keys, or none",
           "Annotation keys (`reward`, `advantage`...) a finished training trajectory waits for before it is "
-          "exported.", type="tuple[str, ...]"),
+          "exported. Unset: none, until the trainer's `old_logprob` rows come after their trajectories were "
+          "written (the logprob_mismatch check then measured nothing): from then on training trajectories wait "
+          "for `old_logprob` (said once; docs/token-values.md). `none`: never wait.",
+          type="tuple[str, ...] | None"),
     Param("await_eval_annotations", "RTRACE_AWAIT_EVAL_ANNOTATIONS", _str_list, (), "comma list of keys, or none",
           "The same for validation trajectories (none by default: trainers annotate advantages and returns on "
           "training rollouts only, and a validation rollout would wait in vain).", type="tuple[str, ...]"),

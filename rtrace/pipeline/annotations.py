@@ -105,9 +105,14 @@ def estimated_bytes(annotations: Sequence[Annotation]) -> int:
 class AnnotationTable:
     """The worker's side of annotations (worker thread only)."""
 
-    def __init__(self, await_keys: tuple[str, ...], timeout_s: float, await_eval_keys: tuple[str, ...] = ()) -> None:
+    def __init__(self, await_keys: tuple[str, ...], timeout_s: float, await_eval_keys: tuple[str, ...] = (),
+                 learn: bool = False) -> None:
         #: keys training trajectories wait for, and validation ones (``validate=True``)
         self.await_keys = await_keys
+        #: ``RTRACE_AWAIT_ANNOTATIONS`` unset (and the logprob_mismatch check on): once the
+        #: trainer's ``old_logprob`` rows come after their trajectories were written, later
+        #: training trajectories wait for them (:meth:`_unchecked`)
+        self.learn = learn
         self.await_eval_keys = await_eval_keys
         self.timeout_s = timeout_s
         self._pending: OrderedDict[Hashable, Annotation] = OrderedDict()
@@ -158,6 +163,15 @@ class AnnotationTable:
         never measured. Counted, and said once (the check is otherwise off without a word)."""
         _stats.incr("logprob_mismatch_unchecked")
         validate = bool(ann.key[0]) if isinstance(ann.key, tuple) else False
+        if self.learn and not validate and TRAINER not in self.await_keys:
+            # the run sends old_logprob rows after its trajectories: wait for them from now on
+            self.await_keys = self.await_keys + (TRAINER,)
+            _stats.incr("logprob_mismatch_await_learned")
+            _stats.warn_once("mismatch-learned", "rtrace: the trainer's old_logprob rows came after their trajectories "
+                             "were written (the logprob_mismatch check measured nothing); from now on training "
+                             "trajectories wait for them, at most RTRACE_ANNOTATION_TIMEOUT_S=%gs (set "
+                             "RTRACE_AWAIT_ANNOTATIONS to choose: none never waits)", self.timeout_s)
+            return
         keys, var = (self.await_eval_keys, "RTRACE_AWAIT_EVAL_ANNOTATIONS") if validate else (
             self.await_keys, "RTRACE_AWAIT_ANNOTATIONS")
         fix = (f"they came after {self.timeout_s:g} s of waiting (raise RTRACE_ANNOTATION_TIMEOUT_S)" if TRAINER in keys

@@ -112,8 +112,10 @@ class Pipeline:
                                            settings.max_waiting_summaries)
         self.fanout = fanout
         self.postprocessors = list(postprocessors)
-        self.annotations = AnnotationTable(settings.await_annotations, settings.annotation_timeout_s,
-                                           settings.await_eval_annotations)
+        self.annotations = AnnotationTable(settings.await_annotations or (), settings.annotation_timeout_s,
+                                           settings.await_eval_annotations,
+                                           learn=settings.await_annotations is None
+                                           and "logprob_mismatch" in settings.health_checks)
         #: per-step metrics over the exported trajectories (None: summary_metrics off, or
         #: no sink writes step metrics)
         whole = settings.sample_groups or (settings.max_traces_per_step is None and settings.val_cap is None)
@@ -221,7 +223,7 @@ class Pipeline:
             _stats.incr("annotations_dropped_queue", len(annotations) - taken)
             _stats.warn_once("annotation-queue", "rtrace's annotation queue is full (annotation_queue_bytes=%d); "
                              "annotations are dropped (counted)", self.settings.annotation_queue_bytes)
-        if self.settings.await_annotations or self.settings.await_eval_annotations:
+        if self.annotations.await_keys or self.annotations.await_eval_keys:
             with self._cond:
                 self._cond.notify()
 
