@@ -279,8 +279,9 @@ class Tally:
             on_end([self])
 
 
-#: The longest exception text a summarized call keeps (its summary keeps less).
-_ERROR_CHARS = 1000
+#: The longest exception text a summarized call keeps, as a recorded span's status (the
+#: worker bounds it to max_value_chars, as a span's; a summary keeps less).
+_ERROR_CHARS = 65_536
 
 
 def error_text(exc: BaseException) -> str:

@@ -132,27 +132,50 @@ def state_of_tally(tally: Tally, settings: Settings, conv: SpanConverter) -> Tra
     state.dropped_spans = tally.dropped_marks
     root_hex = format(root_id, "016x")
     end = tally.end_ns if tally.end_ns is not None else tally.start_ns
+    text = conv.conv.text  # exception text as a recorded span's: redacted, bounded, encodable
     records = [SpanRecord(root_hex, None, tally.name, tally.kind, tally.start_ns, end,
-                          "error" if tally.error else "ok", tally.error)]
+                          "error" if tally.error else "ok", text(tally.error) if tally.error else None)]
     for mark in tally.marks:
         kind = mark.spec.kind
         if kind not in _SUMMED:
             continue  # the summary counts generations and tool calls, and times them
-        start = mark.start_time
-        record = SpanRecord("", root_hex, mark.spec.name, kind, start,
-                            mark.end_time if mark.end_time is not None else start,
-                            "error" if mark.error else "ok", mark.error)
-        if kind == "generation" and mark.args is not None:
-            try:  # the token counts and finish reason a recorded call's conversion gives
-                output = unsnap(mark.output) if mark.has_output else None
-                SpanConverter._generation(record, call_inputs(mark), mark.has_output, output, mark.spec.options)
+        mark_end = mark.end_time
+        if mark_end is None or mark_end > end:
+            # still running when the rollout ended: a recorded span that ends after its root
+            # is not part of its trajectory either (counted late)
+            continue
+        record = SpanRecord("", root_hex, mark.spec.name, kind, mark.start_time, mark_end,
+                            "error" if mark.error else "ok", text(mark.error) if mark.error else None)
+        if mark.args is not None:  # captured
+            try:
+                if kind == "generation":  # the token counts and finish reason a recorded call's conversion gives
+                    output = unsnap(mark.output) if mark.has_output else None
+                    SpanConverter._generation(record, call_inputs(mark), mark.has_output, output, mark.spec.options)
+                else:
+                    _tool(record, mark)
             except Exception:
                 _stats.incr("capture_errors")
-                _stats.warn_once("tally-generation", "rtrace could not read a generation of a summarized rollout",
+                _stats.warn_once("tally-generation", "rtrace could not read a call of a summarized rollout",
                                  exc_info=True)
         records.append(record)
     state.records = records
     return state
+
+
+#: what a light tool record holds for the checks: captured, and an answer that is not empty
+_CAPTURED: dict[str, Any] = {}
+_ANSWERED = "answered"
+
+
+def _tool(record: SpanRecord, mark: Any) -> None:
+    """What the health checks read of a captured tool call (its name, whether it answered
+    nothing), without converting its arguments and answer: the ``generation`` check's "tool
+    <name>: empty result" is then the same as for the recorded call."""
+    record.attributes["gen_ai.tool.name"] = mark.spec.options.get("tool_name") or mark.owner_name or record.name
+    record.input = _CAPTURED
+    output = unsnap(mark.output) if mark.has_output else None
+    # (a recorded call's converted answer is None or "" exactly when the answer was)
+    record.output = output if output is None or (isinstance(output, str) and not output) else _ANSWERED
 
 
 def _int(value: Any) -> int:

@@ -114,7 +114,10 @@ class Pipeline:
                                            settings.await_eval_annotations)
         #: per-step metrics over the exported trajectories (None: summary_metrics off, or
         #: no sink writes step metrics)
-        whole = settings.sample_groups or (settings.max_traces_per_step is None and settings.val_cap is None)
+        # every group is whole in the metrics when every rollout is counted (summaries), or
+        # whole groups are sampled, or nothing is capped: then odd group sizes are reported
+        whole = settings.summaries or settings.sample_groups or (
+            settings.max_traces_per_step is None and settings.val_cap is None)
         self.metrics = StepMetricsTracker(min(self.metrics_linger_s, settings.step_linger_s),
                                           settings.step_table_rows, settings.health_checks,
                                           whole, every_rollout=settings.summaries,
