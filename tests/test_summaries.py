@@ -18,6 +18,7 @@ from collections import Counter
 import pytest
 
 import rtrace
+import rtrace.testing
 from rtrace import _setup
 from rtrace.pipeline.metrics import StepStats, step_metrics
 from rtrace.summary import RolloutSummary, summarize
@@ -65,6 +66,7 @@ def key(item) -> tuple:
 def traced_run(probe: Probe | None = None, steps: int = 2, prompts: int = 7, n: int = 2, **settings) -> Probe:
     """The agent's rollouts through the configured pipeline, flushed; rtrace is shut down after."""
     probe = probe or Probe()
+    rtrace.testing.reset()  # this run's counters only
     settings.setdefault("await_annotations", "advantage")
     settings.setdefault("annotation_timeout_s", 30)
     rtrace.configure(sinks=[probe], export_interval_s=0.02, **settings)
@@ -155,3 +157,211 @@ class TestStepMetrics:
 
         everything, capped = run(), run(max_traces_per_step=2)
         assert everything["rollout/health/coordinates_rate"] == capped["rollout/health/coordinates_rate"] == 1 / 7
+
+
+# ----------------------------------------------------------------------------- one rollout, three ways
+def summaries_three_ways(**settings) -> dict[str, dict]:
+    """The agent's rollouts kept (no cap), dropped by the end-of-trajectory selection (cap 0,
+    prompt sampling: every trajectory recorded, none kept) and recorded as summaries only (cap
+    0): each rollout's summary, by coordinates."""
+    kept = traced_run(**settings)
+    dropped = traced_run(max_traces_per_step=0, sample_prompts=True, **settings)
+    tallied = traced_run(max_traces_per_step=0, **settings)
+    assert not dropped.trajectories and not tallied.trajectories and not kept.summaries
+    # recorded in full and then dropped, or never recorded
+    assert dropped.stats["trajectories_started"] == 28 and dropped.stats["trajectories_sampled_out"] == 28
+    assert tallied.stats.get("trajectories_started", 0) == 0 and tallied.stats["trajectories_sampled_out"] == 28
+    out = {"kept": {key(t): summarize(t) for t in kept.trajectories},
+           "dropped": {key(s): s for s in dropped.summaries}, "tallied": {key(s): s for s in tallied.summaries}}
+    for name, found in out.items():
+        assert len(found) == 28, name
+    return out
+
+
+def fields(summary: RolloutSummary) -> dict:
+    return {**{f: getattr(summary, f) for f in FIELDS}, "verdict": summary.verdict(), "truncated": summary.truncated}
+
+
+class TestOneRolloutThreeWays:
+    def test_the_summary_is_the_same_kept_dropped_or_tallied(self):
+        """Field by field (turns, tool calls, tokens, finish reasons, status and error, reward,
+        outcome, annotations, health, ...), for every kind of rollout of the agent."""
+        ways = summaries_three_ways()
+        kept = ways["kept"]
+        for k, summary in kept.items():
+            expected = fields(summary)
+            assert fields(ways["dropped"][k]) == expected, k
+            assert fields(ways["tallied"][k]) == expected, k
+        assert not any(s.recorded for s in ways["tallied"].values())
+        assert not any(s.recorded for s in ways["dropped"].values())
+        # what the agent's kinds of rollout are: the comparison covers each
+        by_kind = {agent.KINDS[k[2] % len(agent.KINDS)]: s for k, s in kept.items() if k[3] == 1}
+        assert by_kind["nested"].turns == 2 and by_kind["nested"].tool_calls == 1
+        assert by_kind["nested"].tokens_in == 4 + 7 and by_kind["nested"].tokens_out == 3 + 2
+        assert by_kind["tool_raises"].status == "ok" and by_kind["tool_raises"].tool_calls == 1
+        assert by_kind["truncated"].finish_reason == "length" and by_kind["truncated"].verdict() == "truncated"
+        assert by_kind["truncated"].finish_reasons == {"stop": 1, "length": 1}
+        assert by_kind["truncated"].tokens_out == 3 + 6
+        raised = by_kind["root_raises"]
+        assert raised.status == "error" and raised.error.startswith("RuntimeError: rollout 3/1 failed (key ")
+        assert agent.SECRET not in raised.error  # redacted, recorded or not
+        assert by_kind["annotated"].reward == 0.5 and by_kind["annotated"].annotations == {"advantage": 1.25}
+        assert by_kind["nested"].outcome == {"correct": False}
+        codes = {kind: sorted({f["check"] for f in s.health}) for kind, s in by_kind.items()}
+        assert codes["empty_tool"] == codes["empty_response"] == ["generation"]
+        assert codes["truncated"] == ["generation"]  # its last turn stopped at length
+        assert {f["detail"] for f in by_kind["empty_tool"].health} == {"tool calculator: empty result"}
+
+
+# ----------------------------------------------------------------------------- bounds
+class TestBounds:
+    def test_a_tally_keeps_what_a_recorded_trajectory_keeps(self):
+        """max_spans_per_trajectory=4: a rollout of 6 tool calls keeps its root and 3 calls
+        recorded or tallied; the tally holds 3 marks, the other 3 counted in dropped_spans."""
+
+        @rtrace.traced_tool
+        def tool(i):
+            return i
+
+        held = []
+
+        def run(cap):
+            probe = Probe()
+            rtrace.testing.reset()
+            rtrace.configure(sinks=[probe], export_interval_s=0.02, max_spans_per_trajectory=4,
+                             max_traces_per_step=cap)
+            with rtrace.rollout_context(step=0, sample_index=0, rollout_n=0):
+                for i in range(6):
+                    tool(i)
+                tally = rtrace.instrumentation._state.FRAME.get().tally
+                if tally is not None:
+                    held.append(len(tally.marks))
+            assert rtrace.flush(30)
+            rtrace.shutdown()
+            return probe
+
+        kept, tallied = run(None), run(0)
+        (traj,) = kept.trajectories
+        (summary,) = tallied.summaries
+        assert held == [3] and len(traj.spans) == 4
+        assert fields(summary) == fields(summarize(traj))
+        assert summary.dropped_spans == 3 and summary.tool_calls == 3
+
+    def test_the_queue_of_tallies_is_bounded_and_counted(self):
+        """max_queue_size=5 and 8 rollouts recorded as summaries only before the worker runs: 5
+        counted, 3 dropped and counted (summaries_dropped_queue), in no metric."""
+
+        @rtrace.traced_tool
+        def tool(i):
+            return i
+
+        probe = Probe()
+        rtrace.configure(sinks=[probe], export_interval_s=60, max_queue_size=5, max_traces_per_step=0)
+        assert rtrace.flush(30)  # the worker is back waiting for its next round
+        with _setup._pipeline._cond:  # ... and stays there (the hot path's notify re-enters this RLock)
+            for i in range(8):
+                with rtrace.rollout_context(step=0, sample_index=i, rollout_n=0):
+                    tool(i)
+        assert rtrace.flush(30)
+        stats = rtrace.stats()
+        assert stats["summaries_dropped_queue"] == 3 and stats["rollouts_summarized"] == 5
+        assert len(probe.summaries) == 5
+        (metrics,) = probe.metrics
+        assert metrics.values["rollout/trajectories"] == 5
+
+
+# ----------------------------------------------------------------------------- the dataset
+def dataset_rows(path) -> tuple[list[dict], set[str]]:
+    """The run's trajectories rows, and the trace ids the spans table holds."""
+    run = rtrace.open_run(path)
+    cur = run.sql("SELECT trace_id, step, sample_index, rollout_n, recorded, kept, priority, num_spans, status, "
+                  "num_turns, in_sample FROM trajectories")
+    names = [d[0] for d in cur.description]
+    rows = [dict(zip(names, r)) for r in cur.fetchall()]
+    spans = {r[0] for r in run.sql("SELECT DISTINCT trace_id FROM spans").fetchall()}
+    return rows, spans
+
+
+class TestDataset:
+    @pytest.mark.parametrize("tail", [False, True], ids=["cap_only", "tail_keeping"])
+    def test_a_row_per_rollout_recorded_only_for_the_kept(self, tmp_path, tail):
+        """A capped run with summaries: one row per rollout; `recorded` true exactly for the kept
+        ones, which alone have spans; `priority` set when the run chooses its sample by rank at
+        the end (tail keeping), NULL when it decided as rollouts started (a cap alone)."""
+        settings = {"keep_errors": 1} if tail else {}
+        probe = traced_run(exporter="parquet", parquet_path=str(tmp_path), experiment="run-1", max_traces_per_step=2,
+                           **settings)
+        rows, spans = dataset_rows(tmp_path / "run-1")
+        assert len(rows) == len({r["trace_id"] for r in rows}) == 28
+        assert sorted((r["step"], r["sample_index"], r["rollout_n"]) for r in rows) == sorted(
+            (s, p, r) for s in range(2) for p in range(7) for r in range(2))
+        kept = {t.trace_id for t in probe.trajectories}
+        assert len(kept) == (2 + 1) * 2 if tail else 2 * 2
+        assert {r["trace_id"] for r in rows if r["recorded"]} == kept == spans
+        assert all(bool(r["kept"]) == r["recorded"] for r in rows)
+        assert all(r["num_spans"] == 0 for r in rows if not r["recorded"])
+        assert all(r["in_sample"] for r in rows)  # every row counted by the step metrics
+        if tail:
+            assert all(r["priority"] is not None for r in rows)
+        else:
+            assert all(r["priority"] is None for r in rows)
+        # the rows' counts are the summaries' (turns, status) for the summarized ones too
+        by_id = {s.trace_id: s for s in probe.summaries}
+        for r in rows:
+            if not r["recorded"]:
+                assert (r["num_turns"], r["status"]) == (by_id[r["trace_id"]].turns, by_id[r["trace_id"]].status)
+
+
+# ----------------------------------------------------------------------------- collector mode
+def collector_run(tmp_path, rate: float, **settings) -> tuple[Probe, dict, dict]:
+    """A collector in this process (the probe and a dataset as sinks) and one spawned worker
+    configured by ``collector.env`` and RTRACE_PRE_SAMPLE_RATE=``rate``, running the agent:
+    (probe, the collector's stats, the worker's stats)."""
+    rtrace.testing.reset()
+    probe = Probe()
+    path = tmp_path / f"rate-{rate}"
+    c = rtrace.start_collector(sinks=[probe], exporter="parquet", parquet_path=str(path), experiment="run",
+                               settle_s=0.2, await_annotations="advantage", annotation_timeout_s=60, **settings)
+    try:
+        out = SPAWN.Queue()
+        proc = SPAWN.Process(target=agent.worker, args=({**c.env, "RTRACE_PRE_SAMPLE_RATE": repr(rate)}, 2, 7, 2, out))
+        proc.start()
+        ok, worker_stats = out.get(timeout=120)
+        proc.join(60)
+        assert ok and proc.exitcode == 0
+        assert c.flush(60)
+        stats = c.stats()
+    finally:
+        c.stop()
+    probe.path = path / "run"  # type: ignore[attr-defined]
+    return probe, stats, worker_stats
+
+
+@pytest.mark.integration
+class TestCollector:
+    def test_the_metrics_do_not_depend_on_the_pre_sample_rate(self, tmp_path):
+        """A worker recording 30% of its rollouts in full (the rest as summaries) and one recording
+        all: the collector's step metrics are equal (all but timing exactly), it counted every
+        rollout once, and its dataset has a row per rollout, each with its priority."""
+        full, full_stats, full_worker = collector_run(tmp_path, 1.0, max_traces_per_step=2)
+        part, part_stats, part_worker = collector_run(tmp_path, 0.3, max_traces_per_step=2)
+        assert full_worker.get("rollouts_summarized", 0) == 0
+        assert full_stats.get("collector_summaries_received", 0) == 0
+        summarized = part_worker["rollouts_summarized"]
+        assert summarized == part_worker["trajectories_sampled_out"] and 0 < summarized < 28
+        assert part_stats["collector_summaries_received"] == summarized
+        for probe in (full, part):
+            assert Counter(t.step for t in probe.trajectories) == {0: 2, 1: 2}
+            every = [summarize(t) for t in probe.trajectories] + probe.summaries
+            assert sorted(key(s) for s in every) == sorted((False, st, p, r) for st in range(2) for p in range(7)
+                                                           for r in range(2))
+            rows, spans = dataset_rows(probe.path)
+            assert len(rows) == 28 and all(r["priority"] is not None for r in rows)
+            assert {r["trace_id"] for r in rows if r["recorded"]} == spans == {t.trace_id for t in probe.trajectories}
+        assert {v["rollout/trajectories"] for v in by_step(part.metrics).values()} == {14.0}
+        assert_same_metrics(by_step(part.metrics), by_step(full.metrics), timing=False)
+        # each rollout's summary is the same whether its worker recorded it in full or not
+        full_of = {key(s): s for s in [summarize(t) for t in full.trajectories] + full.summaries}
+        part_of = {key(s): s for s in [summarize(t) for t in part.trajectories] + part.summaries}
+        for k, s in part_of.items():
+            assert fields(s) == fields(full_of[k]), k

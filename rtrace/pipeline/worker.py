@@ -194,10 +194,14 @@ class Pipeline:
         Returns:
             How many were queued; the rest were dropped (queue full) and counted.
         """
-        room = max(0, self._max_queue - len(self._tallies))
+        q = self._tallies
+        room = max(0, self._max_queue - len(q))
         if room < len(tallies):
             _stats.incr("summaries_dropped_queue", len(tallies) - room)
-        self._tallies.extend(tallies[:room])
+        q.extend(tallies[:room])
+        if len(q) == self._wake_at:  # as offer(): a tight loop of summarized rollouts fills it fast
+            with self._cond:
+                self._cond.notify()
         return min(room, len(tallies))
 
     def annotate(self, annotations: Sequence[Annotation]) -> None:
