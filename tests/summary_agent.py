@@ -29,7 +29,7 @@ class Completion:
 
 
 def build(rtrace: Any) -> Any:
-    """``rollout(kind, p, r)``: the body of one rollout (inside its rollout_context)."""
+    """``agent_loop(kind, p, r)``: the body of one rollout (inside its rollout_context)."""
 
     @rtrace.traced_generation(model="tiny")
     def gen_dict(prompt_ids, n=3, reason="stop"):
@@ -56,7 +56,7 @@ def build(rtrace: Any) -> Any:
         return out
 
     @rtrace.traced_rollout
-    def rollout(kind: str, p: int, r: int) -> None:
+    def agent_loop(kind: str, p: int, r: int) -> None:
         prompt = [1, 2, 3, p]
         if kind == "nested":
             out = planner(prompt)
@@ -85,14 +85,14 @@ def build(rtrace: Any) -> Any:
             gen_dict(prompt, n=0)
             gen_dict(prompt + [0])
 
-    return rollout
+    return agent_loop
 
 
 def run(rtrace: Any, steps: int = 2, prompts: int = 7, n: int = 2, annotate: bool = True) -> int:
     """``steps`` x ``prompts`` x ``n`` rollouts (group ``p<prompt>``); each step's advantages (and
     the ``annotated`` kind's rewards) are annotated once the step's rollouts ended. Returns the
     number of rollouts."""
-    rollout = build(rtrace)
+    agent_loop = build(rtrace)
     for step in range(steps):
         for p in range(prompts):
             kind = KINDS[p % len(KINDS)]
@@ -102,7 +102,7 @@ def run(rtrace: Any, steps: int = 2, prompts: int = 7, n: int = 2, annotate: boo
                                                 policy_version=step):
                         if kind != "annotated":
                             rtrace.record_reward(float((p + r) % 3), correct=(p + r) % 3 == 2)
-                        rollout(kind, p, r)
+                        agent_loop(kind, p, r)
                 except RuntimeError:
                     assert kind == "root_raises"
         if annotate:

@@ -313,18 +313,20 @@ class TestDataset:
 
 
 # ----------------------------------------------------------------------------- collector mode
-def collector_run(tmp_path, rate: float, **settings) -> tuple[Probe, dict, dict]:
+def collector_run(tmp_path, rate: float, prompts: int = 7, env: dict | None = None,
+                  **settings) -> tuple[Probe, dict, dict]:
     """A collector in this process (the probe and a dataset as sinks) and one spawned worker
-    configured by ``collector.env`` and RTRACE_PRE_SAMPLE_RATE=``rate``, running the agent:
-    (probe, the collector's stats, the worker's stats)."""
+    configured by ``collector.env`` (and ``env``) and RTRACE_PRE_SAMPLE_RATE=``rate``, running
+    the agent: (probe, the collector's stats, the worker's stats)."""
     rtrace.testing.reset()
     probe = Probe()
-    path = tmp_path / f"rate-{rate}"
+    path = tmp_path / f"rate-{rate}-{len(list(tmp_path.iterdir()))}"
     c = rtrace.start_collector(sinks=[probe], exporter="parquet", parquet_path=str(path), experiment="run",
                                settle_s=0.2, await_annotations="advantage", annotation_timeout_s=60, **settings)
     try:
         out = SPAWN.Queue()
-        proc = SPAWN.Process(target=agent.worker, args=({**c.env, "RTRACE_PRE_SAMPLE_RATE": repr(rate)}, 2, 7, 2, out))
+        worker_env = {**c.env, "RTRACE_PRE_SAMPLE_RATE": repr(rate), **(env or {})}
+        proc = SPAWN.Process(target=agent.worker, args=(worker_env, 2, prompts, 2, out))
         proc.start()
         ok, worker_stats = out.get(timeout=120)
         proc.join(60)
@@ -348,7 +350,8 @@ class TestCollector:
         assert full_worker.get("rollouts_summarized", 0) == 0
         assert full_stats.get("collector_summaries_received", 0) == 0
         summarized = part_worker["rollouts_summarized"]
-        assert summarized == part_worker["trajectories_sampled_out"] and 0 < summarized < 28
+        promoted = part_worker.get("summaries_promoted", 0)  # (failed ones sent in full after all)
+        assert summarized + promoted == part_worker["trajectories_sampled_out"] and 0 < summarized < 28
         assert part_stats["collector_summaries_received"] == summarized
         for probe in (full, part):
             assert Counter(t.step for t in probe.trajectories) == {0: 2, 1: 2}
@@ -365,3 +368,50 @@ class TestCollector:
         part_of = {key(s): s for s in [summarize(t) for t in part.trajectories] + part.summaries}
         for k, s in part_of.items():
             assert fields(s) == fields(full_of[k]), k
+
+
+# ----------------------------------------------------------------------------- promotion
+def tree(traj) -> list[tuple]:
+    """A trajectory's spans as the collector wrote them: name, kind, parent's name, status, error,
+    attributes (not the job id: each run its own), captured input and output, token ids (not ids,
+    times or exception events)."""
+    names = {s.span_id: s.name for s in traj.spans}
+    return [(s.name, s.kind, names.get(s.parent_id), s.status, s.error,
+             {k: v for k, v in s.attributes.items() if k != "rtrace.job_id"}, s.input, s.output, s.prompt_ids,
+             s.response_ids)
+            for s in traj.spans]
+
+
+@pytest.mark.integration
+class TestPromotion:
+    def test_a_failed_rollout_a_worker_summarized_is_written_in_full(self, tmp_path):
+        """Pre-sample rate 0 (every rollout tallied): the rollouts whose root failed or whose
+        generation stopped at `length` are sent in full after all (counted), and the collector's
+        tail (keep_errors=1) keeps one per step, 'error', with the spans, attributes, values and
+        nesting the same rollout has recorded in full; each rollout is counted once."""
+        settings = {"max_traces_per_step": 0, "keep_errors": 1}
+        promoted, promoted_stats, worker_stats = collector_run(tmp_path, 0.0, prompts=4, **settings)
+        recorded, _, _ = collector_run(tmp_path, 1.0, prompts=4, **settings)
+        # truncated (p 2) and root_raises (p 3), 2 rollouts each, 2 steps: 8 of 16 sent in full
+        assert worker_stats["summaries_promoted"] == 8 and worker_stats["rollouts_summarized"] == 8
+        assert "summaries_promotion_skipped" not in worker_stats
+        assert promoted_stats["collector_summaries_received"] == 8
+        assert [t.kept for t in promoted.trajectories] == [["error"], ["error"]]
+        expected = {key(t): t for t in recorded.trajectories}
+        assert {key(t) for t in promoted.trajectories} == expected.keys()
+        for t in promoted.trajectories:
+            assert tree(t) == tree(expected[key(t)])
+            assert [s[2] for s in tree(t)][:3] == [None, "rollout", "agent_loop"]  # nested as recorded
+            assert t.status == expected[key(t)].status and t.reward == expected[key(t)].reward
+        every = [summarize(t) for t in promoted.trajectories] + promoted.summaries
+        assert sorted(key(s) for s in every) == sorted((False, st, p, r) for st in range(2) for p in range(4)
+                                                       for r in range(2))
+        assert_same_metrics(by_step(promoted.metrics), by_step(recorded.metrics), timing=False)
+
+    def test_promotion_is_bounded_per_step(self, tmp_path):
+        """RTRACE_PROMOTE_PER_STEP=1: one rollout per step sent in full, the others summarized
+        and counted (summaries_promotion_skipped)."""
+        _, stats, worker_stats = collector_run(tmp_path, 0.0, prompts=4, env={"RTRACE_PROMOTE_PER_STEP": "1"},
+                                               max_traces_per_step=0, keep_errors=1)
+        assert worker_stats["summaries_promoted"] == 2 and worker_stats["summaries_promotion_skipped"] == 6
+        assert stats["collector_summaries_received"] == worker_stats["rollouts_summarized"] == 14

@@ -21,6 +21,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from opentelemetry.trace import Status, StatusCode
+
 from .. import _ids, _stats
 from .._serialize import Converter, unsnap
 from ..config import Settings
@@ -29,7 +31,7 @@ from ..trajectory import SpanRecord
 from .builder import SpanConverter, _reward, call_inputs, coordinates, finish, results
 from .records import Tally, TrajectoryState
 
-__all__ = ["summary_of_state", "state_of_tally", "summary_state", "summarize"]
+__all__ = ["summary_of_state", "state_of_tally", "summary_state", "summarize", "records_of_tally"]
 
 _SUMMED = ("generation", "tool")
 
@@ -176,6 +178,58 @@ def _tool(record: SpanRecord, mark: Any) -> None:
     output = unsnap(mark.output) if mark.has_output else None
     # (a recorded call's converted answer is None or "" exactly when the answer was)
     record.output = output if output is None or (isinstance(output, str) and not output) else _ANSWERED
+
+
+def records_of_tally(tally: Tally, state: TrajectoryState, conv: SpanConverter) -> list[SpanRecord]:
+    """A tallied rollout as the records of one recorded in full (a worker promotes it:
+    pipeline/stream.py): its root (``state``'s root span id, as :func:`state_of_tally` made it)
+    and each mark that ended before the rollout, converted by :meth:`SpanConverter.convert`
+    as its span would have been (captured values, token ids, GenAI attributes, error text).
+
+    A mark does not know its parent (finding it on the hot path would cost every summarized
+    call a context switch): the nesting is rebuilt from the times. A call's parent is the
+    latest-started call that was still running from its start to its end, else the root:
+    exact for calls made one after the other; of two concurrent calls (``asyncio.gather``),
+    one whose time lies inside the other's is shown as its child. Marks have no events: a
+    failed call has its error text, not the exception event and stack trace of a span."""
+    end = tally.end_ns if tally.end_ns is not None else tally.start_ns
+    root = _Marked(tally.trace_id, state.root_span_id, None, tally.name, tally.start_ns, end, tally.error)
+    out = [conv.convert(root, None)]
+    stack = [root]  # the calls open at the current mark's start, innermost last
+    for mark in tally.marks:
+        mark_end = mark.end_time
+        if mark_end is None or mark_end > end:
+            continue  # as state_of_tally: not part of the rollout
+        while len(stack) > 1 and stack[-1].end_time < mark_end:
+            stack.pop()  # ended before this call did: not its parent
+        span = _Marked(tally.trace_id, _ids.span_id(), stack[-1], mark.spec.name, mark.start_time, mark_end,
+                       mark.error)
+        out.append(conv.convert(span, mark))
+        stack.append(span)
+    return out
+
+
+_OK = Status(StatusCode.UNSET)
+
+
+class _Marked:
+    """A :class:`~rtrace.pipeline.records.Mark` (or the rollout's root) read as
+    :meth:`SpanConverter.convert` reads one of rtrace's spans (its ids, parent, name, times,
+    status; no attributes or events: nothing could set them on a mark)."""
+
+    __slots__ = ("trace_id", "span_id", "parent_ref", "name", "start_time", "end_time", "status")
+    _attributes = None
+    _events = None
+
+    def __init__(self, trace_id: int, span_id: int, parent: "_Marked | None", name: str, start: int, end: int,
+                 error: str | None) -> None:
+        self.trace_id = trace_id
+        self.span_id = span_id
+        self.parent_ref = parent
+        self.name = name
+        self.start_time = start
+        self.end_time = end
+        self.status = Status(StatusCode.ERROR, error) if error else _OK
 
 
 def _int(value: Any) -> int:
