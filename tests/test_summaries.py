@@ -415,3 +415,63 @@ class TestPromotion:
                                                max_traces_per_step=0, keep_errors=1)
         assert worker_stats["summaries_promoted"] == 2 and worker_stats["summaries_promotion_skipped"] == 6
         assert stats["collector_summaries_received"] == worker_stats["rollouts_summarized"] == 14
+
+
+# ----------------------------------------------------------------------------- the wire
+class TestWire:
+    def test_to_wire_has_every_field_and_reads_back(self):
+        """to_wire() (written out for speed) names every slot; from_wire() reads it back, a
+        NaN reward included."""
+        s = RolloutSummary("ab" * 16, "rollout", step=3, sample_index=1, rollout_n=0, validate=True, group_id="g",
+                           reward=float("nan"), outcome={"correct": True}, annotations={"advantage": 0.5},
+                           status="error", error="ValueError: x", turns=2, tool_calls=1, tokens_in=5, tokens_out=7,
+                           finish_reasons={"stop": 2}, finish_reason="stop", start_ns=1, end_ns=9,
+                           generation_ms=0.5, tool_ms=0.25, health=[{"check": "generation", "detail": "d"}],
+                           kept=["error"], priority=0.25, dropped_spans=1)
+        wire = s.to_wire()
+        assert list(wire) == list(RolloutSummary.__slots__)
+        from rtrace.summary import _WIRE_RULES
+
+        assert [k for k, _, _ in _WIRE_RULES] == list(RolloutSummary.__slots__)[1:]  # every field checked
+        back = RolloutSummary.from_wire(wire)
+        assert math.isnan(back.reward)
+        assert {k: getattr(back, k) for k in RolloutSummary.__slots__ if k != "reward"} == {
+            k: getattr(s, k) for k in RolloutSummary.__slots__ if k != "reward"}
+
+    BAD = [("health", 5), ("health", [{"check": 1}]), ("health", ["x"]), ("kept", ["sampled", 2]), ("name", 7),
+           ("status", ["error"]), ("error", {"a": 1}), ("generation_ms", "fast"), ("tool_ms", True),
+           ("finish_reasons", {"stop": "2"}), ("finish_reasons", {"stop": True}), ("validate", "yes"),
+           ("partial", 1), ("group_id", [1, 2]), ("experiment", {"x": 1}), ("priority", "low"),
+           ("finish_reason", 3), ("extra", [1]), ("turns", 1.5), ("step", True), ("recorded", "no")]
+
+    @pytest.mark.parametrize("field,value", BAD, ids=[f"{f}={v!r}" for f, v in BAD])
+    def test_from_wire_refuses_a_field_of_the_wrong_type(self, field, value):
+        wire = RolloutSummary("ab" * 16, step=1, sample_index=0).to_wire()
+        wire[field] = value
+        with pytest.raises(ValueError, match=field):
+            RolloutSummary.from_wire(wire)
+
+    def test_the_collector_refuses_a_bad_summary_alone(self, collector, tmp_path):
+        """A worker's summaries, some of the wrong shape, in one span: those are refused and
+        counted (collector_refused.summary), the others counted in the metrics and the sinks
+        (a bad one used to reach the step metrics and raise there, losing the worker's round)."""
+        from rtrace.pipeline.stream import summaries_shell
+        from tests.test_collector_security import request_of, send_raw
+
+        probe = Probe()
+        c = collector(sinks=[probe])
+        good = [RolloutSummary(f"{i + 1:032x}", step=1, sample_index=i, rollout_n=0, reward=1.0, turns=1,
+                               start_ns=1, end_ns=2, health=[]).to_wire() for i in range(3)]
+        bad = []
+        for i, (field, value) in enumerate(self.BAD):
+            wire = RolloutSummary(f"{100 + i:032x}", step=1, sample_index=10 + i, rollout_n=0).to_wire()
+            wire[field] = value
+            bad.append(wire)
+        import grpc
+
+        assert send_raw(c.endpoint, request_of(summaries_shell(good[:1] + bad + good[1:]))) == grpc.StatusCode.OK
+        assert c.flush(30)
+        assert c.stats()["collector_refused.summary"] == len(self.BAD)
+        assert sorted(s.sample_index for s in probe.summaries) == [0, 1, 2]
+        (metrics,) = probe.metrics
+        assert metrics.values["rollout/trajectories"] == 3

@@ -103,7 +103,7 @@ def _mark(rt: _state.Runtime, tally: Tally, spec: CallSpec, args: tuple, kwargs:
     if len(marks) >= rt.registry.max_spans - 1:
         tally.dropped_marks += 1
         return None
-    mark = Mark(spec, _time_ns(), None)
+    mark = Mark(spec, _time_ns())
     marks.append(mark)
     if spec.capture and rt.capture:
         _capture(mark, spec, args, kwargs)

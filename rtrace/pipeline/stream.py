@@ -21,7 +21,7 @@ from .. import _ids, _stats
 from .._serialize import attr_ok, json_safe, json_text, vouch
 from ..trajectory import SpanRecord, Trajectory
 from .annotations import Annotation
-from .builder import SpanConverter, _reward, coordinates, tail_of
+from .builder import SpanConverter, _reward, coordinates
 from .summaries import records_of_tally, state_of_tally, summary_of_state
 from .records import Tally, TrajectoryState, ids_of, record_of
 from .tokens import wire_values
@@ -42,6 +42,8 @@ class StreamPipeline(Pipeline):
     tokenizer_name: Any = staticmethod(lambda: None)
     #: (validate, step) -> rollouts promoted (sent in full after all); recent steps only
     _promoted: "OrderedDict[tuple[bool, Any], int] | None" = None
+    #: the last round's summaries hold converted values only (they may be vouched for)
+    _plain_summaries = False
 
     def _round(self, now: float, expire: bool, force: bool) -> None:
         """Everything queued when the round starts, :data:`~rtrace.pipeline.worker._CHUNK`
@@ -104,7 +106,10 @@ class StreamPipeline(Pipeline):
         if tallies:
             summaries = self._summaries([tallies.popleft() for _ in range(len(tallies))], conv, out)
             for i in range(0, len(summaries), SUMMARIES_PER_SPAN):
-                out.append(summaries_shell(summaries[i:i + SUMMARIES_PER_SPAN]))
+                shell = summaries_shell(summaries[i:i + SUMMARIES_PER_SPAN])
+                if self._plain_summaries:
+                    vouch(shell)  # converted values only (a NaN reward is its text): the NaN walk is skipped
+                out.append(shell)
         conv.count()
         if out:
             _stats.incr("segments_streamed", len(out))
@@ -118,21 +123,26 @@ class StreamPipeline(Pipeline):
         summaries = []
         health = self.health
         settings = self.settings
+        values = conv.conv
+        unplain = values.unplain
         for tally in tallies:
             try:
                 state = state_of_tally(tally, settings, conv)
                 if health is not None:
                     health.check_state(state, rollout=False)
-                tail = tail_of(state, "reward")
-                if (tail.failed or tail.unhealthy) and self._promote(state):
+                summary = summary_of_state(state, settings, values)
+                # what the collector's tail keeps (tail_of): a failed root, a generation stopped at
+                # length (keep_errors), a health finding (keep_unhealthy)
+                if (summary.status == "error" or summary.truncated or summary.health) and self._promote(state):
                     out.append(self._promoted_shell(tally, state, conv))
                     continue
-                summaries.append(summary_of_state(state, settings, conv.conv).to_wire())
+                summaries.append(summary.to_wire())
             except Exception:
                 _stats.incr("summaries_build_failed")
                 _stats.warn_once("summary", "rtrace could not summarize a rollout; it is not counted", exc_info=True)
         if summaries:
             _stats.incr("rollouts_summarized", len(summaries))
+        self._plain_summaries = values.unplain == unplain
         return summaries
 
     def _promote(self, state: TrajectoryState) -> bool:

@@ -28,7 +28,7 @@ from .._serialize import Converter, unsnap
 from ..config import Settings
 from ..summary import ERROR_CHARS, RolloutSummary, summarize
 from ..trajectory import SpanRecord
-from .builder import SpanConverter, _reward, call_inputs, coordinates, finish, results
+from .builder import SpanConverter, _reward, call_inputs, finish, results, rl_coordinates
 from .records import Tally, TrajectoryState
 
 __all__ = ["summary_of_state", "state_of_tally", "summary_state", "summarize", "records_of_tally"]
@@ -43,14 +43,17 @@ def summary_of_state(state: TrajectoryState, settings: Settings, conv: Converter
     if state.summary is not None:  # the collector: a worker's summary, with what joined it here
         return _completed(state, settings, conv, priority)
     records = state.records
-    root_id = format(state.root_span_id, "016x") if state.root_span_id is not None else None
-    root = next((r for r in records if r.span_id == root_id), None) if root_id is not None else None
+    if state.summary_only:  # state_of_tally puts the root first
+        root = records[0]
+    else:
+        root_id = format(state.root_span_id, "016x") if state.root_span_id is not None else None
+        root = next((r for r in records if r.span_id == root_id), None) if root_id is not None else None
     if root is None or state.partial:  # the root never ended: finish() stands in for it (rare)
         summary = summarize(finish(state, settings, conv), priority)
         summary.recorded = False
         summary.kept = []
         return summary
-    coords, extra, _ = state.coordinates if state.coordinates is not None else coordinates(state, settings, conv)
+    coords, extra = state.coordinates[:2] if state.coordinates is not None else rl_coordinates(state, settings, conv)
     reward, outcome, annotations = results(state, conv)
     turns = tools = tokens_in = tokens_out = 0
     gen_ns = tool_ns = 0
@@ -125,17 +128,17 @@ def summary_state(summary: RolloutSummary, trace_id: int) -> TrajectoryState:
 
 
 def state_of_tally(tally: Tally, settings: Settings, conv: SpanConverter) -> TrajectoryState:
-    """A summary-only state of a tallied rollout (see the module docstring)."""
-    root_id = _ids.span_id()
-    state = TrajectoryState(tally.trace_id, root_id, tally.name, tally.kind, tally.coords)
+    """A summary-only state of a tallied rollout (see the module docstring). Its records
+    have no ids (the root is the first, and the only one without a parent): they are never
+    written; a promoted rollout's are made again (:func:`records_of_tally`)."""
+    state = TrajectoryState(tally.trace_id, None, tally.name, tally.kind, tally.coords)
     state.summary_only = True
     state.reward, state.has_reward, state.outcome = tally.reward, tally.has_reward, tally.outcome
     state.root_at = time.monotonic()
     state.dropped_spans = tally.dropped_marks
-    root_hex = format(root_id, "016x")
     end = tally.end_ns if tally.end_ns is not None else tally.start_ns
     text = conv.conv.text  # exception text as a recorded span's: redacted, bounded, encodable
-    records = [SpanRecord(root_hex, None, tally.name, tally.kind, tally.start_ns, end,
+    records = [SpanRecord("", None, tally.name, tally.kind, tally.start_ns, end,
                           "error" if tally.error else "ok", text(tally.error) if tally.error else None)]
     for mark in tally.marks:
         kind = mark.spec.kind
@@ -146,7 +149,7 @@ def state_of_tally(tally: Tally, settings: Settings, conv: SpanConverter) -> Tra
             # still running when the rollout ended: a recorded span that ends after its root
             # is not part of its trajectory either (counted late)
             continue
-        record = SpanRecord("", root_hex, mark.spec.name, kind, mark.start_time, mark_end,
+        record = SpanRecord("", "", mark.spec.name, kind, mark.start_time, mark_end,
                             "error" if mark.error else "ok", text(mark.error) if mark.error else None)
         if mark.args is not None:  # captured
             try:
@@ -182,8 +185,7 @@ def _tool(record: SpanRecord, mark: Any) -> None:
 
 def records_of_tally(tally: Tally, state: TrajectoryState, conv: SpanConverter) -> list[SpanRecord]:
     """A tallied rollout as the records of one recorded in full (a worker promotes it:
-    pipeline/stream.py): its root (``state``'s root span id, as :func:`state_of_tally` made it)
-    and each mark that ended before the rollout, converted by :meth:`SpanConverter.convert`
+    pipeline/stream.py): its root (``state``'s root span id, made now) and each mark that ended before the rollout, converted by :meth:`SpanConverter.convert`
     as its span would have been (captured values, token ids, GenAI attributes, error text).
 
     A mark does not know its parent (finding it on the hot path would cost every summarized
@@ -193,6 +195,8 @@ def records_of_tally(tally: Tally, state: TrajectoryState, conv: SpanConverter) 
     one whose time lies inside the other's is shown as its child. Marks have no events: a
     failed call has its error text, not the exception event and stack trace of a span."""
     end = tally.end_ns if tally.end_ns is not None else tally.start_ns
+    if state.root_span_id is None:
+        state.root_span_id = _ids.span_id()
     root = _Marked(tally.trace_id, state.root_span_id, None, tally.name, tally.start_ns, end, tally.error)
     out = [conv.convert(root, None)]
     stack = [root]  # the calls open at the current mark's start, innermost last
