@@ -133,10 +133,10 @@ def one_run(env_extra: dict | None, turns: int, n: int, collector_settings: dict
     env = None
     if env_extra is not None:
         parent, child = CTX.Pipe()
-        coll = CTX.Process(target=collector, args=(collector_settings, child))
+        coll = CTX.Process(target=collector, args=(collector_settings, child), daemon=True)  # (ends with a failed run)
         coll.start()
         env = {**parent.recv(), **env_extra}
-    proc = CTX.Process(target=worker, args=(env, turns, n, ready, go, out))
+    proc = CTX.Process(target=worker, args=(env, turns, n, ready, go, out), daemon=True)
     proc.start()
     assert ready.wait(600)
     if coll is not None:
