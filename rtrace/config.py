@@ -533,6 +533,11 @@ PARAMS: tuple[Param, ...] = (
           "is recorded as a summary only, and the step metrics and the dataset's trajectories table count every "
           "rollout. Off: a sampled-out rollout costs nothing and is in no metric (they describe the sample).",
           type="bool"),
+    Param("promote_per_step", "RTRACE_PROMOTE_PER_STEP", _int(0), 4, "an integer >= 0",
+          "Collector mode, in a worker: per step, at most this many rollouts recorded as summaries only "
+          "(RTRACE_PRE_SAMPLE_RATE) are sent in full after all when the worker knows the collector's tail may keep "
+          "them: the root failed, a generation stopped at `length`, or a rollout-health finding "
+          "(docs/multi-process.md). 0: none.", type="int"),
     Param("capture", "RTRACE_CAPTURE", _bool, True, "true/false",
           "Capture arguments and return values of decorated calls (off: names and timings only).", type="bool"),
     Param("max_value_chars", "RTRACE_MAX_VALUE_CHARS", _int(16), 20_000, "an integer >= 16",

@@ -118,7 +118,10 @@ class Pipeline:
                                            and "logprob_mismatch" in settings.health_checks)
         #: per-step metrics over the exported trajectories (None: summary_metrics off, or
         #: no sink writes step metrics)
-        whole = settings.sample_groups or (settings.max_traces_per_step is None and settings.val_cap is None)
+        # every group is whole in the metrics when every rollout is counted (summaries), or
+        # whole groups are sampled, or nothing is capped: then odd group sizes are reported
+        whole = settings.summaries or settings.sample_groups or (
+            settings.max_traces_per_step is None and settings.val_cap is None)
         self.metrics = StepMetricsTracker(min(self.metrics_linger_s, settings.step_linger_s),
                                           settings.step_table_rows, settings.health_checks,
                                           whole, every_rollout=settings.summaries,
@@ -200,10 +203,14 @@ class Pipeline:
         Returns:
             How many were queued; the rest were dropped (queue full) and counted.
         """
-        room = max(0, self._max_queue - len(self._tallies))
+        q = self._tallies
+        room = max(0, self._max_queue - len(q))
         if room < len(tallies):
             _stats.incr("summaries_dropped_queue", len(tallies) - room)
-        self._tallies.extend(tallies[:room])
+        q.extend(tallies[:room])
+        if len(q) == self._wake_at:  # as offer(): a tight loop of summarized rollouts fills it fast
+            with self._cond:
+                self._cond.notify()
         return min(room, len(tallies))
 
     def annotate(self, annotations: Sequence[Annotation]) -> None:
