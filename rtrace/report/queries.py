@@ -573,8 +573,8 @@ def histograms(db: Db, state: TableState, columns: Sequence[Column],
     ok = [f"FILTER (WHERE isfinite(v{i}))" for i in range(len(cols))]
     stats = ", ".join(f"min(v{i}) {ok[i]}, max(v{i}) {ok[i]}, count(v{i}) {ok[i]}" for i in range(len(cols)))
     sample = ", ".join(f"list(v{i}) {ok[i]}" for i in range(len(cols)))
-    _, head = db.rows(f"SELECT count(*), {stats}, (SELECT [{sample}] FROM {source} USING SAMPLE reservoir({SAMPLE} "
-                      f"ROWS) REPEATABLE (7)) FROM {source}", params + params)
+    _, head = db.rows(f"WITH f AS MATERIALIZED {source} SELECT count(*), {stats}, (SELECT [{sample}] FROM f USING "
+                      f"SAMPLE reservoir({SAMPLE} ROWS) REPEATABLE (7)) FROM f", params)
     total, rest, sampled = int(head[0][0]), head[0][1:-1], head[0][-1] or [[] for _ in cols]
     out: dict[str, Any] = {"total": total, "hist": {}}
     plans, keys = [], []
