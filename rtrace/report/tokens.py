@@ -4,10 +4,10 @@ Each generation span may carry ``token_values`` (``logprob``, ``old_logprob``,
 ``advantage``, ``loss_mask``, ``entropy`` ... aligned with its response tokens) and, with
 token2text, ``rtrace.response_tokens`` (each token's own text). The overlay draws each
 token as its text on a colour from the chosen array; hovering a token shows at once its
-position, id, exact text and every array's value there (its ``data-tip``, shown by
-``static/tokens.js``: a native ``title`` takes a second to appear). With both ``logprob`` (the sampler) and
-``old_logprob`` (the trainer), ``mismatch`` is their difference per token (trainer −
-sampler: Δ, the check's quantity).
+position, id (when kept), exact text and every array's value there (its ``data-tip``,
+shown by ``static/tokens.js``: a native ``title`` takes a second to appear). With both
+``logprob`` (the sampler) and ``old_logprob`` (the trainer), ``mismatch`` is their
+difference per token (trainer − sampler: Δ, the check's quantity).
 
 Colours are classes, a few buckets per scale (the stylesheet holds them):
 
