@@ -112,10 +112,11 @@ def worker(env: dict[str, str], w: int, workers: int, steps: int, groups: int, n
                     with rtrace.rollout_context(step=step, sample_index=p, rollout_n=r, group_id=f"p{p}"):
                         rtrace.record_reward(reward(step, p, r))
                         k = turns(step, p, r)
+                        ids = list(range(10 + p))  # each turn's prompt continues the last one (healthy)
                         for t in range(k):
                             last = t == k - 1
-                            generate(list(range(10 + p + t)), "length" if last and truncated(step, p, r) else "stop")
-                            calc(-1 if last and fails(step, p, r) else p)
+                            answer = generate(ids, "length" if last and truncated(step, p, r) else "stop")
+                            ids = ids + answer["response_ids"] + [calc(-1 if last and fails(step, p, r) else p)]
                 except ValueError:
                     pass
         barrier.wait()  # the step is done everywhere; the trainer annotates it
@@ -155,6 +156,7 @@ class Job:
     path: str  # the run's dataset
     endpoints: list[str]
     collector_cpu_s: list[float]
+    collector_stats: list[dict]
     workers: list[tuple[bool, dict, float]] = field(default_factory=list)
     trainer: tuple[bool, dict, float] | None = None
     wall_s: float = 0.0
@@ -179,16 +181,18 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def stop_collectors(procs: list) -> list[float]:
-    """SIGTERM each collector (it writes what it holds), wait; their CPU seconds just before."""
-    cpu = []
+def stop_collectors(procs: list) -> tuple[list[float], list[dict]]:
+    """SIGTERM each collector (it writes what it holds), wait; their CPU seconds just before, and
+    the counters each printed when it stopped."""
+    cpu, stats = [], []
     for proc in procs:
         cpu.append(cpu_seconds(proc.pid) if proc.poll() is None else float("nan"))
         proc.send_signal(signal.SIGTERM)
     for proc in procs:
-        proc.wait(300)
+        out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, f"rtrace collect exited with {proc.returncode}"
-    return cpu
+        stats.append(json.loads(out.split("# rtrace stats: ", 1)[1].splitlines()[0]))
+    return cpu, stats
 
 
 def run_job(root: str, collectors: int, steps: int, groups: int, n: int, pre_sample_rate: float = 1.0,
@@ -231,7 +235,7 @@ def run_job(root: str, collectors: int, steps: int, groups: int, n: int, pre_sam
         for proc in procs:
             proc.kill()
         raise
-    job = Job(os.path.join(root, EXPERIMENT), endpoints, stop_collectors(procs))
+    job = Job(os.path.join(root, EXPERIMENT), endpoints, *stop_collectors(procs))
     job.wall_s = time.monotonic() - started
     for kind, _, ok, stats, cpu in sorted(reports, key=lambda r: (r[0], r[1])):
         if kind == "worker":

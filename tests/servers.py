@@ -110,8 +110,8 @@ def start_rtrace_collect(env: dict[str, str], exporter: str, *args: str, timeout
     import select
 
     proc = subprocess.Popen([sys.executable, "-m", "rtrace", "collect", "--exporter", exporter, "--port", str(port),
-                             *args], env=env, stdout=subprocess.PIPE)
-    fd = proc.stdout.fileno()
+                             *args], env=env, stdout=subprocess.PIPE, text=True)
+    fd = proc.stdout.fileno()  # read raw, below the text wrapper (untouched: communicate() reads the rest)
     text = b""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
