@@ -13,17 +13,23 @@ def send_requests(endpoint: str, requests: list[bytes], ready, go) -> tuple[int,
     cost the shared cores as little as possible) once ``go`` is set, retrying on
     RESOURCE_EXHAUSTED (the collector's push-back) as rtrace's workers do. Returns the
     retries and the CPU seconds the sending took."""
+    return send_routed([(endpoint, body) for body in requests], ready, go)
+
+
+def send_routed(requests: list[tuple[str, bytes]], ready, go) -> tuple[int, float]:
+    """:func:`send_requests` for requests to several collectors: ``(endpoint, body)`` pairs,
+    sent in their order (each collector's own rollouts, as placement routes them)."""
     import grpc
 
-    export = grpc.insecure_channel(endpoint).unary_unary(EXPORT)
+    exports = {endpoint: grpc.insecure_channel(endpoint).unary_unary(EXPORT) for endpoint in {e for e, _ in requests}}
     ready.set()
     go.wait()
     retries = 0
     c0 = time.process_time()
-    for body in requests:
+    for endpoint, body in requests:
         while True:
             try:
-                export(body, timeout=60)
+                exports[endpoint](body, timeout=60)
                 break
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:

@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -65,9 +66,26 @@ class _Untraced:
         pass
 
 
-def worker(env: dict | None, turns: int, n: int, ready, go, out) -> None:
+def grpo_coordinates(spec: tuple[int, int, int, int] | None) -> tuple[Any, int]:
+    """Rollout ``i``'s coordinates and a worker's rollouts per step: ``PER_STEP`` prompts of one
+    rollout a step (``spec`` None), or, for ``spec = (w, workers, groups, n)``, worker ``w``'s
+    share of a GRPO job of ``groups`` groups of ``n`` a step (groups ``w, w + workers, ...``)."""
+    if spec is None:
+        return (lambda i: {"step": i // PER_STEP, "sample_index": i % PER_STEP, "rollout_n": 0}), PER_STEP
+    w, workers, groups, n = spec
+    per_step = len(range(w, groups, workers)) * n
+
+    def coords(i: int) -> dict:
+        k = i % per_step
+        return {"step": i // per_step, "sample_index": w + workers * (k // n), "rollout_n": k % n}
+
+    return coords, per_step
+
+
+def worker(env: dict | None, turns: int, n: int, ready, go, out, grpo: tuple | None = None) -> None:
     """Runs WARM_UP rollouts (flushed), says ready, waits for go, then runs ``n`` rollouts and
-    flushes: reports (process CPU seconds of those, flush ok, rtrace.stats())."""
+    flushes: reports (process CPU seconds of those, flush ok, rtrace.stats()). ``grpo``: the
+    coordinates (:func:`grpo_coordinates`)."""
     if env is None:
         api, flush, stats = _Untraced(), lambda: True, dict
     else:
@@ -75,13 +93,15 @@ def worker(env: dict | None, turns: int, n: int, ready, go, out) -> None:
         import rtrace
 
         api, flush, stats = rtrace, lambda: rtrace.flush(300), rtrace.stats
-    traj = make_agent(api, lambda i: {"step": i // PER_STEP, "sample_index": i % PER_STEP, "rollout_n": 0}, turns)
+    coords, per_step = grpo_coordinates(grpo)
+    traj = make_agent(api, coords, turns)
     for i in range(WARM_UP):  # steady state: imports, connections, the first steps done
         traj(i)
     flush()
     ready.set()
     go.wait()
-    start = WARM_UP + PER_STEP  # the measured rollouts begin a new step
+    # the measured rollouts begin a new step (one step left out after the warm-up)
+    start = WARM_UP + PER_STEP if grpo is None else (WARM_UP // per_step + 2) * per_step
     c0 = time.process_time()
     for i in range(start, start + n):
         traj(i)
@@ -92,9 +112,10 @@ def worker(env: dict | None, turns: int, n: int, ready, go, out) -> None:
     os._exit(0)
 
 
-def collector(settings: dict, conn) -> None:
+def collector(settings: dict, conn, metrics: bool = True) -> None:
     """A collector in a process of its own, set up as `rtrace collect` sets up its process;
-    answers "cpu" (its process CPU seconds, after a flush) and "stop" (its stats)."""
+    answers "cpu" (its process CPU seconds, after a flush) and "stop" (its stats). ``metrics``:
+    with a sink that takes the step metrics (so the collector computes them)."""
     import rtrace
     from rtrace.pipeline.collector import tune_gc, tune_malloc
 
@@ -111,7 +132,7 @@ def collector(settings: dict, conn) -> None:
 
     tune_gc()
     tune_malloc()
-    c = rtrace.start_collector(sinks=[Metrics(None)], settle_s=0.2, **settings)
+    c = rtrace.start_collector(sinks=[Metrics(None)] if metrics else [], **{"settle_s": 0.2, **settings})
     conn.send(c.env)
     while True:
         msg = conn.recv()

@@ -165,7 +165,8 @@ class Job:
 def base_env(root: str, **extra: str) -> dict[str, str]:
     """The collectors' environment: one dataset, one run, one job, one sampling."""
     env = dict(os.environ, RTRACE_PARQUET_PATH=root, RTRACE_EXPERIMENT=EXPERIMENT, RTRACE_JOB_ID=JOB_ID,
-               RTRACE_SAMPLE_SEED=str(SEED), RTRACE_MAX_TRACES_PER_STEP=str(CAP), RTRACE_SAMPLE_GROUPS="1", RTRACE_AWAIT_ANNOTATIONS="advantage",
+               RTRACE_SAMPLE_SEED=str(SEED), RTRACE_MAX_TRACES_PER_STEP=str(CAP), RTRACE_SAMPLE_GROUPS="1",
+               RTRACE_AWAIT_ANNOTATIONS="advantage",
                RTRACE_ANNOTATION_TIMEOUT_S="120", RTRACE_STEP_LINGER_S="1", HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     for key in ("RTRACE_EXPORTER", "RTRACE_COLLECTOR_ENDPOINT", "MLFLOW_TRACKING_URI"):
