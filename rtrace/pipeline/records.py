@@ -128,7 +128,7 @@ class TrajectoryState:
     __slots__ = ("trace_id", "root_span_id", "name", "kind", "coords", "captures", "reward",
                  "has_reward", "outcome", "created", "created_ns", "records", "dropped_spans",
                  "partial", "root_lost", "root_at", "annotations", "remote_parent", "messages", "kept", "health",
-                 "span_ids", "touched", "held_bytes", "plain", "coordinates", "summary_only", "summary")
+                 "span_ids", "touched", "held_bytes", "plain", "coordinates", "summary_only", "summary", "worker")
 
     def __init__(self, trace_id: int, root_span_id: int | None, name: str, kind: str,
                  coords: dict[str, Any]) -> None:
@@ -169,6 +169,8 @@ class TrajectoryState:
         self.span_ids: set[int] | None = None
         self.touched = self.created
         self.held_bytes = 0
+        #: the process its root ran in, when another one's (the collector: its sender's resource)
+        self.worker: str | None = None
         #: every record was converted by the one-process worker with no value that is not
         #: plain JSON data (``Converter.unplain``): True lets finish() vouch for it; None
         #: (records made any other way: the collector, log_rollout_batch) or False do not

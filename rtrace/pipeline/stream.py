@@ -20,6 +20,7 @@ from .._serialize import attr_ok, json_safe, json_text, vouch
 from ..trajectory import SpanRecord, Trajectory
 from .annotations import Annotation
 from .builder import SpanConverter, _reward, coordinates
+from .fleet import event_shell, take_in
 from .summaries import summary_of_state
 from .records import TrajectoryState, ids_of, record_of
 from .tokens import wire_values
@@ -56,6 +57,8 @@ class StreamPipeline(Pipeline):
         prebuilt = [pre.popleft() for _ in range(len(pre))]
         annotations = self._take_annotations()
         conv = SpanConverter(self.settings)
+        if self._events:
+            self._take_events(conv)
         values = conv.conv
         shells: dict[int, Trajectory] = {}
         stamps: dict[int, dict[str, Any]] = {}
@@ -116,6 +119,14 @@ class StreamPipeline(Pipeline):
             _stats.incr("segments_streamed", len(part))
             self.fanout.submit(part)
 
+    def _take_events(self, conv: SpanConverter) -> None:
+        """Run events leave for every collector (pipeline/fleet.py), each a segment of its own."""
+        q = self._events
+        events = take_in([q.popleft() for _ in range(len(q))], self.worker_name, conv.conv)
+        if events:
+            _stats.incr("segments_streamed", len(events))
+            self.fanout.submit([event_shell(e) for e in events])
+
     def _summaries(self, tallies: list, conv: SpanConverter) -> list[dict[str, Any]]:
         """Rollouts recorded as summaries only, as the collector reads them: the checks of
         their records here (the reward, staleness and coordinates are checked in the collector,
@@ -126,7 +137,9 @@ class StreamPipeline(Pipeline):
             try:
                 if health is not None:
                     health.check_state(state, rollout=False)
-                out.append(summary_of_state(state, self.settings, conv.conv).to_wire())
+                summary = summary_of_state(state, self.settings, conv.conv)
+                summary.worker = self.worker_name
+                out.append(summary.to_wire())
             except Exception:
                 _stats.incr("summaries_build_failed")
                 _stats.warn_once("summary", "rtrace could not summarize a rollout; it is not counted", exc_info=True)
