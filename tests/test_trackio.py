@@ -182,7 +182,13 @@ class TestRoundTrip:
             "rollout/latency_ms_mean": total, "rollout/latency_ms_p50": total, "rollout/latency_ms_p90": total,
             "rollout/latency_ms_max": total, "rollout/time_generation_frac": gen / total,
             "rollout/time_tool_frac": tool / total, "rollout/time_other_frac": (total - gen - tool) / total,
-            "rollout/error_rate": 0.0, "rollout/truncated_rate": 0.0, "rollout/partial_rate": 0.0}, rel=1e-12, abs=0)
+            "rollout/error_rate": 0.0, "rollout/truncated_rate": 0.0, "rollout/partial_rate": 0.0,
+            # the fleet in time (docs/timeline.md): on policy (step 4, version 4), calls one after another
+            "rollout/generation_ms_mean": gen, "rollout/tool_ms_mean": tool,
+            "rollout/wait_ms_mean": total - gen - tool, "rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0,
+            "rollout/staleness/0_frac": 1.0, "rollout/staleness/0_pass_rate": 1.0, "rollout/staleness/1_frac": 0.0,
+            "rollout/staleness/2_frac": 0.0, "rollout/staleness/3_frac": 0.0, "rollout/staleness/4plus_frac": 0.0,
+            "rollout/inflight_peak": 1.0}, rel=1e-9, abs=1e-9)
         capsys.readouterr()
         rtrace.shutdown()
         assert "Run finished" in capsys.readouterr().out  # the run rtrace opened is finished
@@ -404,7 +410,9 @@ class TestBadValues:
             "rollout/latency_ms_mean": total, "rollout/latency_ms_p50": total, "rollout/latency_ms_p90": total,
             "rollout/latency_ms_max": total, "rollout/time_generation_frac": 0.0,
             "rollout/time_tool_frac": tool / total, "rollout/time_other_frac": (total - tool) / total,
-            "rollout/error_rate": 0.0, "rollout/truncated_rate": 0.0, "rollout/partial_rate": 0.0}]
+            "rollout/error_rate": 0.0, "rollout/truncated_rate": 0.0, "rollout/partial_rate": 0.0,
+            "rollout/generation_ms_mean": 0.0, "rollout/tool_ms_mean": tool, "rollout/wait_ms_mean": total - tool,
+            "rollout/inflight_peak": 1}]
         stats = rtrace.stats()
         assert stats["sink.trackio.exported"] == 1 and "sink.trackio.failed_batches" not in stats
 
