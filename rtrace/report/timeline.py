@@ -8,8 +8,9 @@ or a run's dataset and returns a :class:`Timeline`:
   ``RTRACE_WORKER_NAME``, else ``host:pid``): concurrent rollouts of a worker are packed onto as
   few lanes as fit (first fit by start time), and two rollouts never share a lane at once;
 * inside a recorded rollout, its spans as :class:`Slice` s (generation, tool, reward, any other
-  kind), nested as they ran, and the time in neither a generation nor a tool call as ``wait``
-  slices. A lane shows properly nested slices only (what trace viewers draw): a call that ran
+  kind), nested as they ran, and the time in no generation, tool call or reward computation as
+  ``wait`` slices (the ``wait_ms`` metric counts a reward computed inside the rollout as waiting:
+  it counts the time in neither a generation nor a tool call). A lane shows properly nested slices only (what trace viewers draw): a call that ran
   beside a sibling (``asyncio.gather`` of tool calls) goes to a row of its own below the
   rollout's, and the rollout takes that many lanes; a span that outlives its parent (another
   process's clock) is cut to it. A rollout recorded as a summary only is a slice without
@@ -188,7 +189,7 @@ def layout_rollout(rollout: Rollout, spans: Sequence[SpanRow]) -> None:
             items.append((s_start, -s_end, depth + 1, sl, pid))
             bounds.add(s_start)
             bounds.add(s_end)
-            if cat == "generation" or cat == "tool":
+            if cat == "generation" or cat == "tool" or cat == "reward":
                 busy.append((s_start, s_end))
             stack.append((s[0], s_start, s_end, depth + 1))
     for lo, hi in _gaps(busy, start, end):
@@ -236,9 +237,9 @@ def _gaps(busy: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, 
     return out
 
 
-def pack_lanes(items: list[Any], max_lanes: int, rows_of: Any = lambda item: 1) -> tuple[int, int]:
-    """Put each item (``start_ns``, ``end_ns``, ``lane``) on the lowest lanes free for its whole
-    time (``rows_of(item)`` consecutive ones), in order of start: lanes never overlap, and
+def pack_lanes(items: list[Any], max_lanes: int) -> tuple[int, int]:
+    """Put each item (``start_ns``, ``end_ns``, ``lane``, optionally ``rows``) on the lowest lanes
+    free for its whole time (``rows`` consecutive ones), in order of start: lanes never overlap, and
     concurrent items take as few lanes as first fit allows (exactly the most that overlap, for
     one lane each). Items that find no room within ``max_lanes`` keep ``lane`` None.
 
@@ -253,7 +254,7 @@ def pack_lanes(items: list[Any], max_lanes: int, rows_of: Any = lambda item: 1) 
         t = item.start_ns
         while busy and busy[0][0] <= t:
             heapq.heappush(free, heapq.heappop(busy)[1])
-        need = rows_of(item)
+        need = getattr(item, "rows", 1)
         lane = None
         if need == 1:
             if free:
@@ -343,7 +344,7 @@ def build(rollouts: list[Rollout], spans_of: dict[str, list[SpanRow]], events: l
     workers: dict[str, int] = {}
     lane_left = 0
     for worker, items in sorted(by_worker.items()):
-        lanes, out = pack_lanes(items, limits.max_lanes, lambda r: r.rows)
+        lanes, out = pack_lanes(items, limits.max_lanes)
         workers[worker] = lanes
         lane_left += out
     if lane_left:
