@@ -39,7 +39,7 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from .. import _stats
 from .._serialize import truncate
@@ -47,7 +47,7 @@ from ..summary import RolloutSummary, summarize
 from ..trajectory import StepMetrics, Trajectory
 
 __all__ = ["StepStats", "StepMetricsTracker", "TABLE_COLUMNS", "table_row", "in_sample", "STALENESS_BUCKETS",
-           "staleness_bucket", "inflight_peak"]
+           "staleness_bucket", "inflight_peak", "inflight_peak_sorted"]
 
 _MAX_DURATIONS = 200_000  # per step: exact percentiles up to this many trajectories
 
@@ -423,11 +423,18 @@ def _passed(s: RolloutSummary) -> bool | None:
 def inflight_peak(spans: Iterable[tuple[int, int]]) -> int:
     """The most of ``(start, end)`` intervals open at once (an interval is open from its start
     to before its end: one that ends as another starts does not overlap it)."""
-    points = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans], key=lambda p: (p[0], p[1]))
-    peak = cur = 0
-    for _, d in points:
-        cur += d
-        peak = max(peak, cur)
+    spans = list(spans)
+    return inflight_peak_sorted(sorted(s for s, _ in spans), sorted(e for _, e in spans))
+
+
+def inflight_peak_sorted(starts: Sequence[int], ends: Sequence[int]) -> int:
+    """:func:`inflight_peak` of intervals given as their starts and their ends, each sorted."""
+    peak = closed = 0
+    n = len(ends)
+    for opened, s in enumerate(starts, 1):
+        while closed < n and ends[closed] <= s:
+            closed += 1
+        peak = max(peak, opened - closed)
     return peak
 
 

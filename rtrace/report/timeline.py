@@ -27,6 +27,7 @@ metadata). Counters count every rollout of the window, drawn or not. docs/timeli
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import os
 from dataclasses import dataclass, field
@@ -35,7 +36,8 @@ from typing import Any, Iterable, Sequence
 from ..events import RunEvent, is_event_line
 
 __all__ = ["Slice", "Rollout", "ServerCall", "Timeline", "Limits", "load_timeline", "layout_rollout",
-           "pack_lanes", "category", "MIN_WAIT_NS"]
+           "pack_lanes", "category", "MIN_WAIT_NS", "build", "read_rollouts", "read_spans", "read_generations",
+           "read_events", "generation_times", "server_name"]
 
 #: Gaps shorter than this are not drawn as ``wait`` slices (the time between one call's end and
 #: the next one's start in the agent's own code); the ``wait_ms`` metric counts every gap.
@@ -192,9 +194,10 @@ def layout_rollout(rollout: Rollout, spans: Sequence[SpanRow]) -> None:
             if cat == "generation" or cat == "tool" or cat == "reward":
                 busy.append((s_start, s_end))
             stack.append((s[0], s_start, s_end, depth + 1))
+    edges = sorted(bounds)
     for lo, hi in _gaps(busy, start, end):
         # cut at every span's edge: each piece then lies inside or outside each slice (nests)
-        cuts = sorted(b for b in bounds if lo < b < hi)
+        cuts = edges[bisect.bisect_right(edges, lo): bisect.bisect_left(edges, hi)]
         for a, b in zip([lo] + cuts, cuts + [hi]):
             if b - a >= MIN_WAIT_NS:
                 items.append((a, -b, 99, Slice("wait", "wait", a, b), None))
@@ -427,41 +430,95 @@ def _span_row(s: Any) -> SpanRow:
 _COLUMNS = ("trace_id", "step", "validate", "epoch_ns(start_time)", "epoch_ns(end_time)", "worker", "sample_index",
             "rollout_n", "group_key", "policy_version", "policy_version_end", "crossed_update", "reward", "verdict",
             "recorded")
+#: a generation's inference server, from its span's attributes (as :func:`_span_row` reads it)
+_SERVER_SQL = ("CASE WHEN kind = 'generation' THEN attributes_str['server.address'] END AS address, "
+               "CASE WHEN kind = 'generation' THEN attributes_int['server.port'] END AS port")
+_WHERE = "validate = ? AND step BETWEEN ? AND ?"
 
 
 def _from_dataset(path: str, steps: tuple[int, int], validate: bool, limits: Limits
                   ) -> tuple[list[Rollout], dict[str, list[SpanRow]], list[RunEvent], str | None]:
     from ..dataset.reader import open_run
+    from .queries import RelationDb
 
     run = open_run(path)
     try:
-        have = set(run.trajectories.columns)
-        cols = ", ".join(c if c.startswith("epoch_ns") or c in have else f"NULL AS {c}" for c in _COLUMNS)
-        where = "validate = ? AND step BETWEEN ? AND ?"
-        params = [validate, steps[0], steps[1]]
-        rows = run.sql(f"SELECT {cols} FROM trajectories WHERE {where}", params).fetchall()
-        rollouts = [Rollout(r[0], r[1], bool(r[2]), r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12],
-                            r[13] or "ok", r[14] is not False) for r in rows]
-        spans_of: dict[str, list[SpanRow]] = {}
-        if any(r.recorded for r in rollouts):
-            table = run.sql(
-                "SELECT trace_id, span_id, parent_span_id, name, kind, epoch_ns(start_time) AS s, epoch_ns(end_time) "
-                "AS e, CASE WHEN kind = 'generation' THEN attributes_str['server.address'] END AS address, "
-                "CASE WHEN kind = 'generation' THEN attributes_int['server.port'] END AS port, output_tokens, "
-                f"tool_name FROM spans WHERE {where} ORDER BY trace_id", params).arrow()
-            table = table.read_all() if hasattr(table, "read_all") else table
-            _spans_by_trace(table, spans_of)
-        events = _dataset_events(run)
-        return rollouts, spans_of, events, os.path.basename(os.path.normpath(path.split("?")[0]))
+        db = RelationDb(run)
+        rollouts = read_rollouts(db, steps, validate)
+        spans_of = read_spans(db, steps, validate) if any(r.recorded for r in rollouts) else {}
+        return rollouts, spans_of, read_events(db), os.path.basename(os.path.normpath(path.split("?")[0]))
     finally:
         run.close()
+
+
+def read_rollouts(db: Any, steps: tuple[int, int], validate: bool) -> list[Rollout]:
+    """The rollouts of steps ``steps[0]`` to ``steps[1]`` from a dataset's ``trajectories``
+    (``db``: a :class:`rtrace.report.queries.Db`), without their children."""
+    have = set(db.rows("SELECT * FROM trajectories LIMIT 0")[0])
+    cols = ", ".join(c if c.startswith("epoch_ns") or c in have else f"NULL AS {c}" for c in _COLUMNS)
+    _, rows = db.rows(f"SELECT {cols} FROM trajectories WHERE {_WHERE}", [validate, steps[0], steps[1]])
+    return [Rollout(r[0], r[1], bool(r[2]), r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12],
+                    r[13] or "ok", r[14] is not False) for r in rows]
+
+
+def read_spans(db: Any, steps: tuple[int, int], validate: bool, trace_ids: Sequence[str] | None = None
+               ) -> dict[str, list[SpanRow]]:
+    """trace id -> its spans (:data:`SpanRow`) of those steps; ``trace_ids``: of those rollouts only."""
+    params: list[Any] = [validate, steps[0], steps[1]]
+    where = _WHERE
+    if trace_ids is not None:
+        where += " AND trace_id IN (SELECT unnest(?::VARCHAR[]))"
+        params.append(list(trace_ids))
+    table = db.arrow(
+        "SELECT trace_id, span_id, parent_span_id, name, kind, epoch_ns(start_time) AS s, epoch_ns(end_time) "
+        f"AS e, {_SERVER_SQL}, output_tokens, tool_name FROM spans WHERE {where} ORDER BY trace_id", params)
+    out: dict[str, list[SpanRow]] = {}
+    _spans_by_trace(table, out)
+    return out
+
+
+def read_generations(db: Any, steps: tuple[int, int], validate: bool) -> dict[str, list[ServerCall]]:
+    """server -> its generations (the server tracks), in order of start: the generation spans that
+    name their server, with their times as recorded."""
+    _, rows = db.rows(
+        f"SELECT * FROM (SELECT epoch_ns(start_time) AS s, epoch_ns(end_time) AS e, trace_id, name, output_tokens, "
+        f"{_SERVER_SQL} FROM spans WHERE {_WHERE} AND kind = 'generation') WHERE address IS NOT NULL ORDER BY s",
+        [validate, steps[0], steps[1]])
+    out: dict[str, list[ServerCall]] = {}
+    for s, e, trace, name, tokens, address, port in rows:
+        out.setdefault(server_name(address, port), []).append(ServerCall(s, max(s, e), trace, "generation", tokens))
+    return out
+
+
+def generation_times(db: Any, steps: tuple[int, int], validate: bool, origin_ns: int = 0
+                     ) -> dict[str, tuple[list[int], list[int], int]]:
+    """server -> the starts and the ends of its generations (ns from ``origin_ns``), each sorted,
+    and the most in flight at once (the lanes :func:`pack_lanes` gives them): what is in flight
+    when, without one object per call (``rtrace serve``'s server tracks before their lanes are shown)."""
+    calls = (f"SELECT epoch_ns(start_time) - ? AS s, greatest(epoch_ns(end_time), epoch_ns(start_time)) - ? AS e, "
+             f"{_SERVER_SQL} FROM spans WHERE {_WHERE} AND kind = 'generation'")
+    # the most open at once: +1 at each start, -1 at each end, an end before a start at the same time
+    _, rows = db.rows(
+        f"WITH c AS (SELECT * FROM ({calls}) WHERE address IS NOT NULL), "
+        "p AS (SELECT address, port, max(n) AS peak FROM (SELECT address, port, sum(d) OVER (PARTITION BY address, "
+        "port ORDER BY t, d ROWS UNBOUNDED PRECEDING) AS n FROM (SELECT address, port, s AS t, 1 AS d FROM c "
+        "UNION ALL SELECT address, port, e, -1 FROM c)) GROUP BY ALL) "
+        "SELECT address, port, list(s ORDER BY s), list(e ORDER BY e), any_value(peak) FROM c "
+        "JOIN p USING (address, port) GROUP BY ALL",
+        [origin_ns, origin_ns, validate, steps[0], steps[1]])
+    return {server_name(address, port): (starts, ends, peak) for address, port, starts, ends, peak in rows}
+
+
+def server_name(address: str, port: int | None) -> str:
+    """A server track's name: ``address:port`` (the address alone without a port)."""
+    return f"{address}:{port}" if port is not None else address
 
 
 def _spans_by_trace(table: Any, out: dict[str, list[SpanRow]]) -> None:
     """Rows sorted by trace id into ``out`` (one Python pass over Arrow's columns)."""
     col = {name: table.column(name).to_pylist() for name in table.column_names}
     traces, addresses, ports = col["trace_id"], col["address"], col["port"]
-    servers = [None if a is None else (f"{a}:{p}" if p is not None else a) for a, p in zip(addresses, ports)]
+    servers = [None if a is None else server_name(a, p) for a, p in zip(addresses, ports)]
     rows = zip(col["span_id"], col["parent_span_id"], col["name"], col["kind"], col["s"], col["e"], servers,
                col["output_tokens"], col["tool_name"])
     current = None
@@ -473,10 +530,11 @@ def _spans_by_trace(table: Any, out: dict[str, list[SpanRow]]) -> None:
         bucket.append(row)
 
 
-def _dataset_events(run: Any) -> list[RunEvent]:
+def read_events(db: Any) -> list[RunEvent]:
+    """The run's events (its ``events`` table; none for a run written before 1.2)."""
     try:
-        rows = run.sql("SELECT kind, epoch_ns(time), version, step, worker, event_id, attributes_bool, "
-                       "attributes_int, attributes_double, attributes_str FROM events").fetchall()
+        _, rows = db.rows("SELECT kind, epoch_ns(time), version, step, worker, event_id, attributes_bool, "
+                          "attributes_int, attributes_double, attributes_str FROM events")
     except Exception:  # a run written before 1.2: no events table
         return []
     out = []
