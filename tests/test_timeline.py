@@ -66,27 +66,31 @@ class TestLanes:
 
 class TestRolloutLayout:
     def test_calls_nest_waits_fill_and_parallel_calls_get_a_row(self):
-        """Spans nest as they ran; a tool call beside its sibling goes to row 1; the time in neither a
-        generation nor a tool is drawn as waits, cut where other spans begin or end."""
+        """Spans nest as they ran; a tool call beside its sibling goes to row 1 (the rollout takes two
+        lanes); the time in which no leaf span runs is drawn as waits, cut where a span with calls of
+        its own ends (so they nest)."""
         r = Rollout("a" * 32, 1, False, 0, 100 * MS)
         spans = [  # (span_id, parent_id, name, kind, start, end, server, tokens, tool)
             ("r", None, "rollout", "rollout", 0, 100 * MS, None, None, None),
-            ("g1", "r", "chat", "generation", 0, 20 * MS, "s:1", 7, None),
-            ("t1", "r", "calc", "tool", 30 * MS, 50 * MS, None, None, "calculator"),
-            ("t2", "r", "calc", "tool", 35 * MS, 60 * MS, None, None, "calculator"),
-            ("p", "r", "parse", "chain", 55 * MS, 75 * MS, None, None, None),
+            ("a", "r", "agent_loop", "agent", 0, 70 * MS, None, None, None),
+            ("g1", "a", "chat", "generation", 0, 20 * MS, "s:1", 7, None),
+            ("t1", "a", "calc", "tool", 30 * MS, 50 * MS, None, None, "calculator"),
+            ("t2", "a", "calc", "tool", 35 * MS, 60 * MS, None, None, "calculator"),
+            ("p", "r", "parse", "chain", 75 * MS, 78 * MS, None, None, None),
             ("s", "r", "compute_score", "chain", 80 * MS, 90 * MS, None, None, None),
         ]
         layout_rollout(r, spans)
         got = {(c.name, c.cat, c.start_ns // MS, c.end_ns // MS, c.row) for c in r.children}
-        assert got == {("generation", "generation", 0, 20, 0), ("tool calculator", "tool", 30, 50, 0),
-                       ("tool calculator", "tool", 35, 60, 1), ("parse", "chain", 55, 75, 0),
-                       ("reward", "reward", 80, 90, 0),
-                       # waits: 20-30, and 60-80 and 90-100 (not the reward's time), cut at parse's end (75)
-                       ("wait", "wait", 20, 30, 0), ("wait", "wait", 60, 75, 0), ("wait", "wait", 75, 80, 0),
-                       ("wait", "wait", 90, 100, 0)}
+        assert got == {("agent_loop", "agent", 0, 70, 0), ("generation", "generation", 0, 20, 0),
+                       ("tool calculator", "tool", 30, 50, 0), ("tool calculator", "tool", 35, 60, 1),
+                       ("parse", "chain", 75, 78, 0), ("reward", "reward", 80, 90, 0),
+                       ("wait", "wait", 20, 30, 0), ("wait", "wait", 60, 70, 0), ("wait", "wait", 70, 75, 0),
+                       ("wait", "wait", 78, 80, 0), ("wait", "wait", 90, 100, 0)}
         assert r.rows == 2
-        # the union of the calls: parallel tools count once (the summary's wait_ms)
+        gen = next(c for c in r.children if c.cat == "generation")
+        assert (gen.server, gen.tokens, gen.span_id) == ("s:1", 7, "g1")
+        # the summary's wait_ms: the time in no generation and no tool call (their union: the
+        # parallel tools count once); parsing and the reward count as waiting there
         assert fleet_fields([_rec(s) for s in spans], 0, 100 * MS)[0] == 100 - 20 - 30
 
     def test_a_child_that_outlives_its_parent_is_cut_to_it(self):
