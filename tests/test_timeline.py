@@ -161,6 +161,16 @@ class TestWeightUpdates:
             (4, 4, "w-1", events[0].time_ns, {"source": "test"}), (5, 5, "w-1", events[1].time_ns, {})]
         assert run.sql("SELECT sample_index, worker, policy_version_end, crossed_update FROM trajectories "
                        "ORDER BY 1").fetchall() == [(0, "w-1", 5, True), (1, "w-1", 5, False)]
+        # the events files have docs/dataset-schema.json's columns (at shutdown a writer merges its own into one)
+        import pyarrow.parquet as pq
+
+        from rtrace.dataset import schema
+
+        documented = json.loads((ROOT / "docs" / "dataset-schema.json").read_text())["tables"]["events"]
+        (f,) = (tmp_path / "ds" / "r" / "events").glob("*.parquet")
+        got = pq.read_schema(f)
+        assert [(c.name, schema.type_text(c.type)) for c in got] == [(c["name"], c["type"]) for c in documented]
+        assert got.metadata[b"rtrace.table"] == b"events"
 
     def test_it_never_raises(self, tmp_path):
         """A version that is no int is dropped and counted; tracing off costs nothing and does nothing."""
@@ -357,8 +367,9 @@ def _named(doc) -> dict[int, str]:
     return {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
 
 
-def _ns(doc, us: float) -> int:
-    return doc["otherData"]["rtrace"]["origin_unix_ns"] + round(us * 1000)
+def _us(doc, ns: int) -> int:
+    """A time on the file's clock: whole microseconds from its origin, floored."""
+    return (ns - doc["otherData"]["rtrace"]["origin_unix_ns"]) // 1000
 
 
 @pytest.mark.integration
@@ -378,8 +389,8 @@ class TestJob:
 
     def test_slices_equal_the_spans_times_and_nesting(self, job):
         """Every rollout is a slice on its worker's process with its trace id; every span of it a slice
-        with the span's start and duration, on one of its lanes, inside its parent's slice; each
-        generation again on its server's process."""
+        with the span's start and end (on the file's clock: whole microseconds, floored), on its lane,
+        inside its parent's slice; each generation again on its server's process."""
         doc, run = job["doc"], job["run"]
         names = _named(doc)
         xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
@@ -391,30 +402,30 @@ class TestJob:
         for trace_id, worker, start, end in trajs:
             ev = rollout_ev[trace_id]
             assert names[ev["pid"]] == f"worker {worker}"
-            assert (_ns(doc, ev["ts"]), _ns(doc, ev["ts"] + ev["dur"])) == (start, end)
+            assert (ev["ts"], ev["ts"] + ev["dur"]) == (_us(doc, start), _us(doc, end))
             spans = run.sql("SELECT span_id, parent_span_id, kind, name, epoch_ns(start_time), epoch_ns(end_time), "
                             "attributes_str['server.address'], attributes_int['server.port'] FROM spans "
                             "WHERE trace_id = ?", [trace_id]).fetchall()
             assert sorted(s[2] for s in spans) == ["generation", "generation", "reward", "rollout", "tool"]
             # (no call of this job runs beside another: all on the rollout's own lane)
             mine = [c for c in by_thread[(ev["pid"], ev["tid"])] if c["cat"] != "rollout"
-                    and start <= _ns(doc, c["ts"]) and _ns(doc, c["ts"] + c["dur"]) <= end]
+                    and _us(doc, start) <= c["ts"] and c["ts"] + c["dur"] <= _us(doc, end)]
             for sid, parent, kind, name, s, e, address, port in spans:
                 if parent is None:
                     continue
-                (slice_,) = [c for c in mine if c["cat"] == kind and _ns(doc, c["ts"]) == s
-                             and abs(_ns(doc, c["ts"] + c["dur"]) - e) <= 1]
+                (slice_,) = [c for c in mine if c["cat"] == kind and (c["ts"], c["ts"] + c["dur"]) == (
+                    _us(doc, s), _us(doc, e))]
                 # the calls are the root's children: inside the rollout's slice, on its lane
                 assert parent in {p[0] for p in spans if p[1] is None}
                 if kind == "generation":
                     (on_server,) = [c for c in xs if names[c["pid"]] == f"server {address}:{port}"
-                                    and c["args"]["trace_id"] == trace_id and _ns(doc, c["ts"]) == s]
-                    assert abs(_ns(doc, on_server["ts"] + on_server["dur"]) - e) <= 1
+                                    and c["args"]["trace_id"] == trace_id and c["ts"] == _us(doc, s)]
+                    assert on_server["ts"] + on_server["dur"] == _us(doc, e)
             # the rest of the rollout's time is its waits: no model call, tool or reward computation
             calls = sorted((s, e) for _, p, k, _, s, e, _, _ in spans if k in ("generation", "tool", "reward"))
-            waits = sum(c["dur"] for c in mine if c["cat"] == "wait") * 1000
+            waits = sum(c["dur"] for c in mine if c["cat"] == "wait") * 1000  # (each floored: within 1 us)
             gaps = sum(max(0, b[0] - a[1]) for a, b in zip([(start, start)] + calls, calls + [(end, end)]))
-            assert -1000 <= gaps - waits <= 10 * MIN_WAIT_NS  # pieces under 0.1 ms are not drawn
+            assert -10_000 <= gaps - waits <= 10 * MIN_WAIT_NS  # pieces under 0.1 ms are not drawn
 
     def test_lanes_never_overlap(self, job):
         """On a worker's lane, rollouts never overlap, and every slice nests (checked for every thread
@@ -434,7 +445,7 @@ class TestJob:
         assert [(m["args"]["version"], m["args"]["step"], m["args"]["worker"], m["s"]) for m in marks] == [
             (1, 1, "trainer", "g"), (2, 2, "trainer", "g")]
         for m, u in zip(marks, job["updates"]):
-            assert u["before"] - 1000 <= _ns(doc, m["ts"]) <= u["after"] + 1000
+            assert _us(doc, u["before"]) <= m["ts"] <= _us(doc, u["after"])
         times = [t for (t,) in run.sql("SELECT epoch_ns(time) FROM events ORDER BY time").fetchall()]
         rows = run.sql("SELECT step, sample_index, epoch_ns(start_time), epoch_ns(end_time), policy_version_end, "
                        "crossed_update FROM trajectories").fetchall()
@@ -459,8 +470,8 @@ class TestJob:
                        "WHERE kind = 'generation'").fetchall()
         assert len(gens) == 24
 
-        def open_at(intervals, t):
-            return sum(1 for s, e in intervals if s <= t < e)
+        def open_at(intervals, t):  # on the file's clock
+            return sum(1 for s, e in intervals if _us(doc, s) <= t < _us(doc, e))
 
         checked = 0
         for (pid, name), evs in counters.items():
@@ -478,7 +489,7 @@ class TestJob:
                 assert name == "policy version"
                 continue
             for e in evs:
-                assert e["args"][name] == open_at(spans, _ns(doc, e["ts"]))
+                assert e["args"][name] == open_at(spans, e["ts"])
                 checked += 1
         assert checked > 50
 

@@ -8,8 +8,8 @@ PyTorch's ``export_chrome_trace`` do. What each event is (docs/timeline.md):
 * ``M`` metadata naming each process (``process_name``: ``fleet``, ``server <address:port>``,
   ``worker <host:pid>``), ordering them (``process_sort_index``) and naming each thread
   (``thread_name``: ``lane N``, ``steps``);
-* ``X`` complete slices (``ts`` and ``dur`` in microseconds from the window's first moment,
-  ``otherData.rtrace.origin_unix_ns``): each rollout on a lane of its worker, its calls and
+* ``X`` complete slices (``ts`` and ``dur`` in whole microseconds from the window's first
+  moment, ``otherData.rtrace.origin_unix_ns``, floored: exact in the viewers' floating point): each rollout on a lane of its worker, its calls and
   waits nested under it, each generation again on its server's lanes, each step on the fleet's
   ``steps`` lanes;
 * ``C`` counters: rollouts in flight (the fleet's, each worker's), generations in flight and
@@ -101,8 +101,11 @@ def write_trace(tl: Timeline, out: BinaryIO) -> dict[str, Any]:
     origin = tl.origin_ns
     w = _Out(out)
 
-    def us(ns: int) -> float:
-        return (ns - origin) / 1000
+    def us(ns: int) -> int:
+        # whole microseconds, floored: exact in every viewer's floating point, so a slice that
+        # ends where the next begins ends there to them too (speedscope adds ts and dur as
+        # doubles), and the floor keeps every order and nesting of the spans' nanoseconds
+        return (ns - origin) // 1000
 
     def name_process(pid: int, name: str, order: int) -> None:
         w.event({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}})
@@ -125,7 +128,7 @@ def write_trace(tl: Timeline, out: BinaryIO) -> dict[str, Any]:
         name_thread(FLEET_PID, 1 + k, "steps")
     for st in steps:
         w.event({"ph": "X", "pid": FLEET_PID, "tid": 1 + st.lane, "ts": us(st.start_ns),
-                 "dur": (st.end_ns - st.start_ns) / 1000, "name": f"step {st.key}", "cat": "step",
+                 "dur": us(st.end_ns) - us(st.start_ns), "name": f"step {st.key}", "cat": "step",
                  "args": {"step": st.key, "validate": tl.validate}})
     _counter(w, FLEET_PID, "rollouts in flight", ((s, e) for s, e, _ in tl.intervals), us)
     for e in tl.events:
@@ -150,8 +153,9 @@ def write_trace(tl: Timeline, out: BinaryIO) -> dict[str, Any]:
             if c.lane is None:
                 continue
             tokens = f',"tokens":{c.tokens}' if c.tokens is not None else ""
-            w.text(f'{{"ph":"X","pid":{pid},"tid":{1 + c.lane},"ts":{(c.start_ns - origin) / 1000},'
-                   f'"dur":{(c.end_ns - c.start_ns) / 1000},"name":{w.q(c.name)},"cat":"generation",'
+            ts = (c.start_ns - origin) // 1000
+            w.text(f'{{"ph":"X","pid":{pid},"tid":{1 + c.lane},"ts":{ts},'
+                   f'"dur":{(c.end_ns - origin) // 1000 - ts},"name":{w.q(c.name)},"cat":"generation",'
                    f'"args":{{"trace_id":"{c.trace_id}"{tokens}}}}}')
         _counter(w, pid, "generations in flight", ((c.start_ns, c.end_ns) for c in calls), us)
         for t, rate in token_rates(calls, origin, bucket):
@@ -175,7 +179,7 @@ def write_trace(tl: Timeline, out: BinaryIO) -> dict[str, Any]:
                     "group": r.group, "reward": _number(r.reward), "verdict": r.verdict,
                     "policy_version": r.policy_version, "policy_version_end": r.policy_version_end,
                     "staleness": r.staleness, "crossed_update": r.crossed_update, "recorded": r.recorded}
-            w.event({"ph": "X", "pid": pid, "tid": tid, "ts": us(r.start_ns), "dur": (r.end_ns - r.start_ns) / 1000,
+            w.event({"ph": "X", "pid": pid, "tid": tid, "ts": us(r.start_ns), "dur": us(r.end_ns) - us(r.start_ns),
                      "name": f"rollout {r.verdict}", "cat": "rollout",
                      "args": {k: v for k, v in args.items() if v is not None}})
             for c in r.children:  # (the bulk of a large step's file: formatted here, names quoted once)
@@ -185,9 +189,8 @@ def write_trace(tl: Timeline, out: BinaryIO) -> dict[str, Any]:
                 if c.server is not None or c.tokens is not None:
                     tail += ',"args":{' + ",".join([f'"server":{w.q(c.server)}'] * (c.server is not None) + [
                         f'"tokens":{c.tokens}'] * (c.tokens is not None)) + "}"
-                ts, ts_ns = divmod(c.start_ns - origin, 1000)  # microseconds, to the nanosecond, exact
-                dur, dur_ns = divmod(c.end_ns - c.start_ns, 1000)
-                buf.append(f'{head}{tid + c.row},"ts":{ts}.{ts_ns:03d},"dur":{dur}.{dur_ns:03d},{tail}}}')
+                ts = (c.start_ns - origin) // 1000  # as us(): whole microseconds, floored
+                buf.append(f'{head}{tid + c.row},"ts":{ts},"dur":{(c.end_ns - origin) // 1000 - ts},{tail}}}')
             w.count += len(r.children)
             if len(buf) >= _BUFFER:
                 w.flush()
@@ -231,15 +234,17 @@ def _counter(w: _Out, pid: int, name: str, spans: Iterable[tuple[int, int]], us:
     if not spans:
         return
     starts, ends = zip(*spans)
-    points = Counter(starts)
-    points.subtract(Counter(ends))
+    # on the file's clock (whole microseconds): one value per moment, the count after every
+    # change at it, as a count of the drawn slices gives it
+    points = Counter(map(us, starts))
+    points.subtract(Counter(map(us, ends)))
     value = 0
     quoted = w.q(name)
     for t in sorted(points):
         if points[t] == 0:  # as many began as ended: the count did not change
             continue
         value += points[t]
-        w.text(f'{{"ph":"C","pid":{pid},"ts":{us(t)},"name":{quoted},"args":{{{quoted}:{value}}}}}')
+        w.text(f'{{"ph":"C","pid":{pid},"ts":{t},"name":{quoted},"args":{{{quoted}:{value}}}}}')
 
 
 def token_rates(calls: Iterable[Any], origin: int, bucket: int) -> list[tuple[int, float]]:
