@@ -344,6 +344,8 @@ def _start(args: argparse.Namespace):
 
 
 def _serve_collector(collector, args: argparse.Namespace, stop) -> int:
+    import json
+
     from .pipeline.collector import release_memory, tune_gc, tune_malloc
 
     tune_gc()  # this process is the collector's alone
@@ -389,6 +391,8 @@ def _serve_collector(collector, args: argparse.Namespace, stop) -> int:
             release_memory()
     collector.stop()
     print("rtrace collector stopped", flush=True)
+    # what it wrote, dropped and refused, as one JSON line: the end of a job's log says what it lost
+    print("# rtrace stats: " + json.dumps(collector.stats(), sort_keys=True, default=str), flush=True)
     return 0
 
 
