@@ -162,7 +162,9 @@ class RolloutSummary:
                 "finish_reason": self.finish_reason, "start_ns": self.start_ns, "end_ns": self.end_ns,
                 "generation_ms": self.generation_ms, "tool_ms": self.tool_ms, "health": self.health,
                 "recorded": self.recorded, "kept": self.kept, "priority": self.priority,
-                "dropped_spans": self.dropped_spans}
+                "dropped_spans": self.dropped_spans, "worker": self.worker,
+                "policy_version_end": self.policy_version_end, "crossed_update": self.crossed_update,
+                "wait_ms": self.wait_ms, "server_ms": self.server_ms}
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> "RolloutSummary":
