@@ -29,7 +29,7 @@ from ..config import Settings
 from ..summary import ERROR_CHARS, RolloutSummary, fleet_fields, summarize
 from ..trajectory import SpanRecord
 from .builder import SpanConverter, _reward, call_inputs, finish, results, rl_coordinates
-from .records import Tally, TrajectoryState
+from .records import Tally, TrajectoryState, worker_of
 
 __all__ = ["summary_of_state", "state_of_tally", "summary_state", "summarize", "records_of_tally"]
 
@@ -94,7 +94,7 @@ def summary_of_state(state: TrajectoryState, settings: Settings, conv: Converter
         tokens_in=tokens_in, tokens_out=tokens_out, finish_reasons=reasons, finish_reason=last_reason,
         start_ns=root.start_ns, end_ns=end, generation_ms=gen_ns / 1e6, tool_ms=tool_ns / 1e6,
         health=list(state.health) if settings.health_checks else None, recorded=False, kept=[],
-        priority=priority, dropped_spans=state.dropped_spans, worker=state.worker, policy_version_end=own_version,
+        priority=priority, dropped_spans=state.dropped_spans, worker=worker_of(state), policy_version_end=own_version,
         wait_ms=wait_ms, server_ms=server_ms)
 
 

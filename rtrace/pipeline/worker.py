@@ -38,7 +38,7 @@ from .fleet import MAX_QUEUED_EVENTS, Versions, take_in
 from .health import NO_REWARD, HealthChecker, finding
 from .messages import build_messages
 from .metrics import StepMetricsTracker
-from .records import Tally, TrajectoryState, ids_of, record_of
+from .records import Tally, TrajectoryState, ids_of, record_of, worker_of
 from .registry import TrajectoryRegistry
 from .summaries import state_of_tally, summarize, summary_of_state
 from .tokens import attach as attach_tokens, has_rows
@@ -456,7 +456,8 @@ class Pipeline:
             try:
                 summary = summary_of_state(state, self.settings, conv.conv, self.priority_of(state.coords))
                 if summary.worker is None:
-                    summary.worker = state.worker if state.worker is not None else self.rollout_worker
+                    worker = worker_of(state)
+                    summary.worker = worker if worker is not None else self.rollout_worker
                 self.versions.complete_summary(summary)
                 out.append(summary)
             except Exception:
@@ -562,7 +563,8 @@ class Pipeline:
             self.annotations.remember(coord_key(state.coords), state.trace_id, "exported")
             traj = out[-1]
             traj.priority = self.priority_of(state.coords)
-            traj.worker = state.worker if state.worker is not None else self.rollout_worker
+            worker = worker_of(state)
+            traj.worker = worker if worker is not None else self.rollout_worker
             self.versions.complete_trajectory(traj)
         health = self.health
         if health is not None:
