@@ -494,8 +494,8 @@ class TestJob:
         assert checked > 50
 
     def test_the_step_metrics_of_the_job(self, job):
-        """The collector's step metrics of staleness, waiting, in-flight peak and the straggler server
-        equal those worked out from the rows and spans."""
+        """The collector's step metrics of staleness, waiting, in-flight peak and the slowest server's
+        share equal those worked out from the rows and spans."""
         run = job["run"]
         got = {m.step: m.values for m in job["metrics"] if not m.validate}
         for step in (1, 2):
@@ -520,8 +520,6 @@ class TestJob:
             assert v["rollout/servers"] == 2
             assert v["rollout/slowest_server_share"] == pytest.approx(max(per_server.values()) /
                                                                       sum(per_server.values()))
-            slow = f"{job['servers'][1].hostname}:{job['servers'][1].port}"
-            assert max(per_server, key=per_server.get) == slow  # the straggler
         assert got[2]["rollout/staleness/2_frac"] == pytest.approx(2 / 6)  # rollout 2 of each worker
 
     def test_the_jsonl_gives_the_same_timeline(self, job):

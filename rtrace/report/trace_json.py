@@ -67,6 +67,13 @@ class _Out:
         if len(self.buf) >= _BUFFER:
             self.flush()
 
+    def lines(self, events: list[str]) -> None:
+        """Many events as JSON text at once."""
+        self.buf.extend(events)
+        self.count += len(events)
+        if len(self.buf) >= _BUFFER:
+            self.flush()
+
     def q(self, name: str) -> str:
         """``name`` as a JSON string (cached: names repeat)."""
         quoted = self._names.get(name)
@@ -240,11 +247,15 @@ def _counter(w: _Out, pid: int, name: str, spans: Iterable[tuple[int, int]], us:
     points.subtract(Counter(map(us, ends)))
     value = 0
     quoted = w.q(name)
+    head = f'{{"ph":"C","pid":{pid},"ts":'
+    tail = f',"name":{quoted},"args":{{{quoted}:'
+    lines = []
     for t in sorted(points):
         if points[t] == 0:  # as many began as ended: the count did not change
             continue
         value += points[t]
-        w.text(f'{{"ph":"C","pid":{pid},"ts":{t},"name":{quoted},"args":{{{quoted}:{value}}}}}')
+        lines.append(f"{head}{t}{tail}{value}}}}}")
+    w.lines(lines)
 
 
 def token_rates(calls: Iterable[Any], origin: int, bucket: int) -> list[tuple[int, float]]:
