@@ -114,6 +114,34 @@ class TestRolloutLayout:
         assert trace_events.problems(doc) == []
         rates = token_rates(tl.servers["s:1"], tl.origin_ns, 10 * MS)
         assert sum(rate for _, rate in rates) * 0.01 == pytest.approx(80)
+        # the rollouts without spans (recorded as summaries only) are bare slices
+        xs = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] != "step"]
+        bare = {r.trace_id for r in rollouts[4:]}
+        assert {e["args"]["trace_id"] for e in xs if e["cat"] == "rollout"} == {r.trace_id for r in rollouts}
+        for e in xs:
+            if e["cat"] == "rollout" and e["args"]["trace_id"] in bare:
+                inside = [c for c in xs if (c["pid"], c["tid"]) == (e["pid"], e["tid"]) and c is not e
+                          and e["ts"] <= c["ts"] < e["ts"] + e["dur"]]
+                assert inside == []
+
+    def test_past_the_limits_the_file_says_what_it_left_out(self):
+        """max_detailed and max_lanes: the rest drawn bare or left out, counted, and said in the
+        file (a note marker and otherData)."""
+        rollouts = [Rollout(f"{i:032x}", 3, False, 0, 10 * MS, worker="w") for i in range(5)]
+        spans = {r.trace_id: [("r", None, "rollout", "rollout", 0, 10 * MS, None, None, None),
+                              ("g", "r", "chat", "generation", MS, 2 * MS, None, None, None)] for r in rollouts}
+        tl = build(rollouts, spans, [], "x", None, False, (3, 3), Limits(max_detailed=2, max_lanes=4))
+        doc = _doc(tl)
+        assert trace_events.problems(doc) == []
+        info = doc["otherData"]["rtrace"]
+        assert info["left_out"] == {"rollouts_without_children": 3, "rollouts_past_max_lanes": 1}
+        assert (info["rollouts"], info["rollouts_drawn"], info["rollouts_with_children"]) == (5, 4, 2)
+        notes = [e["name"] for e in doc["traceEvents"] if e.get("cat") == "note"]
+        assert len(notes) == 2 and notes == ["note: " + n for n in info["notes"]]
+        # the counters still count all five
+        flight = [e["args"]["rollouts in flight"] for e in doc["traceEvents"]
+                  if e["ph"] == "C" and e["pid"] == 1 and e["name"] == "rollouts in flight"]
+        assert max(flight) == 5
 
 
 def _rec(row) -> SpanRecord:
@@ -186,6 +214,17 @@ class TestWeightUpdates:
             rtrace.shutdown()
         rtrace.configure(exporter="none")
         rtrace.mark_weight_update(1)
+
+    def test_a_bad_environment_does_not_raise_into_the_trainer(self, monkeypatch):
+        """Configured from a bad environment on first use (the ConfigError a decorated call raises
+        once): the trainer's mark_weight_update is counted as failed, never raised."""
+        from rtrace.testing import reset
+
+        reset()
+        monkeypatch.setenv("RTRACE_EXPORTER", "no-such-sink")
+        rtrace.mark_weight_update(3, step=3)
+        assert rtrace.stats().get("weight_updates_failed") == 1
+        reset()
 
     @pytest.mark.integration
     def test_every_collector_gets_each_update_and_readers_keep_one(self, tmp_path):
