@@ -548,8 +548,9 @@ class TestJob:
             waits, per_server = [], {}
             for trace_id, _, _, start, end in rows:
                 calls = run.sql("SELECT kind, epoch_ns(start_time), epoch_ns(end_time), "
-                                "attributes_str['server.address'] || ':' || attributes_int['server.port'] FROM spans "
-                                "WHERE trace_id = ? AND kind IN ('generation', 'tool') ORDER BY 2", [trace_id]).fetchall()
+                                "attributes_str['server.address'] || ':' || attributes_int['server.port'] "
+                                "FROM spans WHERE trace_id = ? AND kind IN ('generation', 'tool') ORDER BY 2",
+                                [trace_id]).fetchall()
                 busy = sum(e - s for _, s, e, _ in calls)  # one after another in this job
                 waits.append((end - start - busy) / 1e6)
                 for kind, s, e, server in calls:

@@ -11,10 +11,10 @@ or a run's dataset and returns a :class:`Timeline`:
   kind), nested as they ran, and the time in which none of its calls runs (no leaf span: a
   call that made no call of its own) as ``wait`` slices. (The ``wait_ms`` metric is the time in
   neither a generation nor a tool call: a reward computed or an answer parsed inside the rollout
-  counts there as waiting, and is drawn as itself here.) A lane shows properly nested slices only (what trace viewers draw): a call that ran
-  beside a sibling (``asyncio.gather`` of tool calls) goes to a row of its own below the
-  rollout's, and the rollout takes that many lanes; a span that outlives its parent (another
-  process's clock) is cut to it. A rollout recorded as a summary only is a slice without
+  counts there as waiting, and is drawn as itself here.) A lane shows properly nested slices
+  only (what trace viewers draw): a call that ran beside a sibling (``asyncio.gather`` of tool
+  calls) goes to a row of its own below the rollout's, and the rollout takes that many lanes; a
+  span that outlives its parent (another process's clock) is cut to it. A rollout recorded as a summary only is a slice without
   children;
 * each inference server's generations (``server.address[:server.port]`` on generation spans:
   the gateway's upstreams, an adapter's engine), packed onto the server's lanes;

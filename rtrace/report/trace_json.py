@@ -9,9 +9,9 @@ PyTorch's ``export_chrome_trace`` do. What each event is (docs/timeline.md):
   ``worker <host:pid>``), ordering them (``process_sort_index``) and naming each thread
   (``thread_name``: ``lane N``, ``steps``);
 * ``X`` complete slices (``ts`` and ``dur`` in whole microseconds from the window's first
-  moment, ``otherData.rtrace.origin_unix_ns``, floored: exact in the viewers' floating point): each rollout on a lane of its worker, its calls and
-  waits nested under it, each generation again on its server's lanes, each step on the fleet's
-  ``steps`` lanes;
+  moment, ``otherData.rtrace.origin_unix_ns``, floored: exact in the viewers' floating point):
+  each rollout on a lane of its worker, its calls and waits nested under it, each generation
+  again on its server's lanes, each step on the fleet's ``steps`` lanes;
 * ``C`` counters: rollouts in flight (the fleet's, each worker's), generations in flight and
   output tokens per second (each server's), the policy version (the fleet's);
 * ``i`` instants: weight updates (``s: "g"``, global), a note per limit the window hit.
