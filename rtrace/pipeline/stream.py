@@ -281,15 +281,18 @@ def summaries_shells(summaries: list[dict[str, Any]]) -> list[Trajectory]:
     annotations."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for s in summaries:
-        key = (s.get("experiment"), bool(s.get("validate")), s.get("step"), s.get("sample_index"))
-        groups.setdefault(key, []).append(s)
+        key = (s.get("experiment"), s.get("validate") is True, s.get("step"), s.get("sample_index"))
+        try:
+            groups.setdefault(key, []).append(s)
+        except TypeError:  # a coordinate that is no key (the collector refuses the summary): its own span
+            groups[(None, False, None, id(s))] = [s]
     now = time.time_ns()
     out = []
     for (experiment, validate, step, index), group in groups.items():
         for i in range(0, len(group), SUMMARIES_PER_SPAN):
             attrs: dict[str, Any] = {"rl.validate": validate}
             for name, value in (("rl.experiment", experiment), ("rl.step", step), ("rl.sample_index", index)):
-                if value is not None:
+                if value is not None and attr_ok(value):
                     attrs[name] = value
             attrs[SUMMARIES_ATTR] = group[i:i + SUMMARIES_PER_SPAN]
             span = SpanRecord(span_id=format(_ids.span_id(), "016x"), parent_id=None, name=SUMMARIES_SPAN,
