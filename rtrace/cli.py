@@ -75,11 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tokens generated per turn (default 48; a tool call takes 20-45)")
     demo.add_argument("--exporter", default=None,
                       help="comma list of trackio, mlflow, jsonl, parquet, otlp, console "
-                           "(default: $RTRACE_EXPORTER, else trackio in a local folder)")
+                           "(default: $RTRACE_EXPORTER, else trackio,parquet in a local folder: the trackio "
+                           "dashboard and the dataset rtrace serve opens)")
     demo.add_argument("--project", default=None,
                       help="trackio project / MLflow experiment (default: $RTRACE_PROJECT, else rtrace-demo)")
     demo.add_argument("--out-dir", default="rtrace-demo",
-                      help="folder for the local trackio data, MLflow database and JSONL file (default ./rtrace-demo)")
+                      help="folder for the local trackio data, the dataset, MLflow database and JSONL file "
+                           "(default ./rtrace-demo)")
     demo.add_argument("--max-traces-per-step", type=_non_negative, default=None,
                       help="keep at most this many training trajectories per step (default: all)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the prompts and sampling (default 0)")
@@ -243,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one SQL query over the views `trajectories` and `spans` of a run's dataset "
                     "(RTRACE_EXPORTER=parquet; docs/dataset.md) and print the result.",
         epilog="examples:\n"
-               "  rtrace query rtrace_dataset/run-7 \"SELECT step, avg(reward) FROM trajectories GROUP BY step "
+               "  rtrace query rtrace_dataset/run-7 \"SELECT step, avg(reward) FROM trajectories WHERE NOT validate "
+               "GROUP BY step "
                "ORDER BY step\"\n"
                "  rtrace query rtrace_dataset/run-7 \"SELECT trace_id, reward FROM trajectories WHERE step = $step "
                "ORDER BY reward LIMIT 5\" --param step=3")
@@ -344,6 +347,8 @@ def _start(args: argparse.Namespace):
 
 
 def _serve_collector(collector, args: argparse.Namespace, stop) -> int:
+    import json
+
     from .pipeline.collector import release_memory, tune_gc, tune_malloc
 
     tune_gc()  # this process is the collector's alone
@@ -389,6 +394,8 @@ def _serve_collector(collector, args: argparse.Namespace, stop) -> int:
             release_memory()
     collector.stop()
     print("rtrace collector stopped", flush=True)
+    # what it wrote, dropped and refused, as one JSON line: the end of a job's log says what it lost
+    print("# rtrace stats: " + json.dumps(collector.stats(), sort_keys=True, default=str), flush=True)
     return 0
 
 
@@ -501,6 +508,11 @@ def _timeline(args: Any, parser: argparse.ArgumentParser) -> int:
     for name in ("max_rollouts", "max_detailed", "max_lanes"):
         if getattr(args, name) is not None:
             setattr(limits, name, getattr(args, name))
+    import gc
+
+    # a large step is a million small objects, none in a cycle: the cyclic GC would walk them
+    # all several times over (~10% of the command's time) for nothing
+    gc.disable()
     began = time.perf_counter()
     try:
         tl = load_timeline(args.paths, steps, validate=args.validate, limits=limits)

@@ -442,6 +442,32 @@ class TestBadValues:
         assert logs_with(project, "hand", "rollout/error_rate") == [{"step": 1, "rollout/error_rate": 1.0}]
 
 
+    def test_bidirectional_controls_are_shown_not_obeyed(self, project):
+        """A tool result stored as RLO + "gnp.exe" (a browser shows "exe.png"): trackio's
+        conversation and the root span's task and answer show the override as ⟨U+202E⟩; the
+        spans keep what was recorded."""
+        settings = rtrace.configure(exporter="none", project=project, experiment="bidi")
+        start = 1_700_000_000_000_000_000
+        root = SpanRecord("b" * 16, None, "rollout", "rollout", start, start + 10**9)
+        tool = SpanRecord("c" * 16, "b" * 16, "lookup", "tool", start + 1, start + 2, output="\u202egnp.exe")
+        messages = [{"role": "user", "content": "Which file? \u2067x\u2069"},
+                    {"role": "tool", "name": "look\u202eup", "content": "\u202egnp.exe"},
+                    {"role": "assistant", "content": "It is \u202egnp.exe"}]
+        traj = Trajectory("e" * 32, "rollout", [root, tool], step=1, messages=messages)
+        sink = TrackioSink(settings)
+        sink.export([traj])
+        sink.shutdown()
+        (got,) = traces_of(project, "bidi")
+        assert got["messages"] == [{"role": "user", "content": "Which file? ⟨U+2067⟩x⟨U+2069⟩"},
+                                   {"role": "tool", "name": "look⟨U+202E⟩up", "content": "⟨U+202E⟩gnp.exe"},
+                                   {"role": "assistant", "content": "It is ⟨U+202E⟩gnp.exe"}]
+        spans = {s["name"]: s for s in got["spans"]}
+        assert spans["rollout"]["input"] == got["messages"][:1]
+        assert spans["rollout"]["output"]["answer"] == "It is ⟨U+202E⟩gnp.exe"
+        assert spans["lookup"]["output"] == "\u202egnp.exe"  # a span's captured value: as recorded
+        assert traj.messages[1]["content"] == "\u202egnp.exe"  # the trajectory itself is not changed
+
+
 class TestThroughput:
     def test_thousand_async_trajectories_arrive(self, project):
         """1,000 trajectories from an async loop all arrive, each under its step."""

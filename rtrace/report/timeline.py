@@ -8,12 +8,13 @@ or a run's dataset and returns a :class:`Timeline`:
   ``RTRACE_WORKER_NAME``, else ``host:pid``): concurrent rollouts of a worker are packed onto as
   few lanes as fit (first fit by start time), and two rollouts never share a lane at once;
 * inside a recorded rollout, its spans as :class:`Slice` s (generation, tool, reward, any other
-  kind), nested as they ran, and the time in no generation, tool call or reward computation as
-  ``wait`` slices (the ``wait_ms`` metric counts a reward computed inside the rollout as waiting:
-  it counts the time in neither a generation nor a tool call). A lane shows properly nested slices only (what trace viewers draw): a call that ran
-  beside a sibling (``asyncio.gather`` of tool calls) goes to a row of its own below the
-  rollout's, and the rollout takes that many lanes; a span that outlives its parent (another
-  process's clock) is cut to it. A rollout recorded as a summary only is a slice without
+  kind), nested as they ran, and the time in which none of its calls runs (no leaf span: a
+  call that made no call of its own) as ``wait`` slices. (The ``wait_ms`` metric is the time in
+  neither a generation nor a tool call: a reward computed or an answer parsed inside the rollout
+  counts there as waiting, and is drawn as itself here.) A lane shows properly nested slices
+  only (what trace viewers draw): a call that ran beside a sibling (``asyncio.gather`` of tool
+  calls) goes to a row of its own below the rollout's, and the rollout takes that many lanes; a
+  span that outlives its parent (another process's clock) is cut to it. A rollout recorded as a summary only is a slice without
   children;
 * each inference server's generations (``server.address[:server.port]`` on generation spans:
   the gateway's upstreams, an adapter's engine), packed onto the server's lanes;
@@ -161,62 +162,103 @@ def _label(cat: str, name: str, tool: str | None) -> str:
 SpanRow = tuple
 
 
-def layout_rollout(rollout: Rollout, spans: Sequence[SpanRow]) -> None:
+def layout_rollout(rollout: Rollout, spans: Sequence[SpanRow], ordered: bool = False) -> None:
     """Fill ``rollout.children`` and ``rollout.rows`` from its spans (the root among them,
-    or not): nesting, rows for calls that ran beside a sibling, and the waits."""
+    or not): nesting, rows for calls that ran beside a sibling, and the waits (the time in
+    which no leaf span runs: no call that made no call of its own).
+
+    One pass over the spans by start (the longer first): row 0 is a stack of the slices open
+    at that moment, as a trace viewer nests them. A span that fits in the innermost one nests
+    there; one that outlives its parent is cut to it; one that overlaps a sibling (a call run
+    beside another) goes to the first row below where it nests, and its calls follow it.
+    ``ordered``: the spans come by start, the longer first, already (the dataset's query)."""
     start, end = rollout.start_ns, rollout.end_ns
-    ids = {s[0] for s in spans}
-    root_id = next((s[0] for s in spans if s[1] is None or s[1] not in ids and s[4] <= start), None)
-    by_parent: dict[Any, list[SpanRow]] = {}
-    for s in spans:
-        if s[0] == root_id:
-            continue
-        parent = s[1] if s[1] in ids and s[1] != s[0] else root_id
-        by_parent.setdefault(parent, []).append(s)
-    items: list[tuple[int, int, int, Slice, Any]] = []  # (start, -end, depth, slice, parent key)
+    root_id = next((s[0] for s in spans if s[1] is None), None)
+    if root_id is None:
+        ids = {s[0] for s in spans}
+        root_id = next((s[0] for s in spans if s[1] not in ids), None)
+    parents = {s[1] for s in spans}
+    children = rollout.children
+    stack = [(end, root_id)]  # row 0: the open slices, innermost last
+    rows: list[list[tuple[int, Any]]] = [stack]
+    row_of: dict[Any, int] = {}  # the spans on a row below the rollout's own
     busy: list[tuple[int, int]] = []
-    bounds = {start, end}
-    stack = [(root_id, start, end, 0)]
-    seen = {root_id}
-    while stack:
-        pid, lo, hi, depth = stack.pop()
-        for s in by_parent.get(pid, ()):
-            if s[0] in seen:  # a cycle in the parents (bad data): drawn once
-                continue
-            seen.add(s[0])
-            s_start, s_end = max(lo, min(s[4], hi)), max(lo, min(s[5], hi))
-            cat = category(s[3], s[2])
-            sl = Slice(_label(cat, s[2], s[8]), cat, s_start, s_end, 0, s[0],
-                       s[6] if cat == "generation" else None, s[7] if cat == "generation" else None)
-            items.append((s_start, -s_end, depth + 1, sl, pid))
-            bounds.add(s_start)
-            bounds.add(s_end)
-            if cat == "generation" or cat == "tool" or cat == "reward":
-                busy.append((s_start, s_end))
-            stack.append((s[0], s_start, s_end, depth + 1))
-    edges = sorted(bounds)
+    edges: list[int] = []
+    for s in spans if ordered else sorted(spans, key=_by_start):
+        sid = s[0]
+        if sid == root_id:
+            continue
+        a, b = s[4], s[5]
+        a = start if a < start else (end if a > end else a)
+        b = a if b < a else (end if b > end else b)
+        r = row_of.get(s[1], 0) if row_of else 0
+        row = rows[r]
+        while row and row[-1][0] <= a and len(row) > (r == 0):
+            row.pop()
+        if row and row[-1][0] < b:
+            if row[-1][1] == s[1]:  # it outlives its parent (another process's clock): cut to it
+                b = row[-1][0]
+            else:  # beside a sibling: the first row below where it nests
+                r = _free_row(rows, a, b)
+                row = rows[r]
+                row_of[sid] = r
+        elif r:
+            row_of[sid] = r
+        row.append((b, sid))
+        cat, label = _kind_of(s[3], s[2], s[8])
+        if sid in parents:
+            edges.append(a)
+            edges.append(b)
+        else:
+            busy.append((a, b))
+        if cat == "generation":
+            children.append(Slice(label, cat, a, b, r, sid, s[6], s[7]))
+        else:
+            children.append(Slice(label, cat, a, b, r, sid))
+    if edges:
+        edges.sort()
     for lo, hi in _gaps(busy, start, end):
-        # cut at every span's edge: each piece then lies inside or outside each slice (nests)
-        cuts = edges[bisect.bisect_right(edges, lo): bisect.bisect_left(edges, hi)]
-        for a, b in zip([lo] + cuts, cuts + [hi]):
+        if hi - lo < MIN_WAIT_NS:
+            continue
+        # cut where a span with calls of its own begins or ends: each piece then nests on row 0
+        inner = edges[bisect.bisect_right(edges, lo):bisect.bisect_left(edges, hi)] if edges else ()
+        a = lo
+        for b in (*inner, hi):
             if b - a >= MIN_WAIT_NS:
-                items.append((a, -b, 99, Slice("wait", "wait", a, b), None))
-    items.sort(key=lambda it: (it[0], it[1], it[2]))
-    rows: list[list[int]] = [[end]]  # each row's open slices' ends (nested: a stack)
-    row_of: dict[Any, int] = {root_id: 0}
-    for s_start, neg_end, _, sl, parent in items:
-        s_end = -neg_end
-        first = row_of.get(parent, 0)
-        r = first if _fits(rows[first], s_start, s_end) else next(
-            (k for k in range(len(rows)) if k != first and _fits(rows[k], s_start, s_end)), len(rows))
-        if r == len(rows):
-            rows.append([])
-        rows[r].append(s_end)
-        sl.row = r
-        if sl.span_id is not None:
-            row_of[sl.span_id] = r
-        rollout.children.append(sl)
+                children.append(Slice("wait", "wait", a, b))
+            a = b
     rollout.rows = len(rows)
+
+
+def _by_start(s: SpanRow) -> tuple[int, int]:
+    return (s[4], -s[5])
+
+
+def _free_row(rows: list[list[tuple[int, Any]]], a: int, b: int) -> int:
+    """The first row below the rollout's own where [a, b] nests (a new one when none)."""
+    for r in range(1, len(rows)):
+        row = rows[r]
+        while row and row[-1][0] <= a:
+            row.pop()
+        if not row or row[-1][0] >= b:
+            return r
+    rows.append([])
+    return len(rows) - 1
+
+
+_KINDS: dict[tuple[str, str, str | None], tuple[str, str]] = {}
+
+
+def _kind_of(kind: str, name: str, tool: str | None) -> tuple[str, str]:
+    """``(category, label)`` of a span (cached: a step repeats a few names)."""
+    key = (kind, name, tool)
+    got = _KINDS.get(key)
+    if got is None:
+        cat = category(kind, name)
+        got = (cat, _label(cat, name, tool))
+        if len(_KINDS) < 10_000:
+            _KINDS[key] = got
+    return got
 
 
 def _fits(open_ends: list[int], start: int, end: int) -> bool:
@@ -296,14 +338,15 @@ def load_timeline(path: str | Sequence[str], steps: tuple[int, int], validate: b
 
     limits = limits or Limits()
     paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
-    if len(paths) == 1 and is_dataset(str(paths[0])):
+    ordered = len(paths) == 1 and is_dataset(str(paths[0]))
+    if ordered:  # the dataset's query gives each rollout's spans by start
         rollouts, spans_of, events, run = _from_dataset(str(paths[0]), steps, validate, limits)
     else:
         rollouts, spans_of, events, run = _from_jsonl([str(p) for p in paths], steps, validate)
     if not rollouts:
         raise ValueError(f"no rollout of {'validation ' if validate else ''}step"
                          f"{'s' if steps[0] != steps[1] else ''} {_steps_text(steps)} in {', '.join(map(str, paths))}")
-    return build(rollouts, spans_of, events, ", ".join(map(str, paths)), run, validate, steps, limits)
+    return build(rollouts, spans_of, events, ", ".join(map(str, paths)), run, validate, steps, limits, ordered)
 
 
 def _steps_text(steps: tuple[int, int]) -> str:
@@ -311,7 +354,7 @@ def _steps_text(steps: tuple[int, int]) -> str:
 
 
 def build(rollouts: list[Rollout], spans_of: dict[str, list[SpanRow]], events: list[RunEvent], source: str,
-          run: str | None, validate: bool, steps: tuple[int, int], limits: Limits) -> Timeline:
+          run: str | None, validate: bool, steps: tuple[int, int], limits: Limits, ordered: bool = False) -> Timeline:
     """Lay out rollouts read from a source (see the module docstring)."""
     left: dict[str, int] = {}
     notes: list[str] = []
@@ -336,7 +379,7 @@ def build(rollouts: list[Rollout], spans_of: dict[str, list[SpanRow]], events: l
         detailed = [r for r in detailed if r.trace_id in keep]
     servers: dict[str, list[ServerCall]] = {}
     for r in detailed:
-        layout_rollout(r, spans_of[r.trace_id])
+        layout_rollout(r, spans_of[r.trace_id], ordered)
         for c in r.children:
             if c.server is not None:
                 servers.setdefault(c.server, []).append(ServerCall(c.start_ns, c.end_ns, r.trace_id, c.name,
@@ -463,7 +506,8 @@ def read_rollouts(db: Any, steps: tuple[int, int], validate: bool) -> list[Rollo
 
 def read_spans(db: Any, steps: tuple[int, int], validate: bool, trace_ids: Sequence[str] | None = None
                ) -> dict[str, list[SpanRow]]:
-    """trace id -> its spans (:data:`SpanRow`) of those steps; ``trace_ids``: of those rollouts only."""
+    """trace id -> its spans (:data:`SpanRow`) of those steps, by start, the longer first (as
+    :func:`layout_rollout` takes them ``ordered``); ``trace_ids``: of those rollouts only."""
     params: list[Any] = [validate, steps[0], steps[1]]
     where = _WHERE
     if trace_ids is not None:
@@ -471,7 +515,8 @@ def read_spans(db: Any, steps: tuple[int, int], validate: bool, trace_ids: Seque
         params.append(list(trace_ids))
     table = db.arrow(
         "SELECT trace_id, span_id, parent_span_id, name, kind, epoch_ns(start_time) AS s, epoch_ns(end_time) "
-        f"AS e, {_SERVER_SQL}, output_tokens, tool_name FROM spans WHERE {where} ORDER BY trace_id", params)
+        f"AS e, {_SERVER_SQL}, output_tokens, tool_name FROM spans WHERE {where} ORDER BY trace_id, s, e DESC",
+        params)
     out: dict[str, list[SpanRow]] = {}
     _spans_by_trace(table, out)
     return out
@@ -517,17 +562,24 @@ def server_name(address: str, port: int | None) -> str:
 def _spans_by_trace(table: Any, out: dict[str, list[SpanRow]]) -> None:
     """Rows sorted by trace id into ``out`` (one Python pass over Arrow's columns)."""
     col = {name: table.column(name).to_pylist() for name in table.column_names}
-    traces, addresses, ports = col["trace_id"], col["address"], col["port"]
-    servers = [None if a is None else server_name(a, p) for a, p in zip(addresses, ports)]
-    rows = zip(col["span_id"], col["parent_span_id"], col["name"], col["kind"], col["s"], col["e"], servers,
-               col["output_tokens"], col["tool_name"])
-    current = None
-    bucket: list[SpanRow] = []
-    for trace, row in zip(traces, rows):
-        if trace != current:
-            bucket = out.setdefault(trace, [])
-            current = trace
-        bucket.append(row)
+    servers = col["address"]
+    for i, (a, p) in enumerate(zip(servers, col["port"])):
+        if a is not None and p is not None:
+            servers[i] = server_name(a, p)
+    rows = list(zip(col["span_id"], col["parent_span_id"], col["name"], col["kind"], col["s"], col["e"], servers,
+                    col["output_tokens"], col["tool_name"]))
+    traces = col["trace_id"]
+    n = len(traces)
+    if not n:
+        return
+    # each trace's rows are consecutive (ordered by trace id): cut the list where the id changes
+    import pyarrow.compute as pc
+
+    ids = table.column("trace_id").combine_chunks()
+    changed = pc.not_equal(ids.slice(1), ids.slice(0, n - 1))
+    cuts = [0] + [i + 1 for i in pc.indices_nonzero(changed).to_pylist()] + [n]
+    for lo, hi in zip(cuts, cuts[1:]):
+        out[traces[lo]] = rows[lo:hi]
 
 
 def read_events(db: Any) -> list[RunEvent]:

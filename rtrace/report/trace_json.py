@@ -8,10 +8,10 @@ PyTorch's ``export_chrome_trace`` do. What each event is (docs/timeline.md):
 * ``M`` metadata naming each process (``process_name``: ``fleet``, ``server <address:port>``,
   ``worker <host:pid>``), ordering them (``process_sort_index``) and naming each thread
   (``thread_name``: ``lane N``, ``steps``);
-* ``X`` complete slices (``ts`` and ``dur`` in microseconds from the window's first moment,
-  ``otherData.rtrace.origin_unix_ns``): each rollout on a lane of its worker, its calls and
-  waits nested under it, each generation again on its server's lanes, each step on the fleet's
-  ``steps`` lanes;
+* ``X`` complete slices (``ts`` and ``dur`` in whole microseconds from the window's first
+  moment, ``otherData.rtrace.origin_unix_ns``, floored: exact in the viewers' floating point):
+  each rollout on a lane of its worker, its calls and waits nested under it, each generation
+  again on its server's lanes, each step on the fleet's ``steps`` lanes;
 * ``C`` counters: rollouts in flight (the fleet's, each worker's), generations in flight and
   output tokens per second (each server's), the policy version (the fleet's);
 * ``i`` instants: weight updates (``s: "g"``, global), a note per limit the window hit.
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from typing import Any, BinaryIO, Iterable
 
 from .timeline import Timeline, pack_lanes
@@ -47,33 +48,50 @@ _BUFFER = 4096
 
 
 class _Out:
-    """The ``traceEvents`` array, written as it is made."""
+    """The ``traceEvents`` array, written as it is made: events as JSON text, a few thousand at
+    a time (the slices of a large step are formatted directly, names escaped once each)."""
 
     def __init__(self, out: BinaryIO) -> None:
         self.out = out
-        self.buf: list[bytes] = []
+        self.buf: list[str] = []
         self.count = 0
         self.bytes = 0
-        out.write(b'{"traceEvents":[\n')
-        self.bytes += 17
+        self._names: dict[str, str] = {}
 
     def event(self, ev: dict[str, Any]) -> None:
-        data = _dumps(ev)
-        self.buf.append(data if not self.count and not self.buf else b",\n" + data)
+        self.text(_dumps(ev).decode("utf-8"))
+
+    def text(self, data: str) -> None:
+        self.buf.append(data)
         self.count += 1
         if len(self.buf) >= _BUFFER:
             self.flush()
 
+    def lines(self, events: list[str]) -> None:
+        """Many events as JSON text at once."""
+        self.buf.extend(events)
+        self.count += len(events)
+        if len(self.buf) >= _BUFFER:
+            self.flush()
+
+    def q(self, name: str) -> str:
+        """``name`` as a JSON string (cached: names repeat)."""
+        quoted = self._names.get(name)
+        if quoted is None:
+            quoted = self._names[name] = json.dumps(name, ensure_ascii=False)
+        return quoted
+
     def flush(self) -> None:
         if self.buf:
-            data = b"".join(self.buf)
+            data = ((",\n" if self.bytes else '{"traceEvents":[\n') + ",\n".join(self.buf)).encode("utf-8")
             self.out.write(data)
             self.bytes += len(data)
             self.buf = []
 
     def close(self, trailer: dict[str, Any]) -> None:
         self.flush()
-        tail = b'\n],"displayTimeUnit":"ms","otherData":' + _dumps(trailer) + b"}\n"
+        head = b"" if self.bytes else b'{"traceEvents":[\n'
+        tail = head + b'\n],"displayTimeUnit":"ms","otherData":' + _dumps(trailer) + b"}\n"
         self.out.write(tail)
         self.bytes += len(tail)
 
@@ -90,8 +108,11 @@ def write_trace(tl: Timeline, out: BinaryIO) -> dict[str, Any]:
     origin = tl.origin_ns
     w = _Out(out)
 
-    def us(ns: int) -> float:
-        return (ns - origin) / 1000
+    def us(ns: int) -> int:
+        # whole microseconds, floored: exact in every viewer's floating point, so a slice that
+        # ends where the next begins ends there to them too (speedscope adds ts and dur as
+        # doubles), and the floor keeps every order and nesting of the spans' nanoseconds
+        return (ns - origin) // 1000
 
     def name_process(pid: int, name: str, order: int) -> None:
         w.event({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}})
@@ -114,7 +135,7 @@ def write_trace(tl: Timeline, out: BinaryIO) -> dict[str, Any]:
         name_thread(FLEET_PID, 1 + k, "steps")
     for st in steps:
         w.event({"ph": "X", "pid": FLEET_PID, "tid": 1 + st.lane, "ts": us(st.start_ns),
-                 "dur": (st.end_ns - st.start_ns) / 1000, "name": f"step {st.key}", "cat": "step",
+                 "dur": us(st.end_ns) - us(st.start_ns), "name": f"step {st.key}", "cat": "step",
                  "args": {"step": st.key, "validate": tl.validate}})
     _counter(w, FLEET_PID, "rollouts in flight", ((s, e) for s, e, _ in tl.intervals), us)
     for e in tl.events:
@@ -138,16 +159,17 @@ def write_trace(tl: Timeline, out: BinaryIO) -> dict[str, Any]:
         for c in calls:
             if c.lane is None:
                 continue
-            args: dict[str, Any] = {"trace_id": c.trace_id}
-            if c.tokens is not None:
-                args["tokens"] = c.tokens
-            w.event({"ph": "X", "pid": pid, "tid": 1 + c.lane, "ts": us(c.start_ns),
-                     "dur": (c.end_ns - c.start_ns) / 1000, "name": c.name, "cat": "generation", "args": args})
+            tokens = f',"tokens":{c.tokens}' if c.tokens is not None else ""
+            ts = (c.start_ns - origin) // 1000
+            w.text(f'{{"ph":"X","pid":{pid},"tid":{1 + c.lane},"ts":{ts},'
+                   f'"dur":{(c.end_ns - origin) // 1000 - ts},"name":{w.q(c.name)},"cat":"generation",'
+                   f'"args":{{"trace_id":"{c.trace_id}"{tokens}}}}}')
         _counter(w, pid, "generations in flight", ((c.start_ns, c.end_ns) for c in calls), us)
         for t, rate in token_rates(calls, origin, bucket):
             w.event({"ph": "C", "pid": pid, "ts": us(t), "name": "output tokens/s", "args": {"tokens/s": rate}})
 
     # ---------------------------------------------------------------- the workers
+    tails: dict[tuple[str, str], str] = {}
     by_worker: dict[str, list[Any]] = {}
     for r in tl.rollouts:
         by_worker.setdefault(r.worker or "unknown", []).append(r)
@@ -156,21 +178,30 @@ def write_trace(tl: Timeline, out: BinaryIO) -> dict[str, Any]:
         name_process(pid, f"worker {worker}", order)
         for k in range(tl.workers[worker]):
             name_thread(pid, 1 + k, f"lane {1 + k}")
+        buf = w.buf
+        head = f'{{"ph":"X","pid":{pid},"tid":'
         for r in by_worker.get(worker, ()):
             tid = 1 + r.lane
             args = {"trace_id": r.trace_id, "step": r.step, "sample_index": r.sample_index, "rollout_n": r.rollout_n,
                     "group": r.group, "reward": _number(r.reward), "verdict": r.verdict,
                     "policy_version": r.policy_version, "policy_version_end": r.policy_version_end,
                     "staleness": r.staleness, "crossed_update": r.crossed_update, "recorded": r.recorded}
-            w.event({"ph": "X", "pid": pid, "tid": tid, "ts": us(r.start_ns), "dur": (r.end_ns - r.start_ns) / 1000,
+            w.event({"ph": "X", "pid": pid, "tid": tid, "ts": us(r.start_ns), "dur": us(r.end_ns) - us(r.start_ns),
                      "name": f"rollout {r.verdict}", "cat": "rollout",
                      "args": {k: v for k, v in args.items() if v is not None}})
-            for c in r.children:
-                ev: dict[str, Any] = {"ph": "X", "pid": pid, "tid": tid + c.row, "ts": us(c.start_ns),
-                                      "dur": (c.end_ns - c.start_ns) / 1000, "name": c.name, "cat": c.cat}
+            for c in r.children:  # (the bulk of a large step's file: formatted here, names quoted once)
+                tail = tails.get((c.name, c.cat))
+                if tail is None:
+                    tail = tails[(c.name, c.cat)] = f'"name":{w.q(c.name)},"cat":{w.q(c.cat)}'
                 if c.server is not None or c.tokens is not None:
-                    ev["args"] = {k: v for k, v in (("server", c.server), ("tokens", c.tokens)) if v is not None}
-                w.event(ev)
+                    tail += ',"args":{' + ",".join([f'"server":{w.q(c.server)}'] * (c.server is not None) + [
+                        f'"tokens":{c.tokens}'] * (c.tokens is not None)) + "}"
+                ts = (c.start_ns - origin) // 1000  # as us(): whole microseconds, floored
+                buf.append(f'{head}{tid + c.row},"ts":{ts},"dur":{(c.end_ns - origin) // 1000 - ts},{tail}}}')
+            w.count += len(r.children)
+            if len(buf) >= _BUFFER:
+                w.flush()
+                buf = w.buf
         _counter(w, pid, "rollouts in flight", ((s, e) for s, e, wk in tl.intervals if (wk or "unknown") == worker),
                  us)
 
@@ -206,16 +237,25 @@ def _number(value: Any) -> Any:
 def _counter(w: _Out, pid: int, name: str, spans: Iterable[tuple[int, int]], us: Any) -> None:
     """A ``C`` event at each moment the number of open intervals changes (its value after
     every change at that moment): an interval counts from its start to before its end."""
-    points: dict[int, int] = {}
-    for s, e in spans:
-        points[s] = points.get(s, 0) + 1
-        points[e] = points.get(e, 0) - 1
+    spans = list(spans)
+    if not spans:
+        return
+    starts, ends = zip(*spans)
+    # on the file's clock (whole microseconds): one value per moment, the count after every
+    # change at it, as a count of the drawn slices gives it
+    points = Counter(map(us, starts))
+    points.subtract(Counter(map(us, ends)))
     value = 0
+    quoted = w.q(name)
+    head = f'{{"ph":"C","pid":{pid},"ts":'
+    tail = f',"name":{quoted},"args":{{{quoted}:'
+    lines = []
     for t in sorted(points):
         if points[t] == 0:  # as many began as ended: the count did not change
             continue
         value += points[t]
-        w.event({"ph": "C", "pid": pid, "ts": us(t), "name": name, "args": {name: value}})
+        lines.append(f"{head}{t}{tail}{value}}}}}")
+    w.lines(lines)
 
 
 def token_rates(calls: Iterable[Any], origin: int, bucket: int) -> list[tuple[int, float]]:
@@ -233,8 +273,12 @@ def token_rates(calls: Iterable[Any], origin: int, bucket: int) -> list[tuple[in
             k = s // bucket
             acc[k] = acc.get(k, 0.0) + tokens
             continue
+        first, last = s // bucket, (e - 1) // bucket
+        if first == last:
+            acc[first] = acc.get(first, 0.0) + tokens
+            continue
         per_ns = tokens / (e - s)
-        for k in range(s // bucket, (e - 1) // bucket + 1):
+        for k in range(first, last + 1):
             lo, hi = max(s, k * bucket), min(e, (k + 1) * bucket)
             acc[k] = acc.get(k, 0.0) + per_ns * (hi - lo)
     if not acc:

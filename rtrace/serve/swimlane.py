@@ -204,9 +204,11 @@ class StepLanes:
             r.children = []
             rows = spans.get(r.trace_id)
             if rows:
-                T.layout_rollout(r, rows)
+                T.layout_rollout(r, rows, ordered=True)
             out, stacks = [], {}
-            for c in r.children:  # in order of start (then longest first): nested within each sub-row
+            # in order of start, the longer first (a wait after a span of the same extent: inside it),
+            # each sub-row a stack of the open slices: a slice's depth is how many hold it
+            for c in sorted(r.children, key=lambda c: (c.start_ns, -c.end_ns, c.cat == "wait")):
                 stack = stacks.setdefault(c.row, [])
                 while stack and stack[-1] <= c.start_ns:
                     stack.pop()
