@@ -106,6 +106,7 @@ test-ui: $(STAMP) $(PHOENIX_STAMP)
 	test -f $(UI_CACHE)/speedscope/node_modules/speedscope/dist/release/index.html || { mkdir -p $(UI_CACHE)/speedscope \
 		&& npm install --prefix $(UI_CACHE)/speedscope --no-audit --no-fund --silent speedscope@1.25.0; }
 	RTRACE_UI_CACHE=$(UI_CACHE) $(BIN)/python tests/ui/big_run.py
+	RTRACE_UI_CACHE=$(UI_CACHE) $(BIN)/python tests/ui/fleet_run.py
 	RTRACE_UI_CACHE=$(UI_CACHE) HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests/ui
 
 # The seed trainers' adapters against their real packages (tests/frameworks, issue #21), each in
@@ -204,6 +205,7 @@ bench-dataset: $(STAMP)
 # rtrace serve on 1,000,000 trajectories: each view's server time with and without the flat index (docs/serve.md)
 bench-serve: $(STAMP)
 	RTRACE_UI_CACHE=$(UI_CACHE) HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_serve.py
+	RTRACE_UI_CACHE=$(UI_CACHE) HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_swimlane.py
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV) .venv-py3.* $(TRL_VENV) $(SKYRL_VENV) $(AREAL_VENV) $(PHOENIX_VENV) $(GATEWAY_VENV) .pytest_cache

@@ -216,8 +216,11 @@ def create_app(sources: Sources, token: str | None = None, loopback: bool = True
             raise _NotFound(f"no step {key!r} with a timeline in run {run.name!r} (steps are t<step> for training, "
                             "v<step> for validation: t12, v3)")
         validate, number = parsed
-        lanes = swimlanes.get((run.name, parsed, run.files_of(parsed)),
-                              lambda: swimlane.StepLanes(db, run.name, validate, number))
+        try:
+            lanes = swimlanes.get((run.name, parsed, run.files_of(parsed)),
+                                  lambda: swimlane.StepLanes(db, run.name, validate, number))
+        except ValueError as exc:  # no rollout of the step (its files changed since the listing)
+            raise _NotFound(f"{exc} in run {run.name!r}") from None
         base = "/run/" + pages._seg(run.name)
         if as_json or request.query_params.get("_format") == "json":
             body, headers = swimlane.encoded(swimlane.window_json(lanes, db, request.query_params, base),

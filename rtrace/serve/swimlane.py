@@ -116,13 +116,19 @@ class StepLanes:
         self.limits = limits or T.Limits()
         rollouts = T.read_rollouts(db, self.steps, validate)
         if not rollouts:
-            raise LookupError(f"no rollout at {step_key(validate, step)}")
-        events = T.read_events(db)
-        #: the rollouts packed onto their workers' lanes (no calls yet: each takes one lane)
-        self.timeline = T.build(rollouts, {}, events, run, run, validate, self.steps, self.limits)
+            raise ValueError(f"no rollout at {step_key(validate, step)}")
+        self.origin = min(r.start_ns for r in rollouts)
+        # the servers' generations are read (DuckDB, without the GIL) while the rollouts are packed
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:
+            servers_later = pool.submit(T.generation_times, db, self.steps, validate, self.origin)
+            events = T.read_events(db)
+            #: the rollouts packed onto their workers' lanes (no calls yet: each takes one lane)
+            self.timeline = T.build(rollouts, {}, events, run, run, validate, self.steps, self.limits)
+            servers = servers_later.result()
         tl = self.timeline
         self.total = len(rollouts)
-        self.origin = min(r.start_ns for r in rollouts)
         self.end = max(r.end_ns for r in rollouts) - self.origin
         margin = max(self.end // 20, MS)
         self.events = [e for e in tl.events if -margin <= e.time_ns - self.origin <= self.end + margin]
@@ -130,7 +136,6 @@ class StepLanes:
         self.version_at_start = before[-1] if before else None
         self.index = {r.trace_id: i for i, r in enumerate(tl.rollouts)}
         o = self.origin
-        servers = T.generation_times(db, self.steps, validate, o)
         self.bands: list[Band] = []
         from ..pipeline.metrics import inflight_peak_sorted
 

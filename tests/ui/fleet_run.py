@@ -35,8 +35,10 @@ TOOLS = ("python", "search", "calculator", HOSTILE_TOOL)
 
 
 def cache_root() -> Path:
-    from tests.ui.big_run import cache_root as root
-
+    try:
+        from tests.ui.big_run import cache_root as root
+    except ImportError:  # run as a script: big_run is beside it
+        from big_run import cache_root as root  # type: ignore[no-redef]
     return root()
 
 

@@ -6,7 +6,7 @@
  * Perfetto do: one <canvas>, what is off screen culled at each frame, no DOM node per slice; a
  * pointer is resolved by binary search in each row's slices (sorted by start on the server).
  * Names come from the traced program (tool names, workers, servers): they are drawn on the
- * canvas or set with textContent, never as markup.
+ * canvas or set with textContent, never as markup, their bidirectional controls made visible.
  */
 "use strict";
 (function () {
@@ -36,7 +36,17 @@
   const frameTimes = [], frameLog = [];  // each frame's drawing time (ms), for the page's own measurements
 
   // ------------------------------------------------------------------ data
+  /* text as a person reads it: each bidirectional control (U+202E ...) written as ⟨U+202E⟩
+     (report.js's rule, rtrace._serialize.bidi_visible): a name "\u202egnp.exe" is not "exe.png" */
+  const BIDI = /[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g;
+  const vis = (text) => text === null ? null : String(text).replace(
+    BIDI, (c) => "⟨U+" + c.charCodeAt(0).toString(16).toUpperCase().padStart(4, "0") + "⟩");
+
   function receive(d) {
+    d.names = d.names.map(vis);
+    for (const b of d.bands) b.name = vis(b.name);
+    d.rollouts.worker = d.rollouts.worker.map(vis);
+    d.rollouts.group = d.rollouts.group.map(vis);
     data = d;
     bands = d.bands;
     endMs = d.end_ms;
