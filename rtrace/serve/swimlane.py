@@ -66,7 +66,7 @@ OPEN_LANES = 64
 #: a window's times are whole ticks from its start, this many per pixel of it (``tick_ms``)
 TICKS = 16
 #: steps kept laid out; rollouts whose calls are kept laid out
-CACHED_STEPS, CACHED_LAYOUTS = 3, 20_000
+CACHED_STEPS, CACHED_LAYOUTS = 2, 6_000
 #: the slices' kinds (``cat``: an index here; other span kinds are added after these)
 CATS = ("rollout", "generation", "tool", "reward", "wait", "mixed")
 MS = 1_000_000
@@ -89,7 +89,8 @@ class Band:
         self.starts, self.ends = starts, ends
         self.cs = [0, *accumulate(starts)]
         self.ce = [0, *accumulate(ends)]
-        #: per lane: (starts, ends, items), items rollout indexes (workers) or ServerCalls (servers)
+        #: per lane: (starts, ends, items), items rollout indexes (workers) or (rollout index, output
+        #: tokens) of each generation (servers)
         self.lane_index: list[tuple[list[int], list[int], list[Any]]] | None = None
 
     def busy_time(self, t: int) -> int:
@@ -187,11 +188,12 @@ class StepLanes:
                 self.left_out["server_calls_past_max_lanes"] = self.left_out.get("server_calls_past_max_lanes", 0) + left
             band.lanes = used
             lanes: list[tuple[list[int], list[int], list[Any]]] = [([], [], []) for _ in range(used)]
+            index = self.index
             for c in sorted((c for c in mine if c.lane is not None), key=lambda c: (c.lane, c.start_ns)):
                 starts, ends, items = lanes[c.lane]
                 starts.append(c.start_ns - o)
                 ends.append(c.end_ns - o)
-                items.append(c)
+                items.append((index.get(c.trace_id, -1), c.tokens))  # not the call objects: 4x the memory
             band.lane_index = lanes
 
     def _lay_out(self, db: Any, wanted: list[int]) -> None:
@@ -395,8 +397,8 @@ class _Window:
             band = s.bands[wanted[row][0]]
             starts, ends, items = band.lane_index[wanted[row][1]]  # type: ignore[index]
             if band.kind == "server":
-                self.series(row, 0, 0, ((starts[k], ends[k], "generation", None, s.index.get(items[k].trace_id, -1),
-                                         items[k].tokens, band.name) for k in ks))
+                self.series(row, 0, 0, ((starts[k], ends[k], "generation", None, items[k][0], items[k][1], band.name)
+                                        for k in ks))
                 continue
             self.series(row, 0, 0, ((starts[k], ends[k], "rollout", None, items[k], None, None) for k in ks))
             for k in ks:
@@ -423,25 +425,27 @@ class _Window:
                 "subrows": [s._subrows.get(i, 1) for i in self._ros]}
 
 
-def parse_lanes(text: str | None) -> list[tuple[int, int]] | None:
-    """``lanes=0:0-63,3:5,4:*``: band:first-last lanes (``*``: all of the band's); None when not given."""
+def parse_lanes(text: str | None, counts: Sequence[int]) -> list[tuple[int, int]] | None:
+    """``lanes=0:0-63,3:5,4:*``: band:first-last lanes (``*``: all of the band's), of bands that
+    have ``counts`` lanes each; lanes that do not exist are left out, and past :data:`MAX_LANES`
+    one more (the window says it was clipped). None when not given."""
     if text is None:
         return None
     out: list[tuple[int, int]] = []
     for part in text.split(","):
         band, _, rng = part.strip().partition(":")
-        if not band.isdigit():
+        if not band.isdigit() or int(band) >= len(counts):
             continue
-        b = int(band)
+        b, n = int(band), counts[int(band)]
         lo, _, hi = rng.partition("-")
         if rng == "*":
-            lo_i, hi_i = 0, MAX_LANES * 8
+            first, last = 0, n - 1
         elif lo.isdigit() and (hi.isdigit() or not hi):
-            lo_i, hi_i = int(lo), int(hi or lo)
+            first, last = int(lo), min(int(hi or lo), n - 1)
         else:
             continue
-        out += [(b, k) for k in range(lo_i, min(hi_i, lo_i + MAX_LANES * 8) + 1)]
-        if len(out) > MAX_LANES * 8:
+        out += [(b, k) for k in range(first, min(last, first + MAX_LANES) + 1)]
+        if len(out) > MAX_LANES:
             break
     return out
 
@@ -455,9 +459,7 @@ def window_json(lanes: StepLanes, db: Any, params: Any, base: str) -> bytes:
             return None
         return value if math.isfinite(value) else None
 
-    wanted = parse_lanes(params.get("lanes"))
-    if wanted is not None:
-        wanted = [(b, lane) for b, lane in wanted if 0 <= b < len(lanes.bands) and lane < lanes.bands[b].lanes]
+    wanted = parse_lanes(params.get("lanes"), [b.lanes for b in lanes.bands])
     data = lanes.window(db, num("t0"), num("t1"), int(num("px") or 1400), wanted, int(num("lane_px") or 16),
                         max(0.0, min(64.0, 2.0 if num("min_px") is None else num("min_px"))), base + "/rollout/")
     return _dumps(data)
