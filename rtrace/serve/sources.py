@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from ..events import is_event_line
 from ..report import queries as Q
 
 __all__ = ["RunSource", "Sources", "Snapshot", "TimedDb", "QueryTimeout", "NoData", "JsonlIngest", "FlatIndex",
@@ -260,6 +261,8 @@ class JsonlIngest:
                 self.lines += 1
                 try:
                     raw = _loads(line)
+                    if is_event_line(raw):  # a run event (docs/jsonl-schema.md): not a trajectory
+                        continue
                     traj = Trajectory.from_dict(raw)
                     traj.health = _health(raw.get("health", None))
                     trajs.append(traj)
