@@ -47,8 +47,8 @@ from typing import Any, Callable
 
 from . import _after_import
 
-__all__ = ["PRIVATE_NAMES", "MODULE", "SYNC_MODULE", "patch", "sync_version", "called_from_evaluation", "argument", "query_of", "stale_result",
-           "drops_truncated", "text_envs"]
+__all__ = ["PRIVATE_NAMES", "MODULE", "SYNC_MODULE", "patch", "sync_version", "called_from_evaluation", "argument",
+           "query_of", "stale_result", "drops_truncated", "text_envs"]
 
 MODULE = "open_instruct.data_loader"
 #: where open-instruct's weight broadcast lives

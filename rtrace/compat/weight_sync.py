@@ -12,13 +12,14 @@ or marking never raises into the trainer (counted: ``internal_errors``).
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable, TypeVar
 
 from .. import _stats
 from ..instrumentation.weights import mark_weight_update
 
-__all__ = ["published", "published_async"]
+__all__ = ["published", "published_async", "published_when_done", "mark"]
 
 T = TypeVar("T")
 
@@ -52,12 +53,49 @@ async def published_async(call: Callable[[], Any], version: Callable[[], tuple[A
     return out
 
 
-def _mark(start: float, version: Callable[[], tuple[Any, Any] | None], name: str, attributes: dict[str, Any]) -> None:
-    duration_ms = round((time.perf_counter() - start) * 1000, 3)
+def published_when_done(futures: list[Any], version: Any, step: Any, start: float, *, name: str,
+                        **attributes: Any) -> None:
+    """Mark a weight update of ``version`` when every one of ``futures`` (``concurrent.futures``
+    futures of the calls that push the weights, e.g. Ray's ``ObjectRef.future()``) has
+    finished, none failed or cancelled: for a publish whose caller waits for it later. The mark
+    runs on the thread that finishes the last one; ``start`` is the publish's
+    ``time.perf_counter()`` at its call. Returns at once."""
+    left = [len(futures)]
+    failed = [False]
+    lock = threading.Lock()
+
+    def done(future: Any) -> None:
+        try:
+            bad = future.cancelled() or future.exception() is not None
+        except Exception:
+            bad = True
+        with lock:
+            failed[0] = failed[0] or bad
+            left[0] -= 1
+            last = left[0] == 0
+        if last and not failed[0]:
+            _mark(start, lambda: (version, step), name, attributes)
+
+    if not futures:
+        _mark(start, lambda: (version, step), name, attributes)
+    for future in futures:
+        future.add_done_callback(done)
+
+
+def mark(version: Any, step: Any, *, name: str, **attributes: Any) -> None:
+    """Mark a weight update now (the publish has returned). ``name``: the adapter's, for the
+    one warning a failure logs (``mark_weight_update`` itself never raises)."""
+    _mark(None, lambda: (version, step), name, attributes)
+
+
+def _mark(start: float | None, version: Callable[[], tuple[Any, Any] | None], name: str,
+          attributes: dict[str, Any]) -> None:
     try:
         found = version()
         if found is not None:
-            mark_weight_update(found[0], step=found[1], duration_ms=duration_ms, **attributes)
+            if start is not None:
+                attributes = {"duration_ms": round((time.perf_counter() - start) * 1000, 3), **attributes}
+            mark_weight_update(found[0], step=found[1], **attributes)
     except Exception:
         _stats.incr("internal_errors")
         _stats.warn_once(f"{name}-weight-update", "rtrace.compat.%s could not mark a weight update", name,
