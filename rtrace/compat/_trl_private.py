@@ -12,8 +12,7 @@ entries, fewer than an evaluation batch larger than the generation batch. Where 
 publishes new weights to vLLM (``use_vllm``), the callback wraps ``sync_weights`` of the
 trainer's ``vllm_generation`` *on that instance* (:func:`wrap_weight_sync`): TRL creates it
 after ``on_init_end``, so the callback wraps it at ``on_train_begin``, before the first
-generation; in the experimental ``AsyncGRPOTrainer``, its ``_sync_weight`` (on the instance, at
-``on_init_end``: before the trainer binds it into its own step callback). Nothing else in rtrace touches a TRL private
+generation. Nothing else in rtrace touches a TRL private
 name (``tests/test_private_apis.py`` checks the compat modules for it), and the canary
 test in ``tests/frameworks/test_trl.py`` checks each name of :data:`PRIVATE_NAMES`
 against the installed TRL.
