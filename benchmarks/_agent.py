@@ -8,9 +8,11 @@ from typing import Any, Callable
 SPANS_PER_TRAJECTORY = 6
 
 
-def decorated_agent(generation: Callable, tool: Callable, rollout: Callable) -> Callable[[list[int]], Any]:
-    """``agent(prompt_ids)``: 2 generations and 2 tool calls, decorated with the given
-    tracer's decorators (rtrace's or another's: both benchmarks trace the same calls)."""
+def decorated_agent(generation: Callable, tool: Callable, rollout: Callable, turns: int = 2
+                    ) -> Callable[[list[int]], Any]:
+    """``agent(prompt_ids)``: ``turns`` generations and as many tool calls (2: the 6-span
+    rollout with its root), decorated with the given tracer's decorators (rtrace's or
+    another's: both benchmarks trace the same calls)."""
 
     @generation
     def generate(prompt_ids):
@@ -24,16 +26,19 @@ def decorated_agent(generation: Callable, tool: Callable, rollout: Callable) -> 
     def agent(prompt_ids):
         out = generate(prompt_ids)
         calculator("c1", "6*7")
-        out = generate(prompt_ids + out["response_ids"])
-        calculator("c2", "6*7")
+        for turn in range(2, turns + 1):
+            prompt_ids = prompt_ids + out["response_ids"]  # each turn continues the last
+            out = generate(prompt_ids)
+            calculator(f"c{turn}", "6*7")
         return out
 
     return agent
 
 
-def make_agent(rtrace: Any, coordinates: Callable[[int], dict[str, Any]]) -> Callable[[int], None]:
-    """``trajectory(i)``: one rollout under ``rollout_context(**coordinates(i))`` with a reward."""
-    run = decorated_agent(rtrace.traced_generation, rtrace.traced_tool, rtrace.traced_rollout)
+def make_agent(rtrace: Any, coordinates: Callable[[int], dict[str, Any]], turns: int = 2) -> Callable[[int], None]:
+    """``trajectory(i)``: one rollout under ``rollout_context(**coordinates(i))`` with a reward
+    (``2 + 2 * turns`` spans)."""
+    run = decorated_agent(rtrace.traced_generation, rtrace.traced_tool, rtrace.traced_rollout, turns)
 
     def trajectory(i: int) -> None:
         with rtrace.rollout_context(**coordinates(i)):

@@ -69,7 +69,7 @@ def open_run(path, connection=None):
 
         rtrace.open_run("rtrace_dataset/run-7").df()          # pandas, one row per trajectory
         rtrace.open_run("rtrace_dataset/run-7").sql(
-            "SELECT step, avg(reward) FROM trajectories GROUP BY step").pl()
+            "SELECT step, avg(reward) FROM trajectories WHERE NOT validate GROUP BY step").pl()
 
     ``path`` is a local folder or a URL (``s3://bucket/prefix/run-7``). Needs the
     ``parquet`` extra (pyarrow, duckdb).

@@ -41,7 +41,8 @@ from typing import Any, Iterable
 
 __all__ = ["ListSnapshot", "unsnap", "is_array", "array_to_python", "Converter", "REDACTED", "truncate",
            "attr_ok", "finite_or_str", "strict_json", "json_default", "is_plain_json", "fast_json", "json_safe",
-           "json_text", "clean_text", "ARRAY_INLINE", "vouch", "vouched", "plain_json"]
+           "json_text", "clean_text", "ARRAY_INLINE", "vouch", "vouched", "plain_json", "bidi_visible",
+           "bidi_visible_messages", "BIDI_CONTROLS"]
 
 REDACTED = "[REDACTED]"
 _MAX_DEPTH = 12
@@ -91,6 +92,42 @@ def clean_text(text: str) -> str:
     except UnicodeEncodeError:
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
     return text
+
+
+#: Unicode's bidirectional controls (embeddings, overrides, isolates, marks): text holding them
+#: displays in another order than it is stored (RLO + "gnp.exe" shows as "exe.png")
+BIDI_CONTROLS = "\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
+_BIDI = re.compile(f"[{BIDI_CONTROLS}]")
+
+
+def bidi_visible(text: str) -> str:
+    """``text`` as a person should read it on a page: each bidirectional control written as
+    ``⟨U+202E⟩`` where it stands, so none reorders what follows it. For what rtrace *shows*
+    (serve, the report page, trackio's and MLflow's conversation views); the data itself
+    (the dataset, JSONL, JSON pages) keeps the characters as they were."""
+    if not text or _BIDI.search(text) is None:
+        return text
+    return _BIDI.sub(lambda m: f"⟨U+{ord(m.group()):04X}⟩", text)
+
+
+def bidi_visible_messages(messages: list[Any]) -> list[Any]:
+    """Chat messages with :func:`bidi_visible` applied to what a viewer shows of them (text
+    content, text parts, a tool message's name); copies only of the messages that change."""
+    out = []
+    for msg in messages:
+        if isinstance(msg, dict):
+            shown = dict(msg)
+            content = msg.get("content")
+            if isinstance(content, str):
+                shown["content"] = bidi_visible(content)
+            elif isinstance(content, list):
+                shown["content"] = [{**part, "text": bidi_visible(part["text"])} if isinstance(part, dict)
+                                    and isinstance(part.get("text"), str) else part for part in content]
+            if isinstance(msg.get("name"), str):
+                shown["name"] = bidi_visible(msg["name"])
+            msg = shown if shown != msg else msg
+        out.append(msg)
+    return out
 
 
 @functools.lru_cache(maxsize=8)

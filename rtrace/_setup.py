@@ -296,11 +296,13 @@ def stats() -> dict[str, int]:
     ``trajectories_dropped_open_limit``, ``sink.<name>.exported`` /
     ``.failed_batches`` / ``.dropped_batches`` / ``.abandoned_trajectories``,
     ``values_truncated``, ``values_redacted``, ``internal_errors`` ... plus the gauges
-    ``open_trajectories`` and ``queued_spans``. The full list is in docs/stats.md.
+    ``open_trajectories``, ``waiting_trajectories`` and ``queued_spans``. The full list is in
+    docs/stats.md.
     """
     out = _stats.snapshot()
     pipeline = _pipeline
-    gauges = pipeline.gauges() if pipeline is not None else {"open_trajectories": 0, "queued_spans": 0}
+    gauges = pipeline.gauges() if pipeline is not None else {"open_trajectories": 0, "waiting_trajectories": 0,
+                                                             "queued_spans": 0}
     out.update(gauges)
     return out
 

@@ -533,6 +533,11 @@ PARAMS: tuple[Param, ...] = (
           "is recorded as a summary only, and the step metrics and the dataset's trajectories table count every "
           "rollout. Off: a sampled-out rollout costs nothing and is in no metric (they describe the sample).",
           type="bool"),
+    Param("promote_per_step", "RTRACE_PROMOTE_PER_STEP", _int(0), 4, "an integer >= 0",
+          "Collector mode, in a worker: per step, at most this many rollouts recorded as summaries only "
+          "(RTRACE_PRE_SAMPLE_RATE) are sent in full after all when the worker knows the collector's tail may keep "
+          "them: the root failed, a generation stopped at `length`, or a rollout-health finding "
+          "(docs/multi-process.md). 0: none.", type="int"),
     Param("capture", "RTRACE_CAPTURE", _bool, True, "true/false",
           "Capture arguments and return values of decorated calls (off: names and timings only).", type="bool"),
     Param("max_value_chars", "RTRACE_MAX_VALUE_CHARS", _int(16), 20_000, "an integer >= 16",
@@ -545,7 +550,18 @@ PARAMS: tuple[Param, ...] = (
     Param("max_queue_size", "RTRACE_MAX_QUEUE_SIZE", _int(1), 65_536, "an integer >= 1",
           "Ended spans waiting for the worker thread; beyond it spans are dropped and counted.", type="int"),
     Param("max_open_trajectories", "RTRACE_MAX_OPEN_TRAJECTORIES", _int(1), 20_000, "an integer >= 1",
-          "Trajectories started but not finished; beyond it new ones are not traced (counted).", type="int"),
+          "Trajectories started whose root has not ended (running); beyond it new ones are not traced (counted). "
+          "Finished ones that wait (awaited annotations, the collector's settle time) are held apart: "
+          "max_waiting_trajectories.", type="int"),
+    Param("max_waiting_trajectories", "RTRACE_MAX_WAITING_TRAJECTORIES", _int(1), 20_000, "an integer >= 1",
+          "Finished trajectories held while they wait for awaited annotations (or, in the collector, settle_s), "
+          "apart from the running ones. Beyond it the oldest is written now, complete but without what it waited "
+          "for (counted: trajectories_written_early); a running trajectory is never evicted for it.", type="int"),
+    Param("max_waiting_summaries", "RTRACE_MAX_WAITING_SUMMARIES", _int(1), 100_000, "an integer >= 1",
+          "Rollouts recorded as summaries only (docs/metrics.md) held while they wait for awaited annotations, apart "
+          "from the trajectories (~1.5 kB each: a step of more summarized rollouts per collector, all waiting for "
+          "the trainer's advantages, needs more). Beyond it the oldest is counted now without what it waited for "
+          "(counted: trajectories_written_early).", type="int"),
     Param("max_spans_per_trajectory", "RTRACE_MAX_SPANS_PER_TRAJECTORY", _int(1), 2_000, "an integer >= 1",
           "Spans kept per trajectory; the rest are dropped and counted.", type="int"),
     Param("orphan_timeout_s", "RTRACE_ORPHAN_TIMEOUT_S", _float(0.0), 1800.0, _SEC.format(0),
@@ -562,9 +578,12 @@ PARAMS: tuple[Param, ...] = (
     Param("flush_on_sigterm", "RTRACE_FLUSH_ON_SIGTERM", _bool, True, "true/false",
           "On SIGTERM, flush (bounded by sink_timeout_s) and then let the signal do what it did before "
           "(the previous handler, or the default: terminate). Main thread only.", type="bool"),
-    Param("await_annotations", "RTRACE_AWAIT_ANNOTATIONS", _str_list, (), "comma list of keys, or none",
+    Param("await_annotations", "RTRACE_AWAIT_ANNOTATIONS", _str_list, None, "comma list of keys, or none",
           "Annotation keys (`reward`, `advantage`...) a finished training trajectory waits for before it is "
-          "exported.", type="tuple[str, ...]"),
+          "exported. Unset: none, until the trainer's `old_logprob` rows come after their trajectories were "
+          "written (the logprob_mismatch check then measured nothing): from then on training trajectories wait "
+          "for `old_logprob` (said once; docs/token-values.md). `none`: never wait.",
+          type="tuple[str, ...] | None"),
     Param("await_eval_annotations", "RTRACE_AWAIT_EVAL_ANNOTATIONS", _str_list, (), "comma list of keys, or none",
           "The same for validation trajectories (none by default: trainers annotate advantages and returns on "
           "training rollouts only, and a validation rollout would wait in vain).", type="tuple[str, ...]"),
@@ -642,9 +661,15 @@ PARAMS: tuple[Param, ...] = (
           "Collector: a span with more attributes than this is refused (counted).", type="int"),
     Param("collector_max_held_bytes", "RTRACE_COLLECTOR_MAX_HELD_BYTES", _int(1024 * 1024), 1024 ** 3,
           "an integer >= 1048576",
-          "Collector: wire bytes the open trajectories may hold. At it (or at max_open_trajectories) the "
-          "receiver pushes back (RESOURCE_EXHAUSTED with RetryInfo / HTTP 429) and the least recently active "
-          "trajectories are written partial until a tenth is free (counted: trajectories_evicted).",
+          "Collector: wire bytes the running trajectories (root not arrived) may hold. At it (or at "
+          "max_open_trajectories) the receiver pushes back (RESOURCE_EXHAUSTED with RetryInfo / HTTP 429) and the "
+          "least recently active running trajectories are written partial until a tenth is free (counted: "
+          "trajectories_evicted). Finished trajectories that wait (settle_s, awaited annotations) are not counted "
+          "here: collector_max_waiting_bytes.", type="int"),
+    Param("collector_max_waiting_bytes", "RTRACE_COLLECTOR_MAX_WAITING_BYTES", _int(1024 * 1024), 1024 ** 3,
+          "an integer >= 1048576",
+          "Collector: wire bytes the finished trajectories waiting for settle_s or awaited annotations may hold. "
+          "Beyond it the oldest is written now, without what it waited for (counted: trajectories_written_early).",
           type="int"),
     # the capture gateway (docs/gateway.md)
     Param("gateway_upstream", "RTRACE_GATEWAY_UPSTREAM", _http_url, None, "an http(s):// URL",

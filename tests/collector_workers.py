@@ -297,3 +297,67 @@ def big_annotate_batch(env: dict[str, str], rows: int, joined: list[int], out: A
     out.close()
     out.join_thread()
     os._exit(0)
+
+
+def advantage_rollouts(env: dict[str, str], worker: int, workers: int, steps: int, groups: int, n: int,
+                       barrier: Any, out: Any) -> None:
+    """Groups ``worker, worker + workers, ...`` of every step, ``n`` rollouts each: two tool calls a
+    millisecond apart (the exporter's rounds cut some rollouts in two: their first tool span reaches
+    the collector before their root, a trajectory still running there). After each step, the
+    trainer's ``barrier``. Reports (flushed, its counters) once its spans are sent."""
+    _apply(env)
+    import rtrace
+
+    @rtrace.traced_tool(tool_name="calculator")
+    def calc(x: int) -> int:
+        return x * 2
+
+    for step in range(steps):
+        for g in range(worker, groups, workers):
+            for r in range(n):
+                with rtrace.rollout_context(step=step, sample_index=g, rollout_n=r, group_id=f"g{g}"):
+                    calc(g)
+                    time.sleep(0.001)
+                    calc(r)
+                    rtrace.record_reward(float(r % 2))
+        barrier.wait()
+    ok = rtrace.flush(300)
+    out.put((ok, rtrace.stats()))
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+def advantage(step: int, group: int, rollout: int) -> float:
+    """The advantage :func:`advantage_trainer` gives a rollout."""
+    return float(step * 1000 + group * 10 + rollout)
+
+
+def advantage_trainer(env: dict[str, str], steps: int, groups: int, n: int, lag: int, barrier: Any,
+                      out: Any) -> None:
+    """A trainer whose updates run ``lag`` steps behind its rollouts: once the rollouts of step
+    ``s + lag`` ended (``barrier``), one ``annotate_batch`` gives every rollout of step ``s`` its
+    advantage (:func:`advantage`), rows shuffled. Reports (flushed, its counters)."""
+    _apply(env)
+    import random
+
+    import rtrace
+
+    def annotate(step: int) -> None:
+        rows = [(g, r) for g in range(groups) for r in range(n)]
+        random.Random(step).shuffle(rows)
+        sent = rtrace.annotate_batch(step=step, sample_index=[g for g, _ in rows], rollout_n=[r for _, r in rows],
+                                     advantage=[advantage(step, g, r) for g, r in rows])
+        assert sent == len(rows), sent
+
+    for step in range(steps):
+        barrier.wait()
+        if step >= lag:
+            annotate(step - lag)
+    for step in range(max(0, steps - lag), steps):
+        annotate(step)
+    ok = rtrace.flush(300)
+    out.put((ok, rtrace.stats()))
+    out.close()
+    out.join_thread()
+    os._exit(0)

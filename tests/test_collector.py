@@ -188,13 +188,14 @@ class TestFailures:
 class TestLoad:
     def test_sixteen_clients_lose_nothing_uncounted(self, collector, tmp_path):
         """Issue #37's load: 16 worker processes send 1,600 whole trajectories each, 400 per request,
-        at once, into a collector with the default table (20,000 open trajectories, each settling
-        2 s): more than the table holds. The collector pushes back before it accepts; rtrace's worker
+        at once, into a collector whose table takes 2,000 new trajectories (each request reserves room
+        for its 400 until it is assembled; then they settle 2 s in the waiting table, apart: issue 40):
+        more than the table holds. The collector pushes back before it accepts; rtrace's worker
         sink waits the delay it names and sends again. All 25,600 are written, each once, whole (or a
         loss is counted at the sender); the worker never drops what it accepted (before: 17,952 to
         20,576 written, all 64 requests answered OK)."""
         clients, n, per_request = 16, 1600, 400
-        c = collector(settle_s=2.0)
+        c = collector(settle_s=2.0, max_open_trajectories=2000)
         ready_events, go = [SPAWN.Event() for _ in range(clients)], SPAWN.Event()
         queues = [SPAWN.Queue() for _ in range(clients)]
         procs = [_run(workers.load_client, c.endpoint, i, n, per_request, 30.0, ready_events[i], go, queues[i])
@@ -449,7 +450,8 @@ class TestGc:
 
     def test_rtrace_collect_tunes_its_own_process(self, monkeypatch, tmp_path, capsys):
         """`rtrace collect` calls tune_gc and tune_malloc once it runs (its process is the
-        collector's alone)."""
+        collector's alone), and prints its counters when it stops."""
+        import json
         import signal
         import threading
 
@@ -470,7 +472,11 @@ class TestGc:
             for s, h in handlers.items():
                 signal.signal(s, h)
         assert calls == [1, 2]
-        assert "rtrace collector stopped" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert "rtrace collector stopped" in out
+        # its counters, as one JSON line after it stopped
+        stats = json.loads(out.split("# rtrace stats: ", 1)[1].splitlines()[0])
+        assert stats["receiver.requests"] == 0 and stats["open_trajectories"] == 0
 
     @pytest.mark.integration
     def test_request_bodies_leave_the_collectors_memory(self, tmp_path):

@@ -337,7 +337,10 @@ class TestASinkBehind:
                 self.got.extend(trajectories)
 
         slow = Slow()
-        c = collector(settle_s=0.05, sinks=[slow], sink_queue_size=1, max_export_batch_size=4,
+        # no settle time: the worker hands each request's trajectories to the slow sink in the round
+        # that assembles it, and waits there (~0.2 s a request) while the next requests come (finished
+        # trajectories that settle wait apart from the open table, so they do not fill it: issue 40)
+        c = collector(settle_s=0, sinks=[slow], sink_queue_size=1, max_export_batch_size=4,
                       max_queue_size=64, max_open_trajectories=40)
         _stats.reset()
         sink = CollectorSink(load_settings({"exporter": "collector", "collector_endpoint": c.endpoint,

@@ -101,25 +101,68 @@ def trackio_traces(trackio_dir: Path, project: str) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def trackio_demo(tmp_path_factory):
-    """The demo with no --exporter: trackio, in a local folder under --out-dir."""
+    """The demo with no --exporter (what `make demo` runs): trackio and the dataset, in local
+    folders under --out-dir."""
     out = tmp_path_factory.mktemp("demo-trackio")
     return out, run_demo(out)
 
 
+def open_lines(stdout: str) -> list[str]:
+    """The commands the demo ends with (each followed by an indented line saying what it opens)."""
+    tail = stdout.split("Open what it wrote:\n", 1)[1].splitlines()
+    return [line[2:] for line in tail if line.startswith("  ") and not line.startswith("      ")]
+
+
 class TestDemoTrackio:
-    def test_default_is_trackio_in_a_local_folder(self, trackio_demo):
-        """With no exporter given the demo writes to trackio under <out-dir>/trackio and prints
-        the exact command that opens it."""
+    def test_default_writes_trackio_and_the_dataset_and_says_how_to_open_them(self, trackio_demo):
+        """With no exporter given the demo writes trackio under <out-dir>/trackio and the run's
+        dataset under <out-dir>/dataset, and ends with the commands that open them, the live
+        viewer first: `rtrace serve <the dataset>`, then `trackio show` with its TRACKIO_DIR."""
         out, proc = trackio_demo
         assert proc.returncode == 0, proc.stderr
         assert (out / "trackio" / "rtrace-demo.db").is_file()
-        # `trackio`, or its full path next to the venv's python when it is not on PATH
-        assert re.search(rf"trackio:  TRACKIO_DIR={re.escape(str(out / 'trackio'))} (\S*/)?trackio show "
-                         r"--project rtrace-demo\n", proc.stdout)
-        assert f"rtrace: {STEPS * PROMPTS * ROLLOUTS + VAL} trajectories written to trackio" in proc.stdout
+        (run,) = (out / "dataset").iterdir()
+        n = STEPS * PROMPTS * ROLLOUTS + VAL
+        for sink in ("trackio", "parquet"):
+            assert f"rtrace: {n} trajectories written to {sink}" in proc.stdout
+        commands = open_lines(proc.stdout)
+        # `rtrace`, `trackio`: or their full paths next to the venv's python when not on PATH
+        assert re.fullmatch(rf"(\S*/)?rtrace serve {re.escape(str(run))}", commands[0])
+        assert re.fullmatch(rf"TRACKIO_DIR={re.escape(str(out / 'trackio'))} (\S*/)?trackio show "
+                            r"--project rtrace-demo", commands[1])
+        assert re.fullmatch(rf'(\S*/)?rtrace query {re.escape(str(run))} "SELECT step, avg\(reward\) FROM '
+                            r'trajectories WHERE NOT validate GROUP BY step ORDER BY step"', commands[2])
+        assert len(commands) == 3
         # trackio's own banner, whose `trackio show` lacks TRACKIO_DIR and opens "No projects", is not shown
-        assert "trackio show --project" not in proc.stdout.replace("trackio show --project rtrace-demo\n", "", 1)
+        assert "trackio show --project" not in proc.stdout.replace(commands[1], "", 1)
         assert "* View dashboard" not in proc.stdout and "* Trackio project initialized" not in proc.stdout
+
+    def test_the_output_is_what_a_newcomer_needs(self, trackio_demo):
+        """No library's deprecation notice (transformers' FutureWarning through torch) and no
+        trackio message among the demo's lines."""
+        _, proc = trackio_demo
+        assert proc.returncode == 0, proc.stderr
+        for stream in (proc.stdout, proc.stderr):
+            assert "Warning" not in stream and "warnings.warn" not in stream and "* Trackio" not in stream
+        allowed = ("rtrace demo:", "step ", "update ", "validation ")
+        assert all(line.startswith(allowed) for line in proc.stderr.splitlines()), proc.stderr
+
+    def test_the_serve_command_opens_the_run(self, trackio_demo):
+        """The first command's path is a run rtrace serve reads: every rollout, training by default."""
+        pytest.importorskip("duckdb")
+        from rtrace.serve.sources import sources_from_paths
+
+        out, proc = trackio_demo
+        path = open_lines(proc.stdout)[0].split(" serve ", 1)[1]
+        srcs = sources_from_paths([path])
+        try:
+            srcs.refresh()
+            (source,) = srcs.runs.values()
+            assert source.snapshot.problem is None
+            assert source.snapshot.splits == {"train": STEPS * PROMPTS * ROLLOUTS, "val": VAL,
+                                              "all": STEPS * PROMPTS * ROLLOUTS + VAL}
+        finally:
+            srcs.close()
 
     def test_traces_readable_from_trackio_storage(self, trackio_demo):
         """trackio's storage holds one trace per rollout (training under rollout/traces,
@@ -222,9 +265,12 @@ class TestDemoJsonlMlflow:
         assert re.search(r"Answers: train \d+ correct, \d+ wrong; val \d+ correct, \d+ wrong\.", proc.stdout)
         for sink in ("jsonl", "mlflow"):
             assert f"rtrace: {STEPS * PROMPTS * ROLLOUTS + VAL} trajectories written to {sink}" in proc.stdout
-        assert f"jsonl:    {out / 'traces.jsonl'}" in proc.stdout
+        commands = open_lines(proc.stdout)
+        jsonl = re.escape(str(out / "traces.jsonl"))
+        assert re.fullmatch(rf"(\S*/)?rtrace serve {jsonl}", commands[0])  # the live viewer first
         uri = re.escape(f"sqlite:///{out / 'mlflow.db'}")
-        assert re.search(rf"mlflow:   (\S*/)?mlflow ui --backend-store-uri {uri} ", proc.stdout)
+        assert re.fullmatch(rf"(\S*/)?mlflow ui --backend-store-uri {uri}", commands[1])
+        assert re.fullmatch(rf"(\S*/)?rtrace report {jsonl} --html \S+report.html", commands[2])
         assert "Filters -> Tag: step = 1" in proc.stdout and "tags.step = '1'" in proc.stdout
         assert "step 1/1" in proc.stderr and "validation" in proc.stderr  # the progress bars
 

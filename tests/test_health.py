@@ -329,7 +329,8 @@ class TestCoordinates:
 
     def test_a_group_of_an_odd_size_in_the_step_metrics_and_table(self):
         """Three groups of two and one of three: the step's coordinates rate counts the odd group's
-        members and the rollouts table notes them; under a cap (groups cut) nothing is said."""
+        members and the rollouts table notes them; under a cap the same, every rollout being counted
+        (summaries), and nothing without summaries (the metrics then see the sample: groups cut)."""
         sink = MetricsSink()
         with health_of(sinks=[sink]):
             for index, size in enumerate((2, 2, 2, 3)):
@@ -342,12 +343,13 @@ class TestCoordinates:
             "group of 3 (usual 2)"] * 3
         assert all(r["note"] in ("", "slowest") for r in m.rows if r["group"] != "g3")
         assert sum("slowest" in r["note"] for r in m.rows) == 1
-        capped = MetricsSink()
-        with health_of(sinks=[capped], max_traces_per_step=100):
-            for index, size in enumerate((2, 2, 2, 3)):
-                for n in range(size):
-                    rollout([], index=index, n=n, group_id=f"g{index}")
-        assert capped.metrics[0].values["rollout/health/coordinates_rate"] == 0.0
+        for summaries, rate in ((True, 3 / 9), (False, 0.0)):
+            capped = MetricsSink()
+            with health_of(sinks=[capped], max_traces_per_step=4, summaries=summaries):
+                for index, size in enumerate((2, 2, 2, 3)):
+                    for n in range(size):
+                        rollout([], index=index, n=n, group_id=f"g{index}")
+            assert capped.metrics[0].values["rollout/health/coordinates_rate"] == rate
 
 
 class MetricsSink(rtrace.Sink):

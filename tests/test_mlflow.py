@@ -99,6 +99,21 @@ def search(uri, exp_id, **kwargs):
 
 
 # ----------------------------------------------------------------------------- SQLite
+def test_previews_show_bidirectional_controls(tmp_path, sqlite_uri):
+    """A task and an answer holding a right-to-left override: MLflow's request and response
+    previews (and the root's messages) show it as ⟨U+202E⟩, so "\u202egnp.exe" does not read
+    "exe.png"; the JSONL keeps the text as it was."""
+    configure(tmp_path, sqlite_uri, project="bidi")
+    with rtrace.rollout_context(step=1, sample_index=0, rollout_n=0):
+        agent("Open \u202egnp.exe?")
+    [traj] = read_back(tmp_path / "t.jsonl")
+    assert traj.messages[1]["content"] == "Open \u202egnp.exe?"
+    trace = MlflowClient(tracking_uri=sqlite_uri).get_trace("tr-" + traj.trace_id)
+    assert trace.info.request_preview == "Open ⟨U+202E⟩gnp.exe?"
+    assert trace.data.spans[0].inputs["messages"][1]["content"] == "Open ⟨U+202E⟩gnp.exe?"
+    assert trace.data.spans[1].inputs == {"task": "Open \u202egnp.exe?"}  # a call's captured input: as it was
+
+
 def test_multi_turn_trajectory_round_trips(tmp_path, sqlite_uri):
     """get_trace returns every span with our ids, names, types, parents, times, inputs and outputs."""
     configure(tmp_path, sqlite_uri, project="roundtrip")

@@ -4,10 +4,11 @@ rtrace writes is strict, bounded, redacted JSON (issue #13).
 For arbitrary arguments, return values, exceptions and send/throw/close sequences, each
 function shape (sync, async, generator, async generator) is run undecorated and then
 decorated, in every mode (tracing off, on, sampled out as the root, sampled out inside
-a trajectory); the two transcripts must be identical, object for object, and the
-program's ``random`` state must not move. With tracing on, every exported trajectory is
-encoded as the JSONL sink encodes it: strict JSON, UTF-8, no value over
-``max_value_chars`` (plus the truncation marker), and no planted secret.
+a trajectory, and the same two recorded as summaries only: ``RTRACE_SUMMARIES``); the two
+transcripts must be identical, object for object, and the program's ``random`` state must
+not move. With tracing on, every exported trajectory is encoded as the JSONL sink encodes
+it: strict JSON, UTF-8, no value over ``max_value_chars`` (plus the truncation marker), and
+no planted secret; recorded as summaries only, every rollout summary's wire form the same.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from rtrace.exporters.jsonl import encode_line  # noqa: E402
 MAX_CHARS = 120
 #: the longest truncation marker: "…[truncated, N chars]" with N < 10**12
 MARKER = len("…[truncated, 999999999999 chars]")
-MODES = ["off", "on", "sampled_out_root", "sampled_out_child"]
+MODES = ["off", "on", "sampled_out_root", "sampled_out_child", "summary_root", "summary_child"]
 #: examples per test and mode; PROPERTY_EXAMPLES=500 for a longer search
 EXAMPLES = int(os.environ.get("PROPERTY_EXAMPLES", "50"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None,
@@ -122,13 +123,26 @@ def mode(request):
         rtrace.configure(exporter="none")
         yield name, _nothing, None
         return
-    sink = rtrace.testing.MemorySink()
+    sink = SummarySink()
     cap = None if name == "on" else 0
-    rtrace.configure(sinks=[sink], max_traces_per_step=cap, max_value_chars=MAX_CHARS, export_interval_s=0.02)
-    inside = name in ("on", "sampled_out_child")
+    rtrace.configure(sinks=[sink], max_traces_per_step=cap, max_value_chars=MAX_CHARS, export_interval_s=0.02,
+                     summaries=name.startswith("summary"))
+    inside = name in ("on", "sampled_out_child", "summary_child")
     yield name, (lambda: rtrace.rollout_context(step=1, note=f"see {SK}")) if inside else _nothing, sink
     if name != "on":
         assert rtrace.flush(10) and sink.trajectories == []
+        assert bool(sink.summaries) == name.startswith("summary")
+
+
+class SummarySink(rtrace.testing.MemorySink):
+    """The memory sink, also keeping the rollout summaries it gets."""
+
+    def __init__(self):
+        super().__init__()
+        self.summaries = []
+
+    def export_summaries(self, summaries):
+        self.summaries.extend(summaries)
 
 
 class _Nothing:
@@ -184,17 +198,31 @@ def check_outputs(sink, before):
     return len(sink.trajectories)
 
 
+def check_summaries(sink, before):
+    """Every rollout summary since ``before``: its wire form strict JSON, its error bounded, no secret."""
+    assert rtrace.flush(10)
+    for summary in sink.summaries[before:]:
+        text = json.dumps(summary.to_wire(), ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")  # no lone surrogate
+        for secret in SECRETS:
+            assert secret not in text
+        assert summary.error is None or len(summary.error) <= MAX_CHARS + MARKER
+
+
 def run_checked(mode, decorated_run, plain_run):
     """Run undecorated, then decorated in the mode; compare transcripts and random state."""
     name, around, sink = mode
     expected = plain_run()
     before = len(sink.trajectories) if sink is not None else 0
+    summarized = len(sink.summaries) if sink is not None else 0
     state = random.getstate()
     with around():
         got = decorated_run()
     assert got == expected
     if sink is not None and name == "on":
         check_outputs(sink, before)
+    if sink is not None and name.startswith("summary"):
+        check_summaries(sink, summarized)
     assert random.getstate() == state
 
 

@@ -173,26 +173,29 @@ class TestTheRolloutsTable:
     def test_the_filter_form_and_column_chooser(self, app):
         """The page's GET forms: _f/_op/_v make one filter, _c the shown columns."""
         data = get_json(app, "/run/job/rollouts.json?_f=step&_op=le&_v=1&_c=reward&_c=verdict")
-        assert data["total"] == 12 and [c["name"] for c in data["columns"]] == ["reward", "verdict"]
+        assert data["total"] == 12 and [c["name"] for c in data["columns"]] == ["verdict", "reward"]  # the table's order
         assert set(data["rows"][0]) == {"trace_id", "reward", "verdict"}
         page = get(app, "/run/job/rollouts?_col=reward,verdict").text
         assert 'name="_c" value="reward" checked' in page and 'name="_c" value="task">' in page
 
     def test_histograms_bin_as_the_report_does_and_each_bar_filters(self, app, ran):
         """The reward histogram's bars are those plots.histogram draws from the same rewards, and a
-        bar's link narrows the table to that bar's rollouts (its count)."""
+        bar's link (an overflow bar's too) narrows the table to that bar's rollouts (its count)."""
         data = get_json(app, "/run/job/rollouts.json")
         rewards = [t.reward for t in ran["by_id"].values()]
-        bars = data["histograms"]["reward"]["bars"]
-        titles = re.findall(r"<title>([^<]*)</title>", plots.histogram_bars("reward", [tuple(b) for b in bars]))
+        hist = data["histograms"]["reward"]
+        titles = re.findall(r"<title>([^<]*)</title>", plots.histogram_bars(
+            "reward", [tuple(b) for b in hist["bars"]], under=hist["under"], over=hist["over"]))
         assert titles == re.findall(r"<title>([^<]*)</title>", plots.histogram("reward", rewards))
         assert data["histograms"]["reward"]["missing"] == 1  # the crash
         lat = data["histograms"]["latency"]
-        assert not lat["categorical"] and sum(b[2] for b in lat["bars"]) == 36
+        beyond = [b for b in (lat["under"], lat["over"]) if b]
+        assert not lat["categorical"] and sum(b[2] for b in lat["bars"] + beyond) == 36
         page = get(app, "/run/job/rollouts").text
         links = re.findall(r'<div class="hist" data-hist="latency">.*?</div>', page, re.S)[0]
         hrefs = [html.unescape(h) for h in re.findall(r'<a href="([^"]+)" class="bar"', links)]
-        counts = [b[2] for b in lat["bars"] if b[2]]
+        counts = [b[2] for b in ([lat["under"]] if lat["under"] else []) + lat["bars"] +
+                  ([lat["over"]] if lat["over"] else []) if b[2]]
         assert len(hrefs) == len(counts)
         for href, count in zip(hrefs, counts):
             assert get_json(app, href.replace("/rollouts?", "/rollouts.json?"))["total"] == count
@@ -292,17 +295,23 @@ class TestFailures:
 
 class TestARollout:
     def test_tokens_coloured_by_each_array_with_values_on_hover(self, app, ran):
-        """The mismatch rollout: its tokens, a colour per token from the chosen array, every
-        array's value in each token's title, a legend; mismatch = trainer - sampler."""
+        """The mismatch rollout: its tokens, a colour per token from the chosen array, a legend;
+        mismatch = trainer - sampler. Each token's tooltip (``data-tip``, shown at once by
+        tokens.js; not a native ``title``): its position, id (when kept), exact text and every
+        array's value."""
         tid = _tid(ran, *job.MISMATCH)
         page = get(app, f"/run/job/rollout/{tid}?color=mismatch").text
-        toks = re.findall(r'<span class="tk (\w+)" title="([^"]*)">([^<]*)</span>', page)
+        toks = re.findall(r'<span class="tk (\w+)" data-tip="([^"]*)">([^<]*)</span>', page)
         assert [html.unescape(t) for _, _, t in toks] == ["The", " answer", " is", " 4", "."]
         assert [c for c, _, _ in toks] == ["d5", "d5", "d5", "d0", "d5"]  # -2 at token 3: the darkest blue
-        assert "mismatch -2" in toks[3][1] and "logprob -0.2" in toks[3][1] and "old_logprob -2.2" in toks[3][1]
+        tip = html.unescape(toks[3][1]).split("\n")
+        assert tip[:2] == ["token 3", '" 4"']  # token2text dropped the ids (RTRACE_TOKEN2TEXT_KEEP_IDS keeps them)
+        assert {"mismatch -2", "logprob -0.2", "old_logprob -2.2"} <= set(tip)
+        assert '<script src="/static/tokens.js" defer>' in page and ' title="token' not in page
         assert 'data-color="mismatch"' in page and "trainer − sampler" in page
         def tokens(color):
-            div = re.search(r'<div class="tokens"[^>]*>(.*?)</div>', get(app, f"/run/job/rollout/{tid}?color={color}").text)
+            page = get(app, f"/run/job/rollout/{tid}?color={color}").text
+            div = re.search(r'<div class="tokens"[^>]*>(.*?)</div>', page, re.S)  # a tooltip holds newlines
             return re.findall(r'<span class="tk (\w+)"', div.group(1))
 
         assert tokens("loss_mask") == ["m0", "m1", "m1", "m1", "m1"]  # the first token is not trained on
@@ -491,7 +500,7 @@ def test_the_static_report_has_the_same_rollouts_table(ran, tmp_path):
     with open(os.devnull, "w") as devnull:
         assert report([ran["jsonl"]], devnull, str(page)) == 0
     text = page.read_text()
-    table = re.search(r'<table class="rollouts">(.*?)</table>', text, re.S).group(1)
+    table = re.search(r'<table class="rollouts"[^>]*>(.*?)</table>', text, re.S).group(1)
     rows = re.findall(r'<tr class="r-\w+ row-\w+" data-trace="(\w+)"', table)
     assert len(rows) == 36 and rows[0] in {_tid(ran, 3, p, r) for p in range(3) for r in range(4)}
     assert f'href="#trace={rows[0]}"' in table and "/rollouts?" not in table  # no server links

@@ -346,7 +346,8 @@ class TestLateRows:
         return [r.getMessage() for r in caplog.records if "old_logprob rows" in r.getMessage()]
 
     def test_rows_after_the_trajectories_are_said_once_and_counted(self, caplog):
-        with caplog.at_level("WARNING", logger="rtrace"), rtrace.testing.capture() as got:
+        """RTRACE_AWAIT_ANNOTATIONS=none: every late row is a check that measured nothing."""
+        with caplog.at_level("WARNING", logger="rtrace"), rtrace.testing.capture(await_annotations="none") as got:
             rtrace.annotate_batch(step=1, sample_index=[0], rollout_n=[0], old_logprob=[RESPONSE])
             rollout(0)  # its row came first: measured
             for i in (1, 2):
@@ -362,6 +363,26 @@ class TestLateRows:
         (said,) = self._said(caplog)
         assert "the logprob_mismatch check does not measure those trajectories" in said
         assert "RTRACE_AWAIT_ANNOTATIONS=old_logprob" in said
+
+    def test_by_default_the_first_late_row_makes_later_trajectories_wait(self, caplog):
+        """RTRACE_AWAIT_ANNOTATIONS unset: once a row comes after its trajectory was written, later
+        training trajectories wait for theirs (said once, counted), so the check measures them."""
+        with caplog.at_level("WARNING", logger="rtrace"), rtrace.testing.capture(annotation_timeout_s=30) as got:
+            rollout(1)
+            assert rtrace.flush(10)
+            rtrace.annotate_batch(step=1, sample_index=[1], rollout_n=[0], old_logprob=[RESPONSE])  # late
+            assert rtrace.flush(10)
+            rollout(2)  # waits for its row now
+            rtrace.annotate_batch(step=1, sample_index=[2], rollout_n=[0], old_logprob=[RESPONSE])
+            assert rtrace.flush(10)
+            trajs = {t.sample_index: t for t in got.trajectories}
+            stats = got.stats()
+        assert "logprob_mismatch_k3" not in trajs[1].annotations
+        assert trajs[2].annotations["logprob_mismatch_k3"] == 0.0
+        assert stats["logprob_mismatch_unchecked"] == 1 and stats["logprob_mismatch_await_learned"] == 1
+        assert "trajectories_missing_annotations" not in stats
+        said = [r.getMessage() for r in caplog.records if "from now on training trajectories wait" in r.getMessage()]
+        assert len(said) == 1
 
     def test_rows_after_the_wait_say_the_timeout(self, caplog):
         with caplog.at_level("WARNING", logger="rtrace"), rtrace.testing.capture(

@@ -182,7 +182,13 @@ class TestRoundTrip:
             "rollout/latency_ms_mean": total, "rollout/latency_ms_p50": total, "rollout/latency_ms_p90": total,
             "rollout/latency_ms_max": total, "rollout/time_generation_frac": gen / total,
             "rollout/time_tool_frac": tool / total, "rollout/time_other_frac": (total - gen - tool) / total,
-            "rollout/error_rate": 0.0, "rollout/truncated_rate": 0.0, "rollout/partial_rate": 0.0}, rel=1e-12, abs=0)
+            "rollout/error_rate": 0.0, "rollout/truncated_rate": 0.0, "rollout/partial_rate": 0.0,
+            # the fleet in time (docs/timeline.md): on policy (step 4, version 4), calls one after another
+            "rollout/generation_ms_mean": gen, "rollout/tool_ms_mean": tool,
+            "rollout/wait_ms_mean": total - gen - tool, "rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0,
+            "rollout/staleness/0_frac": 1.0, "rollout/staleness/0_pass_rate": 1.0, "rollout/staleness/1_frac": 0.0,
+            "rollout/staleness/2_frac": 0.0, "rollout/staleness/3_frac": 0.0, "rollout/staleness/4plus_frac": 0.0,
+            "rollout/inflight_peak": 1.0}, rel=1e-9, abs=1e-9)
         capsys.readouterr()
         rtrace.shutdown()
         assert "Run finished" in capsys.readouterr().out  # the run rtrace opened is finished
@@ -404,7 +410,9 @@ class TestBadValues:
             "rollout/latency_ms_mean": total, "rollout/latency_ms_p50": total, "rollout/latency_ms_p90": total,
             "rollout/latency_ms_max": total, "rollout/time_generation_frac": 0.0,
             "rollout/time_tool_frac": tool / total, "rollout/time_other_frac": (total - tool) / total,
-            "rollout/error_rate": 0.0, "rollout/truncated_rate": 0.0, "rollout/partial_rate": 0.0}]
+            "rollout/error_rate": 0.0, "rollout/truncated_rate": 0.0, "rollout/partial_rate": 0.0,
+            "rollout/generation_ms_mean": 0.0, "rollout/tool_ms_mean": tool, "rollout/wait_ms_mean": total - tool,
+            "rollout/inflight_peak": 1}]
         stats = rtrace.stats()
         assert stats["sink.trackio.exported"] == 1 and "sink.trackio.failed_batches" not in stats
 
@@ -432,6 +440,32 @@ class TestBadValues:
         assert (got["metadata"]["status"], got["metadata"]["error"]) == ("✗ error reward=inf", "boom")
         assert got["messages"] == [{"role": "user", "content": ["tu", "ple"]}]
         assert logs_with(project, "hand", "rollout/error_rate") == [{"step": 1, "rollout/error_rate": 1.0}]
+
+
+    def test_bidirectional_controls_are_shown_not_obeyed(self, project):
+        """A tool result stored as RLO + "gnp.exe" (a browser shows "exe.png"): trackio's
+        conversation and the root span's task and answer show the override as ⟨U+202E⟩; the
+        spans keep what was recorded."""
+        settings = rtrace.configure(exporter="none", project=project, experiment="bidi")
+        start = 1_700_000_000_000_000_000
+        root = SpanRecord("b" * 16, None, "rollout", "rollout", start, start + 10**9)
+        tool = SpanRecord("c" * 16, "b" * 16, "lookup", "tool", start + 1, start + 2, output="\u202egnp.exe")
+        messages = [{"role": "user", "content": "Which file? \u2067x\u2069"},
+                    {"role": "tool", "name": "look\u202eup", "content": "\u202egnp.exe"},
+                    {"role": "assistant", "content": "It is \u202egnp.exe"}]
+        traj = Trajectory("e" * 32, "rollout", [root, tool], step=1, messages=messages)
+        sink = TrackioSink(settings)
+        sink.export([traj])
+        sink.shutdown()
+        (got,) = traces_of(project, "bidi")
+        assert got["messages"] == [{"role": "user", "content": "Which file? ⟨U+2067⟩x⟨U+2069⟩"},
+                                   {"role": "tool", "name": "look⟨U+202E⟩up", "content": "⟨U+202E⟩gnp.exe"},
+                                   {"role": "assistant", "content": "It is ⟨U+202E⟩gnp.exe"}]
+        spans = {s["name"]: s for s in got["spans"]}
+        assert spans["rollout"]["input"] == got["messages"][:1]
+        assert spans["rollout"]["output"]["answer"] == "It is ⟨U+202E⟩gnp.exe"
+        assert spans["lookup"]["output"] == "\u202egnp.exe"  # a span's captured value: as recorded
+        assert traj.messages[1]["content"] == "\u202egnp.exe"  # the trajectory itself is not changed
 
 
 class TestThroughput:

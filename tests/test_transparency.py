@@ -3,7 +3,9 @@
 Each test drives a decorated function and the same undecorated function through the
 same protocol (asend/athrow/aclose, exceptions whose ``__str__`` raises, the program's
 seeded ``random``) and compares what the program observes, in every mode: tracing off,
-on, and sampled out (the root itself, and a call inside a sampled-out trajectory).
+on, sampled out (the root itself, and a call inside a sampled-out trajectory), and
+recorded as a summary only (sampled out with ``RTRACE_SUMMARIES`` on, the default: the
+calls are tallied as marks instead of spans; issue 40).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 import rtrace
 import rtrace.testing
 
-MODES = ["off", "on", "sampled_out_root", "sampled_out_child"]
+MODES = ["off", "on", "sampled_out_root", "sampled_out_child", "summary_root", "summary_child"]
 
 
 @contextlib.contextmanager
@@ -27,8 +29,8 @@ def mode(name):
         yield contextlib.nullcontext
         return
     cap = None if name == "on" else 0
-    with rtrace.testing.capture(max_traces_per_step=cap) as got:
-        if name == "sampled_out_root":
+    with rtrace.testing.capture(max_traces_per_step=cap, summaries=name.startswith("summary")) as got:
+        if name.endswith("_root"):
             yield contextlib.nullcontext  # the decorated call is the (sampled-out) root
         else:
             yield lambda: rtrace.rollout_context(step=1)
@@ -36,6 +38,8 @@ def mode(name):
             assert got.trajectories, "tracing on recorded nothing"
         else:
             assert got.trajectories == [] and got.stats()["trajectories_sampled_out"] >= 1
+            # summary mode tallied the rollouts (and counted them); sampled out without it, nothing
+            assert (got.stats().get("rollouts_summarized", 0) >= 1) == name.startswith("summary")
 
 
 # ----------------------------------------------------------------------------- item 1
@@ -144,6 +148,63 @@ def test_generator_forwards_send_throw_close(name):
     assert got == expected
 
 
+@pytest.mark.parametrize("name", MODES)
+def test_methods_classmethods_staticmethods(name):
+    """Decorated methods (sync and async), classmethods and staticmethods get the same
+    arguments and give the same results and exceptions as undecorated, in every mode."""
+    import asyncio
+
+    def make(decorate):
+        seen = []
+        d = decorate
+
+        class Tool:
+            name = "calculator"
+
+            @d
+            def run(self, x, *, scale=1):
+                seen.append(("run", self, x, scale))
+                if x < 0:
+                    raise ValueError(x)
+                return x * scale
+
+            @d
+            async def arun(self, x):
+                seen.append(("arun", self, x))
+                await asyncio.sleep(0)
+                return [x]
+
+            @d
+            @classmethod
+            def make(cls, x):
+                seen.append(("make", cls, x))
+                return cls
+
+            @d
+            @staticmethod
+            def pure(x):
+                seen.append(("pure", x))
+                return (x,)
+
+        return Tool, seen
+
+    def transcript(decorate):
+        Tool, seen = make(decorate)
+        tool = Tool()
+        out = [tool.run(2, scale=3), asyncio.run(tool.arun(4)), Tool.make(5) is Tool, tool.pure(6), Tool.pure(7)]
+        try:
+            tool.run(-1)
+        except ValueError as exc:
+            out.append(("raised", exc.args))
+        return out, [(e[0], *(("self" if a is tool else "cls" if a is Tool else a) for a in e[1:])) for e in seen]
+
+    expected = transcript(lambda f: f)
+    with mode(name) as run:
+        with run():
+            got = transcript(rtrace.traced_tool)
+    assert got == expected
+
+
 # ----------------------------------------------------------------------------- item 2
 class EvilError(Exception):
     """An exception whose __str__ and __repr__ raise."""
@@ -207,6 +268,49 @@ class TestExceptionsWhoseTextRaises:
         (traj,) = rtrace_capture.trajectories
         assert [s.status for s in traj.spans[1:]] == ["error", "error"]
 
+    def test_summary_mode(self):
+        """Recorded as a summary only, the same: the program gets its own exception objects back,
+        from a call and from the rollout_context body, and the rollout counts as failed."""
+        err, body = EvilError("payload"), EvilError("body")
+
+        @rtrace.traced_tool
+        def tool():
+            raise err
+
+        with rtrace.testing.capture(max_traces_per_step=0, sinks=[summaries := _Summaries()]) as got:
+            with pytest.raises(EvilError) as info:
+                with rtrace.rollout_context(step=1, sample_index=0):
+                    tool()
+            assert info.value is err
+            with pytest.raises(EvilError) as info:
+                with rtrace.rollout_context(step=1, sample_index=1):
+                    try:
+                        tool()
+                    except EvilError:
+                        pass
+                    raise body
+            assert info.value is body and body.args == ("body",)
+            assert got.trajectories == []
+        assert [(s.sample_index, s.status, s.error, s.tool_calls) for s in summaries.summaries] == [
+            (0, "error", "EvilError: <str() of the exception failed>", 1),
+            (1, "error", "EvilError: <str() of the exception failed>", 1)]
+
+
+class _Summaries(rtrace.Sink):
+    """Keeps the rollout summaries it gets (a sink with ``export_summaries``)."""
+
+    name = "summaries"
+
+    def __init__(self):
+        super().__init__(None)
+        self.summaries = []
+
+    def export(self, trajectories):
+        pass
+
+    def export_summaries(self, summaries):
+        self.summaries.extend(summaries)
+
 
 # ----------------------------------------------------------------------------- item 4
 class TestRandomState:
@@ -225,6 +329,24 @@ class TestRandomState:
         assert random.getstate() == before
         assert len(rtrace_capture.trajectories) == 3
         assert random.getstate() == before  # the worker and sink threads draw nothing either
+
+    @pytest.mark.parametrize("summaries", [True, False], ids=["summary", "sampled_out"])
+    def test_nor_does_a_rollout_sampled_out(self, summaries):
+        """Tallied (a trace id of its own, marks, the worker's summary) or not traced at all."""
+
+        @rtrace.traced_tool
+        def tool(x):
+            return x
+
+        with rtrace.testing.capture(max_traces_per_step=0, summaries=summaries) as got:
+            random.seed(1234)
+            before = random.getstate()
+            for step in range(3):
+                with rtrace.rollout_context(step=step, sample_index=0):
+                    tool(step)
+            assert got.trajectories == [] and random.getstate() == before
+            assert got.stats().get("rollouts_summarized", 0) == (3 if summaries else 0)
+        assert random.getstate() == before
 
     def test_ids_differ_under_the_same_seed(self, rtrace_capture):
         """Re-seeding before each trajectory does not repeat trace ids (0.1.0: the SDK's

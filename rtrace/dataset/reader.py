@@ -635,7 +635,7 @@ def open_run(path: str | os.PathLike, connection: Any = None) -> Run:
     ``open_run(path)`` is the run, and also its ``trajectories`` as a DuckDB relation:
     ``rtrace.open_run("rtrace_dataset/run-7").df()`` is a pandas DataFrame of every
     trajectory, ``.pl()`` a polars one; ``run.sql("SELECT step, avg(reward) FROM
-    trajectories GROUP BY step")`` any query over ``trajectories`` and ``spans``.
+    trajectories WHERE NOT validate GROUP BY step")`` any query over ``trajectories`` and ``spans``.
 
     Raises:
         DatasetError: the path holds no run (the message lists the runs under it).

@@ -4,8 +4,9 @@ Steps x prompts x rollouts: for each step a batch of prompts is drawn, each prom
 rolled out ``--rollouts`` times (a GRPO group), every rollout runs concurrently on one
 asyncio loop inside its own ``rtrace.rollout_context``, and the reward is recorded on
 the trajectory. A greedy validation pass (``validate=True``) follows the last step.
-Then the traces are flushed to the chosen sinks, a per-step table is printed and the
-exact command to open the traces.
+Then the traces are flushed to the chosen sinks (by default trackio and the Parquet
+dataset), a per-step table is printed, and the commands that open what was written, the
+live viewer (``rtrace serve``) first.
 
 The policy is a tiny Qwen2 trained by this repository (``python -m rtrace.demo.train``,
 see :mod:`rtrace.demo.model`) to write ``<tool_call>`` blocks with the numbers or key
@@ -35,12 +36,14 @@ prompts come from ``random.Random(seed)`` and sampling from per-call
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import random
 import shlex
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence, TextIO
@@ -51,8 +54,9 @@ from rtrace.config import load_settings
 
 __all__ = ["DemoOptions", "RolloutResult", "run_demo", "DEFAULT_EXPORTER"]
 
-#: The sink used when neither ``--exporter`` nor ``RTRACE_EXPORTER`` is given.
-DEFAULT_EXPORTER = "trackio"
+#: The sinks used when neither ``--exporter`` nor ``RTRACE_EXPORTER`` is given: trackio's
+#: dashboard, and the dataset ``rtrace serve`` opens (the demo ends with the commands for both)
+DEFAULT_EXPORTER = "trackio,parquet"
 DEFAULT_OUT_DIR = "rtrace-demo"
 DEFAULT_PROJECT = "rtrace-demo"
 #: Adam learning rate of the policy-gradient step after each training step (0: none).
@@ -153,7 +157,12 @@ class _TrackioBanner:
 
 
 def _resolve_exporter(opts: DemoOptions) -> str:
-    return opts.exporter or os.environ.get("RTRACE_EXPORTER") or DEFAULT_EXPORTER
+    chosen = opts.exporter or os.environ.get("RTRACE_EXPORTER")
+    if chosen:
+        return chosen
+    if importlib.util.find_spec("pyarrow") is None:  # the dataset needs the parquet extra: trackio alone
+        return "trackio"
+    return DEFAULT_EXPORTER
 
 
 def _configure(opts: DemoOptions, exporter: str, out_dir: Path, tokenizer: Any) -> dict[str, Any]:
@@ -230,41 +239,42 @@ def _command(name: str) -> str:
     return shlex.quote(str(candidate)) if candidate.exists() else name
 
 
-def open_commands(where: dict[str, Any]) -> list[str]:
-    """The exact commands / paths that open what each sink wrote."""
-    lines = []
+def open_commands(where: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(command, what it opens)`` for what the sinks wrote, the live viewer first
+    (``rtrace serve`` over the dataset, else over the JSONL file): each command is a line a
+    person can paste as it is."""
     q = shlex.quote
-    for name in where["names"]:
-        if name == "trackio":
-            lines.append(f"trackio:  TRACKIO_DIR={q(where['trackio_dir'])} {_command('trackio')} show "
-                         f"--project {q(where['project'])}")
-        elif name == "mlflow":
-            page = f"http://127.0.0.1:5000 -> experiment {where['project']}"
-            if "mlflow_run" in where:  # the run the traces are linked to
-                page = "http://127.0.0.1:5000/#/experiments/{}/runs/{}".format(*where["mlflow_run"])
-            lines.append(f"mlflow:   {_command('mlflow')} ui --backend-store-uri {q(where['mlflow_uri'])}   "
-                         f"(then {page} -> Traces; Model metrics: the step metrics)")
-            lines.append("          one step: Traces -> Filters -> Tag: step = 1 (the search box is free text); "
-                         "in Python: mlflow.search_traces(filter_string=\"tags.step = '1'\")")
-        elif name == "jsonl":
-            lines.append(f"jsonl:    {where['jsonl_path']}   (one trajectory per line, schema rtrace.trajectory/1)")
-            page = str(Path(where["jsonl_path"]).with_name("report.html"))
-            lines.append(f"          {_command('rtrace')} report {q(where['jsonl_path'])} --html {q(page)}   "
-                         "(the step table here, and a page: GRPO groups side by side, failures, health)")
-            if "parquet" not in where["names"]:
-                lines.append(f"          {_command('rtrace')} serve {q(where['jsonl_path'])}   (every rollout in the "
-                             "browser: one table over all steps, filters, curves, tokens; docs/serve.md)")
-        elif name == "parquet":
-            lines.append(f"parquet:  {_command('rtrace')} query {q(where['parquet_run'])} \"SELECT step, avg(reward) "
-                         "FROM trajectories GROUP BY step ORDER BY step\"   (docs/dataset.md)")
-            lines.append(f"          {_command('rtrace')} serve {q(where['parquet_run'])}   (every rollout in the browser: "
-                         "one table over all steps, filters, curves, tokens; docs/serve.md)")
-        elif name == "otlp":
-            lines.append(f"otlp:     sent to {where['otlp_endpoint'] or 'http://localhost:4318'}; open your "
-                         "collector's UI (Jaeger: http://localhost:16686, see docker-compose.yml)")
-        elif name == "console":
-            lines.append("console:  printed above")
-    return lines
+    names = where["names"]
+    rtrace_cmd = _command("rtrace")
+    out: list[tuple[str, str]] = []
+    if "parquet" in names:
+        out.append((f"{rtrace_cmd} serve {q(where['parquet_run'])}",
+                    "every rollout of every step in the browser: filters, curves, tokens (docs/serve.md)"))
+    elif "jsonl" in names:
+        out.append((f"{rtrace_cmd} serve {q(where['jsonl_path'])}",
+                    "every rollout of every step in the browser: filters, curves, tokens (docs/serve.md)"))
+    if "trackio" in names:
+        out.append((f"TRACKIO_DIR={q(where['trackio_dir'])} {_command('trackio')} show --project {q(where['project'])}",
+                    "trackio's dashboard: a trace per rollout, the step metrics"))
+    if "mlflow" in names:
+        page = f"http://127.0.0.1:5000 -> experiment {where['project']}"
+        if "mlflow_run" in where:  # the run the traces are linked to
+            page = "http://127.0.0.1:5000/#/experiments/{}/runs/{}".format(*where["mlflow_run"])
+        out.append((f"{_command('mlflow')} ui --backend-store-uri {q(where['mlflow_uri'])}",
+                    f"then {page} -> Traces (one step: Traces -> Filters -> Tag: step = 1; in Python: "
+                    "mlflow.search_traces(filter_string=\"tags.step = '1'\")); Model metrics: the step metrics"))
+    if "parquet" in names:
+        out.append((f"{rtrace_cmd} query {q(where['parquet_run'])} \"SELECT step, avg(reward) FROM trajectories WHERE "
+                    "NOT validate GROUP BY step ORDER BY step\"", "SQL over the dataset (docs/dataset.md)"))
+    if "jsonl" in names:
+        page = str(Path(where["jsonl_path"]).with_name("report.html"))
+        out.append((f"{rtrace_cmd} report {q(where['jsonl_path'])} --html {q(page)}",
+                    f"{where['jsonl_path']}: one trajectory per line (schema rtrace.trajectory/1); this writes the "
+                    "step table and a page of GRPO groups side by side, failures, health"))
+    if "otlp" in names:
+        out.append((f"# sent to {where['otlp_endpoint'] or 'http://localhost:4318'}",
+                    "open your collector's UI (Jaeger: http://localhost:16686, see docker-compose.yml)"))
+    return out
 
 
 # ----------------------------------------------------------------------------- rollouts
@@ -495,14 +505,18 @@ def run_demo(opts: DemoOptions, out: TextIO | None = None, err: TextIO | None = 
     stdout = sys.stdout
     if "trackio" in where["names"]:
         sys.stdout = _TrackioBanner(stdout)  # type: ignore[assignment]
-    try:
-        rows = asyncio.run(_run_all(opts, agent, err))
-    finally:
-        flushed = rtrace.flush(60)
-        rtrace.shutdown()
-        _end_mlflow_run(where)
-        policy.close()
-        sys.stdout = stdout
+    # the demo's output is what a newcomer reads: no deprecation notices of the libraries it
+    # runs on (transformers' FutureWarnings through torch), for this run only
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        try:
+            rows = asyncio.run(_run_all(opts, agent, err))
+        finally:
+            flushed = rtrace.flush(60)
+            rtrace.shutdown()
+            _end_mlflow_run(where)
+            policy.close()
+            sys.stdout = stdout
     elapsed = time.perf_counter() - start
     for row in rows:
         row.written = where["written"].counts.get((row.split == "val", row.step), 0)
@@ -516,9 +530,9 @@ def run_demo(opts: DemoOptions, out: TextIO | None = None, err: TextIO | None = 
         lost = sum(stats.get(f"sink.{name}.{k}", 0) for k in ("failed_trajectories", "dropped_trajectories"))
         failed |= bool(lost)
         out.write(f"rtrace: {exported} trajectories written to {name}" + (f", {lost} LOST" if lost else "") + "\n")
-    out.write(f"rollouts finished in {elapsed:.1f}s\n\nOpen the traces:\n")
-    for line in open_commands(where):
-        out.write(f"  {line}\n")
+    out.write(f"rollouts finished in {elapsed:.1f}s\n\nOpen what it wrote:\n")
+    for command, what in open_commands(where):
+        out.write(f"  {command}\n      {what}\n")
     out.flush()
     if not flushed or failed:
         err.write("rtrace demo: some traces were not written (see the counts above)\n")

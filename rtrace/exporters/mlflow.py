@@ -50,7 +50,7 @@ import time
 from typing import Any, Sequence
 
 from .. import _stats
-from .._serialize import finite_or_str
+from .._serialize import bidi_visible_messages, finite_or_str
 from ..config import ConfigError, Settings, uri_scheme
 from ..trajectory import MESSAGE_INDEX, SpanRecord, StepMetrics, Trajectory, chat_argument
 from . import _mlflow_private
@@ -188,7 +188,7 @@ def span_io(traj: Trajectory, span: SpanRecord, is_root: bool) -> tuple[Any, Any
     decoded response when token2text produced it. The root shows what its call captured;
     when it captured nothing (a ``rollout_context`` root) it shows the conversation's
     opening and final messages in chat format, which MLflow also turns into the trace's
-    request / response previews. A dict input gets a ``messages`` entry so the preview is
+    request / response previews (their bidirectional controls written as ``⟨U+202E⟩``). A dict input gets a ``messages`` entry so the preview is
     the user's task rather than the raw arguments.
     """
     inputs, outputs = span.input, span.output
@@ -197,7 +197,10 @@ def span_io(traj: Trajectory, span: SpanRecord, is_root: bool) -> tuple[Any, Any
         inputs = _llm_inputs(traj, span)
         outputs = attrs.get("rtrace.response_text", outputs)
     if is_root and traj.messages:
-        opening, final = traj.task_messages(), traj.final_answer()
+        # what MLflow shows as the trace's request and response: bidirectional controls visible
+        opening = bidi_visible_messages(traj.task_messages())
+        final = traj.final_answer()
+        final = bidi_visible_messages([final])[0] if final is not None else None
         if inputs is None:
             inputs = {"messages": opening}
         elif isinstance(inputs, dict) and "messages" not in inputs:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .. import _stats
-from .._serialize import finite_or_str
+from .._serialize import bidi_visible_messages, finite_or_str
 from ..config import ConfigError, Settings
 from ..trajectory import SpanRecord, StepMetrics, Trajectory, chat_argument, response_text, token_field
 from . import _trackio_private
@@ -162,15 +162,16 @@ def _generation_io(traj: Trajectory | None, span: SpanRecord, meta: dict[str, An
 
 def _root_io(traj: Trajectory, span: SpanRecord) -> tuple[Any, Any]:
     """The root (the span a trace opens on): the task (system prompt and question) in, the
-    final answer, the reward and the outcome out — unless its call captured its own."""
+    final answer, the reward and the outcome out — unless its call captured its own (the
+    task's and the answer's bidirectional controls written visibly, as in the conversation)."""
     inputs, outputs = span.input, span.output
     if inputs is None and traj.messages:
-        inputs = traj.task_messages()
+        inputs = bidi_visible_messages(traj.task_messages())
     if outputs is None:
         result: dict[str, Any] = {}
         final = traj.final_answer()
         if final is not None:
-            result["answer"] = final.get("content")
+            result["answer"] = bidi_visible_messages([final])[0].get("content")
         if traj.reward is not None or traj.outcome:
             result["reward"] = traj.reward
         if traj.outcome:
@@ -333,7 +334,9 @@ def call_text(tool_calls: Any) -> str:
 def readable_messages(messages: list[Any]) -> list[Any]:
     """The conversation as trackio's trace list should preview it: an assistant turn that
     only called tools (content ``""``) shows its calls as its content (trackio previews the
-    first assistant message, "(no assistant response)" otherwise). The tool calls stay."""
+    first assistant message, "(no assistant response)" otherwise). The tool calls stay.
+    Bidirectional controls in what trackio shows are written as ``⟨U+202E⟩``
+    (:func:`rtrace._serialize.bidi_visible`): ``\\u202egnp.exe`` is not shown as ``exe.png``."""
     out = []
     for msg in messages:
         if (isinstance(msg, dict) and msg.get("role") == "assistant" and not msg.get("content")
@@ -342,7 +345,7 @@ def readable_messages(messages: list[Any]) -> list[Any]:
             if text:
                 msg = {**msg, "content": text}
         out.append(msg)
-    return out
+    return bidi_visible_messages(out)
 
 
 def trace_payload(traj: Trajectory) -> tuple[list[dict], dict[str, Any], list[dict]]:

@@ -99,10 +99,11 @@ def _mark(rt: _state.Runtime, tally: Tally, spec: CallSpec, args: tuple, kwargs:
     """A call inside a rollout recorded as a summary only: a :class:`Mark` in its tally
     (no span, nothing made current); ``(None, mark, None)``, or None past the tally's bound."""
     marks = tally.marks
-    if len(marks) >= rt.registry.max_spans:
+    # the root and max_spans_per_trajectory - 1 calls: what a recorded trajectory keeps
+    if len(marks) >= rt.registry.max_spans - 1:
         tally.dropped_marks += 1
         return None
-    mark = Mark(spec, _time_ns(), None)
+    mark = Mark(spec, _time_ns())
     marks.append(mark)
     if spec.capture and rt.capture:
         _capture(mark, spec, args, kwargs)

@@ -3,8 +3,8 @@
 ``rtrace.annotate(step, sample_index, rollout_n, advantage=0.4)`` and
 ``rtrace.annotate_batch(...)`` produce :class:`Annotation` records keyed by a
 trajectory's coordinates ``(validate, step, sample_index, rollout_n)`` (or its trace id).
-The worker thread joins them: to a trajectory still open (waiting, when
-``RTRACE_AWAIT_ANNOTATIONS`` names keys it has not got yet), or, when the trajectory has
+The worker thread joins them: to a trajectory still held (in the registry's waiting
+table, when ``RTRACE_AWAIT_ANNOTATIONS`` names keys it has not got yet), or, when the trajectory has
 not finished yet, to a bounded table of pending annotations that the trajectory picks
 up when its root arrives. An annotation for a trajectory that was already exported is
 counted as ``annotations_late``; one for a sampled-out trajectory as
@@ -105,15 +105,23 @@ def estimated_bytes(annotations: Sequence[Annotation]) -> int:
 class AnnotationTable:
     """The worker's side of annotations (worker thread only)."""
 
-    def __init__(self, await_keys: tuple[str, ...], timeout_s: float, await_eval_keys: tuple[str, ...] = ()) -> None:
+    def __init__(self, await_keys: tuple[str, ...], timeout_s: float, await_eval_keys: tuple[str, ...] = (),
+                 learn: bool = False) -> None:
         #: keys training trajectories wait for, and validation ones (``validate=True``)
         self.await_keys = await_keys
+        #: ``RTRACE_AWAIT_ANNOTATIONS`` unset (and the logprob_mismatch check on): once the
+        #: trainer's ``old_logprob`` rows come after their trajectories were written, later
+        #: training trajectories wait for them (:meth:`_unchecked`)
+        self.learn = learn
         self.await_eval_keys = await_eval_keys
         self.timeout_s = timeout_s
         self._pending: OrderedDict[Hashable, Annotation] = OrderedDict()
         self._recent: OrderedDict[Hashable, str] = OrderedDict()
         #: trajectories whose root arrived, waiting for awaited keys, by key and trace id
         self._waiting: dict[Hashable, TrajectoryState] = {}
+        #: waiting trajectories an annotation joined since :meth:`take_touched` (the worker
+        #: checks those, not every waiting one)
+        self._touched: list[TrajectoryState] = []
 
     # ------------------------------------------------------------------ outcomes
     def remember(self, key: Hashable | None, trace_id: int, outcome: str) -> None:
@@ -133,6 +141,7 @@ class AnnotationTable:
         state = self._waiting.get(k)
         if state is not None:
             merge(state.annotations, ann.values)
+            self._touched.append(state)
             return
         outcome = self._recent.get(k)
         if outcome is not None:
@@ -154,6 +163,15 @@ class AnnotationTable:
         never measured. Counted, and said once (the check is otherwise off without a word)."""
         _stats.incr("logprob_mismatch_unchecked")
         validate = bool(ann.key[0]) if isinstance(ann.key, tuple) else False
+        if self.learn and not validate and TRAINER not in self.await_keys:
+            # the run sends old_logprob rows after its trajectories: wait for them from now on
+            self.await_keys = self.await_keys + (TRAINER,)
+            _stats.incr("logprob_mismatch_await_learned")
+            _stats.warn_once("mismatch-learned", "rtrace: the trainer's old_logprob rows came after their trajectories "
+                             "were written (the logprob_mismatch check measured nothing); from now on training "
+                             "trajectories wait for them, at most RTRACE_ANNOTATION_TIMEOUT_S=%gs (set "
+                             "RTRACE_AWAIT_ANNOTATIONS to choose: none never waits)", self.timeout_s)
+            return
         keys, var = (self.await_eval_keys, "RTRACE_AWAIT_EVAL_ANNOTATIONS") if validate else (
             self.await_keys, "RTRACE_AWAIT_ANNOTATIONS")
         fix = (f"they came after {self.timeout_s:g} s of waiting (raise RTRACE_ANNOTATION_TIMEOUT_S)" if TRAINER in keys
@@ -174,8 +192,9 @@ class AnnotationTable:
             if ann is not None:
                 merge(state.annotations, ann.values)
 
-    def ready(self, state: TrajectoryState, now: float) -> bool:
-        """True when ``state`` has every awaited key, or waited long enough (counted)."""
+    def ready(self, state: TrajectoryState, now: float, stopping: bool = False) -> bool:
+        """True when ``state`` has every awaited key, or waited long enough, or the pipeline
+        is ``stopping`` (it is written now); written without a key, it is counted."""
         keys = self.await_eval_keys if state.coords.get("validate") else self.await_keys
         if not keys:
             return True
@@ -184,7 +203,7 @@ class AnnotationTable:
         if all(k in state.annotations for k in keys):
             self._forget(state, key)
             return True
-        if state.root_at is not None and now - state.root_at >= self.timeout_s:
+        if stopping or (state.root_at is not None and now - state.root_at >= self.timeout_s):
             _stats.incr("trajectories_missing_annotations")
             self._forget(state, key)
             return True
@@ -192,6 +211,16 @@ class AnnotationTable:
             self._waiting[key] = state
         self._waiting[state.trace_id] = state
         return False
+
+    def take_touched(self) -> list[TrajectoryState]:
+        """The waiting trajectories annotations joined since the last call (worker thread)."""
+        touched, self._touched = self._touched, []
+        return touched
+
+    def forget(self, state: TrajectoryState) -> None:
+        """``state`` is written before it got every awaited key (the waiting table was
+        full): an annotation that comes later no longer joins it."""
+        self._forget(state, coord_key(state.coords))
 
     def _forget(self, state: TrajectoryState, key: Hashable | None) -> None:
         self._waiting.pop(state.trace_id, None)

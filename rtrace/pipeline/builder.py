@@ -24,7 +24,8 @@ from .messages import tool_result
 from .records import CallRecord, Deferred, TrajectoryState, snapshot_args, start_end
 from .tokens import LOGPROB_KEYS, SAMPLER, TOKEN_PROBLEM, sampler_logprobs
 
-__all__ = ["SpanConverter", "finish", "coordinates", "tail_of", "as_id_list", "call_inputs", "results"]
+__all__ = ["SpanConverter", "finish", "coordinates", "rl_coordinates", "tail_of", "as_id_list", "call_inputs",
+           "results"]
 
 _ERROR = StatusCode.ERROR
 
@@ -420,11 +421,7 @@ def coordinates(state: TrajectoryState, settings: Settings,
                 conv: Converter) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The trajectory's RL coordinates, its ``extra`` ones (values converted; secret-looking
     keys redacted), and the ``rl.*`` attributes every span of it carries."""
-    coords = {k: conv(v) for k, v in state.coords.items() if k != "extra"}
-    extra = conv.convert_named(state.coords.get("extra") or {})
-    coords["validate"] = bool(coords.get("validate") or False)
-    if settings.experiment is not None:
-        coords.setdefault("experiment", settings.experiment)
+    coords, extra = rl_coordinates(state, settings, conv)
     stamp = {}
     for k, v in coords.items():
         key = _RL_KEYS.get(k)
@@ -433,6 +430,16 @@ def coordinates(state: TrajectoryState, settings: Settings,
     if extra:
         stamp.update({f"rl.extra.{k}": v for k, v in extra.items() if attr_ok(v)})
     return coords, extra, stamp
+
+
+def rl_coordinates(state: TrajectoryState, settings: Settings, conv: Converter) -> tuple[dict[str, Any], dict[str, Any]]:
+    """:func:`coordinates` without the ``rl.*`` stamp (a rollout's summary has no spans to stamp)."""
+    coords = {k: conv(v) for k, v in state.coords.items() if k != "extra"}
+    extra = conv.convert_named(state.coords.get("extra") or {})
+    coords["validate"] = bool(coords.get("validate") or False)
+    if settings.experiment is not None:
+        coords.setdefault("experiment", settings.experiment)
+    return coords, extra
 
 
 def _reward(value: Any, outcome: dict[str, Any]) -> float | None:

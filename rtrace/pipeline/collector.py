@@ -115,7 +115,8 @@ class CollectorPipeline(Pipeline):
 
     def _pushed_back(self) -> None:
         # the table is full: the worker evicts the least recently active trajectories still
-        # waiting for their root (written partial) in its next round; the sender retries
+        # waiting for their root (written partial) in its next round; the sender retries.
+        # Finished ones that wait (settle_s, annotations) are not in it (registry.hold)
         self._pressure = True
         with self._cond:
             self._cond.notify()
@@ -127,6 +128,7 @@ class CollectorPipeline(Pipeline):
     def gauges(self) -> dict[str, int]:
         out = super().gauges()
         out["held_bytes"] = self.registry.held_bytes
+        out["waiting_bytes"] = self.registry.waiting_bytes
         out["queued_spans"] = self.admission.queued
         out["reserved_trajectories"] = self.admission.reserved_open
         out["held_for_sampling"] = self.selector.held()
@@ -272,7 +274,7 @@ class CollectorPipeline(Pipeline):
         if state is None:
             self._evicted += registry.evict(registry.max_open - 1, self._max_held_bytes)
             state = registry.open_or_get(trace_id, new)
-        if state is None:  # every open trajectory has its root and waits (annotations, settle)
+        if state is None:  # every open trajectory's root arrived in this round (they wait apart after it)
             _stats.incr("spans_dropped_open_limit")
             _stats.incr("trajectories_dropped_open_limit")
             _stats.warn_once("collector-open-limit", "rtrace collector: no room for a new trajectory "

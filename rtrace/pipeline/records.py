@@ -15,7 +15,7 @@ from .._serialize import ListSnapshot
 from ..trajectory import SpanRecord
 
 __all__ = ["CallSpec", "CallRecord", "Deferred", "TrajectoryState", "Mark", "Tally", "snapshot_args", "ids_of", "record_of",
-           "start_end"]
+           "start_end", "worker_of"]
 
 
 class CallSpec:
@@ -169,8 +169,8 @@ class TrajectoryState:
         self.span_ids: set[int] | None = None
         self.touched = self.created
         self.held_bytes = 0
-        #: the process its root ran in, when another one's (the collector: its sender's resource)
-        self.worker: str | None = None
+        # ``worker`` (the process its root ran in, when another one's: the collector sets it from
+        # its sender's resource) is left unset here, off the hot path: read with worker_of(state)
         #: every record was converted by the one-process worker with no value that is not
         #: plain JSON data (``Converter.unplain``): True lets finish() vouch for it; None
         #: (records made any other way: the collector, log_rollout_batch) or False do not
@@ -195,34 +195,35 @@ class TrajectoryState:
             self.records = [record]
 
 
+def worker_of(state: TrajectoryState) -> str | None:
+    """The process a state's root ran in, when the collector set it (its sender's OTLP
+    resource); None otherwise (one process: the pipeline's own)."""
+    return getattr(state, "worker", None)
+
+
 class Mark:
     """One decorated call inside a rollout recorded as a summary only (a :class:`Tally`):
     what a :class:`CallRecord` holds, with the call's times and failure, and no span.
 
-    The pipeline reads it as it reads one of rtrace's spans (``name``, ``start_time``,
-    ``end_time``, ``status`` ...): the generation's token counts and finish reason come
-    from the same code as a recorded call's (pipeline/summaries.py), and a rollout the
-    worker decides to keep after all (collector mode: an error, a truncation) is converted
-    from its marks as from spans.
+    The pipeline reads it as it reads one of rtrace's spans: the generation's token counts
+    and finish reason come from the same code as a recorded call's (pipeline/summaries.py),
+    and a rollout the worker sends in full after all (collector mode: an error, a
+    truncation) is converted from its marks as from spans. It keeps no parent: finding the
+    enclosing call would cost every summarized call a context variable; a promoted
+    rollout's nesting is rebuilt from the times (``summaries.records_of_tally``).
     """
 
     __slots__ = ("spec", "args", "kwargs", "arg_lens", "output", "has_output", "owner_name", "start_time",
-                 "end_time", "error", "parent")
+                 "end_time", "error")
 
-    def __init__(self, spec: CallSpec, start_time: int, parent: "Mark | None") -> None:
+    def __init__(self, spec: CallSpec, start_time: int) -> None:
         self.spec = spec
-        self.args: Any = None
-        self.kwargs: Any = None
-        self.arg_lens: tuple[int, ...] | None = None
-        self.output: Any = None
-        self.has_output = False
-        self.owner_name: str | None = None
         self.start_time = start_time
-        self.end_time: int | None = None
+        # (``_capture`` sets args, kwargs and arg_lens of a captured call at once)
+        self.args = self.kwargs = self.arg_lens = self.output = self.owner_name = self.end_time = None
+        self.has_output = False
         #: ``"<ExceptionType>: <message>"`` when the call raised (bounded), else None
         self.error: str | None = None
-        #: the enclosing call's mark (None: the rollout's root)
-        self.parent = parent
 
     def fail(self, exc: BaseException) -> None:
         """The call raised ``exc`` (never raises itself)."""
@@ -284,8 +285,9 @@ class Tally:
             on_end([self])
 
 
-#: The longest exception text a summarized call keeps (its summary keeps less).
-_ERROR_CHARS = 1000
+#: The longest exception text a summarized call keeps, as a recorded span's status (the
+#: worker bounds it to max_value_chars, as a span's; a summary keeps less).
+_ERROR_CHARS = 65_536
 
 
 def error_text(exc: BaseException) -> str:

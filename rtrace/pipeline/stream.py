@@ -13,6 +13,7 @@ half second; its open trajectories are written by the collector as partial.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Any
 
 from .. import _ids, _stats
@@ -21,8 +22,8 @@ from ..trajectory import SpanRecord, Trajectory
 from .annotations import Annotation
 from .builder import SpanConverter, _reward, coordinates
 from .fleet import event_shell, take_in
-from .summaries import summary_of_state
-from .records import TrajectoryState, ids_of, record_of
+from .summaries import records_of_tally, state_of_tally, summary_of_state
+from .records import Tally, TrajectoryState, ids_of, record_of
 from .tokens import wire_values
 from .worker import _CHUNK, Pipeline
 
@@ -41,6 +42,10 @@ class StreamPipeline(Pipeline):
     #: the name or local path of the tokenizer a trainer adapter handed in (None: none);
     #: set by rtrace._setup, stamped on each root for the collector to load
     tokenizer_name: Any = staticmethod(lambda: None)
+    #: (validate, step) -> rollouts promoted (sent in full after all); recent steps only
+    _promoted: "OrderedDict[tuple[bool, Any], int] | None" = None
+    #: the last round's summaries hold converted values only (they may be vouched for)
+    _plain_summaries = False
 
     def _round(self, now: float, expire: bool, force: bool) -> None:
         """Everything queued when the round starts, :data:`~rtrace.pipeline.worker._CHUNK`
@@ -102,9 +107,13 @@ class StreamPipeline(Pipeline):
                 _stats.incr("trajectories_left_to_collector")
         tallies = self._tallies
         if tallies:
-            summaries = self._summaries([tallies.popleft() for _ in range(len(tallies))], conv)
-            if summaries:
-                parts = summaries_shells(summaries)
+            promoted: list[Trajectory] = []
+            summaries = self._summaries([tallies.popleft() for _ in range(len(tallies))], conv, promoted)
+            parts = promoted + summaries_shells(summaries)
+            if self._plain_summaries:
+                for shell in parts[len(promoted):]:
+                    vouch(shell)  # converted values only (a NaN reward is its text): the NaN walk is skipped
+            if parts:
                 _stats.incr("segments_streamed", len(parts))
                 self.fanout.submit(parts)
         conv.count()
@@ -127,25 +136,71 @@ class StreamPipeline(Pipeline):
             _stats.incr("segments_streamed", len(events))
             self.fanout.submit([event_shell(e) for e in events])
 
-    def _summaries(self, tallies: list, conv: SpanConverter) -> list[dict[str, Any]]:
+    def _summaries(self, tallies: list[Tally], conv: SpanConverter, out: list[Trajectory]) -> list[dict[str, Any]]:
         """Rollouts recorded as summaries only, as the collector reads them: the checks of
         their records here (the reward, staleness and coordinates are checked in the collector,
-        where the annotations and the rest of the step are)."""
-        out = []
+        where the annotations and the rest of the step are). One the collector's tail may keep
+        is sent in full instead, appended to ``out`` (:meth:`_promote`)."""
+        summaries = []
         health = self.health
-        for state in self._from_tallies(tallies, conv):
+        settings = self.settings
+        values = conv.conv
+        unplain = values.unplain
+        for tally in tallies:
             try:
+                state = state_of_tally(tally, settings, conv)
                 if health is not None:
                     health.check_state(state, rollout=False)
-                summary = summary_of_state(state, self.settings, conv.conv)
+                summary = summary_of_state(state, settings, values)
                 summary.worker = self.worker_name
-                out.append(summary.to_wire())
+                # what the collector's tail keeps (tail_of): a failed root, a generation stopped at
+                # length (keep_errors), a health finding (keep_unhealthy)
+                if (summary.status == "error" or summary.truncated or summary.health) and self._promote(state):
+                    out.append(self._promoted_shell(tally, state, conv))
+                    continue
+                summaries.append(summary.to_wire())
             except Exception:
                 _stats.incr("summaries_build_failed")
                 _stats.warn_once("summary", "rtrace could not summarize a rollout; it is not counted", exc_info=True)
-        if out:
-            _stats.incr("rollouts_summarized", len(out))
-        return out
+        if summaries:
+            _stats.incr("rollouts_summarized", len(summaries))
+        self._plain_summaries = values.unplain == unplain
+        return summaries
+
+    def _promote(self, state: TrajectoryState) -> bool:
+        """Is there room to send this rollout in full (RTRACE_PROMOTE_PER_STEP per (validate,
+        step), in this worker)? Counted either way."""
+        limit = self.settings.promote_per_step
+        if limit <= 0:
+            return False
+        table = self._promoted
+        if table is None:
+            table = self._promoted = OrderedDict()
+        coords = state.coords
+        key = (bool(coords.get("validate")), coords.get("step"))
+        try:
+            n = table.get(key, 0)
+        except TypeError:  # a step that is no key (the collector refuses it anyway): a summary
+            return False
+        if n >= limit:
+            _stats.incr("summaries_promotion_skipped")
+            return False
+        table[key] = n + 1
+        table.move_to_end(key)
+        if len(table) > _PROMOTED_STEPS:
+            table.popitem(last=False)
+        _stats.incr("summaries_promoted")
+        return True
+
+    def _promoted_shell(self, tally: Tally, state: TrajectoryState, conv: SpanConverter) -> Trajectory:
+        """A tallied rollout as a recorded one's segment: its marks converted as spans, its
+        root stamped as a root (coordinates, ``rtrace.root``, reward, outcome), so the collector
+        assembles it like any trajectory and its selection decides. Not vouched for (rare)."""
+        records = records_of_tally(tally, state, conv)
+        stamps: dict[int, dict[str, Any]] = {}
+        for i, record in enumerate(records):
+            self._stamp(state, record, i == 0, stamps, conv)
+        return Trajectory(trace_id=format(state.trace_id, "032x"), name=state.name, spans=records)
 
     def _stamp(self, state: TrajectoryState, record: SpanRecord, is_root: bool,
                stamps: dict[int, dict[str, Any]], conv: SpanConverter) -> None:
@@ -207,6 +262,9 @@ def _carry(state: TrajectoryState, root: SpanRecord) -> None:
         root.attributes[ANNOTATIONS_ATTR] = json_text(json_safe(state.annotations))
 
 
+#: Steps a worker remembers its promotions of (RTRACE_PROMOTE_PER_STEP): workers run a few at a time
+_PROMOTED_STEPS = 64
+
 #: Name of the span that carries rollout summaries to the collector, and its attribute: a
 #: list of :meth:`~rtrace.summary.RolloutSummary.to_wire` dicts (each with its coordinates:
 #: a router splits the list by them).
@@ -223,15 +281,18 @@ def summaries_shells(summaries: list[dict[str, Any]]) -> list[Trajectory]:
     annotations."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for s in summaries:
-        key = (s.get("experiment"), bool(s.get("validate")), s.get("step"), s.get("sample_index"))
-        groups.setdefault(key, []).append(s)
+        key = (s.get("experiment"), s.get("validate") is True, s.get("step"), s.get("sample_index"))
+        try:
+            groups.setdefault(key, []).append(s)
+        except TypeError:  # a coordinate that is no key (the collector refuses the summary): its own span
+            groups[(None, False, None, id(s))] = [s]
     now = time.time_ns()
     out = []
     for (experiment, validate, step, index), group in groups.items():
         for i in range(0, len(group), SUMMARIES_PER_SPAN):
             attrs: dict[str, Any] = {"rl.validate": validate}
             for name, value in (("rl.experiment", experiment), ("rl.step", step), ("rl.sample_index", index)):
-                if value is not None:
+                if value is not None and attr_ok(value):
                     attrs[name] = value
             attrs[SUMMARIES_ATTR] = group[i:i + SUMMARIES_PER_SPAN]
             span = SpanRecord(span_id=format(_ids.span_id(), "016x"), parent_id=None, name=SUMMARIES_SPAN,

@@ -21,15 +21,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from opentelemetry.trace import Status, StatusCode
+
 from .. import _ids, _stats
 from .._serialize import Converter, unsnap
 from ..config import Settings
 from ..summary import ERROR_CHARS, RolloutSummary, fleet_fields, summarize
 from ..trajectory import SpanRecord
-from .builder import SpanConverter, _reward, call_inputs, coordinates, finish, results
-from .records import Tally, TrajectoryState
+from .builder import SpanConverter, _reward, call_inputs, finish, results, rl_coordinates
+from .records import Tally, TrajectoryState, worker_of
 
-__all__ = ["summary_of_state", "state_of_tally", "summary_state", "summarize"]
+__all__ = ["summary_of_state", "state_of_tally", "summary_state", "summarize", "records_of_tally"]
 
 _SUMMED = ("generation", "tool")
 
@@ -41,14 +43,17 @@ def summary_of_state(state: TrajectoryState, settings: Settings, conv: Converter
     if state.summary is not None:  # the collector: a worker's summary, with what joined it here
         return _completed(state, settings, conv, priority)
     records = state.records
-    root_id = format(state.root_span_id, "016x") if state.root_span_id is not None else None
-    root = next((r for r in records if r.span_id == root_id), None) if root_id is not None else None
+    if state.summary_only:  # state_of_tally puts the root first
+        root = records[0]
+    else:
+        root_id = format(state.root_span_id, "016x") if state.root_span_id is not None else None
+        root = next((r for r in records if r.span_id == root_id), None) if root_id is not None else None
     if root is None or state.partial:  # the root never ended: finish() stands in for it (rare)
         summary = summarize(finish(state, settings, conv), priority)
         summary.recorded = False
         summary.kept = []
         return summary
-    coords, extra, _ = state.coordinates if state.coordinates is not None else coordinates(state, settings, conv)
+    coords, extra = state.coordinates[:2] if state.coordinates is not None else rl_coordinates(state, settings, conv)
     reward, outcome, annotations = results(state, conv)
     turns = tools = tokens_in = tokens_out = 0
     gen_ns = tool_ns = 0
@@ -89,7 +94,7 @@ def summary_of_state(state: TrajectoryState, settings: Settings, conv: Converter
         tokens_in=tokens_in, tokens_out=tokens_out, finish_reasons=reasons, finish_reason=last_reason,
         start_ns=root.start_ns, end_ns=end, generation_ms=gen_ns / 1e6, tool_ms=tool_ns / 1e6,
         health=list(state.health) if settings.health_checks else None, recorded=False, kept=[],
-        priority=priority, dropped_spans=state.dropped_spans, worker=state.worker, policy_version_end=own_version,
+        priority=priority, dropped_spans=state.dropped_spans, worker=worker_of(state), policy_version_end=own_version,
         wait_ms=wait_ms, server_ms=server_ms)
 
 
@@ -125,36 +130,112 @@ def summary_state(summary: RolloutSummary, trace_id: int) -> TrajectoryState:
 
 
 def state_of_tally(tally: Tally, settings: Settings, conv: SpanConverter) -> TrajectoryState:
-    """A summary-only state of a tallied rollout (see the module docstring)."""
-    root_id = _ids.span_id()
-    state = TrajectoryState(tally.trace_id, root_id, tally.name, tally.kind, tally.coords)
+    """A summary-only state of a tallied rollout (see the module docstring). Its records
+    have no ids (the root is the first, and the only one without a parent): they are never
+    written; a promoted rollout's are made again (:func:`records_of_tally`)."""
+    state = TrajectoryState(tally.trace_id, None, tally.name, tally.kind, tally.coords)
     state.summary_only = True
     state.reward, state.has_reward, state.outcome = tally.reward, tally.has_reward, tally.outcome
     state.root_at = time.monotonic()
     state.dropped_spans = tally.dropped_marks
-    root_hex = format(root_id, "016x")
     end = tally.end_ns if tally.end_ns is not None else tally.start_ns
-    records = [SpanRecord(root_hex, None, tally.name, tally.kind, tally.start_ns, end,
-                          "error" if tally.error else "ok", tally.error)]
+    text = conv.conv.text  # exception text as a recorded span's: redacted, bounded, encodable
+    records = [SpanRecord("", None, tally.name, tally.kind, tally.start_ns, end,
+                          "error" if tally.error else "ok", text(tally.error) if tally.error else None)]
     for mark in tally.marks:
         kind = mark.spec.kind
         if kind not in _SUMMED:
             continue  # the summary counts generations and tool calls, and times them
-        start = mark.start_time
-        record = SpanRecord("", root_hex, mark.spec.name, kind, start,
-                            mark.end_time if mark.end_time is not None else start,
-                            "error" if mark.error else "ok", mark.error)
-        if kind == "generation" and mark.args is not None:
-            try:  # the token counts and finish reason a recorded call's conversion gives
-                output = unsnap(mark.output) if mark.has_output else None
-                SpanConverter._generation(record, call_inputs(mark), mark.has_output, output, mark.spec.options)
+        mark_end = mark.end_time
+        if mark_end is None or mark_end > end:
+            # still running when the rollout ended: a recorded span that ends after its root
+            # is not part of its trajectory either (counted late)
+            continue
+        record = SpanRecord("", "", mark.spec.name, kind, mark.start_time, mark_end,
+                            "error" if mark.error else "ok", text(mark.error) if mark.error else None)
+        if mark.args is not None:  # captured
+            try:
+                if kind == "generation":  # the token counts and finish reason a recorded call's conversion gives
+                    output = unsnap(mark.output) if mark.has_output else None
+                    SpanConverter._generation(record, call_inputs(mark), mark.has_output, output, mark.spec.options)
+                else:
+                    _tool(record, mark)
             except Exception:
                 _stats.incr("capture_errors")
-                _stats.warn_once("tally-generation", "rtrace could not read a generation of a summarized rollout",
+                _stats.warn_once("tally-generation", "rtrace could not read a call of a summarized rollout",
                                  exc_info=True)
         records.append(record)
     state.records = records
     return state
+
+
+#: what a light tool record holds for the checks: captured, and an answer that is not empty
+_CAPTURED: dict[str, Any] = {}
+_ANSWERED = "answered"
+
+
+def _tool(record: SpanRecord, mark: Any) -> None:
+    """What the health checks read of a captured tool call (its name, whether it answered
+    nothing), without converting its arguments and answer: the ``generation`` check's "tool
+    <name>: empty result" is then the same as for the recorded call."""
+    record.attributes["gen_ai.tool.name"] = mark.spec.options.get("tool_name") or mark.owner_name or record.name
+    record.input = _CAPTURED
+    output = unsnap(mark.output) if mark.has_output else None
+    # (a recorded call's converted answer is None or "" exactly when the answer was)
+    record.output = output if output is None or (isinstance(output, str) and not output) else _ANSWERED
+
+
+def records_of_tally(tally: Tally, state: TrajectoryState, conv: SpanConverter) -> list[SpanRecord]:
+    """A tallied rollout as the records of one recorded in full (a worker promotes it:
+    pipeline/stream.py): its root (``state``'s root span id, made now) and each mark that ended before the rollout, converted by :meth:`SpanConverter.convert`
+    as its span would have been (captured values, token ids, GenAI attributes, error text).
+
+    A mark does not know its parent (finding it on the hot path would cost every summarized
+    call a context switch): the nesting is rebuilt from the times. A call's parent is the
+    latest-started call that was still running from its start to its end, else the root:
+    exact for calls made one after the other; of two concurrent calls (``asyncio.gather``),
+    one whose time lies inside the other's is shown as its child. Marks have no events: a
+    failed call has its error text, not the exception event and stack trace of a span."""
+    end = tally.end_ns if tally.end_ns is not None else tally.start_ns
+    if state.root_span_id is None:
+        state.root_span_id = _ids.span_id()
+    root = _Marked(tally.trace_id, state.root_span_id, None, tally.name, tally.start_ns, end, tally.error)
+    out = [conv.convert(root, None)]
+    stack = [root]  # the calls open at the current mark's start, innermost last
+    for mark in tally.marks:
+        mark_end = mark.end_time
+        if mark_end is None or mark_end > end:
+            continue  # as state_of_tally: not part of the rollout
+        while len(stack) > 1 and stack[-1].end_time < mark_end:
+            stack.pop()  # ended before this call did: not its parent
+        span = _Marked(tally.trace_id, _ids.span_id(), stack[-1], mark.spec.name, mark.start_time, mark_end,
+                       mark.error)
+        out.append(conv.convert(span, mark))
+        stack.append(span)
+    return out
+
+
+_OK = Status(StatusCode.UNSET)
+
+
+class _Marked:
+    """A :class:`~rtrace.pipeline.records.Mark` (or the rollout's root) read as
+    :meth:`SpanConverter.convert` reads one of rtrace's spans (its ids, parent, name, times,
+    status; no attributes or events: nothing could set them on a mark)."""
+
+    __slots__ = ("trace_id", "span_id", "parent_ref", "name", "start_time", "end_time", "status")
+    _attributes = None
+    _events = None
+
+    def __init__(self, trace_id: int, span_id: int, parent: "_Marked | None", name: str, start: int, end: int,
+                 error: str | None) -> None:
+        self.trace_id = trace_id
+        self.span_id = span_id
+        self.parent_ref = parent
+        self.name = name
+        self.start_time = start
+        self.end_time = end
+        self.status = Status(StatusCode.ERROR, error) if error else _OK
 
 
 def _int(value: Any) -> int:

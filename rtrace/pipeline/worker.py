@@ -38,7 +38,7 @@ from .fleet import MAX_QUEUED_EVENTS, Versions, take_in
 from .health import NO_REWARD, HealthChecker, finding
 from .messages import build_messages
 from .metrics import StepMetricsTracker
-from .records import Tally, TrajectoryState, ids_of, record_of
+from .records import Tally, TrajectoryState, ids_of, record_of, worker_of
 from .registry import TrajectoryRegistry
 from .summaries import state_of_tally, summarize, summary_of_state
 from .tokens import attach as attach_tokens, has_rows
@@ -109,14 +109,21 @@ class Pipeline:
                  health_tokenizer: Callable[[], Any] = lambda: None) -> None:
         self.settings = settings
         self._tokenizer = health_tokenizer
-        self.registry = TrajectoryRegistry(settings.max_open_trajectories, settings.max_spans_per_trajectory)
+        self.registry = TrajectoryRegistry(settings.max_open_trajectories, settings.max_spans_per_trajectory,
+                                           settings.max_waiting_trajectories, settings.collector_max_waiting_bytes,
+                                           settings.max_waiting_summaries)
         self.fanout = fanout
         self.postprocessors = list(postprocessors)
-        self.annotations = AnnotationTable(settings.await_annotations, settings.annotation_timeout_s,
-                                           settings.await_eval_annotations)
+        self.annotations = AnnotationTable(settings.await_annotations or (), settings.annotation_timeout_s,
+                                           settings.await_eval_annotations,
+                                           learn=settings.await_annotations is None
+                                           and "logprob_mismatch" in settings.health_checks)
         #: per-step metrics over the exported trajectories (None: summary_metrics off, or
         #: no sink writes step metrics)
-        whole = settings.sample_groups or (settings.max_traces_per_step is None and settings.val_cap is None)
+        # every group is whole in the metrics when every rollout is counted (summaries), or
+        # whole groups are sampled, or nothing is capped: then odd group sizes are reported
+        whole = settings.summaries or settings.sample_groups or (
+            settings.max_traces_per_step is None and settings.val_cap is None)
         self.metrics = StepMetricsTracker(min(self.metrics_linger_s, settings.step_linger_s),
                                           settings.step_table_rows, settings.health_checks,
                                           whole, every_rollout=settings.summaries,
@@ -152,8 +159,9 @@ class Pipeline:
         #: callers' threads add, the worker takes everything at once
         self._annotation_bytes = 0
         self._annotation_lock = threading.Lock()
-        #: trajectories whose root arrived, waiting for awaited annotations
-        self._waiting: list[TrajectoryState] = []
+        #: waiting trajectories whose settle time had not passed when last seen, oldest root
+        #: first (the collector; a trajectory written meanwhile is skipped when it comes up)
+        self._settling: collections.deque[TrajectoryState] = collections.deque()
         self._cond = threading.Condition()
         self._flush_requests: list[tuple[threading.Event, list]] = []
         self._stopping = False
@@ -204,10 +212,14 @@ class Pipeline:
         Returns:
             How many were queued; the rest were dropped (queue full) and counted.
         """
-        room = max(0, self._max_queue - len(self._tallies))
+        q = self._tallies
+        room = max(0, self._max_queue - len(q))
         if room < len(tallies):
             _stats.incr("summaries_dropped_queue", len(tallies) - room)
-        self._tallies.extend(tallies[:room])
+        q.extend(tallies[:room])
+        if len(q) == self._wake_at:  # as offer(): a tight loop of summarized rollouts fills it fast
+            with self._cond:
+                self._cond.notify()
         return min(room, len(tallies))
 
     def submit_events(self, events: Sequence[RunEvent]) -> None:
@@ -236,12 +248,13 @@ class Pipeline:
             _stats.incr("annotations_dropped_queue", len(annotations) - taken)
             _stats.warn_once("annotation-queue", "rtrace's annotation queue is full (annotation_queue_bytes=%d); "
                              "annotations are dropped (counted)", self.settings.annotation_queue_bytes)
-        if self.settings.await_annotations or self.settings.await_eval_annotations:
+        if self.annotations.await_keys or self.annotations.await_eval_keys:
             with self._cond:
                 self._cond.notify()
 
     def gauges(self) -> dict[str, int]:
-        return {"open_trajectories": len(self.registry), "queued_spans": len(self._queue)}
+        return {"open_trajectories": len(self.registry), "waiting_trajectories": self.registry.num_waiting(),
+                "queued_spans": len(self._queue)}
 
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:
@@ -309,18 +322,30 @@ class Pipeline:
         for state in arrived:
             self.annotations.arrived(state)
         now = time.monotonic()  # roots arrived during the assembly, after the round's start
-        candidates, self._waiting = self._waiting + arrived, []
-        ready: list[TrajectoryState] = []
         settle = not (force or self._serving_flush or self.settle_s <= 0)
         table = self.annotations
-        awaits = not force and bool(table.await_keys or table.await_eval_keys)
-        for state in candidates:
+        awaits = bool(table.await_keys or table.await_eval_keys)
+        registry = self.registry
+
+        def done(state: TrajectoryState) -> bool:  # a stop (force) writes everything, a missing key counted
             settled = not settle or state.root_at is None or now - state.root_at >= self.settle_s
-            if settled and (not awaits or table.ready(state, now)):
+            return settled and (not awaits or table.ready(state, now, force))
+
+        ready = [state for state in self._due(now, force, awaits) if done(state)]
+        waits: list[TrajectoryState] = []
+        for state in arrived:
+            if done(state):
                 ready.append(state)
-            else:
-                self._waiting.append(state)
-        self.registry.remove_all(ready)
+                continue
+            waits.append(state)
+            if state.root_at is not None and now - state.root_at < self.settle_s:  # checked once it has settled
+                self._settling.append(state)
+        registry.remove_all(ready)
+        # the ones that wait leave the open table (a running trajectory's room is never theirs);
+        # a full waiting table writes its oldest now, without what they waited for (counted)
+        for state in registry.hold(waits):
+            table.forget(state)
+            ready.append(state)
         ready += self._evict()
         if expire:
             ready += self.registry.expire(now, self.settings.orphan_timeout_s, force)
@@ -366,6 +391,24 @@ class Pipeline:
             self._annotations.clear()
             self._annotation_bytes = 0
         return taken
+
+    def _due(self, now: float, force: bool, awaits: bool) -> list[TrajectoryState]:
+        """The waiting trajectories that may be ready now, each once: every one at a flush or a
+        stop; else those whose settle time or annotation timeout has passed, and those an
+        annotation came for. A part of a round costs what happened, not the size of the
+        waiting table (a scan of 20,000 waiting ones took 60-90 ms, each part)."""
+        registry = self.registry
+        if force or self._serving_flush:
+            return registry.waiting()
+        due: list[TrajectoryState] = []
+        settling, settle_s = self._settling, self.settle_s
+        while settling and now - settling[0].root_at >= settle_s:  # in the order their roots came
+            due.append(settling.popleft())
+        due += self.annotations.take_touched()
+        if awaits:
+            due += registry.waiting_since(now - self.annotations.timeout_s)
+        # one check each, and only of those still waiting (one written early, or at a flush, left)
+        return [state for state in dict.fromkeys(due) if registry.is_waiting(state)]
 
     def _attach_tokens(self, state: TrajectoryState) -> None:
         try:
@@ -413,7 +456,8 @@ class Pipeline:
             try:
                 summary = summary_of_state(state, self.settings, conv.conv, self.priority_of(state.coords))
                 if summary.worker is None:
-                    summary.worker = state.worker if state.worker is not None else self.rollout_worker
+                    worker = worker_of(state)
+                    summary.worker = worker if worker is not None else self.rollout_worker
                 self.versions.complete_summary(summary)
                 out.append(summary)
             except Exception:
@@ -519,7 +563,8 @@ class Pipeline:
             self.annotations.remember(coord_key(state.coords), state.trace_id, "exported")
             traj = out[-1]
             traj.priority = self.priority_of(state.coords)
-            traj.worker = state.worker if state.worker is not None else self.rollout_worker
+            worker = worker_of(state)
+            traj.worker = worker if worker is not None else self.rollout_worker
             self.versions.complete_trajectory(traj)
         health = self.health
         if health is not None:

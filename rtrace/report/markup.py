@@ -3,7 +3,9 @@
 Prompts, answers, tool output, group names, health details and even trace ids come from
 the traced program: they are untrusted text. Every view of ``rtrace report --html`` and
 ``rtrace serve`` builds its HTML with :func:`h`, which escapes every text child and every
-attribute value; the only way to insert markup is :class:`Raw`, which is used for the SVG
+attribute value, and writes the bidirectional controls of what a person reads as
+``⟨U+202E⟩`` (a file name ``\\u202egnp.exe`` would otherwise read ``exe.png``); the only
+way to insert markup is :class:`Raw`, which is used for the SVG
 that :mod:`rtrace.report.plots` built (and escaped) itself. The page's script follows the
 same rule (``textContent`` only). An answer holding ``<script>`` or ``onerror=`` is shown as
 those characters (tests/test_serve.py, tests/ui/test_serve_page.py).
@@ -16,7 +18,9 @@ import json
 from typing import Any, Iterable
 from urllib.parse import urlencode
 
-__all__ = ["Raw", "h", "esc", "join", "json_script", "query_string"]
+from .._serialize import bidi_visible
+
+__all__ = ["Raw", "h", "esc", "shown", "join", "json_script", "query_string"]
 
 
 class Raw(str):
@@ -28,6 +32,17 @@ class Raw(str):
 def esc(text: Any) -> str:
     """``text`` escaped for HTML text and double- or single-quoted attribute values."""
     return html.escape(str(text), quote=True)
+
+
+def shown(text: Any) -> str:
+    """``text`` escaped as :func:`esc` does, its bidirectional controls made visible
+    (:func:`rtrace._serialize.bidi_visible`: ``\\u202egnp.exe`` is not shown as ``exe.png``)."""
+    return html.escape(bidi_visible(str(text)), quote=True)
+
+
+#: attributes whose value a person reads (the rest, ``href``, ``value``, ``data-filter`` ...,
+#: must keep the text as it is: a link or a form sends it back)
+_SHOWN_ATTRS = frozenset({"title", "aria-label", "placeholder", "alt", "data-tip"})
 
 
 #: elements without a closing tag
@@ -43,7 +58,7 @@ def _children(children: Iterable[Any], out: list[str]) -> None:
         elif isinstance(child, (list, tuple)) or (hasattr(child, "__iter__") and not isinstance(child, (str, bytes))):
             _children(child, out)
         else:
-            out.append(esc(child))
+            out.append(shown(child))
 
 
 def h(tag: str, attrs: dict[str, Any] | None = None, *children: Any) -> Raw:
@@ -57,7 +72,7 @@ def h(tag: str, attrs: dict[str, Any] | None = None, *children: Any) -> Raw:
         name = key[:-1] if key.endswith("_") else key  # class_, for_
         if name.startswith(("data_", "aria_")):
             name = name.replace("_", "-")
-        out.append(f" {name}" if value is True else f' {name}="{esc(value)}"')
+        out.append(f" {name}" if value is True else f' {name}="{shown(value) if name in _SHOWN_ATTRS else esc(value)}"')
     out.append(">")
     if tag in _VOID:
         return Raw("".join(out))

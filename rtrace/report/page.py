@@ -28,7 +28,7 @@ from . import tokens, views
 from .data import MAX_CHARS, MAX_MESSAGES, page_data
 from .health import step_health
 from .load import Record
-from .markup import Raw, h
+from .markup import Raw, h, shown
 from .table import Row, step_table
 
 try:
@@ -39,7 +39,7 @@ except ImportError:  # pragma: no cover - depends on the installed extras
 __all__ = ["render", "encode_data", "decode_data", "STATIC_FILES", "RUN_PLOTS", "Live", "snapshot_db"]
 
 #: the files of ``rtrace/report/static`` the page is made of (the wheel must ship them)
-STATIC_FILES = ("report.html", "report.css", "report.js")
+STATIC_FILES = ("report.html", "report.css", "report.js", "tokens.js")
 
 #: ``<!--NAME-->`` or ``/*NAME*/`` in the template: where render() puts each part
 _MARKER = re.compile(r"<!--([A-Z0-9]+)-->|/\*([A-Z]+)\*/")
@@ -89,14 +89,15 @@ def decode_data(text: str) -> Any:
 
 
 def _run_section(rows: Sequence[Row], health_rates: dict[tuple[bool, int], dict[str, float]],
-                 extras: dict[tuple[bool, int], dict[str, float]] | None = None) -> str:
+                 extras: dict[tuple[bool, int], dict[str, float]] | None = None,
+                 components: set[str] | None = None) -> str:
     links = views.StaticLinks()
     out = []
     for validate in (False, True):
         part = [r for r in rows if r[0] == validate]
         if part:
             out.append(views.steps_table(part, links))
-            out.append(views.run_curves(part, extras, health_rates, validate=validate))
+            out.append(views.run_curves(part, extras, health_rates, validate=validate, components=components))
     return "".join(out)
 
 
@@ -111,23 +112,28 @@ def snapshot_db(records: Sequence[Record]) -> Any:
         return None
 
 
-def _snapshot(db: Any) -> tuple[str, dict[tuple[bool, int], dict[str, float]]]:
-    """The run-wide rollouts table (the newest steps first) and its histograms, as
-    ``rtrace serve`` draws them; and the per-step extras for the curves."""
+def _snapshot(db: Any) -> tuple[str, dict[tuple[bool, int], dict[str, float]], set[str] | None]:
+    """The run-wide table of training rollouts (the newest steps first) and its histograms,
+    as ``rtrace serve`` draws them; the per-step extras for the curves, and the outcome keys
+    drawn as curves (those most rollouts carry)."""
     from . import queries as Q
 
     if db is None:
         return (str(h("p", {"class_": "note"}, "The run-wide rollouts table needs pyarrow and duckdb: "
-                      "pip install 'rtrace[parquet]'")), {})
-    columns = Q.columns_of(Q.discover_keys(db))
+                      "pip install 'rtrace[parquet]'")), {}, None)
+    _, count = db.rows("SELECT count(*) FROM trajectories")
+    columns = Q.columns_of(Q.discover_keys(db), count[0][0])
     state = Q.TableState(size=SNAPSHOT_ROWS)
     result = Q.rollouts(db, state, columns)
     hist = Q.histograms(db, state, columns)
-    note = (f"A snapshot: the first {SNAPSHOT_ROWS} of {hist['total']:,} rollouts, the newest step first; "
-            "rtrace serve sorts, filters and searches every step." if hist["total"] > SNAPSHOT_ROWS else
-            "Every rollout of the run, the newest step first (rtrace serve sorts, filters and searches them).")
+    note = (f"A snapshot: the first {SNAPSHOT_ROWS} of {hist['total']:,} training rollouts, the newest step first "
+            "(validation rollouts: in the step viewer below); rtrace serve sorts, filters and searches every step."
+            if hist["total"] > SNAPSHOT_ROWS else
+            "Every training rollout of the run, the newest step first (validation rollouts: in the step viewer "
+            "below; rtrace serve sorts, filters and searches them).")
     section = views.rollouts_section(result, hist, state, columns, views.StaticLinks(), note)
-    return str(h("h2", None, "rollouts of every step")) + section, Q.step_extras(db)
+    return (str(h("h2", None, "training rollouts of every step")) + section, Q.step_extras(db),
+            Q.curve_keys(columns))
 
 
 #: rollouts whose tokens the static page colours (the largest train-inference mismatch first)
@@ -180,19 +186,21 @@ def render(records: Sequence[Record], paths: Sequence[str], notes: Sequence[str]
     if live is None:
         rows = step_table(r.traj for r in records)
         rates = {(h_.validate, h_.step): h_.rates() for h_ in step_health(records) if h_.step is not None}
-        snapshot, extras = _snapshot(snapshot_db(records) if db == "auto" else db) if db is not None else ("", {})
+        snapshot, extras, components = (_snapshot(snapshot_db(records) if db == "auto" else db) if db is not None
+                                        else ("", {}, None))
         summary = f"{len(records):,} trajectories from {len(paths)} file(s): {files}"
         values = {"STYLE": f"<style>{_static('report.css')}</style>", "BODY": "<body>", "NAV": "",
                   "H1": "<h1>rtrace report</h1>",
-                  "RUN": _run_section(rows, rates, extras) + snapshot + _token_section(records),
-                  "SCRIPT": f"<script>{_static('report.js')}</script>", "TITLE": esc(f"rtrace report: {files}")}
+                  "RUN": _run_section(rows, rates, extras, components) + snapshot + _token_section(records),
+                  "SCRIPT": f"<script>{_static('report.js')}</script><script>{_static('tokens.js')}</script>",
+                  "TITLE": shown(f"rtrace report: {files}")}
     else:
         summary = f"{len(records):,} trajectories of {files}"
         body = {"data-base": live.base, **(live.body or {})}
         values = {"STYLE": "".join(str(h("link", {"rel": "stylesheet", "href": u})) for u in live.styles),
                   "BODY": "<body" + "".join(f' {k}="{esc(v)}"' for k, v in body.items()) + ">", "NAV": live.nav,
-                  "H1": "", "RUN": live.run, "TITLE": esc(f"rtrace · {files}"),
+                  "H1": "", "RUN": live.run, "TITLE": shown(f"rtrace · {files}"),
                   "SCRIPT": "".join(str(h("script", {"src": u})) for u in live.scripts)}
-    values.update(SUMMARY=esc(summary), NOTES="".join(f"<p class='note'>{esc(n)}</p>" for n in notes), DATA=data)
+    values.update(SUMMARY=shown(summary), NOTES="".join(f"<p class='note'>{shown(n)}</p>" for n in notes), DATA=data)
     # one pass over the template: a value is never searched for markers (the data may hold any text)
     return _MARKER.sub(lambda m: values[m.group(1) or m.group(2)], _static("report.html"))

@@ -18,9 +18,13 @@ from __future__ import annotations
 import html
 import math
 from collections import Counter
+from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["ticks", "tick_labels", "fmt_number", "line_plot", "histogram", "histogram_bars"]
+from .._serialize import bidi_visible
+
+__all__ = ["ticks", "tick_labels", "fmt_number", "line_plot", "histogram", "histogram_bars", "Grid", "grid", "bins_for",
+           "binned", "tail_quantiles", "Plan", "histogram_plan", "count_bars", "TAIL", "REACH"]
 
 W, H = 360, 170
 LEFT, RIGHT, TOP, BOTTOM = 50, 12, 24, 30
@@ -87,7 +91,8 @@ def _strip(text: str) -> str:
 
 
 def _esc(text: str) -> str:
-    return html.escape(text, quote=True)
+    """Text of a plot (a title, a legend, a tooltip): escaped, bidirectional controls made visible."""
+    return html.escape(bidi_visible(text), quote=True)
 
 
 #: legend labels longer than this are cut (the whole label is the item's tooltip)
@@ -188,50 +193,204 @@ def line_plot(title: str, series: Sequence[tuple[str, Sequence[tuple[int, float]
     return "".join(out)
 
 
+#: a histogram's bins cover the values from the 1st to the 99th percentile (:data:`TAIL`),
+#: stretched to the smallest / largest value when it lies within :data:`REACH` of that range
+#: from them; values farther out are counted in an overflow bar at that end, so one
+#: 185,200-token answer among 500-token ones is one bar "> 600", not 38,000 rollouts in the
+#: first of 20 bins
+TAIL, REACH = 0.01, 0.5
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Round histogram bins: ``k`` bins of width ``mult`` x 10^``exp`` (``mult`` 1, 2 or 5),
+    from edge number ``first`` (the edges are multiples of the width). The SQL of
+    :func:`rtrace.report.queries.histograms` chooses the same grid (tests compare them)."""
+
+    first: int
+    k: int
+    mult: int
+    exp: int
+
+    @property
+    def width(self) -> float:
+        return self.mult * 10.0 ** self.exp
+
+    def edge(self, j: int) -> float:
+        """Edge ``j`` (0 .. k): the double nearest its decimal value (``0.3``, never
+        ``0.30000000000000004``), so a filter on it reads as it is written."""
+        return self.at(self.first + j)
+
+    def at(self, n: int) -> float:
+        """The ``n``-th multiple of the width, as :meth:`edge` writes it."""
+        n = n * self.mult
+        return n / 10.0 ** -self.exp if self.exp < 0 else n * 10.0 ** self.exp
+
+    def bin_of(self, v: float) -> int:
+        """The bin of ``v``: 0 .. k-1 (the last includes its high edge), -1 below, k above;
+        ``v`` compared with the edges themselves, as a filter ``v >= edge`` compares it
+        (``floor(v / width)`` alone puts 0.3 below the edge 0.3: 0.3 / 0.1 is
+        2.9999999999999996). The SQL of :func:`rtrace.report.queries.histograms` is this."""
+        n = math.floor(v / self.width)
+        j = n - self.first + (v >= self.at(n + 1)) - (v < self.at(n)) - (v == self.edge(self.k))
+        return min(max(j, -1), self.k)
+
+
+def bins_for(count: int) -> int:
+    """How many bins ``count`` values get (before rounding the width): sqrt, 2 to :data:`MAX_BINS`."""
+    return min(MAX_BINS, max(2, math.ceil(math.sqrt(count))))
+
+
+def grid(low: float, high: float, q_low: float, q_high: float, bins: int, integer: bool = False) -> Grid:
+    """The bins for values from ``low`` to ``high`` whose :data:`TAIL` quantiles are
+    ``q_low`` / ``q_high``: about ``bins`` bins of a round width (1, 2 or 5 x 10^k; at least
+    1 for integers) over the robust range (:data:`REACH`). Each step is written as the SQL
+    of :func:`rtrace.report.queries.histograms` computes it, operation for operation."""
+    spread = q_high - q_low
+    a = low if low >= q_low - REACH * spread else q_low
+    b = high if high <= q_high + REACH * spread else q_high
+    if b <= a:
+        a, b = low, high
+    raw = (b - a) / bins
+    exp = math.floor(math.log10(raw))
+    m = raw / 10.0 ** exp
+    mult = 1 if m <= 1 else 2 if m <= 2 else 5 if m <= 5 else 10
+    if mult == 10:
+        mult, exp = 1, exp + 1
+    if integer and exp < 0:
+        mult, exp = 1, 0
+    g = Grid(0, 1, mult, exp)
+    f0, l0 = math.floor(a / g.width), math.ceil(b / g.width)
+    first = f0 - (Grid(f0, 1, mult, exp).edge(0) > a) + (Grid(f0, 1, mult, exp).edge(1) <= a)
+    last = l0 + (Grid(l0, 1, mult, exp).edge(0) < b) - (Grid(l0 - 1, 1, mult, exp).edge(0) >= b)
+    return Grid(first, max(1, last - first), mult, exp)
+
+
+def tail_quantiles(values: Sequence[float]) -> tuple[float, float]:
+    """The :data:`TAIL` quantiles: the sorted values at ``int(q * (n - 1))``."""
+    s = sorted(values)
+    return s[int(TAIL * (len(s) - 1))], s[int((1 - TAIL) * (len(s) - 1))]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one histogram counts: a bar per value (``categorical``), else ``grid``'s bins."""
+
+    categorical: bool
+    grid: Grid
+    low: float
+    high: float
+
+
+def histogram_plan(sample: Sequence[float], low: float, high: float, count: int, integer: bool = False
+                   ) -> Plan | None:
+    """The histogram of ``count`` values from ``low`` to ``high``, chosen from ``sample`` (all
+    of them, or a uniform sample of them: the SQL of :func:`rtrace.report.queries.histograms`
+    takes 4,096): a bar per value when the sample has at most :data:`MAX_CATEGORIES`
+    distinct values (:func:`count_bars` falls back to the bins when the whole has more),
+    else :func:`grid`'s bins from the sample's tail quantiles. None without a value."""
+    vals = [float(v) for v in sample if v is not None and math.isfinite(v)]
+    if not count or not vals:
+        return None
+    if low == high:
+        return Plan(True, Grid(0, 1, 1, 0), low, high)
+    categorical = len(set(vals)) <= MAX_CATEGORIES
+    return Plan(categorical, grid(low, high, *tail_quantiles(vals), bins_for(count), integer), low, high)
+
+
+def count_bars(plan: Plan, counts: dict[float, int]) -> dict:
+    """The histogram's ``bars`` / ``under`` / ``over`` / ``categorical`` from ``counts``: per
+    value (categorical plans) or per bin (-1: below the bins, k: above). A categorical plan
+    whose values turn out more than :data:`MAX_CATEGORIES` is binned on its grid."""
+    if plan.categorical and len(counts) <= MAX_CATEGORIES:
+        return {"categorical": True, "bars": [(float(x), None, n) for x, n in sorted(counts.items())],
+                "under": None, "over": None}
+    if plan.categorical:
+        per_bin: Counter = Counter()
+        for x, n in counts.items():
+            per_bin[plan.grid.bin_of(x)] += n
+        counts = dict(per_bin)
+    bars, under, over = binned(plan.grid, {int(x): n for x, n in counts.items()}, plan.low, plan.high)
+    return {"categorical": False, "bars": bars, "under": under, "over": over}
+
+
 def histogram(title: str, values: Sequence[float]) -> str:
     """The distribution of one step's values: a bar per distinct value when there are at
-    most 12 (rewards of 0 and 1: two bars labelled 0 and 1), else up to 20 equal-width bins
-    labelled by their edges. Counts on the y axis from 0. Non-finite values are left out
-    (the caller says how many). ``""`` when there is no value."""
+    most 12 (rewards of 0 and 1: two bars labelled 0 and 1), else up to 20 bins of a round
+    width over the robust range (:func:`grid`), with an overflow bar at an end for the values
+    beyond it (:func:`histogram_plan`). Counts on the y axis from 0. Non-finite values are
+    left out (the caller says how many). ``""`` when there is no value."""
     vals = [float(v) for v in values if v is not None and math.isfinite(v)]
-    if not vals:
+    plan = histogram_plan(vals, min(vals, default=0.0), max(vals, default=0.0), len(vals))
+    if plan is None:
         return ""
-    distinct = Counter(vals)
-    if len(distinct) <= MAX_CATEGORIES:
-        return histogram_bars(title, [(v, None, c) for v, c in sorted(distinct.items())])
-    lo, hi = min(vals), max(vals)
-    nbins = min(MAX_BINS, max(2, math.ceil(math.sqrt(len(vals)))))
-    width = (hi - lo) / nbins
-    counts = [0] * nbins
-    for v in vals:
-        counts[min(nbins - 1, int((v - lo) / width))] += 1
-    return histogram_bars(title, [(lo + i * width, lo + (i + 1) * width if i < nbins - 1 else hi, c)
-                                  for i, c in enumerate(counts)])
+    counts = Counter(vals) if plan.categorical else Counter(plan.grid.bin_of(v) for v in vals)
+    drawn = count_bars(plan, dict(counts))
+    return histogram_bars(title, drawn["bars"], under=drawn["under"], over=drawn["over"])
+
+
+def binned(g: Grid, counts: dict[int, int], low: float, high: float
+           ) -> tuple[list[tuple[float, float, int]], tuple[float, float, int] | None, tuple[float, float, int] | None]:
+    """``(bars, under, over)`` of counts per bin (-1: below, k: above): each bar ``(low edge,
+    high edge, count)``; an overflow ``(smallest value, edge, count)`` / ``(edge, largest
+    value, count)``, or None when no value is beyond that end."""
+    bars = [(g.edge(j), g.edge(j + 1), counts.get(j, 0)) for j in range(g.k)]
+    under = (low, g.edge(0), counts[-1]) if counts.get(-1) else None
+    over = (g.edge(g.k), high, counts[g.k]) if counts.get(g.k) else None
+    return bars, under, over
+
+
+#: about how wide a character of the plots' 10 px labels is (DejaVu Sans digits: 6.36 px)
+CHAR_PX = 6.4
+
+
+def _place(labels: Sequence[tuple[float, str, str, int]]) -> list[tuple[float, str, str]]:
+    """Axis labels ``(x, text, anchor, priority)`` that do not overlap: the most important
+    first (lower ``priority``), then each other one only where it leaves 4 px to its neighbours."""
+    taken: list[tuple[float, float]] = []
+    out = []
+    for x, text, anchor, _ in sorted(labels, key=lambda item: item[3]):
+        width = CHAR_PX * len(text)
+        left = x - width / 2 if anchor == "middle" else x if anchor == "start" else x - width
+        right = left + width
+        if any(left < r + 4 and right > l - 4 for l, r in taken):
+            continue
+        taken.append((left, right))
+        out.append((x, text, anchor))
+    return sorted(out)
 
 
 def histogram_bars(title: str, bars: Sequence[tuple[float, float | None, int]],
-                   links: Sequence[str | None] | None = None) -> str:
+                   links: Sequence[str | None] | None = None, under: Sequence[float] | None = None,
+                   over: Sequence[float] | None = None, under_link: str | None = None,
+                   over_link: str | None = None) -> str:
     """A histogram of counted bars: ``(value, None, count)`` per distinct value, or
     ``(low, high, count)`` per bin (the last bin includes ``high``), as :func:`histogram`
-    and ``rtrace.report.queries.histograms`` count them. ``links``: a URL per bar (a click
-    filters the table to that bar). ``""`` when there is no bar."""
+    and ``rtrace.report.queries.histograms`` count them; ``under`` / ``over``: the overflow
+    bars beyond the bins (``(smallest, edge, count)``, ``(edge, largest, count)``), drawn
+    apart at each end in another shade. ``links``: a URL per bar (a click filters the table
+    to that bar), ``under_link`` / ``over_link`` the overflows'. The x axis has round labels
+    that never overlap; a count is written over its bar only where it fits. ``""`` when
+    there is no bar."""
     if not bars:
         return ""
-    binned = bars[0][1] is not None
-    drawn = []
+    binned_ = bars[0][1] is not None
+    slots = []  # (label under the bar or "", count, tooltip, link, overflow)
+    if binned_ and under:
+        slots.append((f"< {fmt_number(under[1])}", int(under[2]),
+                      f"< {fmt_number(under[1])} (from {fmt_number(under[0])}): {int(under[2]):,}", under_link, True))
     for i, (low, high, count) in enumerate(bars):
-        if not binned:
-            drawn.append((fmt_number(low), count, f"{fmt_number(low)}: {count}"))
+        link = links[i] if links is not None else None
+        if not binned_:
+            slots.append((fmt_number(low), count, f"{fmt_number(low)}: {count:,}", link, False))
         else:
             close = "]" if i == len(bars) - 1 else ")"
-            drawn.append(("", count, f"[{fmt_number(low)}, {fmt_number(high)}{close}: {count}"))
-    lo_edge, hi_edge = bars[0][0], bars[-1][1] if binned else bars[-1][0]
-    mid = (lo_edge + hi_edge) / 2
-    if abs(mid) < 1e-9 * abs(hi_edge - lo_edge):  # -1.2e-7 between -2.6 and 2.6 is 0, rounding apart
-        mid = 0.0
-    edges = [] if not binned else [fmt_number(lo_edge), fmt_number(mid), fmt_number(hi_edge)]
+            slots.append(("", count, f"[{fmt_number(low)}, {fmt_number(high)}{close}: {count:,}", link, False))
+    if binned_ and over:
+        slots.append((f"> {fmt_number(over[0])}", int(over[2]),
+                      f"> {fmt_number(over[0])} (up to {fmt_number(over[1])}): {int(over[2]):,}", over_link, True))
     # headroom over the tallest bar: its count is written above it, never over the title
-    top_count = max(c for _, c, _ in drawn)
+    top_count = max(c for _, c, _, _, _ in slots)
     yt = [t for t in ticks(0, top_count * 1.1 if top_count >= 4 else top_count + 1, 4) if t == int(t)] or [0, 1]
     y1 = yt[-1] or 1
 
@@ -240,26 +399,53 @@ def histogram_bars(title: str, bars: Sequence[tuple[float, float | None, int]],
 
     out = [f'<svg class="plot" viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img" aria-label="{_esc(title)}">']
     out += _frame(title, yt, "", sy)
+    apart = 6.0  # the gap between an overflow bar and the bins
+    n_over = sum(1 for s in slots if s[4])
     span = W - RIGHT - LEFT
-    slot = span / len(drawn)
-    gap = 0.15 * slot if not edges else 1.0
-    for i, (label, count, tip) in enumerate(drawn):
-        x, y = LEFT + i * slot + gap / 2, sy(count)
-        rect = (f'<rect class="b" x="{x:.1f}" y="{y:.1f}" width="{slot - gap:.1f}" height="{sy(0) - y:.1f}">'
+    slot = (span - apart * n_over) / len(slots)
+    gap = 0.15 * slot if not binned_ else 1.0
+    labels: list[tuple[float, str, str, int]] = []
+    x = float(LEFT)
+    lefts = []
+    for i, (label, count, tip, link, overflow) in enumerate(slots):
+        if overflow and i > 0:
+            x += apart
+        lefts.append(x)
+        bx, y = x + gap / 2, sy(count)
+        cls = "b o" if overflow else "b"
+        rect = (f'<rect class="{cls}" x="{bx:.1f}" y="{y:.1f}" width="{slot - gap:.1f}" height="{sy(0) - y:.1f}">'
                 f'<title>{_esc(tip)}</title></rect>')
-        link = links[i] if links is not None else None
         if link and count:  # the whole slot is the target, not only the bar (a short bar is hard to hit)
-            rect = (f'<a href="{_esc(link)}" class="bar" data-bar="{i}"><rect class="hit" x="{LEFT + i * slot:.1f}" '
+            rect = (f'<a href="{_esc(link)}" class="bar" data-bar="{i}"><rect class="hit" x="{x:.1f}" '
                     f'y="{TOP}" width="{slot:.1f}" height="{sy(0) - TOP:.1f}"/>{rect}</a>')
         out.append(rect)
+        centre = bx + (slot - gap) / 2
         if label:
-            out.append(f'<text class="a" x="{x + (slot - gap) / 2:.1f}" y="{H - 12}" text-anchor="middle">'
-                       f'{_esc(label)}</text>')
-        label_count = f"{count:,}"
-        if count and 5.6 * len(label_count) <= slot + 2:  # a count wider than its bar is left to the tooltip
-            out.append(f'<text class="v" x="{x + (slot - gap) / 2:.1f}" y="{max(TOP - 2, y - 2):.1f}" '
-                       f'text-anchor="middle">{label_count}</text>')
-    for label, anchor, x in zip(edges, ("start", "middle", "end"), (LEFT, LEFT + span / 2, W - RIGHT)):
-        out.append(f'<text class="a" x="{x:.1f}" y="{H - 12}" text-anchor="{anchor}">{_esc(label)}</text>')
+            anchor = "middle"
+            if overflow:  # at the plot's ends: anchored inside it
+                anchor, centre_x = ("start", x) if i == 0 else ("end", x + slot)
+            else:
+                centre_x = centre
+            labels.append((centre_x, label, anchor, 0 if overflow else 1))
+        text = f"{count:,}"
+        if count and CHAR_PX * len(text) + 2 <= slot:  # a count wider than its bar is left to the tooltip
+            out.append(f'<text class="v" x="{centre:.1f}" y="{max(TOP - 2, y - 2):.1f}" '
+                       f'text-anchor="middle">{text}</text>')
+        x += slot
+        if overflow and i == 0:
+            x += apart
+    if binned_:  # round edges at the bins' boundaries: both ends first, then every s-th edge that fits
+        first = 1 if under else 0
+        k = len(bars)
+        widest = max(len(fmt_number(b[0])) for b in bars) * CHAR_PX + 8
+        every = next(s for s in (1, 2, 5, 10, 20, 50) if (k // s + 1) * widest <= span or s == 50)
+        for j in range(k + 1):
+            edge = bars[j][0] if j < k else bars[-1][1]
+            at = lefts[first + j] if j < k else lefts[first + k - 1] + slot
+            anchor = "end" if j == k and not over else "middle"  # the plot's right margin is narrow
+            labels.append((at, fmt_number(edge), anchor, 2 if j in (0, k) else 3 if j % every == 0 else 9))
+        labels = [lab for lab in labels if lab[3] != 9]
+    for lx, text, anchor in _place(labels):
+        out.append(f'<text class="a" x="{lx:.1f}" y="{H - 12}" text-anchor="{anchor}">{_esc(text)}</text>')
     out.append("</svg>")
     return "".join(out)

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Protocol, Sequence
 
 __all__ = ["Db", "RelationDb", "memory_db", "Column", "Filter", "TableState", "BASE_COLUMNS", "PROMPT_SQL", "PASS_SQL",
-           "discover_keys", "columns_of", "parse_state", "where_sql", "rollouts", "histograms", "HISTOGRAMS",
+           "discover_keys", "columns_of", "curve_keys", "PINNED", "SPLITS", "parse_state", "where_sql", "rollouts",
+           "histograms", "HISTOGRAMS",
            "prompt_list", "prompt_steps", "failures", "FAILURE_REASONS", "mismatch_top", "step_extras",
            "load_trajectories", "step_rows", "step_health_rates", "trace_id_ok", "FIELDS", "INDEX_COLUMNS",
            "flat_columns", "index_select", "ident"]
@@ -150,38 +151,45 @@ class Column:
     doc: str = ""
 
 
-#: the columns every run has; outcome and annotation keys found in the data come after
-#: :data:`BASE_COLUMNS` up to ``reward``, then the rest (:func:`columns_of`)
+#: the columns every run has, in the table's order: the pinned key columns (rollout, step,
+#: group, n, verdict, reward: the stylesheet keeps them in view while the rest scrolls), the
+#: length and truncation beside the reward, then the texts; outcome keys found in the data
+#: come after the answer, annotation keys at the end (:func:`columns_of`)
 BASE_COLUMNS: tuple[Column, ...] = (
     Column("step", "step", "step", "int"),
-    Column("validate", "validation", "validate", "bool", False, "a validation rollout"),
     Column("group", "group", "group_key", "text", True, "GRPO group: group_id, else sample_index"),
-    Column("rollout", "rollout", "rollout_n", "int"),
-    Column("sample", "sample", "sample_index", "int", False),
-    Column("prompt", "prompt id", PROMPT_SQL, "text", False, "extra prompt_id, else group_id, else sample_index"),
-    Column("task", "prompt", "task", "text", True, "the first user message"),
-    Column("answer", "answer (its end)", "answer", "text", True, "the last assistant message"),
-    Column("reward", "reward", "reward", "float"),
+    Column("rollout", "n", "rollout_n", "int", True, "rollout_n: the rollout's number in its group"),
     Column("verdict", "verdict", "verdict", "text", True, "error, partial, truncated, correct, wrong or ok"),
-    Column("pass", "pass", PASS_SQL, "bool", False, "outcome.correct when a boolean, else reward > 0"),
-    Column("advantage", "advantage", "advantage", "float"),
+    Column("reward", "reward", "reward", "float"),
     Column("length", "tokens out", "output_tokens", "int", True, "response length: tokens generated"),
     Column("truncated", "truncated", "truncated", "bool", True, "a generation stopped at the length limit"),
-    Column("finish", "finish", "finish_reason", "text", False),
+    Column("advantage", "advantage", "advantage", "float"),
+    Column("task", "prompt", "task", "text", True, "the first user message"),
+    Column("answer", "answer (its end)", "answer", "text", True, "the last assistant message"),
     Column("turns", "turns", "num_turns", "int"),
-    Column("tools", "tool calls", "num_tool_calls", "int", False),
-    Column("tokens_in", "tokens in", "input_tokens", "int", False),
     Column("latency", "latency ms", "duration_ms", "float"),
-    Column("status", "status", "status", "text", False),
-    Column("error", "error", "error", "text", False),
     Column("health", "health", "array_to_string(list_transform(health, lambda x: x.check), ', ')", "text", True,
            "the rollout-health checks that failed (empty: healthy; blank: not checked)"),
+    Column("validate", "validation", "validate", "bool", False, "a validation rollout"),
+    Column("sample", "sample", "sample_index", "int", False),
+    Column("prompt", "prompt id", PROMPT_SQL, "text", False, "extra prompt_id, else group_id, else sample_index"),
+    Column("pass", "pass", PASS_SQL, "bool", False, "outcome.correct when a boolean, else reward > 0"),
+    Column("finish", "finish", "finish_reason", "text", False),
+    Column("tools", "tool calls", "num_tool_calls", "int", False),
+    Column("tokens_in", "tokens in", "input_tokens", "int", False),
+    Column("status", "status", "status", "text", False),
+    Column("error", "error", "error", "text", False),
     Column("policy_version", "policy", "policy_version", "int", False),
     Column("in_sample", "in sample", "in_sample", "bool", False, "counted by the step metrics"),
     Column("kept", "kept", "array_to_string(kept, ', ')", "text", False),
     Column("trace", "trace id", "trace_id", "id", False),
 )
-_AFTER_REWARD = [c.name for c in BASE_COLUMNS].index("reward") + 1
+#: the columns the table keeps in view when it scrolls sideways (after its first, the rollout's link)
+PINNED = ("step", "group", "rollout", "verdict", "reward")
+_AFTER_ANSWER = [c.name for c in BASE_COLUMNS].index("answer") + 1
+#: an outcome key gets a column shown by default, and a curve across steps, only when at
+#: least this share of the rollouts carries it (a key one rollout in 38,000 set is in the chooser)
+COMMON_KEY_SHARE = 0.5
 
 #: the maps whose keys become columns: (map prefix, column name prefix, SQL kind)
 _MAPS = (("outcome", "outcome."), ("annotations", "annotation."))
@@ -190,22 +198,34 @@ _MAP_KINDS = {"double": "float", "int": "int", "bool": "bool", "str": "text"}
 _KNOWN_ANNOTATIONS = {"advantage"}
 
 
-def discover_keys(db: Db, source: str = "trajectories") -> set[tuple[str, str, str]]:
-    """``(map, kind, key)`` of every key of the outcome and annotation maps in ``source``
-    (a table or a ``read_parquet(...)`` expression): ``("outcome", "double", "reward/format")``."""
-    parts = [f"SELECT DISTINCT '{m}' AS m, '{k}' AS k, unnest(map_keys({m}_{k})) AS key FROM {source}"
+def discover_keys(db: Db, source: str = "trajectories", by_file: bool = False) -> dict[Any, int]:
+    """Every key of the outcome and annotation maps in ``source`` (a table or a
+    ``read_parquet(...)`` expression) with the number of rows that carry it:
+    ``{("outcome", "double", "reward/format"): 36}``. ``by_file``: keyed by ``(file, (map,
+    kind, key))``, ``source`` having a ``_file`` column (a run's counts kept per data file,
+    so a compacted file replaces its inputs' counts)."""
+    file = "_file, " if by_file else ""
+    parts = [f"SELECT {file}'{m}' AS m, '{k}' AS k, unnest(map_keys({m}_{k})) AS key FROM {source}"
              for m, _ in _MAPS for k in _MAP_KINDS]
-    _, rows = db.rows(" UNION ALL ".join(parts))
-    return {(m, k, key) for m, k, key in rows if key is not None}
+    _, rows = db.rows(f"SELECT {file}m, k, key, count(*) FROM ({' UNION ALL '.join(parts)}) GROUP BY ALL")
+    if by_file:
+        return {(f, (m, k, key)): int(n) for f, m, k, key, n in rows if key is not None}
+    return {(m, k, key): int(n) for m, k, key, n in rows if key is not None}
 
 
-def columns_of(keys: Iterable[tuple[str, str, str]]) -> list[Column]:
+def columns_of(keys: Iterable[tuple[str, str, str]] | dict[tuple[str, str, str], int],
+               total: int | None = None) -> list[Column]:
     """The rollouts table's columns: :data:`BASE_COLUMNS` with a column per outcome key
     (``record_reward``'s keywords: TRL's ``reward/<function>``, ``expected`` ...) after the
-    reward, and per annotation key (hidden unless it is the train-inference mismatch)."""
+    answer, and per annotation key at the end (hidden unless it is the train-inference
+    mismatch). With ``keys`` counted (:func:`discover_keys`) and ``total`` rows, an outcome
+    key is shown by default only when :data:`COMMON_KEY_SHARE` of the rows carry it."""
+    counts = keys if isinstance(keys, dict) else None
     by_key: dict[tuple[str, str], set[str]] = {}
+    carried: dict[tuple[str, str], int] = {}
     for m, kind, key in keys:
         by_key.setdefault((m, key), set()).add(kind)
+        carried[(m, key)] = carried.get((m, key), 0) + (counts[(m, kind, key)] if counts is not None else 0)
     outcome, annotation = [], []
     for (m, key), kinds in sorted(by_key.items()):
         if m == "annotations" and key in _KNOWN_ANNOTATIONS:
@@ -221,12 +241,20 @@ def columns_of(keys: Iterable[tuple[str, str, str]]) -> list[Column]:
             sql, kind = f"{m}_bool[{lit}]", "bool"
         else:
             sql, kind = f"coalesce({m}_str[{lit}], {m}_json[{lit}])", "text"
+        common = counts is None or not total or carried[(m, key)] >= COMMON_KEY_SHARE * total
         prefix = "outcome." if m == "outcome" else "annotation."
-        col = Column(prefix + key, key, sql, kind, m == "outcome" and kind != "text" or key == "logprob_mismatch_k3",
+        shown = (m == "outcome" and kind != "text" and common) or key == "logprob_mismatch_k3"
+        col = Column(prefix + key, key, sql, kind, shown,
                      f"{'record_reward' if m == 'outcome' else 'annotation'} {key!r}")
         (outcome if m == "outcome" else annotation).append(col)
     cols = list(BASE_COLUMNS)
-    return cols[:_AFTER_REWARD] + outcome + cols[_AFTER_REWARD:] + annotation
+    return cols[:_AFTER_ANSWER] + outcome + cols[_AFTER_ANSWER:] + annotation
+
+
+def curve_keys(columns: Sequence[Column]) -> set[str]:
+    """The outcome keys drawn as curves across steps (``outcome.<key>``): those shown by
+    default (numeric, carried by most rollouts: :func:`columns_of`)."""
+    return {c.name for c in columns if c.shown and c.name.startswith("outcome.")}
 
 
 #: the base columns whose SQL reads a :data:`FIELDS` expression: their SQL on the flat index
@@ -261,6 +289,9 @@ _OPS = {"eq": "=", "ne": "<>", "gt": ">", "ge": ">=", "lt": "<", "le": "<=", "co
 OP_TEXT = {"eq": "=", "ne": "≠", "gt": ">", "ge": "≥", "lt": "<", "le": "≤", "contains": "contains",
            "null": "is empty", "notnull": "is set"}
 MAX_PAGE = 500
+#: the table's switch between training and validation rollouts (``_split=``): name -> (words, SQL).
+#: Training by default: a step's validation rollouts are another policy's answers to other prompts
+SPLITS = {"train": ("training", "NOT validate"), "val": ("validation", "validate"), "all": ("both", "true")}
 
 
 @dataclass(frozen=True)
@@ -286,15 +317,24 @@ class TableState:
     offset: int = 0
     size: int = 50
     shown: list[str] | None = None
+    #: ``train``, ``val`` or ``all`` (:data:`SPLITS`); None: training, or both when a filter is on ``validate``
+    split: str | None = None
     #: what was not understood, in words (shown on the page; the rest still applies)
     problems: list[str] = field(default_factory=list)
+
+    @property
+    def rows_of(self) -> str:
+        """The split the table holds: the switch's, else training unless a filter is on ``validate``."""
+        if self.split is not None:
+            return self.split
+        return "all" if any(f.column == "validate" for f in self.filters) else "train"
 
     def params(self, **changes: Any) -> list[tuple[str, Any]]:
         """The query-string pairs of this state with ``changes`` (``filters=[...]``, ``sort=``,
         ``offset=`` ...); defaults are left out."""
         st = {"filters": self.filters, "q": self.q, "sort": self.sort, "desc": self.desc, "offset": self.offset,
-              "size": self.size, "shown": self.shown, **changes}
-        out: list[tuple[str, Any]] = [(f.param, f.value) for f in st["filters"]]
+              "size": self.size, "shown": self.shown, "split": self.split, **changes}
+        out: list[tuple[str, Any]] = [("_split", st["split"])] + [(f.param, f.value) for f in st["filters"]]
         out += [("q", st["q"] or None), ("_sort", st["sort"]), ("_desc", "1" if st["desc"] and st["sort"] else None),
                 ("_size", st["size"] if st["size"] != 50 else None), ("_offset", st["offset"] or None)]
         if st["shown"] is not None:
@@ -304,7 +344,7 @@ class TableState:
 
 def parse_state(pairs: Iterable[tuple[str, str]], columns: Sequence[Column]) -> TableState:
     """The state from query-string pairs: ``_sort``, ``_desc``, ``_offset``, ``_size``,
-    ``_col`` (comma list of shown columns), ``q`` (text search in prompts and answers),
+    ``_col`` (comma list of shown columns), ``_split`` (``train``, ``val``, ``all``), ``q`` (text search in prompts and answers),
     and filters ``<column>[__<op>]=<value>`` (ops: eq, ne, gt, ge, lt, le, contains, null,
     notnull). Unknown names and values that do not parse are said in ``problems``."""
     names = {c.name: c for c in columns}
@@ -331,6 +371,11 @@ def parse_state(pairs: Iterable[tuple[str, str]], columns: Sequence[Column]) -> 
                 st.size = min(MAX_PAGE, max(1, number))
         elif key == "_col":
             st.shown = [n for n in value.split(",") if n in names]
+        elif key == "_split":
+            if value in SPLITS:
+                st.split = value
+            else:
+                st.problems.append(f"_split={value!r}: one of {', '.join(SPLITS)}")
         elif key.startswith("_"):
             continue  # the server's own (_fragment ...)
         else:
@@ -412,6 +457,8 @@ def where_sql(state: TableState, columns: Sequence[Column], extra: Sequence[tupl
                 search_sql += " OR starts_with(trace_id, ?)"
                 params.append(state.q)
             parts.append(search_sql)
+    if state.rows_of != "all":
+        parts.append(SPLITS[state.rows_of][1])
     for sql, p in extra:
         parts.append(sql)
         params += list(p)
@@ -486,68 +533,76 @@ def rollouts(db: Db, state: TableState, columns: Sequence[Column]) -> dict[str, 
 #: (title, column): the histograms above the table, each bar a filter
 HISTOGRAMS = (("reward", "reward"), ("response length (tokens out)", "length"), ("latency (ms)", "latency"),
               ("advantage", "advantage"))
-#: a histogram draws a bar per value up to this many distinct values, else equal-width bins
-MAX_CATEGORIES = 12
-MAX_BINS = 20
+#: the histograms' ranges and bins are chosen from a sample of this many values of each (all of
+#: them below it): :func:`rtrace.report.plots.histogram_plan`
+SAMPLE = 4096
+
+
+def _bin_sql(v: str, g: Any) -> str:
+    """SQL of :meth:`rtrace.report.plots.Grid.bin_of` for value ``v`` on grid ``g`` (its numbers
+    written in: they are this module's, not the data's); NULL for a value that is not finite."""
+    scale, op = repr(10.0 ** abs(g.exp)), "/" if g.exp < 0 else "*"
+    n = f"floor({v} / {g.width!r})"
+
+    def at(index: str) -> str:
+        return f"({index}) * {g.mult} {op} {scale}"
+
+    return (f"CASE WHEN isfinite({v}) THEN greatest(-1, least({g.k}, {n} - {g.first} + CAST({v} >= {at(n + ' + 1')} "
+            f"AS INT) - CAST({v} < {at(n)} AS INT) - CAST({v} = {g.edge(g.k)!r} AS INT))) END")
 
 
 def histograms(db: Db, state: TableState, columns: Sequence[Column],
                which: Sequence[tuple[str, str]] = HISTOGRAMS) -> dict[str, Any]:
-    """The rollouts that match ``state`` (filters and search; not the page): their count
+    """The rollouts that match ``state`` (filters, search, split; not the page): their count
     and a histogram of each column of ``which``: ``{"total": n, "hist": {column: {...}}}``,
-    each ``{"bars": [(low, high or None, count)], "categorical": bool, "n": values,
-    "missing": rows without a finite value}``. Binned as :func:`rtrace.report.plots.histogram`
-    bins: a bar per value up to 12 distinct values, else up to 20 equal-width bins. One
-    statement: the matching rows are read once (a materialized CTE)."""
+    each ``{"bars": [(low, high or None, count)], "under": (smallest, edge, count) or None,
+    "over": (edge, largest, count) or None, "categorical": bool, "n": values, "missing":
+    rows without a finite value}``, as :func:`rtrace.report.plots.histogram` draws one: a bar
+    per value up to 12 distinct values, else round bins over the robust range and an overflow
+    bar at an end for the values beyond it. Two statements: the count, each column's
+    smallest and largest value and a sample of its values (from which the bins are chosen
+    here, :func:`rtrace.report.plots.histogram_plan`); then every histogram's counts per bin
+    (or value) in one pass."""
+    from .plots import count_bars, histogram_plan
+
     names = {c.name: c for c in columns}
     where, params = where_sql(state, columns, db=db)
     cols = [names[c] for _, c in which]
-    sel = ", ".join(f"CAST(({c.sql}) AS DOUBLE) AS v{i}" for i, c in enumerate(cols))
-    stats = ", ".join(f"min(v{i}) FILTER (WHERE isfinite(v{i})) AS lo{i}, max(v{i}) FILTER (WHERE isfinite(v{i})) "
-                      f"AS hi{i}, count(v{i}) FILTER (WHERE isfinite(v{i})) AS c{i}, "
-                      f"approx_count_distinct(v{i}) FILTER (WHERE isfinite(v{i})) AS d{i}, "
-                      f"least({MAX_BINS}, greatest(2, ceil(sqrt(count(v{i}) FILTER (WHERE isfinite(v{i}))))))"
-                      f" AS k{i}" for i in range(len(cols)))
-    head = ", ".join(f"lo{i}, hi{i}, c{i}, d{i}, k{i}" for i in range(len(cols)))
-    bars = " UNION ALL BY NAME ".join(
-        f"SELECT {i} AS h, CASE WHEN s.d{i} <= {MAX_CATEGORIES} THEN v{i} ELSE least(s.k{i} - 1, "
-        f"floor((v{i} - s.lo{i}) / (nullif(s.hi{i} - s.lo{i}, 0) / s.k{i}))) END AS x, count(*) AS n "
-        f"FROM f, s WHERE isfinite(v{i}) GROUP BY ALL" for i in range(len(cols)))
-    sql = (f"WITH f AS MATERIALIZED (SELECT {sel} FROM {_t(db)} WHERE {where}), "
-           f"s AS (SELECT count(*) AS n, {stats} FROM f) "
-           f"SELECT -1 AS h, CAST(NULL AS DOUBLE) AS x, n, {head} FROM s UNION ALL BY NAME {bars} ORDER BY h, x")
-    _, rows = db.rows(sql, params)
-    head_row, found = None, {}
-    for raw in rows:  # the first row: n and the stats (h, x, n, lo0, hi0, c0, d0, k0, lo1, ...); then bars
-        if raw[0] == -1:
-            head_row = raw
-        elif raw[1] is not None:
-            found.setdefault(raw[0], []).append((raw[1], raw[2]))
-    return _histogram_result(head_row, found, cols, which)
-
-
-def _histogram_result(head: tuple | None, bars: dict[int, list[tuple[float, int]]], cols: list[Column],
-                      which: Sequence[tuple[str, str]]) -> dict[str, Any]:
-    """Shape :func:`histograms`'s rows. ``head`` is ``(-1, None, n, lo0, hi0, c0, d0, k0, lo1, ...)``
-    as UNION ALL BY NAME lays the columns out (h, x, n first)."""
-    total = int(head[2]) if head else 0
+    values = ", ".join(f"CAST(({c.sql}) AS DOUBLE) AS v{i}" for i, c in enumerate(cols))
+    source = f"(SELECT {values} FROM {_t(db)} WHERE {where})"
+    ok = [f"FILTER (WHERE isfinite(v{i}))" for i in range(len(cols))]
+    stats = ", ".join(f"min(v{i}) {ok[i]}, max(v{i}) {ok[i]}, count(v{i}) {ok[i]}" for i in range(len(cols)))
+    sample = ", ".join(f"list(v{i}) {ok[i]}" for i in range(len(cols)))
+    _, head = db.rows(f"WITH f AS MATERIALIZED {source} SELECT count(*), {stats}, (SELECT [{sample}] FROM f USING "
+                      f"SAMPLE reservoir({SAMPLE} ROWS) REPEATABLE (7)) FROM f", params)
+    total, rest, sampled = int(head[0][0]), head[0][1:-1], head[0][-1] or [[] for _ in cols]
     out: dict[str, Any] = {"total": total, "hist": {}}
+    plans, keys = [], []
     for i, ((title, name), col) in enumerate(zip(which, cols)):
-        lo, hi, count, distinct, k = head[3 + 5 * i: 8 + 5 * i] if head else (None, None, 0, 0, 0)
-        count = int(count or 0)
-        categorical = bool(count) and distinct is not None and distinct <= MAX_CATEGORIES
-        found = sorted(bars.get(i, []), key=lambda b: b[0])
-        result: dict[str, Any] = {"title": title, "column": name, "n": count, "missing": total - count,
-                                  "categorical": categorical, "bars": []}
-        if count and categorical:
-            result["bars"] = [(float(x), None, int(n)) for x, n in found]
-        elif count:
-            k = int(k)
-            width = (hi - lo) / k
-            counts = {int(x): int(n) for x, n in found}
-            result["bars"] = [(lo + j * width, lo + (j + 1) * width if j < k - 1 else hi, counts.get(j, 0))
-                              for j in range(k)]
-        out["hist"][name] = result
+        lo, hi, count = rest[3 * i: 3 * i + 3]
+        plan = histogram_plan(sampled[i] or [], lo, hi, int(count or 0), col.kind == "int")
+        plans.append(plan)
+        out["hist"][name] = {"title": title, "column": name, "n": int(count or 0), "missing": total - int(count or 0),
+                             "categorical": False, "bars": [], "under": None, "over": None}
+        keys.append(None if plan is None else f"CASE WHEN isfinite(v{i}) THEN v{i} END" if plan.categorical
+                    else _bin_sql(f"v{i}", plan.grid))
+    found: dict[int, dict[float, int]] = {}
+    used = [i for i, k in enumerate(keys) if k is not None]
+    if used:  # one pass, a grouping set per histogram (GROUPING_ID: the bit of each column not grouped by)
+        xs = ", ".join(f"x{i}" for i in used)
+        _, rows = db.rows(f"SELECT {xs}, count(*), GROUPING_ID({xs}) FROM (SELECT "
+                          f"{', '.join(f'{keys[i]} AS x{i}' for i in used)} FROM {source}) "
+                          f"GROUP BY GROUPING SETS ({', '.join(f'(x{i})' for i in used)})", params)
+        full = (1 << len(used)) - 1
+        which_set = {full ^ (1 << (len(used) - 1 - j)): i for j, i in enumerate(used)}
+        for row in rows:
+            i = which_set[row[-1]]
+            x = row[used.index(i)]
+            if x is not None:
+                found.setdefault(i, {})[x] = int(row[-2])
+    for i, (_, name) in enumerate(which):
+        if plans[i] is not None:
+            out["hist"][name].update(count_bars(plans[i], found.get(i, {})))
     return out
 
 

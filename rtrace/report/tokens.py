@@ -3,10 +3,11 @@
 Each generation span may carry ``token_values`` (``logprob``, ``old_logprob``,
 ``advantage``, ``loss_mask``, ``entropy`` ... aligned with its response tokens) and, with
 token2text, ``rtrace.response_tokens`` (each token's own text). The overlay draws each
-token as its text on a colour from the chosen array; hovering a token shows its position,
-id and every array's value there (its ``title``). With both ``logprob`` (the sampler) and
-``old_logprob`` (the trainer), ``mismatch`` is their difference per token (trainer −
-sampler: Δ, the check's quantity).
+token as its text on a colour from the chosen array; hovering a token shows at once its
+position, id (when kept), exact text and every array's value there (its ``data-tip``,
+shown by ``static/tokens.js``: a native ``title`` takes a second to appear). With both
+``logprob`` (the sampler) and ``old_logprob`` (the trainer), ``mismatch`` is their
+difference per token (trainer − sampler: Δ, the check's quantity).
 
 Colours are classes, a few buckets per scale (the stylesheet holds them):
 
@@ -22,6 +23,7 @@ The scale is the trajectory's (every turn on the same colours), and the legend s
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Sequence
 
@@ -135,7 +137,7 @@ def _text(token: Any) -> str:
 
 def overlay(span: Any, color: str | None, scale: Scale | None) -> Raw:
     """The generation's response tokens, each on its colour from array ``color``, its
-    values in its tooltip. Tokens are the span's ``rtrace.response_tokens`` (token2text),
+    position, id, text and values in its tooltip (``data-tip``, one per line). Tokens are the span's ``rtrace.response_tokens`` (token2text),
     else its response ids shown as ``⟨id⟩``."""
     arrays = arrays_of(span)
     tokens = span.attributes.get("rtrace.response_tokens")
@@ -153,15 +155,15 @@ def overlay(span: Any, color: str | None, scale: Scale | None) -> Raw:
             text = f"⟨{ids[i]}⟩"
         else:
             text = "·"
-        tip = [f"#{i}"]
-        if i < len(ids):
-            tip.append(f"id {ids[i]}")
+        tip = [f"token {i}" + (f" · id {ids[i]}" if i < len(ids) else "")]
+        if isinstance(tokens, list) and i < len(tokens):
+            tip.append(json.dumps(str(tokens[i]), ensure_ascii=False))  # its text exactly: quotes, \n, spaces
         for name, arr in arrays.items():
             if i < len(arr):
                 tip.append(f"{name} {'–' if arr[i] is None else fmt_number(arr[i])}")
         value = chosen[i] if chosen is not None and i < len(chosen) else None
         cls = "tk " + (scale.css(value) if scale is not None and chosen is not None else "nc")
-        spans.append(h("span", {"class_": cls, "title": " · ".join(tip)}, text))
+        spans.append(h("span", {"class_": cls, "data_tip": "\n".join(tip)}, text))
     notes = []
     if shown < n:
         notes.append(h("p", {"class_": "muted"}, f"the first {shown:,} of {n:,} tokens"))

@@ -157,8 +157,9 @@ _CATEGORICAL = {"step", "group", "verdict", "finish", "status", "validate", "pro
                 "policy_version", "rollout", "sample", "turns", "tools"}
 
 
-def _cell(col: Column, value: Any, state: TableState, links: Links) -> Raw:
-    cls = "l" if col.kind in ("text", "id") else None
+def _cell(col: Column, value: Any, state: TableState, links: Links, pin: int | None = None,
+          validate: bool = False) -> Raw:
+    cls = " ".join(filter(None, ["l" if col.kind in ("text", "id") else None, _pin_class(pin)])) or None
     if col.name == "verdict" and value is not None:
         inner: Any = h("span", {"class_": f"verdict v-{value}"}, value)
     elif col.name == "health":
@@ -181,10 +182,12 @@ def _cell(col: Column, value: Any, state: TableState, links: Links) -> Raw:
         filters = [f for f in state.filters if f.column != col.name] + [Filter(col.name, "eq", text)]
         inner = h("a", {"href": links.rollouts(state.params(filters=filters, offset=0)), "class_": "f",
                         "title": f"only {col.label} = {text}"}, inner)
+    if col.name == "step" and validate:
+        inner = join([inner, " ", h("span", {"class_": "vbadge", "title": "a validation rollout"}, "val")])
     return h("td", {"class_": cls, "data_col": col.name}, inner)
 
 
-def _sort_head(col: Column, state: TableState, links: Links) -> Raw:
+def _sort_head(col: Column, state: TableState, links: Links, pin: int | None = None) -> Raw:
     mark = ""
     desc = False
     if state.sort == col.name:
@@ -193,29 +196,35 @@ def _sort_head(col: Column, state: TableState, links: Links) -> Raw:
     elif col.kind in ("float", "int"):
         desc = True  # numbers: largest first on the first click
     href = links.rollouts(state.params(sort=col.name, desc=desc, offset=0))
-    cls = "l" if col.kind in ("text", "id") else None
+    cls = " ".join(filter(None, ["l" if col.kind in ("text", "id") else None, _pin_class(pin)])) or None
     return h("th", {"class_": cls, "data_col": col.name, "title": col.doc or None},
              _a(href, col.label + mark, title=f"sort by {col.label}") if href else col.label + mark)
 
 
 def histogram_strip(hist: dict[str, Any], state: TableState, links: Links) -> Raw:
     """The histograms above the table; with a server, each bar is a link that filters the
-    table to it (a range on its column, replacing the column's range filters)."""
+    table to it (a range on its column, replacing the column's range filters; an overflow
+    bar: the values beyond its edge)."""
     svgs = []
     for name, hd in hist["hist"].items():
         bars = hd["bars"]
-        hrefs = None
+        hrefs = under = over = None
         if links.live:
             keep = [f for f in state.filters if f.column != name or f.op not in ("eq", "ge", "gt", "lt", "le")]
+
+            def href(*add: Filter) -> str | None:
+                return links.rollouts(state.params(filters=keep + list(add), offset=0))
+
             hrefs = []
             for i, (low, high, _) in enumerate(bars):
                 if high is None:
-                    add = [Filter(name, "eq", repr(float(low)))]
+                    hrefs.append(href(Filter(name, "eq", repr(float(low)))))
                 else:
-                    add = [Filter(name, "ge", repr(float(low))),
-                           Filter(name, "le" if i == len(bars) - 1 else "lt", repr(float(high)))]
-                hrefs.append(links.rollouts(state.params(filters=keep + add, offset=0)))
-        svg = plots.histogram_bars(hd["title"], bars, hrefs)
+                    hrefs.append(href(Filter(name, "ge", repr(float(low))),
+                                      Filter(name, "le" if i == len(bars) - 1 else "lt", repr(float(high)))))
+            under = href(Filter(name, "lt", repr(float(hd["under"][1])))) if hd.get("under") else None
+            over = href(Filter(name, "gt", repr(float(hd["over"][0])))) if hd.get("over") else None
+        svg = plots.histogram_bars(hd["title"], bars, hrefs, hd.get("under"), hd.get("over"), under, over)
         note = f"{hd['missing']:,} without a value" if hd["missing"] else ""
         svgs.append(h("div", {"class_": "hist", "data_hist": name}, Raw(svg) if svg else
                       h("p", {"class_": "muted"}, f"{hd['title']}: no value"),
@@ -223,20 +232,36 @@ def histogram_strip(hist: dict[str, Any], state: TableState, links: Links) -> Ra
     return h("div", {"class_": "plots hists"}, svgs)
 
 
+def _shown_value(col: Column | None, text: str) -> str:
+    """A filter's value as a chip says it: a number rounded as the table writes numbers
+    (``1.11``, not ``1.1100249999999998``; the exact value is the chip's tooltip)."""
+    if col is None or col.kind not in ("float", "int"):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    return plots.fmt_number(value) if math.isfinite(value) else text
+
+
 def _chips(state: TableState, columns: Sequence[Column], links: Links) -> Raw:
-    labels = {c.name: c.label for c in columns}
+    by_name = {c.name: c for c in columns}
     chips = []
     for f in state.filters:
         rest = [g for g in state.filters if g is not f]
-        text = f"{labels.get(f.column, f.column)} {OP_TEXT[f.op]}" + ("" if f.op in ("null", "notnull") else f" {f.value}")
-        chips.append(h("span", {"class_": "chip on", "data_filter": f.param}, text, " ",
+        col = by_name.get(f.column)
+        value = "" if f.op in ("null", "notnull") else " " + _shown_value(col, f.value)
+        text = f"{col.label if col else f.column} {OP_TEXT[f.op]}{value}"
+        exact = f"{f.column} {OP_TEXT[f.op]} {f.value}" if value.strip() != f.value else None
+        chips.append(h("span", {"class_": "chip on", "data_filter": f.param, "title": exact}, text, " ",
                        _a(links.rollouts(state.params(filters=rest, offset=0)), "×", class_="x",
                           title="remove this filter")))
     if state.q:
         chips.append(h("span", {"class_": "chip on", "data_filter": "q"}, f"text contains “{state.q}”", " ",
                        _a(links.rollouts(state.params(q="", offset=0)), "×", class_="x", title="remove the search")))
     if len(chips) > 1:
-        chips.append(_a(links.rollouts([("_col", ",".join(state.shown))] if state.shown is not None else []),
+        chips.append(_a(links.rollouts([("_split", state.split)] + ([("_col", ",".join(state.shown))]
+                                                                  if state.shown is not None else [])),
                         "clear all", class_="chip"))
     return h("div", {"class_": "chips", "id": "filters"}, chips) if chips else Raw("")
 
@@ -271,21 +296,71 @@ def _forms(state: TableState, columns: Sequence[Column], links: Links) -> Raw:
     return h("div", {"class_": "tools"}, search, filt, chooser)
 
 
+#: the widths (px) of the columns the table keeps in view when it scrolls sideways: its first
+#: (the rollout's link) and the key columns (:data:`rtrace.report.queries.PINNED`) as they lead
+#: the shown ones; the table's style gives each its width and offset (report.css: ``.pin``)
+PIN_WIDTHS = {"": 86, "step": 88, "group": 110, "rollout": 44, "verdict": 94, "reward": 76}
+
+
+def _pin_class(pin: int | None) -> str | None:
+    return None if pin is None else f"pin c{pin}"
+
+
+def _pins(shown: Sequence[Column]) -> tuple[dict[str, int], str]:
+    """Which shown columns are pinned (name -> position after the link's 0) and the table's
+    style: each position's width and left offset as CSS variables (``--w1``, ``--l1`` ...)."""
+    from .queries import PINNED
+
+    names = [""]
+    for c in shown:
+        if c.name not in PINNED:
+            break
+        names.append(c.name)
+    style, left = [], 0
+    for i, name in enumerate(names):
+        style.append(f"--l{i}:{left}px;--w{i}:{PIN_WIDTHS[name]}px")
+        left += PIN_WIDTHS[name]
+    return {n: i for i, n in enumerate(names) if n}, ";".join(style)
+
+
+def _split_switch(state: TableState, counts: dict[str, int] | None, links: Links) -> Raw:
+    """Training, validation or both: the table's rows (``_split``), training by default."""
+    from .queries import SPLITS
+
+    current = state.rows_of
+    items = []
+    for name, (words, _) in SPLITS.items():
+        n = (counts or {}).get(name)
+        label = words + (f" {n:,}" if n is not None else "")
+        items.append(_a(links.rollouts(state.params(split=name, offset=0)), label,
+                        class_="chip" + (" on" if name == current else ""), data_split=name,
+                        aria_current="true" if name == current else None))
+    return h("nav", {"class_": "chips splits", "id": "split", "aria_label": "training or validation rollouts"},
+             h("span", {"class_": "muted"}, "rollouts: "), items)
+
+
 def rollouts_section(result: dict[str, Any], hist: dict[str, Any], state: TableState, columns: Sequence[Column],
-                     links: Links, note: str = "") -> Raw:
-    """The run-wide table: search, filters, column chooser, histograms whose bars filter,
-    sortable headers, a page of rows (each a link to its rollout), a pager."""
+                     links: Links, note: str = "", split_counts: dict[str, int] | None = None) -> Raw:
+    """The run-wide table: the training / validation switch, search, filters, column chooser,
+    histograms whose bars filter, sortable headers, a page of rows (each a link to its
+    rollout; a validation rollout marked ``val``), a pager. The rollout's link and the key
+    columns stay in view when the table scrolls sideways. ``split_counts``: the rollouts of
+    each split (``train``, ``val``, ``all``), said on the switch."""
     total = hist["total"]
     shown: list[Column] = result["columns"]
-    head = [h("th", {"class_": "l"}, "rollout")] + [_sort_head(c, state, links) for c in shown]
+    pins, pin_style = _pins(shown)
+    head = [h("th", {"class_": "l pin c0"}, "rollout")] + [_sort_head(c, state, links, pins.get(c.name)) for c in shown]
     body = []
     for row in result["rows"]:
         passed = row["pass"]
         cls = f"r-{row['verdict']} " + ("row-pass" if passed is True else "row-fail" if passed is False else "row-unk")
+        if row.get("validate"):
+            cls += " row-val"
         body.append(h("tr", {"class_": cls, "data_trace": row["trace_id"]},
-                      h("td", {"class_": "l"}, h("a", {"class_": "tid", "href": links.rollout(row["trace_id"]),
-                                                       "title": row["trace_id"]}, row["trace_id"][:8])),
-                      [_cell(c, row["cells"].get(c.name), state, links) for c in shown]))
+                      h("td", {"class_": "l pin c0"}, h("a", {"class_": "tid", "href": links.rollout(row["trace_id"]),
+                                                              "title": row["trace_id"]}, row["trace_id"][:8])),
+                      [_cell(c, row["cells"].get(c.name), state, links, pins.get(c.name), bool(row.get("validate")))
+                       for c in shown]))
     prev_href = next_href = None
     if links.live:
         if state.offset:
@@ -293,13 +368,15 @@ def rollouts_section(result: dict[str, Any], hist: dict[str, Any], state: TableS
         if result["more"]:
             next_href = links.rollouts(state.params(offset=state.offset + state.size))
     problems = [h("p", {"class_": "note problem"}, p) for p in state.problems]
-    return h("section", {"id": "rollouts", "aria_label": "every rollout"},
+    return h("section", {"id": "rollouts", "aria_label": "every rollout", "data_split": state.rows_of},
+             _split_switch(state, split_counts, links) if links.live else None,
              _forms(state, columns, links) if links.live else None, problems, _chips(state, columns, links),
              h("p", {"class_": "muted"}, note) if note else None,
              histogram_strip(hist, state, links),
              _pager(state.offset, len(result["rows"]), total, prev_href, next_href, "rollouts"),
-             h("div", {"class_": "scroll"}, h("table", {"class_": "rollouts"}, h("thead", None, h("tr", None, head)),
-                                               h("tbody", None, body))),
+             h("div", {"class_": "scroll", "id": "table-scroll"},
+               h("table", {"class_": "rollouts", "style": pin_style}, h("thead", None, h("tr", None, head)),
+                 h("tbody", None, body))),
              _pager(state.offset, len(result["rows"]), total, prev_href, next_href, "rollouts") if len(body) > 20
              else None)
 
@@ -313,9 +390,11 @@ def _step_columns() -> Sequence[tuple[str, str | None, str]]:
 
 
 def steps_table(rows: Sequence[Any], links: Links, first: int = 0, size: int | None = None,
-                prev_href: str | None = None, next_href: str | None = None) -> Raw:
+                prev_href: str | None = None, next_href: str | None = None, newest_first: bool = False) -> Raw:
     """The per-step table (``rtrace report``'s), one table per split; each row links to its
-    step; the slowest trace id links to its rollout. ``rows``: :data:`rtrace.report.table.Row`."""
+    step; the slowest trace id links to its rollout. ``rows``: :data:`rtrace.report.table.Row`
+    (steps ascending). ``newest_first``: the newest step on top (and ``first`` counts from it),
+    as ``rtrace serve`` lists a run that is still being written."""
     from .table import cell
 
     cols = _step_columns()
@@ -324,6 +403,8 @@ def steps_table(rows: Sequence[Any], links: Links, first: int = 0, size: int | N
         part = [r for r in rows if r[0] == validate]
         if not part:
             continue
+        if newest_first:
+            part = part[::-1]
         total = len(part)
         if size is not None and not validate:
             part = part[first: first + size]
@@ -357,10 +438,13 @@ def downsample(points: Sequence[tuple[int, float]], max_points: int = MAX_POINTS
 
 def run_curves(rows: Sequence[Any], extras: dict[tuple[bool, int], dict[str, float]] | None = None,
                rates: dict[tuple[bool, int], dict[str, float]] | None = None, validate: bool = False,
-               compare: Sequence[tuple[str, Sequence[Any], dict | None]] = ()) -> Raw:
+               compare: Sequence[tuple[str, Sequence[Any], dict | None]] = (), components: Iterable[str] | None = None
+               ) -> Raw:
     """The curves across steps: the step table's metrics, the pass rate, each reward
     component (an outcome key's mean), the train-inference mismatch, the health rates.
-    ``compare``: ``[(run name, rows, extras), ...]`` draws each metric once per run instead."""
+    ``compare``: ``[(run name, rows, extras), ...]`` draws each metric once per run instead.
+    ``components``: the outcome keys drawn (``outcome.<key>``; the keys most rollouts carry:
+    :func:`rtrace.report.queries.curve_keys`); None: every one found."""
     runs = list(compare) or [("", rows, extras)]
     plots_out = []
 
@@ -386,8 +470,8 @@ def run_curves(rows: Sequence[Any], extras: dict[tuple[bool, int], dict[str, flo
         draw(title, list(series), unit)
     for title, series, unit in EXTRA_PLOTS:
         draw(title, list(series), unit)
-    components = sorted({k for _, _, ex in runs for v in (ex or {}).values() for k in v if k.startswith("outcome.")})
-    for key in components:
+    found = {k for _, _, ex in runs for v in (ex or {}).values() for k in v if k.startswith("outcome.")}
+    for key in sorted(found if components is None else found & set(components)):
         draw(f"{key[len('outcome.'):]} (mean)", [(key[len("outcome."):], key)], "")
     if rates and not compare:
         checks = sorted({c for (v, _), r in rates.items() if v == validate for c in r})

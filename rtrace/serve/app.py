@@ -12,7 +12,7 @@ Routes (``.json`` after a page's path, or ``?_format=json``, gives its data inst
 - ``/-/state.json``: each run's version (the pages' live updates poll it); ``/static/<file>``.
 
 Read-only: no route writes, and no route reads a path from the request (a run is chosen
-by its name among those served; a static file by its name among four).
+by its name among those served; a static file by its name among five).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ __all__ = ["create_app", "STATIC"]
 
 #: the files under /static/: name -> (package, media type)
 STATIC = {"report.css": ("rtrace.report", "text/css"), "report.js": ("rtrace.report", "text/javascript"),
+          "tokens.js": ("rtrace.report", "text/javascript"),
           "serve.css": ("rtrace.serve", "text/css"), "serve.js": ("rtrace.serve", "text/javascript")}
 #: the default time limit of one query (``rtrace serve --time-limit-ms``)
 TIME_LIMIT_MS = 3000.0
@@ -132,12 +133,15 @@ def create_app(sources: Sources, token: str | None = None, loopback: bool = True
         state = Q.parse_state(_pairs(request), snap.columns)
         t0 = time.perf_counter()
         result = Q.rollouts(db, state, snap.columns)
-        hist = run.cached(("hist", tuple(state.filters), state.q), lambda: Q.histograms(db, state, snap.columns))
+        hist = run.cached(("hist", tuple(state.filters), state.q, state.rows_of),
+                          lambda: Q.histograms(db, state, snap.columns))
         ms = (time.perf_counter() - t0) * 1000
-        body = views.rollouts_section(result, hist, state, snap.columns, links(run))
+        counts = snap.splits if not state.filters and not state.q else None  # the run's, when nothing narrows it
+        body = views.rollouts_section(result, hist, state, snap.columns, links(run), split_counts=counts)
         body = Raw(body + h("p", {"class_": "muted small", "id": "timing"},
                              f"{db.queries} queries, {db.spent_ms:,.0f} ms in SQL"))
-        data = {"run": run.name, "total": hist["total"], "offset": state.offset, "more": result["more"],
+        data = {"run": run.name, "split": state.rows_of, "total": hist["total"], "offset": state.offset,
+                "more": result["more"],
                 "columns": result["columns"], "all_columns": snap.columns, "problems": state.problems,
                 "rows": [{"trace_id": r["trace_id"], **r["cells"]} for r in result["rows"]],
                 "histograms": hist["hist"], "sql_ms": round(ms, 1)}
@@ -243,7 +247,8 @@ def create_app(sources: Sources, token: str | None = None, loopback: bool = True
         ra, rb = sources.runs[a], sources.runs[b]
         offset = _int(qp.get("_offset")) or 0
         curves = views.run_curves([], compare=[(a, ra.snapshot.steps, ra.snapshot.extras),
-                                               (b, rb.snapshot.steps, rb.snapshot.extras)])
+                                               (b, rb.snapshot.steps, rb.snapshot.extras)],
+                                  components=Q.curve_keys(ra.snapshot.columns) | Q.curve_keys(rb.snapshot.columns))
         both = _prompts_in_both(ra, rb, time_limit_ms)
         body = pages.compare_page(names, a, b, curves, both[offset: offset + 50], len(both), offset, 50)
         data = {"a": a, "b": b, "prompts": both[offset: offset + 50], "total": len(both),

@@ -12,6 +12,7 @@ import math
 from typing import Any, Sequence
 
 from ..report import plots, tokens, views
+from ..report import queries as Q
 from ..report.markup import Raw, h, join, query_string
 from ..report.views import fmt, step_key
 
@@ -22,7 +23,7 @@ __all__ = ["document", "header", "runs_page", "overview", "rollout_page", "compa
 TABS = (("overview", "overview", "overview"), ("rollouts", "rollouts", "rollouts"), ("prompts", "prompts", "prompts"),
         ("failures", "failures", "failures"))
 STYLES = ("/static/report.css", "/static/serve.css")
-SCRIPTS = ("/static/serve.js",)
+SCRIPTS = ("/static/serve.js", "/static/tokens.js")
 
 
 def document(title: str, body: Any, nav: Any = None, run: str | None = None, version: int | None = None,
@@ -107,12 +108,13 @@ def message_page(title: str, message: str, hint: str = "") -> Raw:
 
 def overview(run: str, snapshot: Any, links: views.ServeLinks, offset: int | None, size: int = 50) -> Raw:
     """A run at a glance: the counts, the curves across steps (every step, averaged in
-    buckets past 240), and the step table a page of steps at a time (the newest by default)."""
+    buckets past 240), and the step table a page of steps at a time, the newest step on top
+    (``offset`` counts from it: the first page is the newest 50)."""
     rows = list(snapshot.steps)
     train = [r for r in rows if not r[0]]
-    first = max(0, len(train) - size) if offset is None else max(0, min(offset, max(0, len(train) - 1)))
+    first = 0 if offset is None else max(0, min(offset, max(0, len(train) - 1)))
     base = links.base + "/overview"
-    prev_href = base + query_string([("_offset", max(0, first - size))]) if first > 0 else None
+    prev_href = base + query_string([("_offset", max(0, first - size) or None)]) if first > 0 else None
     next_href = base + query_string([("_offset", first + size)]) if first + size < len(train) else None
     parts = []
     for validate in (False, True):
@@ -121,9 +123,10 @@ def overview(run: str, snapshot: Any, links: views.ServeLinks, offset: int | Non
             continue
         parts.append(h("section", {"class_": "split-" + ("validation" if validate else "training")},
                        views.steps_table(part, links, first if not validate else 0, size if not validate else None,
-                                         prev_href, next_href),
+                                         prev_href, next_href, newest_first=True),
                        h("h3", None, "across steps"),
-                       views.run_curves(part, snapshot.extras, snapshot.rates, validate=validate)))
+                       views.run_curves(part, snapshot.extras, snapshot.rates, validate=validate,
+                                        components=Q.curve_keys(snapshot.columns))))
     steps_total = len(snapshot.partitions)
     summary = h("p", {"class_": "sub", "id": "summary"},
                 f"{snapshot.trajectories:,} trajectories in {steps_total:,} step(s)" +

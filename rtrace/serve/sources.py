@@ -171,6 +171,8 @@ class Snapshot:
     partitions: tuple[tuple[bool, int | None], ...] = ()
     notes: tuple[str, ...] = ()
     updated: float = 0.0
+    #: the rollouts of each split of the table's switch: ``train``, ``val``, ``all``
+    splits: dict[str, int] = field(default_factory=dict)
 
 
 def _partition_key(part: tuple[bool, int | None]) -> tuple[bool, bool, int]:
@@ -383,7 +385,8 @@ class RunSource:
         self._lock = threading.Lock()  # the run's connection: refresh and cursor creation
         self._files: dict[tuple[bool, int | None], frozenset[str]] = {}
         self._seen: set[str] = set()
-        self._keys: set[tuple[str, str, str]] = set()
+        #: (data file, (map, kind, key)) -> the file's rows carrying that outcome / annotation key
+        self._keys: dict[tuple[str, tuple[str, str, str]], int] = {}
         self._steps: dict[tuple[bool, int], Any] = {}
         self._extras: dict[tuple[bool, int], dict[str, float]] = {}
         self._rates: dict[tuple[bool, int], dict[str, float]] = {}
@@ -501,14 +504,21 @@ class RunSource:
         from ..report.queries import RelationDb
 
         db = RelationDb(_CursorTarget(self))
-        # outcome and annotation keys: from the files not read before only
+        # outcome and annotation keys and how many rows carry each: from the files not read before
+        # only, counted per file (a compacted file's counts replace those of the files it merged)
+        listed = set(self.run.files[TRAJECTORIES])
         new_files = [rel for rel in self.run.files[TRAJECTORIES] if rel not in self._seen]
         if new_files and self.run.store.local:
             from ..dataset.reader import parquet_source
 
-            self._keys |= Q.discover_keys(db, f"({parquet_source([self.run.store.path(r) for r in new_files])})")
+            paths = {self.run.store.path(r): r for r in new_files}
+            found = Q.discover_keys(db, f"({parquet_source(sorted(paths), ', filename = ' + Q._literal('_file'))})",
+                                    by_file=True)
+            self._keys.update({(paths.get(f, f), key): n for (f, key), n in found.items()})
         elif new_files:
-            self._keys = Q.discover_keys(db)
+            self._keys = {("", key): n for key, n in Q.discover_keys(db).items()}
+            listed.add("")
+        self._keys = {k: n for k, n in self._keys.items() if k[0] in listed}
         self._seen = set(self.run.files[TRAJECTORIES])
         # the step table, curves and health of the steps whose files changed
         steps = {k for k in changed if k in files and k[1] is not None}
@@ -528,7 +538,13 @@ class RunSource:
             for key in steps:
                 self._extras[key] = extras.get(key, {})
                 self._rates[key] = rates.get(key, {})
-        columns = Q.columns_of(self._keys)
+        names, rows = db.rows("SELECT validate, step, count(*) FROM trajectories GROUP BY ALL")
+        counts = {(bool(v), s): n for v, s, n in rows}
+        total = sum(counts.values())
+        carried: dict[tuple[str, str, str], int] = {}
+        for (_, key), n in self._keys.items():
+            carried[key] = carried.get(key, 0) + n
+        columns = Q.columns_of(carried, total)
         table = "trajectories"
         if self.index_wanted and self.run.store.local and self.cache_dir is not None:
             if self.index is None:
@@ -541,9 +557,6 @@ class RunSource:
                 cursor.close()
             if self.index.columns is not None:
                 table, columns = self.index.table, Q.flat_columns(columns)
-        names, rows = db.rows("SELECT validate, step, count(*) FROM trajectories GROUP BY ALL")
-        counts = {(bool(v), s): n for v, s, n in rows}
-        total = sum(counts.values())
         notes = [f"skipped {s.path}: {s.reason}" for s in self.run.skipped]
         if self.ingest is not None and self.ingest.bad_lines:
             notes.append(f"{self.ingest.bad_lines:,} lines of {self.shown_path} are not rtrace trajectories (skipped)")
@@ -554,7 +567,9 @@ class RunSource:
             columns=tuple(columns), table=table,
             steps=tuple(self._steps[k] for k in sorted(self._steps, key=_partition_key) if k in counts),
             extras=dict(self._extras), rates=dict(self._rates),
-            partitions=tuple(sorted(counts, key=_partition_key)), notes=tuple(notes), updated=time.time())
+            partitions=tuple(sorted(counts, key=_partition_key)), notes=tuple(notes), updated=time.time(),
+            splits={"train": sum(n for (v, _), n in counts.items() if not v),
+                    "val": sum(n for (v, _), n in counts.items() if v), "all": total})
 
     def close(self) -> None:
         if self.ingest is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -30,6 +31,7 @@ pytest.importorskip("playwright.sync_api", reason="make test-ui installs playwri
 pytest.importorskip("starlette")
 pytest.importorskip("duckdb")
 
+from tests import serve_edges as edges  # noqa: E402
 from tests import serve_job as job  # noqa: E402
 from tests.servers import free_port  # noqa: E402
 from tests.ui import big_run  # noqa: E402
@@ -38,6 +40,8 @@ from tests.ui.browser import ARTIFACTS, REPO  # noqa: E402
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1",
        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 TIMINGS: dict[str, object] = {}
+#: a normal screen's width (issue #42: what a person sees at 1,400 px)
+WIDTH = 1400
 
 
 def _record(name: str, value: object) -> None:
@@ -60,16 +64,16 @@ def runs(tmp_path_factory):
     big = big_run.ensure()
     _record("big_run_ready_s", round(time.perf_counter() - t0, 1))
     return {"demo": demo_ds, "demo_jsonl": str(out / "demo" / "traces.jsonl"), "job": ran, "big": str(big),
-            "live": str(out / "live"), "out": out}
+            "live": str(out / "live"), "out": out, "edges": edges.write(str(out / "edges"))}
 
 
 @pytest.fixture(scope="module")
 def server(runs):
-    """``rtrace serve`` over the five runs, on a free port; stopped (SIGTERM, then SIGKILL) at the end."""
+    """``rtrace serve`` over the six runs, on a free port; stopped (SIGTERM, then SIGKILL) at the end."""
     port = free_port()
     cmd = [sys.executable, "-m", "rtrace", "serve", f"demo={runs['demo']}", f"job={runs['job']['dataset']}",
            f"jobcopy={runs['job']['jsonl']}", f"big={runs['big']}", f"live={runs['live']}/ds/job",
-           "--port", str(port), "--refresh-s", "1"]
+           f"edges={runs['edges']['jsonl']}", "--port", str(port), "--refresh-s", "1"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -99,7 +103,7 @@ def page(browser, server):
     """A page of the server, with every console error, page error, dialog and outside request
     recorded: none may occur."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    context = browser.new_context(viewport={"width": 1500, "height": 1100})
+    context = browser.new_context(viewport={"width": WIDTH, "height": 1000})
     pg = context.new_page()
     pg.set_default_timeout(30_000)
     problems: list[str] = []
@@ -140,6 +144,49 @@ def _column(page, name: str) -> list[str]:
     return page.locator(f"table.rollouts tbody td[data-col='{name}']").all_text_contents()
 
 
+#: what a person sees of an element: its box inside the window, and the element at its centre
+#: point itself (or inside it): not covered, not clipped by a scrolling box, not off screen
+SEEN = """e => {
+    const r = e.getBoundingClientRect();
+    if (r.width < 1 || r.height < 1) return "no size";
+    const x = r.left + r.width / 2, y = r.top + r.height / 2;
+    if (r.left < 0 || r.top < 0 || r.right > window.innerWidth + 0.5 || r.bottom > window.innerHeight + 0.5)
+        return `outside the window: ${Math.round(r.left)},${Math.round(r.top)} - ${Math.round(r.right)},${Math.round(r.bottom)}`;
+    const at = document.elementFromPoint(x, y);
+    return at && (at === e || e.contains(at)) ? "" : `covered by ${at ? at.tagName + "." + at.className : "nothing"}`;
+}"""
+
+
+#: an element's box inside the window (a tooltip: it lets the pointer through, so nothing is "at" it)
+INSIDE = ("e => { const r = e.getBoundingClientRect(); return r.width > 0 && r.left >= 0 && r.top >= 0 && "
+          "r.right <= window.innerWidth && r.bottom <= window.innerHeight; }")
+
+
+def _unseen(locator) -> list[str]:
+    """The elements of ``locator`` a person cannot see where the page is now (nothing is
+    scrolled for them), with why."""
+    out = []
+    for i, el in enumerate(locator.all()):
+        why = el.evaluate(SEEN)
+        if why:
+            out.append(f"{i} {el.text_content()!r}: {why}")
+    return out
+
+
+def _overlaps(svg, selector: str) -> list[str]:
+    """Texts of ``selector`` in one plot whose boxes overlap another's, or leave the plot."""
+    return svg.evaluate("""(s, sel) => {
+        const box = s.getBoundingClientRect(), out = [];
+        const rs = [...s.querySelectorAll(sel)].map(t => [t.textContent, t.getBoundingClientRect()]);
+        rs.forEach(([t, r], i) => {
+            if (r.left < box.left - 0.5 || r.right > box.right + 0.5) out.push(t + " leaves the plot");
+            rs.slice(i + 1).forEach(([u, q]) => {
+                if (r.left < q.right && q.left < r.right && r.top < q.bottom && q.top < r.bottom) out.push(t + " / " + u);
+            });
+        });
+        return out; }""", selector)
+
+
 # ----------------------------------------------------------------------------- the demo's run
 def test_demo_overview_curves_fit(page, runs):
     """The demo's run: its step table (3 training steps), curves whose y axes start at 0 and whose
@@ -163,8 +210,8 @@ def test_demo_rollouts_sort_filter_search_columns(page, runs):
     """The demo's rollouts in one table: sorted by a click on a header, filtered by a click on a
     value, narrowed by a histogram bar, searched, and a column hidden with the chooser."""
     _go(page, "/run/demo/rollouts")
-    total = _total(page)
-    assert total == len(open(runs["demo_jsonl"]).read().splitlines())
+    total = _total(page)  # the training rollouts (the switch's default)
+    assert total == sum(not json.loads(line).get("validate") for line in open(runs["demo_jsonl"]))
     _shot(page, "02-demo-rollouts")
     with page.expect_navigation():
         page.click("table.rollouts th[data-col='reward'] a")
@@ -189,6 +236,8 @@ def test_demo_rollouts_sort_filter_search_columns(page, runs):
     assert 0 < _total(page) <= total and "answer" in page.locator("#filters").text_content()
     page.goto(page.base + "/run/demo/rollouts")
     page.click("details.cols summary")
+    _shot(page, "02b-demo-columns")
+    assert _unseen(page.locator("details.cols label")) == []  # every choice is there to click
     with page.expect_navigation():
         page.uncheck("details.cols input[value='answer']")
     assert page.locator("table.rollouts th[data-col='answer']").count() == 0
@@ -213,9 +262,12 @@ def test_demo_step_group_conversation_and_tokens(page, runs):
     page.wait_for_selector("section#rollout")
     assert page.locator("#colors a.chip.on").text_content() == "logprob"
     token = page.locator(".tokens .tk").first
-    assert "logprob" in token.get_attribute("title")
     assert page.locator(".tlegend[data-color='logprob']").count() == 1
     token.hover()
+    tip = page.locator("#tktip")  # a native title would make no element at all
+    assert tip.is_visible() and tip.evaluate(INSIDE)
+    lines = tip.text_content().split("\n")
+    assert lines[0] == "token 0" and lines[1].startswith('"') and any(x.startswith("logprob ") for x in lines)
     _shot(page, "04-demo-tokens")
 
 
@@ -278,7 +330,7 @@ def test_mismatch_at_a_step_and_its_tokens(page, runs):
     assert page.locator("#colors a.chip.on").text_content() == "mismatch"
     toks = page.locator(".tokens .tk")
     assert [t.get_attribute("class") for t in toks.all()] == ["tk d5", "tk d5", "tk d5", "tk d0", "tk d5"]
-    assert "mismatch -2" in toks.nth(3).get_attribute("title")
+    assert "mismatch -2" in toks.nth(3).get_attribute("data-tip").split("\n")
     toks.nth(3).hover()
     _shot(page, "09-mismatch-tokens")
     with page.expect_navigation():
@@ -307,7 +359,7 @@ def test_a_million_rollouts(page, runs):
     """The generated run: the table's first render, a sort and filters over every step (their time
     in SQL on the server), a histogram bar, and the page's weight, which does not grow with the run."""
     render = _go(page, "/run/big/rollouts")
-    assert _total(page) == 1_001_250
+    assert _total(page) == 1_000_000  # the training rollouts: 1,250 more are validation's
     assert page.locator("table.rollouts tbody tr").count() == 50
     weight = page.evaluate("() => performance.getEntriesByType('resource').concat(performance.getEntriesByType("
                            "'navigation')).reduce((s, e) => s + (e.transferSize || e.encodedBodySize || 0), 0)")
@@ -402,3 +454,125 @@ def test_a_run_appears_and_a_new_step_shows_while_it_writes(page, runs):
             writer.kill()
     assert page.evaluate("document.body.dataset.version") != "0"
     _record("live_new_step_s", {s: round(seen[s] - written[s], 2) for s in (2, 3) if s in written})
+
+
+# ----------------------------------------------------------------------------- first contact (issue #42)
+def test_the_column_chooser_is_usable_at_1400_and_800(page, runs):
+    """The chooser's panel opens over the page, inside the window, every choice visible and
+    clickable (its label the element at its own centre) at 1,400 and at 797 px."""
+    for width in (WIDTH, 797):
+        page.set_viewport_size({"width": width, "height": 1000})
+        _go(page, "/run/big/rollouts")
+        page.click("details.cols summary")
+        assert _unseen(page.locator("details.cols label")) == [], width
+        assert _unseen(page.locator("details.cols button")) == [], width
+        _shot(page, f"18-columns-{width}")
+        with page.expect_navigation():
+            page.locator("details.cols label", has_text="tool calls").click()
+        assert page.locator("table.rollouts th[data-col='tools']").count() == 1
+
+
+def test_the_key_columns_are_in_view_and_stay_when_the_table_scrolls(page, runs):
+    """At 1,400 px the rollout, step, group, n, verdict, reward, tokens out, truncated and
+    advantage headers are on screen; scrolled sideways to its last column, the table keeps the
+    first six in place; no two headers are named alike."""
+    _go(page, "/run/big/rollouts")
+    heads = page.locator("table.rollouts thead th")
+    names = heads.all_text_contents()
+    assert len(names) == len(set(names))
+    first = ["rollout", "step", "group", "n", "verdict", "reward", "tokens out", "truncated", "advantage"]
+    assert [n.strip(" ▲▼") for n in names[:9]] == first
+    assert [f"{names[i]}: {why}" for i in range(9) if (why := heads.nth(i).evaluate(SEEN))] == []
+    _shot(page, "19-big-table-1400")
+    box = page.locator("#table-scroll")
+    assert box.evaluate("b => b.scrollWidth > b.clientWidth")  # the rest scrolls, inside its box
+    box.evaluate("b => { b.scrollLeft = b.scrollWidth; }")
+    page.wait_for_timeout(100)
+    row = page.locator("table.rollouts tbody tr").first
+    pinned = row.locator("td.pin")
+    assert pinned.count() == 6
+    assert [why for why in (c.evaluate(SEEN) for c in pinned.all()) if why] == []
+    assert heads.last.evaluate(SEEN) == ""  # the last column is reachable
+    _shot(page, "20-big-table-scrolled")
+
+
+def test_training_by_default_with_a_switch_to_validation(page, runs):
+    """The table opens on the training rollouts; the switch shows the validation ones, each
+    marked; the histograms follow."""
+    _go(page, "/run/edges/rollouts")
+    n_train = len([t for t in runs["edges"]["trajectories"].values() if not t.validate])
+    assert _total(page) == n_train and page.locator("tr.row-val").count() == 0
+    switch = page.locator("#split")
+    assert _unseen(switch.locator("a.chip")) == []
+    assert switch.locator("a.chip.on").get_attribute("data-split") == "train"
+    with page.expect_navigation():
+        switch.locator("a[data-split='val']").click()
+    assert _total(page) == edges.VALIDATION
+    rows = page.locator("table.rollouts tbody tr")
+    assert rows.count() == edges.VALIDATION == page.locator("tr.row-val").count()
+    assert _unseen(rows.locator("td[data-col='step'] .vbadge")) == []
+    reward = page.locator("[data-hist='reward'] rect.b title").all_text_contents()
+    assert sum(int(t.rsplit(":", 1)[1].replace(",", "")) for t in reward) == edges.VALIDATION
+    _shot(page, "21-edges-validation")
+
+
+def test_histograms_keep_their_shape_and_their_labels_apart(page, runs):
+    """One 185,200-token answer and one 10-minute rollout are each an overflow bar, not the
+    scale; on every histogram (the edges run, the 1,000,000 run) the counts over the bars and
+    the axis labels never overlap or leave the plot, and the axis reads round numbers."""
+    for run in ("edges", "big", "demo"):
+        _go(page, f"/run/{run}/rollouts")
+        for svg in page.locator(".hists svg.plot").all():
+            name = svg.get_attribute("aria-label")
+            assert _overlaps(svg, "text.v") == [], (run, name)
+            assert _overlaps(svg, "text.a[y='158']") == [], (run, name)
+            axis = svg.locator("text.a[y='158']").all_text_contents()
+            if (svg.locator("rect.b title").first.text_content() or "").startswith("["):  # bins: round edges
+                assert all(re.fullmatch(r"[<>] ?-?[\d,.]+|-?[\d,]+(\.\d{1,3})?", t) for t in axis), (run, name, axis)
+        _shot(page, f"22-{run}-histograms")
+    _go(page, "/run/edges/rollouts")
+    length = page.locator("[data-hist='length']")
+    titles = length.locator("rect.b title").all_text_contents()
+    assert titles[-1] == "> 80 (up to 185,200): 1"
+    assert max(int(t.rsplit(":", 1)[1]) for t in titles[:-1]) < 20  # 47 answers spread over the bins
+    with page.expect_navigation():
+        length.locator("a.bar").last.click()
+    assert _total(page) == 1 and page.locator("#filters .chip").first.text_content().startswith("tokens out > 80")
+
+
+def test_the_newest_step_is_on_top_of_the_overview(page, runs):
+    _go(page, "/run/big/overview")
+    first = page.locator("section.split-training table.run tbody tr").first
+    assert first.get_attribute("data-step") == "t1000"
+    assert first.locator("td").first.evaluate(SEEN) == ""
+
+
+def test_a_token_tooltip_shows_at_once_with_its_text_and_id(page, runs):
+    """On the 1,000,000 run (ids kept): hovering a token shows its position, id, text and
+    every array's value at once, inside the window; the next token's replaces it."""
+    _go(page, "/run/big/step/t1000")
+    tid = page.locator("#mismatch a.tid").first.get_attribute("title")
+    _go(page, f"/run/big/rollout/{tid}?color=mismatch")
+    tokens = page.locator(".tokens .tk")
+    for i in (1, tokens.count() - 1):  # one at the start of a line, one at its end
+        tokens.nth(i).hover()
+        tip = page.locator("#tktip")
+        assert tip.is_visible() and tip.evaluate(INSIDE)
+        lines = tip.text_content().split("\n")
+        assert re.fullmatch(rf"token {i} · id \d+", lines[0]) and lines[1].startswith('"')
+        assert {x.split(" ")[0] for x in lines[2:]} >= {"logprob", "old_logprob", "mismatch"}
+    _shot(page, "23-big-token-tooltip")
+
+
+def test_a_right_to_left_override_is_shown_not_obeyed(page, runs):
+    """A tool result stored as RLO + "gnp.exe": the table, the rollout page and the step
+    viewer's conversation show it as ⟨U+202E⟩gnp.exe; no text on the page holds the control."""
+    tid = runs["edges"]["trajectories"][edges.key(*edges.BIDI_AT)].trace_id
+    controls = "[\u202a-\u202e\u2066-\u2069]"
+    for path in ("/run/edges/rollouts?q=file", f"/run/edges/rollout/{tid}", f"/run/edges/step/t3#trace={tid}"):
+        _go(page, path)
+        if "#trace=" in path:
+            page.locator("#drawer").wait_for(state="visible")
+        text = page.evaluate("document.body.innerText")
+        assert "⟨U+202E⟩gnp.exe" in text and not re.search(controls, text), path
+    _shot(page, "24-edges-bidi")

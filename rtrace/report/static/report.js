@@ -4,8 +4,8 @@
  * rtrace/report/page.py; each trajectory an array named by `fields`, texts by index into
  * `strings`) and renders the selected step only, on demand; a conversation is built
  * when it is opened. The state lives in the URL's hash (#step=t3&tab=groups&group=p1, #trace=<id>): links can be shared, the back
- * button works. Texts from the data are only ever set as textContent; the one innerHTML
- * is the SVG that rtrace/report/plots.py escaped.
+ * button works. Texts from the data are only ever set as textContent, their bidirectional
+ * controls made visible (vis); the one innerHTML is the SVG that rtrace/report/plots.py escaped.
  *
  * Served by `rtrace serve` (body[data-base] = the run's URL, e.g. /run/run-7), the page
  * holds one step: a trajectory links its full view (tokens, spans) on the server, a prompt
@@ -34,19 +34,25 @@ rtraceData().then(function (D) {
   STEPS.forEach((st, i) => { if (!st.validate && st.step !== null) defaultStep = i; });
 
   // ------------------------------------------------------------------ helpers
+  /* text as a person reads it: each bidirectional control (U+202E ...) written as ⟨U+202E⟩,
+     so "\u202egnp.exe" is not shown as "exe.png" (rtrace._serialize.bidi_visible, the same rule) */
+  const BIDI = /[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g;
+  function vis(text) {
+    return text.replace(BIDI, (c) => "⟨U+" + c.charCodeAt(0).toString(16).toUpperCase().padStart(4, "0") + "⟩");
+  }
   function h(tag, attrs, ...children) {
     const e = document.createElement(tag);
     for (const k in attrs || {}) {
       const v = attrs[k];
       if (v === null || v === undefined || v === false) continue;
       if (k === "class") e.className = v;
-      else if (k === "text") e.textContent = v;
+      else if (k === "text") e.textContent = vis(String(v));
       else if (k === "svg") e.innerHTML = v;  // only SVG made (and escaped) by plots.py
       else if (k.startsWith("on")) e.addEventListener(k.slice(2), v);
-      else e.setAttribute(k, v === true ? "" : v);
+      else e.setAttribute(k, v === true ? "" : k === "title" ? vis(String(v)) : v);
     }
     for (const c of children.flat(3)) {
-      if (c !== null && c !== undefined && c !== false) e.append(c instanceof Node ? c : String(c));
+      if (c !== null && c !== undefined && c !== false) e.append(c instanceof Node ? c : vis(String(c)));
     }
     return e;
   }

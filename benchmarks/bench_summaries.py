@@ -1,0 +1,216 @@
+"""Rollouts recorded as summaries only vs recorded in full (issue 40), against baselines
+measured in the same run.
+
+(a) Rollout-worker CPU per rollout in collector mode (``RTRACE_EXPORTER=collector``, to a
+    real collector in another process), for a 6-span and a 20-span rollout (root, agent,
+    generations and tool calls, ``benchmarks/_agent.py``): recorded in full
+    (``RTRACE_PRE_SAMPLE_RATE=1``) and recorded as a summary only (rate 0: every rollout
+    tallied, its summary sent), each minus the same loop undecorated (the program's own
+    work). Measured as the worker process's CPU time (``time.process_time``: the traced
+    program's thread, rtrace's worker thread, its sink thread and gRPC's, loop + flush),
+    each set-up in a fresh process. Target: summary-only <= 10% of full.
+(b) The collector's CPU per rollout (its process's CPU time, ``time.process_time`` in the
+    collector's own process, set up as ``rtrace collect`` sets up its process), from the
+    first rollout sent to everything written, when the worker records 100% vs 5% of its
+    rollouts in full (``RTRACE_PRE_SAMPLE_RATE`` 1.0 / 0.05), 64 rollouts per step, the
+    collector keeping 8 per step and computing the step metrics (a sink that takes them).
+    Target: falls >= 10x. Also with the parquet sink, which writes a row per rollout.
+
+Each set-up runs ``--repeat`` times in turn (default 3) and the median is printed: a noisy
+machine slows the set-ups alike instead of one of them.
+
+Run: ``.venv/bin/python benchmarks/bench_summaries.py [--n 3000] [--parts a,b]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _agent import make_agent  # noqa: E402
+from _machine import reference_line  # noqa: E402
+
+#: rollouts each worker runs (and flushes) before it is measured
+WARM_UP = 300
+#: rollouts per step (the collector keeps CAP of them)
+PER_STEP = 64
+CAP = 8
+CTX = mp.get_context("spawn")
+
+
+class _Untraced:
+    """The rtrace API as no-ops: the same agent loop, undecorated (the baseline)."""
+
+    @staticmethod
+    def _same(func):
+        return func
+
+    traced_generation = traced_tool = traced_rollout = _same
+
+    @staticmethod
+    def rollout_context(**coords):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def record_reward(value, **outcome):
+        pass
+
+
+def worker(env: dict | None, turns: int, n: int, ready, go, out) -> None:
+    """Runs WARM_UP rollouts (flushed), says ready, waits for go, then runs ``n`` rollouts and
+    flushes: reports (process CPU seconds of those, flush ok, rtrace.stats())."""
+    if env is None:
+        api, flush, stats = _Untraced(), lambda: True, dict
+    else:
+        os.environ.update(env)
+        import rtrace
+
+        api, flush, stats = rtrace, lambda: rtrace.flush(300), rtrace.stats
+    traj = make_agent(api, lambda i: {"step": i // PER_STEP, "sample_index": i % PER_STEP, "rollout_n": 0}, turns)
+    for i in range(WARM_UP):  # steady state: imports, connections, the first steps done
+        traj(i)
+    flush()
+    ready.set()
+    go.wait()
+    start = WARM_UP + PER_STEP  # the measured rollouts begin a new step
+    c0 = time.process_time()
+    for i in range(start, start + n):
+        traj(i)
+    ok = flush()
+    out.put((time.process_time() - c0, ok, stats()))
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+def collector(settings: dict, conn) -> None:
+    """A collector in a process of its own, set up as `rtrace collect` sets up its process;
+    answers "cpu" (its process CPU seconds, after a flush) and "stop" (its stats)."""
+    import rtrace
+    from rtrace.pipeline.collector import tune_gc, tune_malloc
+
+    class Metrics(rtrace.Sink):
+        """Takes the step metrics (so the collector computes them) and drops them."""
+
+        name = "metrics"
+
+        def export(self, trajectories):
+            pass
+
+        def export_step_metrics(self, metrics):
+            pass
+
+    tune_gc()
+    tune_malloc()
+    c = rtrace.start_collector(sinks=[Metrics(None)], settle_s=0.2, **settings)
+    conn.send(c.env)
+    while True:
+        msg = conn.recv()
+        if msg == "cpu":
+            ok = c.flush(600)
+            conn.send((time.process_time(), ok))
+        else:
+            stats = c.stats()
+            c.stop()
+            conn.send(stats)
+            return
+
+
+def one_run(env_extra: dict | None, turns: int, n: int, collector_settings: dict) -> tuple[float, float, dict, dict]:
+    """One worker (``env_extra`` over the collector's env; None: untraced, no collector):
+    (worker CPU s, collector CPU s for the measured rollouts, worker stats, collector stats)."""
+    ready, go, out = CTX.Event(), CTX.Event(), CTX.Queue()
+    coll = None
+    env = None
+    if env_extra is not None:
+        parent, child = CTX.Pipe()
+        coll = CTX.Process(target=collector, args=(collector_settings, child), daemon=True)  # (ends with a failed run)
+        coll.start()
+        env = {**parent.recv(), **env_extra}
+    proc = CTX.Process(target=worker, args=(env, turns, n, ready, go, out), daemon=True)
+    proc.start()
+    assert ready.wait(600)
+    if coll is not None:
+        parent.send("cpu")
+        c0, _ = parent.recv()  # the warm-up's rollouts written
+    go.set()
+    cpu, ok, worker_stats = out.get(timeout=900)
+    assert ok, worker_stats
+    proc.join(60)
+    coll_cpu, coll_stats = 0.0, {}
+    if coll is not None:
+        parent.send("cpu")
+        c1, flushed = parent.recv()
+        assert flushed
+        coll_cpu = c1 - c0
+        parent.send("stop")
+        coll_stats = parent.recv()
+        coll.join(60)
+    return cpu, coll_cpu, worker_stats, coll_stats
+
+
+def part_a(n: int, repeat: int, tmp: str) -> None:
+    settings = {"exporter": "jsonl", "jsonl_path": os.path.join(tmp, "a.jsonl"), "max_traces_per_step": CAP}
+    for turns in (2, 9):
+        spans = 2 + 2 * turns
+        setups = {"untraced": None, "full (rate 1)": {"RTRACE_PRE_SAMPLE_RATE": "1.0"},
+                  "summary only (rate 0)": {"RTRACE_PRE_SAMPLE_RATE": "0.0"}}
+        cpus: dict[str, list[float]] = {name: [] for name in setups}
+        for _ in range(repeat):
+            for name, extra in setups.items():
+                cpu, _, stats, _ = one_run(extra, turns, n, settings)
+                if name.startswith("summary"):
+                    assert stats.get("rollouts_summarized", 0) == n + WARM_UP, stats
+                cpus[name].append(cpu / n * 1e6)
+        med = {name: statistics.median(v) for name, v in cpus.items()}
+        base = med["untraced"]
+        full, summary = med["full (rate 1)"] - base, med["summary only (rate 0)"] - base
+        print(f"(a) worker CPU per {spans}-span rollout, collector mode, {n} rollouts, median of {repeat} "
+              f"(process CPU, loop + flush):")
+        print(f"    untraced loop {base:7.1f} us; full {med['full (rate 1)']:7.1f} us (rtrace {full:6.1f}); "
+              f"summary only {med['summary only (rate 0)']:7.1f} us (rtrace {summary:6.1f}): summary / full = "
+              f"{summary / full:.3f} (target <= 0.10)")
+
+
+def part_b(n: int, repeat: int, tmp: str) -> None:
+    for label, settings in (("JSONL + step metrics", {"exporter": "jsonl", "jsonl_path": os.path.join(tmp, "b.jsonl")}),
+                            ("parquet (a row per rollout) + step metrics",
+                             {"exporter": "parquet", "parquet_path": os.path.join(tmp, "dataset")})):
+        settings = {**settings, "max_traces_per_step": CAP}
+        cpus: dict[str, list[float]] = {"1.0": [], "0.05": []}
+        for _ in range(repeat):
+            for rate in cpus:
+                _, coll_cpu, _, stats = one_run({"RTRACE_PRE_SAMPLE_RATE": rate}, 2, n, settings)
+                cpus[rate].append(coll_cpu / n * 1e6)
+        med = {rate: statistics.median(v) for rate, v in cpus.items()}
+        print(f"(b) collector CPU per 6-span rollout ({label}; {PER_STEP} per step, {CAP} kept), {n} rollouts, "
+              f"median of {repeat}: rate 1.0 {med['1.0']:6.1f} us, rate 0.05 {med['0.05']:6.1f} us: falls "
+              f"{med['1.0'] / med['0.05']:.1f}x (target >= 10x)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=3000, help="rollouts per measured worker")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds; the median is printed")
+    parser.add_argument("--parts", default="a,b", help="which measurements: a, b (comma list)")
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    print(reference_line())
+    with tempfile.TemporaryDirectory() as tmp:
+        if "a" in parts:
+            part_a(args.n, args.repeat, tmp)
+        if "b" in parts:
+            part_b(args.n, args.repeat, tmp)
+
+
+if __name__ == "__main__":
+    main()
