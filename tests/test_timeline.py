@@ -577,3 +577,18 @@ class TestJob:
                           for e in d["traceEvents"] if e["ph"] == "X")
 
         assert shape(doc) == shape(job["doc"])
+
+    def test_the_query_layer_serves_an_open_run(self, job):
+        """rtrace serve's way in: load_timeline over an open Run (left open) gives the rollouts the file
+        draws, with their lanes and calls."""
+        from rtrace.report.timeline import load_timeline
+
+        tl = load_timeline(job["run"], (1, 2))
+        doc = job["doc"]
+        drawn = {e["args"]["trace_id"]: e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "rollout"}
+        assert {r.trace_id for r in tl.rollouts} == set(drawn)
+        for r in tl.rollouts:
+            assert 1 + r.lane == drawn[r.trace_id]["tid"]
+            assert sorted(c.cat for c in r.children if c.cat != "wait") == ["generation", "generation", "reward",
+                                                                           "tool"]
+        assert job["run"].sql("SELECT count(*) FROM events").fetchall() == [(2,)]  # still open

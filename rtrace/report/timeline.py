@@ -330,13 +330,17 @@ def pack_lanes(items: list[Any], max_lanes: int) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------- reading
-def load_timeline(path: str | Sequence[str], steps: tuple[int, int], validate: bool = False,
+def load_timeline(path: Any, steps: tuple[int, int], validate: bool = False,
                   limits: Limits | None = None) -> Timeline:
     """The timeline of steps ``steps[0]`` to ``steps[1]`` (inclusive) of a run: ``path`` a run's
-    dataset (a folder or URL) or JSONL files. Raises ValueError when nothing of them is found."""
+    dataset (a folder or URL, or an open :class:`rtrace.dataset.Run`: ``rtrace serve``'s, left
+    open) or JSONL files. Raises ValueError when nothing of them is found."""
     from .dataset import is_dataset
 
     limits = limits or Limits()
+    if hasattr(path, "sql") and hasattr(path, "store"):  # an open Run
+        rollouts, spans_of, events, run = _from_dataset(path, steps, validate, limits)
+        return build(rollouts, spans_of, events, str(path.path), run, validate, steps, limits, True)
     paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
     ordered = len(paths) == 1 and is_dataset(str(paths[0]))
     if ordered:  # the dataset's query gives each rollout's spans by start
@@ -479,19 +483,22 @@ _SERVER_SQL = ("CASE WHEN kind = 'generation' THEN attributes_str['server.addres
 _WHERE = "validate = ? AND step BETWEEN ? AND ?"
 
 
-def _from_dataset(path: str, steps: tuple[int, int], validate: bool, limits: Limits
+def _from_dataset(path: Any, steps: tuple[int, int], validate: bool, limits: Limits
                   ) -> tuple[list[Rollout], dict[str, list[SpanRow]], list[RunEvent], str | None]:
     from ..dataset.reader import open_run
     from .queries import RelationDb
 
-    run = open_run(path)
+    mine = isinstance(path, str)
+    run = open_run(path) if mine else path
+    path = run.path
     try:
         db = RelationDb(run)
         rollouts = read_rollouts(db, steps, validate)
         spans_of = read_spans(db, steps, validate) if any(r.recorded for r in rollouts) else {}
-        return rollouts, spans_of, read_events(db), os.path.basename(os.path.normpath(path.split("?")[0]))
+        return rollouts, spans_of, read_events(db), os.path.basename(os.path.normpath(str(path).split("?")[0]))
     finally:
-        run.close()
+        if mine:
+            run.close()
 
 
 def read_rollouts(db: Any, steps: tuple[int, int], validate: bool) -> list[Rollout]:
