@@ -4,8 +4,8 @@
 # SQLite, in-process OTLP receivers); `make test-integration` runs the tests marked
 # `integration` (a real mlflow server, Ray, collector worker processes, the demo, torchrun).
 # `make test-verl` runs tests/verl against the real verl in its own venv (.venv-verl).
-# `make test-ui` runs tests/ui: trackio's traces page, rtrace report's page, rtrace serve, and the GenAI conventions in
-# MLflow's and Phoenix's UIs, in a real browser (Debian's chromium, Playwright).
+# `make test-ui` runs tests/ui: trackio's traces page, rtrace report's page, rtrace serve, the GenAI conventions in
+# MLflow's and Phoenix's UIs, and rtrace timeline's file in speedscope, in a real browser (Debian's chromium, Playwright).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -101,7 +101,12 @@ UI_CACHE ?= $(HOME)/.cache/rtrace
 test-ui: $(STAMP) $(PHOENIX_STAMP)
 	command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium; }
 	$(BIN)/python -m pip install $(PIP_QUIET) "playwright>=1.45"
+	# speedscope's web app (it imports rtrace timeline's trace-event files offline), kept out of git
+	command -v npm >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq npm; }
+	test -f $(UI_CACHE)/speedscope/node_modules/speedscope/dist/release/index.html || { mkdir -p $(UI_CACHE)/speedscope \
+		&& npm install --prefix $(UI_CACHE)/speedscope --no-audit --no-fund --silent speedscope@1.25.0; }
 	RTRACE_UI_CACHE=$(UI_CACHE) $(BIN)/python tests/ui/big_run.py
+	RTRACE_UI_CACHE=$(UI_CACHE) $(BIN)/python tests/ui/fleet_run.py
 	RTRACE_UI_CACHE=$(UI_CACHE) HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests/ui
 
 # The seed trainers' adapters against their real packages (tests/frameworks, issue #21), each in
@@ -200,6 +205,7 @@ bench-dataset: $(STAMP)
 # rtrace serve on 1,000,000 trajectories: each view's server time with and without the flat index (docs/serve.md)
 bench-serve: $(STAMP)
 	RTRACE_UI_CACHE=$(UI_CACHE) HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_serve.py
+	RTRACE_UI_CACHE=$(UI_CACHE) HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_swimlane.py
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV) .venv-py3.* $(TRL_VENV) $(SKYRL_VENV) $(AREAL_VENV) $(PHOENIX_VENV) $(GATEWAY_VENV) .pytest_cache

@@ -20,6 +20,7 @@ from .instrumentation import (
 )
 from .instrumentation.annotate import annotate, annotate_batch
 from .instrumentation.batch import log_rollout_batch
+from .instrumentation.weights import mark_weight_update
 from .instrumentation.propagation import extract, inject
 from .gateway.access import gateway_access
 from ._setup import start_collector
@@ -45,6 +46,7 @@ __all__ = [
     "inject",
     "is_enabled",
     "log_rollout_batch",
+    "mark_weight_update",
     "open_run",
     "record_reward",
     "rollout_context",

@@ -622,6 +622,10 @@ PARAMS: tuple[Param, ...] = (
     Param("job_id", "RTRACE_JOB_ID", _str, None, "a non-empty id",
           "The training job's id, set by the collector in `collector.env`; stamped as `rtrace.job_id`.",
           type="str | None"),
+    Param("worker_name", "RTRACE_WORKER_NAME", _str, None, "a non-empty name",
+          "This process's name on the timeline (docs/timeline.md): its rollouts' `worker` and its weight updates' "
+          "(`rtrace.mark_weight_update`). Unset: `<host>:<pid>`. Collector mode: sent as the OTLP resource's "
+          "`service.instance.id`.", type="str | None"),
     Param("collector_token", "RTRACE_COLLECTOR_TOKEN", _token, None,
           "at least 16 printable ASCII characters, or none",
           "A shared secret: the collector refuses requests without it (gRPC UNAUTHENTICATED, HTTP 401), workers "

@@ -26,7 +26,7 @@ from typing import Any
 
 from .trajectory import Trajectory
 
-__all__ = ["RolloutSummary", "summarize", "SUMMARY_SCHEMA"]
+__all__ = ["RolloutSummary", "summarize", "fleet_fields", "SUMMARY_SCHEMA"]
 
 #: Version tag of the wire form (:meth:`RolloutSummary.to_wire`).
 SUMMARY_SCHEMA = "rtrace.summary/1"
@@ -42,7 +42,7 @@ class RolloutSummary:
                  "policy_version", "extra", "reward", "outcome", "annotations", "status", "error", "partial",
                  "turns", "tool_calls", "tokens_in", "tokens_out", "finish_reasons", "finish_reason",
                  "start_ns", "end_ns", "generation_ms", "tool_ms", "health", "recorded", "kept", "priority",
-                 "dropped_spans")
+                 "dropped_spans", "worker", "policy_version_end", "crossed_update", "wait_ms", "server_ms")
 
     def __init__(self, trace_id: str, name: str = "rollout", *, step: int | None = None,
                  sample_index: int | None = None, rollout_n: int | None = None, validate: bool = False,
@@ -54,7 +54,10 @@ class RolloutSummary:
                  finish_reasons: dict[str, int] | None = None, finish_reason: str | None = None,
                  start_ns: int = 0, end_ns: int = 0, generation_ms: float = 0.0, tool_ms: float = 0.0,
                  health: list[dict[str, str]] | None = None, recorded: bool = False,
-                 kept: list[str] | None = None, priority: float | None = None, dropped_spans: int = 0) -> None:
+                 kept: list[str] | None = None, priority: float | None = None, dropped_spans: int = 0,
+                 worker: str | None = None, policy_version_end: int | None = None,
+                 crossed_update: bool | None = None, wait_ms: float = 0.0,
+                 server_ms: dict[str, float] | None = None) -> None:
         self.trace_id = trace_id
         self.name = name
         self.step = step
@@ -93,6 +96,21 @@ class RolloutSummary:
         #: the per-step sample's rank (``pipeline.sampling.priority``), when known
         self.priority = priority
         self.dropped_spans = dropped_spans
+        #: the process it ran in (``RTRACE_WORKER_NAME``, else ``host:pid``; docs/timeline.md)
+        self.worker = worker
+        #: the policy version it ended on: its last generation's own version when the server
+        #: said (``rtrace.weight_version``), else the latest weight update at or before its end
+        #: (``rtrace.mark_weight_update``); None: unknown
+        self.policy_version_end = policy_version_end
+        #: a weight update was marked while it ran, or its last generation's own version (the
+        #: server's) is not the one it started on; None: unknown (no update marked, no version
+        #: from a server)
+        self.crossed_update = crossed_update
+        #: its time in neither a generation nor a tool call (ms): waiting for a slot, a
+        #: parser, an environment, the trainer
+        self.wait_ms = wait_ms
+        #: generation time by inference server (``server.address[:server.port]``), ms
+        self.server_ms = server_ms or {}
 
     # ------------------------------------------------------------------ derived
     @property
@@ -144,7 +162,9 @@ class RolloutSummary:
                 "finish_reason": self.finish_reason, "start_ns": self.start_ns, "end_ns": self.end_ns,
                 "generation_ms": self.generation_ms, "tool_ms": self.tool_ms, "health": self.health,
                 "recorded": self.recorded, "kept": self.kept, "priority": self.priority,
-                "dropped_spans": self.dropped_spans}
+                "dropped_spans": self.dropped_spans, "worker": self.worker,
+                "policy_version_end": self.policy_version_end, "crossed_update": self.crossed_update,
+                "wait_ms": self.wait_ms, "server_ms": self.server_ms}
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> "RolloutSummary":
@@ -225,9 +245,57 @@ _WIRE_RULES: tuple[tuple[str, str, Any], ...] = (
     ("health", "a list of findings", _health), ("recorded", "a bool", lambda v: type(v) is bool),
     ("kept", "a list of strings", _strings), ("priority", "a number", lambda v: v is None or _number(v)),
     ("dropped_spans", "an int", lambda v: type(v) is int),
+    ("worker", "a string", _opt_str), ("policy_version_end", "an int", _opt_int),
+    ("crossed_update", "a bool", lambda v: v is None or type(v) is bool), ("wait_ms", "a number", _number),
+    ("server_ms", "an object of numbers", lambda v: type(v) is dict and all(
+        type(k) is str and _number(x) for k, x in v.items())),
 )
 _WIRE_CHECKS = tuple((key, ok) for key, _, ok in _WIRE_RULES)
 _WIRE_TYPES = {key: what for key, what, _ in _WIRE_RULES}
+
+
+def fleet_fields(spans: Any, start_ns: int, end_ns: int) -> tuple[float, dict[str, float], int | None]:
+    """What the timeline's step metrics need of a rollout's spans (records, or SpanRecords):
+    ``(wait_ms, server_ms, version_end)``.
+
+    ``wait_ms``: the time of ``[start_ns, end_ns]`` in no generation and no tool call (their
+    union: parallel tool calls count once); ``server_ms``: generation time by inference server
+    (``server.address``, with ``:server.port`` when set); ``version_end``: the own version
+    (``rl.policy_version`` beside ``rtrace.weight_version``, which the gateway and the adapters
+    set when the server says which weights answered) of the last generation that has one."""
+    busy: list[tuple[int, int]] = []
+    servers: dict[str, float] = {}
+    version = None
+    version_at = -1
+    for span in spans:
+        kind = span.kind
+        if kind != "generation" and kind != "tool":
+            continue
+        s, e = span.start_ns, span.end_ns
+        busy.append((s, e))
+        if kind == "generation":
+            attrs = span.attributes
+            address = attrs.get("server.address")
+            if address is not None:
+                port = attrs.get("server.port")
+                key = f"{address}:{port}" if type(port) is int else str(address)
+                servers[key] = servers.get(key, 0.0) + (e - s) / 1e6
+            if "rtrace.weight_version" in attrs and s >= version_at:
+                own = attrs.get("rl.policy_version")
+                if type(own) is int:
+                    version, version_at = own, s
+    covered = 0
+    if busy:
+        busy.sort()
+        cur_s, cur_e = busy[0]
+        for s, e in busy[1:]:
+            if s > cur_e:
+                covered += max(0, min(cur_e, end_ns) - max(cur_s, start_ns))
+                cur_s, cur_e = s, e
+            elif e > cur_e:
+                cur_e = e
+        covered += max(0, min(cur_e, end_ns) - max(cur_s, start_ns))
+    return max(0, end_ns - start_ns - covered) / 1e6, servers, version
 
 
 def summarize(traj: Trajectory, priority: float | None = None) -> RolloutSummary:
@@ -255,6 +323,8 @@ def summarize(traj: Trajectory, priority: float | None = None) -> RolloutSummary
             tools += 1
             tool_ns += span.end_ns - span.start_ns
     spans = traj.spans
+    start, end = spans[0].start_ns, max(s.end_ns for s in spans)
+    wait_ms, server_ms, own = fleet_fields(spans, start, end)
     return RolloutSummary(
         traj.trace_id, traj.name, step=traj.step, sample_index=traj.sample_index, rollout_n=traj.rollout_n,
         validate=traj.validate, experiment=traj.experiment, group_id=traj.group_id,
@@ -262,9 +332,11 @@ def summarize(traj: Trajectory, priority: float | None = None) -> RolloutSummary
         annotations=traj.annotations, status=traj.status,
         error=traj.error[:ERROR_CHARS] if isinstance(traj.error, str) else None, partial=traj.partial,
         turns=turns, tool_calls=tools, tokens_in=tokens_in, tokens_out=tokens_out, finish_reasons=reasons,
-        finish_reason=last_reason, start_ns=spans[0].start_ns, end_ns=max(s.end_ns for s in spans),
+        finish_reason=last_reason, start_ns=start, end_ns=end,
         generation_ms=gen_ns / 1e6, tool_ms=tool_ns / 1e6, health=traj.health, recorded=True,
-        kept=list(traj.kept), priority=priority, dropped_spans=traj.dropped_spans)
+        kept=list(traj.kept), priority=priority, dropped_spans=traj.dropped_spans, worker=traj.worker,
+        policy_version_end=traj.policy_version_end if traj.policy_version_end is not None else own,
+        crossed_update=traj.crossed_update, wait_ms=wait_ms, server_ms=server_ms)
 
 
 def _int(value: Any) -> int:

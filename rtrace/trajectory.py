@@ -181,6 +181,16 @@ class Trajectory:
     #: kept), set by the pipeline; the dataset keeps it so that readers cut the union of
     #: several collectors' samples to the one-collector sample. Not in the JSONL schema.
     priority: float | None = None
+    #: the process it ran in: ``RTRACE_WORKER_NAME``, else ``host:pid`` (in collector mode its
+    #: root's sender's OTLP resource); None: unknown (docs/timeline.md)
+    worker: str | None = None
+    #: the policy version it ended on (its last generation's own version when the server
+    #: said, else the latest ``rtrace.mark_weight_update`` at or before its end); None: unknown
+    policy_version_end: int | None = None
+    #: a weight update was marked while it ran, or its last generation's own version (the
+    #: server's) is not the one it started on; None: unknown (no update marked, no version
+    #: from a server)
+    crossed_update: bool | None = None
 
     # ------------------------------------------------------------------ derived
     @property
@@ -311,6 +321,9 @@ class Trajectory:
             "messages": self.messages,
             "health": self.health,
             "health_checks": self.health_checks,
+            "worker": self.worker,
+            "policy_version_end": self.policy_version_end,
+            "crossed_update": self.crossed_update,
             "spans": [s.to_dict() for s in spans],
         }
 
@@ -342,6 +355,9 @@ class Trajectory:
             messages=data.get("messages") or [],
             health=data.get("health"),
             health_checks=data.get("health_checks"),
+            worker=data.get("worker"),
+            policy_version_end=data.get("policy_version_end"),
+            crossed_update=data.get("crossed_update"),
         )
 
 

@@ -35,7 +35,8 @@ ALLOWED = {
     # ran (rtrace/dataset/cut.py); sampling.py itself imports nothing of rtrace but _stats
     "dataset": ("rtrace.pipeline.sampling",),
 }
-BOTTOM = ("config.py", "trajectory.py", "summary.py", "_stats.py", "_serialize.py", "_ids.py", "placement.py")
+BOTTOM = ("config.py", "trajectory.py", "summary.py", "_stats.py", "_serialize.py", "_ids.py", "placement.py",
+          "events.py")
 
 
 def _imports(path: pathlib.Path) -> set[str]:

@@ -5,7 +5,7 @@ import rtrace
 PUBLIC = [
     "Collector", "ConfigError", "annotate", "annotate_batch", "start_collector", "Settings", "Sink", "SpanRecord", "Trajectory",
     "configure", "current_coordinates", "current_settings", "extract", "flush", "gateway_access", "inject",
-    "is_enabled", "log_rollout_batch", "open_run", "record_reward", "rollout_context", "set_tokenizer",
+    "is_enabled", "log_rollout_batch", "mark_weight_update", "open_run", "record_reward", "rollout_context", "set_tokenizer",
     "shutdown", "stats", "traced", "traced_generation", "traced_rollout", "traced_tool",
     "wrap_context",
 ]

@@ -27,6 +27,7 @@ def _normal(traj) -> dict:
     data = traj.to_dict()
     for key in _IDS_AND_TIMES:
         data.pop(key, None)
+    data.pop("worker", None)  # the process that ran it (host:pid): another one through a Ray worker
     if data.get("spans"):
         data["spans"][0]["attributes"].pop("rtrace.job_id", None)  # the collector's job, on its roots only
     for span in data.get("spans", []):

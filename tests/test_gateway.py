@@ -734,6 +734,25 @@ class TestCaptureGaps:
         (gen,) = only([traj])
         assert (gen.attributes["rl.policy_version"], gen.attributes["rtrace.weight_version"]) == (12, "12")
         assert traj.policy_version == 11 and traj.root.attributes["rl.policy_version"] == 11
+        # the server said which weights answered: the rollout ended on them, across an update
+        assert (traj.policy_version_end, traj.crossed_update) == (12, True)
+
+    def test_each_call_names_the_server_that_answered(self, captured, gateway, fake):
+        """Every recorded call carries OTel's server.address / server.port of the upstream that
+        answered it (the timeline's server track), and the rollout's generation time by server."""
+        from urllib.parse import urlsplit
+
+        from rtrace.summary import summarize
+
+        gateway()
+        with rtrace.rollout_context(step=1):
+            access = rtrace.gateway_access()
+            chat(access.base_url, access.api_key)
+        (traj,) = captured.trajectories
+        (gen,) = only([traj])
+        up = urlsplit(fake.url)
+        assert (gen.attributes["server.address"], gen.attributes["server.port"]) == (up.hostname, up.port)
+        assert summarize(traj).server_ms == {f"{up.hostname}:{up.port}": gen.duration_ms}
 
 
 class TestBadInput:

@@ -24,7 +24,9 @@ import queue
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -38,6 +40,8 @@ from tests.frameworks.open_instruct_names import MANIFEST, extract
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = json.loads(MANIFEST.read_text())
 STAND_IN = ROOT / "tests" / "frameworks" / "open_instruct_stand_in.py"
+SYNC_STAND_IN = ROOT / "tests" / "frameworks" / "open_instruct_sync_stand_in.py"
+FAST_STAND_IN = ROOT / "tests" / "frameworks" / "open_instruct_fast_stand_in.py"
 
 
 @pytest.fixture(autouse=True)
@@ -170,6 +174,32 @@ class TestTheRealNames:
         update = code.index("os.environ.update(collector.env)")
         assert update < code.index("ray.init(")
         assert not any(v.startswith("'RTRACE") for v in ast.literal_eval(NAMES["excluded_env_vars"][0]))
+
+    def test_weights_are_published_where_the_adapter_marks_them(self):
+        """open-instruct publishes new weights in grpo_utils.perform_weight_sync, called by two
+        functions only, each looking it up in grpo_utils at the call: grpo_fast's weight sync
+        thread (the step it sends in its local target_model_step) and the olmo-core trainer's
+        VLLMWeightSyncCallback.post_step (the step: self.trainer.global_step). The call returns
+        once the engines are awake with the new weights (wake_up, then the actors resumed), and
+        an engine stamps the step it was sent on each request it takes next (model_step: the
+        rollouts' policy_version). The stand-ins do the same, with the real signatures."""
+        sync = NAMES["weight_sync"]
+        assert sync["callers"] == ["open_instruct/grpo_callbacks.py:post_step",
+                                   "open_instruct/grpo_fast.py:weight_sync_thread"]
+        assert sync["thread_step"] == ["target_model_step = weight_sync_trigger.get_step_and_clear()"]
+        assert sync["thread_calls"][0] == "m.broadcast_to_vllm.remote(target_model_step)"
+        assert sync["thread_calls"][1].startswith("grpo_utils.perform_weight_sync(broadcast_refs, vllm_engines, ")
+        assert "model_step=self.trainer.global_step" in sync["callback_calls"][0]
+        assert sync["callback_calls"][1].startswith("grpo_utils.perform_weight_sync(broadcast_refs, ")
+        assert sync["perform_remote_calls"] == ["actor_manager.set_should_stop.remote(True)", "e.wake_up.remote()",
+                                                "actor_manager.set_should_stop.remote(False)"]
+        assert sync["engine_sets_model_step"] == ["set_model_step: self.current_model_step = model_step",
+                                                  "update_weights: self.current_model_step = model_step"]
+        assert sync["request_stamps"] == ["'model_step': actor.current_model_step"]
+        for path, name in ((SYNC_STAND_IN, "perform_weight_sync"), (FAST_STAND_IN, "weight_sync_thread")):
+            tree = ast.parse(path.read_text())
+            (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+            assert [a.arg for a in fn.args.args + fn.args.kwonlyargs] == NAMES["functions"][name], name
 
     @pytest.mark.skipif(not os.environ.get("OPEN_INSTRUCT_DIR"), reason="set OPEN_INSTRUCT_DIR to an open-instruct "
                         "checkout to read the names again")
@@ -601,6 +631,104 @@ print(actor._data_preparation_loop(), called is dl.accumulate_inference_batches,
 rtrace.flush(30)
 rtrace.shutdown()
 """
+
+
+@pytest.fixture
+def grpo(data_loader, tmp_path):
+    """The grpo_utils and grpo_fast stand-ins beside the data loader's, imported under the real
+    names after install() (grpo_fast.main's process: install() runs there first)."""
+    package = tmp_path / "site" / "open_instruct"
+    shutil.copy(SYNC_STAND_IN, package / "grpo_utils.py")
+    shutil.copy(FAST_STAND_IN, package / "grpo_fast.py")
+    return importlib.import_module("open_instruct.grpo_fast")
+
+
+def engine_results(engine, index=7):
+    """One prompt's results from an engine: the step it stamps on the request (add_request)."""
+    stamped = engine.add_request([1, 2])["model_step"]
+    return per_prompt(index, [[10, 2], [11, 2]], [[1, 1], [1, 1]], [1.0, 0.0], ["stop", "stop"], [0, 0],
+                      model_step=stamped)
+
+
+class TestWeightUpdates:
+    def test_the_broadcast_is_marked_with_the_step_the_engines_then_stamp(self, grpo, data_loader, tok, tmp_path):
+        """grpo_fast's weight sync thread publishes step 3 to two engines: one weight update is
+        marked, version and step 3, once the call returned (after the engines woke), with the
+        broadcast's duration and the number of engines; the rollouts the engines generate next
+        carry policy_version 3, ended on it, crossing no update. The thread's behaviour is
+        unchanged (its metrics, the engines' weights, the actors paused then resumed)."""
+        import queue
+        import threading
+
+        from rtrace.exporters.jsonl import read_events
+
+        assert grpo.grpo_utils.perform_weight_sync.__rtrace_wrapped__
+        path = tmp_path / "oi.jsonl"
+        engines = [grpo.LLMRayActor(), grpo.LLMRayActor()]
+        manager = grpo.ActorManager()
+        learners = SimpleNamespace(models=grpo.handles(grpo.Learner(engines, "w3")))
+        trigger, stop, metrics = grpo.WeightSyncTrigger(0), threading.Event(), queue.Queue()
+        with rtrace.testing.capture(exporter="jsonl", jsonl_path=str(path)) as got:
+            thread = threading.Thread(target=grpo.weight_sync_thread, args=(
+                SimpleNamespace(verbose=False), stop, trigger, learners, grpo.handles(*engines),
+                grpo.handles(manager)[0], metrics))
+            thread.start()
+            before_ns = time.time_ns()
+            trigger.notify(step=3)
+            stats = metrics.get(timeout=30)
+            returned_ns = time.time_ns()
+            stop.set()
+            thread.join(10)
+            assert set(stats) == {"time/weight_sync"} and manager.calls == [True, False]
+            assert [e.weights for e in engines] == ["w3", "w3"] and [e.current_model_step for e in engines] == [3, 3]
+            prepare(data_loader, tok, [engine_results(engines[0]), engine_results(engines[1], 3)], 3, prompts=2)
+            trajs = got.trajectories
+        (event,) = read_events(path)
+        assert (event.kind, event.version, event.step) == ("weight_update", 3, 3)
+        assert set(event.attributes) == {"duration_ms", "engines"} and event.attributes["engines"] == 2
+        assert 0 <= event.attributes["duration_ms"] <= (returned_ns - before_ns) / 1e6
+        assert max(e.woken_ns[-1] for e in engines) <= event.time_ns <= returned_ns
+        assert len(trajs) == 4
+        assert {(t.step, t.policy_version, t.policy_version_end, t.crossed_update) for t in trajs} == {(4, 3, 3, False)}
+
+    def test_the_olmo_core_trainer_s_callback_marks_its_global_step(self, grpo, tmp_path):
+        """VLLMWeightSyncCallback.post_step (updates in flight): the step marked is the trainer's
+        global_step, which it sent to the engines."""
+        from rtrace.exporters.jsonl import read_events
+
+        path = tmp_path / "oi.jsonl"
+        engines = [grpo.LLMRayActor()]
+        callback = grpo.VLLMWeightSyncCallback(SimpleNamespace(global_step=5), grpo.Learner(engines, "w5"),
+                                               grpo.handles(*engines), grpo.handles(grpo.ActorManager())[0])
+        with rtrace.testing.capture(exporter="jsonl", jsonl_path=str(path)):
+            assert set(callback.post_step()) == {"time/weight_sync"}
+        assert engines[0].current_model_step == 5
+        assert [(e.version, e.step, e.attributes["engines"]) for e in read_events(path)] == [(5, 5, 1)]
+
+    def test_a_failed_broadcast_raises_as_it_did_and_marks_nothing(self, grpo, tmp_path):
+        """An engine that fails to wake: perform_weight_sync's own exception reaches its caller,
+        the same object, the actors resumed by its finally; no weight update is marked. The
+        wrapper pickles as a reference to open-instruct's function (no rtrace state)."""
+        import pickle
+
+        from rtrace.exporters.jsonl import read_events
+
+        class Broken(grpo.LLMRayActor):
+            def wake_up(self):
+                raise error
+
+        error = RuntimeError("engine gone")
+        path = tmp_path / "oi.jsonl"
+        manager = grpo.ActorManager()
+        with rtrace.testing.capture(exporter="jsonl", jsonl_path=str(path)) as got:
+            with pytest.raises(RuntimeError) as raised:
+                grpo.grpo_utils.perform_weight_sync([[]], grpo.handles(Broken()), grpo.handles(manager)[0])
+            assert rtrace.flush(30)
+            stats = got.stats()
+        assert raised.value is error and manager.calls == [True, False]
+        assert stats.get("weight_updates", 0) == 0 and stats.get("internal_errors", 0) == 0
+        assert not path.exists() or read_events(path) == []
+        assert pickle.loads(pickle.dumps(grpo.grpo_utils.perform_weight_sync)) is grpo.grpo_utils.perform_weight_sync
 
 
 class TestRayPickling:

@@ -304,7 +304,7 @@ class TestJsonl:
             "schema", "trace_id", "name", "step", "sample_index", "rollout_n", "validate", "experiment",
             "group_id", "policy_version", "extra", "reward", "outcome", "annotations", "kept", "status", "error", "partial",
             "dropped_spans", "start_ns", "end_ns", "duration_ms", "num_turns", "num_tool_calls",
-            "messages", "health", "health_checks", "spans"]
+            "messages", "health", "health_checks", "worker", "policy_version_end", "crossed_update", "spans"]
         assert list(line["spans"][0]) == [
             "span_id", "parent_id", "name", "kind", "start_ns", "end_ns", "duration_ms", "status", "error",
             "attributes", "input", "output", "events"]

@@ -27,7 +27,8 @@ from tests import summary_agent as agent
 SPAWN = mp.get_context("spawn")
 
 #: step metrics that measure time: equal only in distribution between two runs
-TIMING = ("latency_ms_", "time_generation_frac", "time_tool_frac", "time_other_frac")
+TIMING = ("latency_ms_", "time_generation_frac", "time_tool_frac", "time_other_frac", "generation_ms_mean",
+          "tool_ms_mean", "wait_ms_mean", "inflight_peak", "slowest_server_share")
 #: the summary fields that describe the rollout (not how or when it was recorded)
 FIELDS = ("name", "step", "sample_index", "rollout_n", "validate", "experiment", "group_id", "policy_version",
           "extra", "reward", "outcome", "annotations", "status", "error", "partial", "turns", "tool_calls",

@@ -182,7 +182,13 @@ class TestRoundTrip:
             "rollout/latency_ms_mean": total, "rollout/latency_ms_p50": total, "rollout/latency_ms_p90": total,
             "rollout/latency_ms_max": total, "rollout/time_generation_frac": gen / total,
             "rollout/time_tool_frac": tool / total, "rollout/time_other_frac": (total - gen - tool) / total,
-            "rollout/error_rate": 0.0, "rollout/truncated_rate": 0.0, "rollout/partial_rate": 0.0}, rel=1e-12, abs=0)
+            "rollout/error_rate": 0.0, "rollout/truncated_rate": 0.0, "rollout/partial_rate": 0.0,
+            # the fleet in time (docs/timeline.md): on policy (step 4, version 4), calls one after another
+            "rollout/generation_ms_mean": gen, "rollout/tool_ms_mean": tool,
+            "rollout/wait_ms_mean": total - gen - tool, "rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0,
+            "rollout/staleness/0_frac": 1.0, "rollout/staleness/0_pass_rate": 1.0, "rollout/staleness/1_frac": 0.0,
+            "rollout/staleness/2_frac": 0.0, "rollout/staleness/3_frac": 0.0, "rollout/staleness/4plus_frac": 0.0,
+            "rollout/inflight_peak": 1.0}, rel=1e-9, abs=1e-9)
         capsys.readouterr()
         rtrace.shutdown()
         assert "Run finished" in capsys.readouterr().out  # the run rtrace opened is finished
@@ -398,13 +404,16 @@ class TestBadValues:
         total = got["spans"][0]["duration_ms"]  # the header's is rounded to 0.1 ms
         assert meta["duration_ms"] == round(total, 1)
         tool = got["spans"][1]["duration_ms"]
-        assert logs_with(project, "odd", "rollout/") == [{
+        # (wait_ms is summed from the spans' nanoseconds, the expectation from their milliseconds: 1 ulp apart)
+        assert logs_with(project, "odd", "rollout/") == [pytest.approx({
             "step": 2, "rollout/trajectories": 1, "rollout/reward_non_finite": 1, "rollout/turns_mean": 0.0,
             "rollout/tool_calls_mean": 1.0, "rollout/tokens_in_mean": 0.0, "rollout/tokens_out_mean": 0.0,
             "rollout/latency_ms_mean": total, "rollout/latency_ms_p50": total, "rollout/latency_ms_p90": total,
             "rollout/latency_ms_max": total, "rollout/time_generation_frac": 0.0,
             "rollout/time_tool_frac": tool / total, "rollout/time_other_frac": (total - tool) / total,
-            "rollout/error_rate": 0.0, "rollout/truncated_rate": 0.0, "rollout/partial_rate": 0.0}]
+            "rollout/error_rate": 0.0, "rollout/truncated_rate": 0.0, "rollout/partial_rate": 0.0,
+            "rollout/generation_ms_mean": 0.0, "rollout/tool_ms_mean": tool, "rollout/wait_ms_mean": total - tool,
+            "rollout/inflight_peak": 1}, rel=1e-9, abs=1e-12)]
         stats = rtrace.stats()
         assert stats["sink.trackio.exported"] == 1 and "sink.trackio.failed_batches" not in stats
 

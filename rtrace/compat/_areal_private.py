@@ -7,7 +7,11 @@ per class (:func:`patch`): ``RemoteInfEngine._resolve_workflow`` (every workflow
 runs passes through it: rtrace instruments the instance it returns),
 ``GroupedRolloutWorkflow.arun_episode`` (the group: its members are numbered in the order
 it starts them) and ``RemoteInfEngine.agenerate`` (a generation). It reads the
-``WorkflowContext`` AReaL sets for each task (``is_eval``, ``task_id``). Nothing else in
+``WorkflowContext`` AReaL sets for each task (``is_eval``, ``task_id``). Weight updates:
+``RemoteInfEngine.set_version`` (the trainer tells the rollout engine the version of the
+weights it just updated: ``PPOTrainer.train`` calls ``rollout.pause()``,
+``actor.update_weights(...)``, then ``rollout.set_version(global_step + 1)``) and
+``RemoteInfEngine.pause`` (when that update began). Nothing else in
 rtrace touches an AReaL name not in :data:`PRIVATE_NAMES`; ``tests/frameworks/test_areal.py``
 checks each against the installed AReaL.
 """
@@ -31,6 +35,10 @@ PRIVATE_NAMES = (
     "areal.infra.remote_inf_engine:RemoteInfEngine.agenerate",
     # the weight version generations are made with (public)
     "areal.infra.remote_inf_engine:RemoteInfEngine.get_version",
+    # the trainer sets it once the new weights are on the servers (public): a weight update
+    "areal.infra.remote_inf_engine:RemoteInfEngine.set_version",
+    # the trainer pauses the rollouts before it updates the weights (public)
+    "areal.infra.remote_inf_engine:RemoteInfEngine.pause",
     # the per-task context the WorkflowExecutor sets (is_eval, task_id)
     "areal.infra.workflow_context:get",
 )
@@ -57,13 +65,15 @@ def member_workflow(group: Any) -> Any:
 
 
 def patch(engine_cls: type, group_cls: type, resolve: Callable[[Callable], Callable],
-          group_run: Callable[[Callable], Callable], agenerate: Callable[[Callable], Callable]) -> bool:
-    """Wrap ``_resolve_workflow``, ``GroupedRolloutWorkflow.arun_episode`` and ``agenerate``
-    with ``wrapper(original)``, once; False when done before."""
+          group_run: Callable[[Callable], Callable], agenerate: Callable[[Callable], Callable],
+          set_version: Callable[[Callable], Callable], pause: Callable[[Callable], Callable]) -> bool:
+    """Wrap ``_resolve_workflow``, ``GroupedRolloutWorkflow.arun_episode``, ``agenerate``,
+    ``set_version`` and ``pause`` with ``wrapper(original)``, once; False when done before."""
     if getattr(engine_cls, "__rtrace_patched__", False):
         return False
     for owner, name, wrap in ((engine_cls, "_resolve_workflow", resolve), (group_cls, "arun_episode", group_run),
-                              (engine_cls, "agenerate", agenerate)):
+                              (engine_cls, "agenerate", agenerate), (engine_cls, "set_version", set_version),
+                              (engine_cls, "pause", pause)):
         original = getattr(owner, name)
         new = wrap(original)
         new.__rtrace_wrapped__ = True  # type: ignore[attr-defined]

@@ -19,7 +19,17 @@ where ``install()`` ran (Ray's setup hook runs before the class loads), the orig
 not. A wrapper pickled by value would drag rtrace's state along (a ``ContextVar``: Ray fails
 with "Could not serialize the actor class").
 
-The module is patched when it is imported (:mod:`rtrace.compat._after_import`), not
+Weight updates. open-instruct publishes new weights to its vLLM engines in
+``open_instruct.grpo_utils.perform_weight_sync`` (pause the generation actors, broadcast, wait
+for the engines' update calls, wake the engines, resume): when it returns, the engines run the
+new weights and stamp their results' ``model_step`` with the step they were sent with.
+Its callers look it up in ``grpo_utils`` at each call, so a module attribute replaced in the
+process that calls it (``grpo_fast.main``'s: ``install()`` runs there) is what they call. The
+call does not carry that step: its caller has it, ``weight_sync_thread``'s local
+``target_model_step`` (``grpo_fast``), or ``VLLMWeightSyncCallback.post_step``'s
+``self.trainer.global_step`` (``grpo_callbacks``): :func:`sync_version` reads it there.
+
+The modules are patched when they are imported (:mod:`rtrace.compat._after_import`), not
 imported by ``install()``: the setup hook runs in every Ray worker, vLLM engines and tool
 pools included. The names and fields are checked against the real code, read with ``ast``
 into ``tests/frameworks/open_instruct_names.json`` (open-instruct cannot be imported here:
@@ -37,10 +47,12 @@ from typing import Any, Callable
 
 from . import _after_import
 
-__all__ = ["PRIVATE_NAMES", "MODULE", "patch", "called_from_evaluation", "argument", "query_of", "stale_result",
-           "drops_truncated", "text_envs"]
+__all__ = ["PRIVATE_NAMES", "MODULE", "SYNC_MODULE", "patch", "sync_version", "called_from_evaluation", "argument",
+           "query_of", "stale_result", "drops_truncated", "text_envs"]
 
 MODULE = "open_instruct.data_loader"
+#: where open-instruct's weight broadcast lives
+SYNC_MODULE = "open_instruct.grpo_utils"
 
 PRIVATE_NAMES = (
     # gathers a step's GenerationResults into (result, batch, reward_metrics, stats)
@@ -60,30 +72,36 @@ PRIVATE_NAMES = (
     "open_instruct.data_loader:StreamingDataLoaderConfig.mask_truncated_completions",
     # its evaluation caller
     "open_instruct.grpo_utils:maybe_evaluate",
+    # publishes new weights to the vLLM engines; returns when they are in effect (engines awake)
+    "open_instruct.grpo_utils:perform_weight_sync",
+    # its callers, and where each keeps the step the engines were sent (their model_step)
+    "open_instruct.grpo_fast:weight_sync_thread",  # local target_model_step
+    "open_instruct.grpo_callbacks:VLLMWeightSyncCallback.post_step",  # self.trainer.global_step
     # Python's frame API: which caller, and the result result_is_stale was asked about
     "sys:_getframe",
 )
 
-#: function name -> wrap(original) -> wrapper, applied when the module is imported
-_wrappers: dict[str, Callable[[Callable], Callable]] = {}
+#: module name -> function name -> wrap(original) -> wrapper, applied when the module is imported
+_wrappers: dict[str, dict[str, Callable[[Callable], Callable]]] = {}
 
 
-def patch(wrappers: dict[str, Callable[[Callable], Callable]]) -> bool:
-    """Replace each ``open_instruct.data_loader.<name>`` with ``wrap(original)``, once: now if
-    the module is imported, else when it is. False when open-instruct is not installed."""
+def patch(wrappers: dict[str, Callable[[Callable], Callable]], module: str = MODULE) -> bool:
+    """Replace each ``<module>.<name>`` (default ``open_instruct.data_loader``) with
+    ``wrap(original)``, once: now if the module is imported, else when it is. False when
+    open-instruct is not installed."""
     if "open_instruct" not in sys.modules:
         try:
             if importlib.util.find_spec("open_instruct") is None:  # finds the package, runs nothing
                 return False
         except (ImportError, ValueError):
             return False
-    _wrappers.update(wrappers)
-    _after_import.when_imported(MODULE, _patch_module)
+    _wrappers.setdefault(module, {}).update(wrappers)
+    _after_import.when_imported(module, _patch_module)
     return True
 
 
 def _patch_module(module: Any) -> None:
-    for name, wrap in _wrappers.items():
+    for name, wrap in _wrappers.get(module.__name__, {}).items():
         original = getattr(module, name, None)
         if original is None or getattr(original, "__rtrace_wrapped__", False):
             continue
@@ -179,3 +197,15 @@ def stale_result(depth: int = 2) -> Any:
     ``result``: the call is ``result_is_stale(result.model_step, ...)``), or None."""
     frame = _caller("accumulate_inference_batches", depth)
     return frame.f_locals.get("result") if frame is not None else None
+
+
+def sync_version(depth: int = 3) -> Any:
+    """The step ``perform_weight_sync`` publishes (the engines' new ``model_step``), read from
+    its caller: ``weight_sync_thread``'s ``target_model_step``, or the trainer's
+    ``global_step`` in ``VLLMWeightSyncCallback.post_step``; None from any other caller."""
+    frame = _caller("weight_sync_thread", depth)
+    if frame is not None:
+        return frame.f_locals.get("target_model_step")
+    frame = _caller("post_step", depth)
+    trainer = getattr(frame.f_locals.get("self"), "trainer", None) if frame is not None else None
+    return getattr(trainer, "global_step", None)

@@ -8,6 +8,11 @@ when), :mod:`rtrace.compat.skyrl` wraps these methods, on the classes, once
 (:func:`patch`). Nothing else in rtrace touches a SkyRL name that is not in
 :data:`PRIVATE_NAMES`; ``tests/frameworks/test_skyrl.py`` checks each against the
 installed SkyRL (``skyrl_train`` 0.3, and ``skyrl.train`` 0.4 where it imports).
+
+Weight updates: SkyRL's trainer publishes its weights to the inference engines in one method
+per trainer (:data:`TRAINER_METHODS`), which rtrace wraps on the class when the trainer's
+module is imported (:func:`patch_trainer`); the version is the trainer's ``global_step`` then
+(the steps trained: 0 before training, ``g`` after step ``g``).
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
-__all__ = ["PRIVATE_NAMES", "MODULE_ROOTS", "classes", "patch", "wrap_client"]
+__all__ = ["PRIVATE_NAMES", "MODULE_ROOTS", "TRAINER_METHODS", "classes", "patch", "wrap_client", "patch_trainer",
+           "steps_trained"]
 
 #: The packages SkyRL ships its trainer in: ``skyrl_train`` (skyrl-train 0.3) and
 #: ``skyrl.train`` (skyrl 0.4).
@@ -36,7 +42,19 @@ PRIVATE_NAMES = (
     # (the generator's ``inference_engine_client`` attribute, set in its __init__, is read
     # by wrap_client)
     "inference_engines.inference_engine_client:InferenceEngineClient.generate",
+    # where the trainers publish weights (public methods): the synchronous trainer's returns
+    # the policy workers' ObjectRefs (its caller ray.get()s them at once); the fully async
+    # one's is awaited, between pause_generation and resume_generation
+    "trainer:RayPPOTrainer.sync_policy_weights_to_inference_engines",
+    "fully_async_trainer:FullyAsyncRayPPOTrainer.async_sync_policy_weights_to_inference_engines",
+    # the steps trained when they publish (an instance attribute, checked in the source)
+    "trainer:RayPPOTrainer.global_step",
 )
+
+#: module (under a root) -> (class, method) where that trainer publishes its weights
+TRAINER_METHODS = {"trainer": ("RayPPOTrainer", "sync_policy_weights_to_inference_engines"),
+                   "fully_async_trainer": ("FullyAsyncRayPPOTrainer",
+                                           "async_sync_policy_weights_to_inference_engines")}
 
 
 def classes(root: str) -> tuple[Any, Any] | None:
@@ -98,3 +116,23 @@ def patch(generator_cls: type, client_cls: type, wrappers: dict[str, Callable[[C
         setattr(owner, name, new)
     generator_cls.__rtrace_patched__ = True  # type: ignore[attr-defined]
     return True
+
+
+def patch_trainer(module: Any, wrap: Callable[[Callable], Callable]) -> bool:
+    """Wrap the method of :data:`TRAINER_METHODS` of the trainer class ``module`` defines
+    (``<root>.trainer`` or ``<root>.fully_async_trainer``) with ``wrap(original)``, once."""
+    found = TRAINER_METHODS.get(module.__name__.rpartition(".")[2])
+    owner = getattr(module, found[0], None) if found else None
+    original = owner.__dict__.get(found[1]) if owner is not None else None
+    if original is None or getattr(original, "__rtrace_wrapped__", False):
+        return False
+    new = wrap(original)
+    new.__rtrace_wrapped__ = True  # type: ignore[attr-defined]
+    new.__wrapped__ = original  # type: ignore[attr-defined]
+    setattr(owner, found[1], new)
+    return True
+
+
+def steps_trained(trainer: Any) -> Any:
+    """The trainer's ``global_step`` (when it publishes: the steps trained)."""
+    return getattr(trainer, "global_step", None)

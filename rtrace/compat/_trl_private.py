@@ -8,7 +8,11 @@ advantages) and the ``_calculate_rewards`` it calls (given the prompts and compl
 returning every function's score). So :class:`rtrace.compat.trl.RTraceCallback` finds its
 trainer once, at ``on_init_end``, and wraps those two methods *on that instance*. Not
 ``_logs``, the completions table's buffer: its deques hold ``generation_batch_size``
-entries, fewer than an evaluation batch larger than the generation batch. Nothing else in rtrace touches a TRL private
+entries, fewer than an evaluation batch larger than the generation batch. Where TRL
+publishes new weights to vLLM (``use_vllm``), the callback wraps ``sync_weights`` of the
+trainer's ``vllm_generation`` *on that instance* (:func:`wrap_weight_sync`): TRL creates it
+after ``on_init_end``, so the callback wraps it at ``on_train_begin``, before the first
+generation. Nothing else in rtrace touches a TRL private
 name (``tests/test_private_apis.py`` checks the compat modules for it), and the canary
 test in ``tests/frameworks/test_trl.py`` checks each name of :data:`PRIVATE_NAMES`
 against the installed TRL.
@@ -21,7 +25,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
-__all__ = ["PRIVATE_NAMES", "find_trainer", "wrap_scoring", "process_index", "num_processes", "eos_token_ids"]
+__all__ = ["PRIVATE_NAMES", "find_trainer", "wrap_scoring", "wrap_weight_sync", "process_index", "num_processes",
+           "eos_token_ids"]
 
 PRIVATE_NAMES = (
     # The method that generates, scores and computes advantages of a generation batch
@@ -34,6 +39,13 @@ PRIVATE_NAMES = (
     "trl.trainer.grpo_trainer:GRPOTrainer.eos_token_ids",
     # Python's frame API, to find the trainer that calls on_init_end.
     "sys:_getframe",
+    # Where GRPOTrainer publishes new weights to vLLM (use_vllm): the trainer's vLLM backend
+    # (an instance attribute, set after on_init_end, only with use_vllm) and its weight push,
+    # called before a generation when global_step moved (_generate_single_turn, and before a
+    # rollout_func); the weights are in vLLM when it returns.
+    "trl.trainer.grpo_trainer:GRPOTrainer.use_vllm",
+    "trl.trainer.grpo_trainer:GRPOTrainer.vllm_generation",
+    "trl.generation.vllm_generation:VLLMGeneration.sync_weights",
 )
 
 
@@ -95,6 +107,24 @@ def wrap_scoring(trainer: Any, after: Callable[[Any, Any, Any, dict[str, Any]], 
 
     scored.__rtrace_wrapped__ = True  # type: ignore[attr-defined]
     trainer._generate_and_score_completions = scored
+    return True
+
+
+def wrap_weight_sync(trainer: Any, wrap: Callable[[Callable], Callable]) -> bool:
+    """Replace ``trainer.vllm_generation.sync_weights`` with ``wrap(original)`` on that
+    instance, once. False when the trainer does not generate with vLLM.
+
+    Why private: TRL has no hook where its weights reach vLLM; ``vllm_generation`` is an
+    instance attribute of ``GRPOTrainer`` that only ``use_vllm`` creates.
+    """
+    generation = getattr(trainer, "vllm_generation", None) if getattr(trainer, "use_vllm", False) else None
+    original = getattr(generation, "sync_weights", None)
+    if original is None:
+        return False
+    if not getattr(original, "__rtrace_wrapped__", False):
+        new = wrap(original)
+        new.__rtrace_wrapped__ = True  # type: ignore[attr-defined]
+        generation.sync_weights = new
     return True
 
 

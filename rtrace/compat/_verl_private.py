@@ -13,6 +13,13 @@ methods of the class, once (:func:`patch`):
 * ``_update_actor``: called with the batch that holds everything (``old_log_probs``,
   ``advantages``, ``response_mask``); the wrapper hands it to rtrace first.
 
+Weight updates: every veRL trainer (``RayPPOTrainer.fit``, the v1 trainers, the fully async
+one) publishes its weights to the rollout replicas through
+``CheckpointEngineManager.update_weights(global_steps)`` (``verl/checkpoint_engine/base.py``), a
+coroutine function behind veRL's ``auto_await`` (run at once from sync code, awaited from async
+code: it looks at its caller's frame, so the wrapper is wrapped by ``auto_await`` again,
+:func:`patch_weight_sync`). It returns once the replicas have the weights and generation resumed.
+
 ``tests/verl/test_verl_trainer_values.py`` checks each name against the installed veRL and
 runs the wrapped methods on veRL's own code.
 """
@@ -20,9 +27,11 @@ runs the wrapped methods on veRL's own code.
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any, Callable
 
-__all__ = ["PRIVATE_NAMES", "TRAINER_MODULE", "trainer_class", "patch", "step_of"]
+__all__ = ["PRIVATE_NAMES", "TRAINER_MODULE", "WEIGHTS_MODULE", "trainer_class", "patch", "step_of",
+           "patch_weight_sync"]
 
 #: The module of veRL's trainer.
 TRAINER_MODULE = "verl.trainer.ppo.ray_trainer"
@@ -34,7 +43,14 @@ PRIVATE_NAMES = (
     # the step the batch belongs to (an instance attribute; the agent loop traced the
     # rollouts at gen_batch.meta_info["global_steps"] = self.global_steps)
     "verl.trainer.ppo.ray_trainer:RayPPOTrainer.global_steps",
+    # where weights reach the rollout replicas (public method, every trainer), and the
+    # decorator that makes it callable from sync and async code
+    "verl.checkpoint_engine.base:CheckpointEngineManager.update_weights",
+    "verl.utils.ray_utils:auto_await",
 )
+
+#: The module of veRL's weight sync to the rollout replicas.
+WEIGHTS_MODULE = "verl.checkpoint_engine.base"
 
 
 def trainer_class(module: Any = None) -> Any:
@@ -68,3 +84,22 @@ def patch(cls: Any, balance: Callable[[Callable], Callable], old_log_prob: Calla
 def step_of(trainer: Any) -> Any:
     """The trainer's current step (``global_steps``)."""
     return getattr(trainer, "global_steps", None)
+
+
+def patch_weight_sync(module: Any, wrap: Callable[[Callable], Callable]) -> bool:
+    """Replace ``CheckpointEngineManager.update_weights`` of ``module`` with
+    ``auto_await(wrap(coroutine function))``, once: ``wrap`` gets veRL's own coroutine function
+    (under its ``auto_await``) and returns one. False when it is not there (or done before)."""
+    cls = getattr(module, "CheckpointEngineManager", None)
+    current = cls.__dict__.get("update_weights") if cls is not None else None
+    if current is None or getattr(current, "__rtrace_wrapped__", False):
+        return False
+    inner = getattr(current, "__wrapped__", current)  # functools.wraps in auto_await
+    if not inspect.iscoroutinefunction(inner):
+        return False
+    auto_await = importlib.import_module("verl.utils.ray_utils").auto_await
+    new = auto_await(wrap(inner)) if inner is not current else wrap(inner)
+    new.__rtrace_wrapped__ = True  # type: ignore[attr-defined]
+    new.__wrapped__ = current  # type: ignore[attr-defined]
+    setattr(cls, "update_weights", new)
+    return True

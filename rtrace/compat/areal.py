@@ -29,6 +29,13 @@ Coordinates (docs/frameworks/areal.md):
 * ``group_id`` and ``extra.prompt_id``: the item's ``query_id`` / ``id`` when it has one, else
   a short hash of its prompt (``messages``): the same at every step the prompt returns.
 
+Weight updates: ``PPOTrainer`` pauses its rollout engine, updates the weights on the inference
+servers, then tells the engine their version (``set_version(global_step + 1)``): a weight update
+is marked there (``rtrace.mark_weight_update``), version and step = that version, the one the
+episodes started after it carry (their ``step`` and ``policy_version``), with ``duration_ms``
+from the engine's ``pause()`` to ``set_version()`` when it was paused. The same version set on a
+second engine (the evaluation engine) is not marked again.
+
 Which methods are patched: :mod:`rtrace.compat._areal_private`. In single-controller mode
 workflows run in AReaL's rollout worker processes: ``install()`` must run there (with Ray:
 ``worker_process_setup_hook``; or from the workflow module, which every worker imports).
@@ -37,13 +44,14 @@ workflows run in AReaL's rollout worker processes: ``install()`` must run there 
 from __future__ import annotations
 
 import hashlib
+import time
 from contextvars import ContextVar
 from typing import Any, Callable
 
 from .. import _setup, _stats
 from ..instrumentation import record_reward, rollout_context, traced_generation
 from ..instrumentation.turns import PromptIndex
-from . import _areal_private
+from . import _areal_private, weight_sync
 
 __all__ = ["install"]
 
@@ -71,8 +79,41 @@ def install() -> bool:
     if found is None:
         _stats.warn_once("areal-missing", "rtrace.compat.areal.install(): AReaL does not import; nothing is traced")
         return False
-    _areal_private.patch(*found, resolve=_wrap_resolve, group_run=_wrap_group, agenerate=_wrap_agenerate)
+    _areal_private.patch(*found, resolve=_wrap_resolve, group_run=_wrap_group, agenerate=_wrap_agenerate,
+                         set_version=_wrap_set_version, pause=_wrap_pause)
     return True
+
+
+# ----------------------------------------------------------------------------- weight updates
+#: the last version marked in this process (the trainer sets it on its rollout engine and on
+#: its evaluation engine: one update), and when each engine was paused for an update
+_marked: list[Any] = [None]
+_paused: dict[int, float] = {}
+
+
+def _wrap_pause(original: Callable) -> Callable:
+    def pause(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        if len(_paused) > 64:  # engines paused and never given a version: forgotten
+            _paused.clear()
+        _paused[id(self)] = time.perf_counter()
+        return out
+
+    return pause
+
+
+def _wrap_set_version(original: Callable) -> Callable:
+    def set_version(self: Any, version: Any, *args: Any, **kwargs: Any) -> Any:
+        paused = _paused.pop(id(self), None)
+        out = original(self, version, *args, **kwargs)
+        if version != _marked[0] and isinstance(version, int) and not isinstance(version, bool):
+            _marked[0] = version
+            # the update ran while the engine was paused: its length, when the trainer paused it
+            extra = {"duration_ms": round((time.perf_counter() - paused) * 1000, 3)} if paused is not None else {}
+            weight_sync.mark(version, version, name="areal", **extra)
+        return out
+
+    return set_version
 
 
 # ----------------------------------------------------------------------------- workflows

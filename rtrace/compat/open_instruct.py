@@ -43,6 +43,12 @@ token2text decodes the ids unless ``RTRACE_TOKEN2TEXT=0``. Per-token values: vLL
 (``GenerationResult.logprobs``) become the generations' ``logprob`` arrays and the masks
 their ``loss_mask`` arrays (docs/token-values.md).
 
+Weight updates: open-instruct's broadcast of new weights to its vLLM engines
+(``grpo_utils.perform_weight_sync``, in the process running ``grpo_fast.main``) is marked when it
+returns (``rtrace.mark_weight_update``): version and step = the training step the engines were
+sent, the ``model_step`` they stamp on what they generate next (the rollouts' ``policy_version``),
+with the broadcast's ``duration_ms`` and the number of ``engines``.
+
 :func:`log_batch` can also be called by hand with a ``GenerationResult`` and its ``Batch``.
 """
 
@@ -53,7 +59,7 @@ from typing import Any, Callable, Collection, Union
 
 from .. import _setup, _stats
 from ..instrumentation.turns import PromptIndex, Turn, admit, sample_state, submit
-from . import _open_instruct_private, token_rows
+from . import _open_instruct_private, token_rows, weight_sync
 
 __all__ = ["install", "log_batch", "log_group", "trainer_step", "FILTERED", "STALE", "TRUNCATED"]
 
@@ -73,11 +79,14 @@ TextEnvs = Union[Collection[str], Callable[[Any], Collection[str]]]
 
 def install() -> bool:
     """Wrap ``open_instruct.data_loader.accumulate_inference_batches`` (and ``process_group``
-    and ``result_is_stale``, to see what it drops), now if that module is imported, else when
-    it is. Idempotent; usable as Ray's ``worker_process_setup_hook``. False when
-    open-instruct is not installed."""
+    and ``result_is_stale``, to see what it drops), and ``open_instruct.grpo_utils.
+    perform_weight_sync`` (the weight broadcast: a weight update marked when it returns), now
+    if those modules are imported, else when they are. Idempotent; usable as Ray's
+    ``worker_process_setup_hook``. False when open-instruct is not installed."""
     done = _open_instruct_private.patch({"accumulate_inference_batches": _wrap,
                                          "process_group": _wrap_group, "result_is_stale": _wrap_stale})
+    done = done and _open_instruct_private.patch({"perform_weight_sync": _wrap_sync},
+                                                 _open_instruct_private.SYNC_MODULE)
     if not done:
         _stats.warn_once("open-instruct-missing", "rtrace.compat.open_instruct.install(): open_instruct is not "
                          "installed; nothing is traced")
@@ -138,6 +147,21 @@ def _wrap_stale(original: Callable) -> Callable:
         return stale
 
     return result_is_stale
+
+
+def _wrap_sync(original: Callable) -> Callable:
+    def perform_weight_sync(*args: Any, **kwargs: Any) -> Any:
+        try:  # the step the engines are sent (their new model_step), from the caller: read now
+            step = _open_instruct_private.sync_version()
+        except Exception:
+            step = None
+        engines = _open_instruct_private.argument(original, args, kwargs, "vllm_engines")
+        extra = {"engines": len(engines)} if isinstance(engines, (list, tuple)) else {}
+        return weight_sync.published(lambda: original(*args, **kwargs),
+                                     lambda: (step, step) if isinstance(step, int) else None,
+                                     name="open_instruct", **extra)
+
+    return perform_weight_sync
 
 
 def _note(dropped: list[tuple[Any, str]], result: Any, reason: str) -> None:

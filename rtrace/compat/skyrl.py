@@ -31,6 +31,14 @@ Per-token values: when the generator's sampling params ask for logprobs, SkyRL's
 ``loss_mask`` array (docs/token-values.md), cut into the turns; a response whose tokens do
 not lay out the turns gets none (counted: ``skyrl_token_values_unaligned``).
 
+Weight updates: where SkyRL's trainer publishes its weights to the inference engines
+(``RayPPOTrainer.sync_policy_weights_to_inference_engines``, whose refs its caller waits for;
+``FullyAsyncRayPPOTrainer.async_sync_policy_weights_to_inference_engines``), a weight update is
+marked once the policy workers' broadcast finished (``rtrace.mark_weight_update``): version and
+step = the trainer's ``global_step`` then, the steps trained (0 before training, ``g`` after
+step ``g``), with ``duration_ms``. The rollouts the generator makes after it (in the trainer's
+process) carry that version as ``policy_version``; none before the first.
+
 Which methods are wrapped (SkyRL has no tracing hook): :mod:`rtrace.compat._skyrl_private`.
 With Ray, the generator lives in the process that runs the trainer: call ``install()``
 there (the entrypoint), or pass it as Ray's ``worker_process_setup_hook``
@@ -48,7 +56,7 @@ from typing import Any, Callable
 
 from .. import _setup, _stats
 from ..instrumentation.turns import PromptIndex, Turn, admit, sample_state, submit
-from . import _skyrl_private, token_rows
+from . import _after_import, _skyrl_private, token_rows, weight_sync
 
 __all__ = ["install"]
 
@@ -86,9 +94,15 @@ class _Trajectory:
         self.start = time.time_ns()
 
 
+#: the policy version this process's trainer last published (None before any): the weights the
+#: generator's rollouts are made with, in SkyRL where the generator runs in the trainer's process
+_published: list[int | None] = [None]
+
+
 class _Batch:
     def __init__(self) -> None:
         self.slots: list[_Trajectory] = []
+        self.version = _published[0]
 
     def slot(self) -> _Trajectory:
         traj = _Trajectory()
@@ -221,10 +235,56 @@ def install() -> list[str]:
                                       "run_in_executor": _wrap_run_in_executor, "obs_ids": _wrap_obs_ids,
                                       "engine": _wrap_engine_generate})
         done.append(root)
+        for module in _skyrl_private.TRAINER_METHODS:  # the trainer: patched when imported
+            _after_import.when_imported(f"{root}.{module}", _patch_trainer)
     if not done:
         _stats.warn_once("skyrl-missing", "rtrace.compat.skyrl.install(): neither skyrl_train nor skyrl.train "
                          "imports; nothing is traced")
     return done
+
+
+# ----------------------------------------------------------------------------- weight updates
+def _patch_trainer(module: Any) -> None:
+    _skyrl_private.patch_trainer(module, _wrap_sync if module.__name__.endswith(".trainer") else _wrap_async_sync)
+
+
+def _steps_trained(trainer: Any) -> int | None:
+    version = _skyrl_private.steps_trained(trainer)
+    return version if isinstance(version, int) and not isinstance(version, bool) else None
+
+
+def _wrap_sync(original: Callable) -> Callable:
+    def sync_policy_weights_to_inference_engines(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        refs = original(self, *args, **kwargs)
+        try:
+            version = _steps_trained(self)
+            if version is not None:
+                # the trainer ray.get()s the refs at once and generates after: its next
+                # rollouts are made with these weights
+                _published[0] = version
+                weight_sync.published_when_done([ref.future() for ref in refs], version, version, start,
+                                                name="skyrl")
+        except Exception:
+            _stats.incr("internal_errors")
+            _stats.warn_once("skyrl-weight-update", "rtrace.compat.skyrl could not mark a weight update",
+                             exc_info=True)
+        return refs
+
+    return sync_policy_weights_to_inference_engines
+
+
+def _wrap_async_sync(original: Callable) -> Callable:
+    async def async_sync_policy_weights_to_inference_engines(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def version() -> tuple[int, int] | None:
+            found = _steps_trained(self)
+            if found is not None:
+                _published[0] = found
+            return None if found is None else (found, found)
+
+        return await weight_sync.published_async(lambda: original(self, *args, **kwargs), version, name="skyrl")
+
+    return async_sync_policy_weights_to_inference_engines
 
 
 # ----------------------------------------------------------------------------- a batch
@@ -253,6 +313,8 @@ def _log(generator: Any, input_batch: Any, output: Any, batch: _Batch) -> None:
                 validate, step, ("row", id(batch), i)),
             "rollout_n": int(tid.repetition_id) if tid is not None else 0,
             "group_id": uid, "extra": {"env_class": env_classes[i] if i < len(env_classes) else None}}
+        if batch.version is not None:
+            coords["policy_version"] = batch.version
         if step_wise:  # one output row per turn: the rows of trajectory i
             n_rows = len(slots[i].turns) if slots is not None else 1
             mine = list(range(row, min(rows, row + max(1, n_rows))))

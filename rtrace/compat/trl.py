@@ -27,6 +27,12 @@ value TRL did not give is listed in the root's ``rtrace.missing`` and counted
   every step the prompt comes back (``RTRACE_SAMPLE_PROMPTS`` follows it);
 * ``policy_version``: ``global_step`` when it was generated (the weights' version).
 
+Weight updates: with ``use_vllm``, TRL pushes the trainer's weights to vLLM before a generation
+when ``global_step`` moved; the callback marks each push when it returns
+(``rtrace.mark_weight_update``: version and step ``global_step``, ``duration_ms``), in the main
+process. Without vLLM the trainer generates with its own weights: nothing is published, nothing
+marked.
+
 Where it goes: what ``rtrace.configure`` / ``RTRACE_EXPORTER`` say; if rtrace is not
 configured, the callback configures it from the trainer's ``report_to``: ``trackio``
 writes into TRL's own trackio run (the trajectories, per-step summaries and rollouts
@@ -47,7 +53,7 @@ from typing import Any
 
 from .. import _setup, _stats
 from ..instrumentation.turns import Turn, admit, sample_state, submit
-from . import _trl_private, token_rows
+from . import _trl_private, token_rows, weight_sync
 
 try:  # a real TrainerCallback when transformers is there (TRL needs it)
     from transformers import TrainerCallback
@@ -95,6 +101,8 @@ class RTraceCallback(TrainerCallback):  # type: ignore[misc,valid-type]
             _setup.configure(**self._defaults(args))
         if processing_class is not None:  # token2text decodes with it unless turned off (docs/token2text.md)
             _setup.offer_tokenizer(getattr(processing_class, "tokenizer", processing_class))
+        if self.trainer is not None:  # TRL made its vLLM backend after on_init_end: hooked now
+            _trl_private.wrap_weight_sync(self.trainer, self._wrap_sync_weights)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         _setup.flush(30)  # the step's trajectories and summaries, into the run while it is open
@@ -104,6 +112,24 @@ class RTraceCallback(TrainerCallback):  # type: ignore[misc,valid-type]
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         _setup.flush(30)
+
+    def _wrap_sync_weights(self, original: Any) -> Any:
+        """``sync_weights`` marking a weight update when it returns (the weights are in vLLM):
+        version and step ``global_step``, what the completions generated next carry as
+        ``policy_version``. Marked by the main process alone (every process takes part in the
+        push; one update)."""
+        trainer = self.trainer
+
+        def version() -> tuple[int, int] | None:
+            if _trl_private.process_index(trainer) != 0:
+                return None
+            step = int(trainer.state.global_step)
+            return step, step
+
+        def sync_weights(*args: Any, **kwargs: Any) -> Any:
+            return weight_sync.published(lambda: original(*args, **kwargs), version, name="trl")
+
+        return sync_weights
 
     # ------------------------------------------------------------------ configuration
     def _defaults(self, args: Any) -> dict[str, Any]:

@@ -16,6 +16,13 @@ Two ways:
 * by hand, one line where a trainer of your own has the batch after ``compute_advantage``:
   ``rtrace.compat.verl.annotate_batch(batch)``.
 
+Weight updates: ``install()`` also wraps ``CheckpointEngineManager.update_weights(global_steps)``,
+where every veRL trainer publishes its weights to the rollout replicas: when it returns (the
+replicas have them, generation resumed) a weight update is marked (``rtrace.mark_weight_update``),
+version and step = ``global_steps`` (the steps trained: 0 before training, ``g`` after step
+``g``; the fully async trainer passes its parameter version), with ``duration_ms``. Marked when
+this process can hand values to rtrace, as below.
+
 Coordinates: ``step`` = the trainer's ``global_steps`` (the batch's
 ``meta_info["global_steps"]`` by hand), ``sample_index`` = the batch's ``index`` column
 (the dataset's ``extra_info.index``), ``rollout_n`` = the rollout's place among the rows of
@@ -37,7 +44,7 @@ from ..config import ConfigError, env_exporters
 from ..instrumentation import _state
 from ..instrumentation.annotate import annotate_batch as _annotate
 from ..pipeline import annotations as _annotations
-from . import _after_import, _verl_private
+from . import _after_import, _verl_private, weight_sync
 
 __all__ = ["annotate_batch", "install_hook", "COLUMNS"]
 
@@ -208,7 +215,27 @@ def _patch(module: Any = None) -> bool:
     return _verl_private.patch(_verl_private.trainer_class(module), _wrap_balance, _wrap_old_log_prob, _wrap_update)
 
 
+def _wrap_weight_sync(original: Callable) -> Callable:
+    async def update_weights(self: Any, *args: Any, **kwargs: Any) -> Any:
+        steps = kwargs.get("global_steps", args[0] if args else None)  # update_weights(self, global_steps=None)
+
+        def version() -> tuple[int, int] | None:
+            if not isinstance(steps, int) or isinstance(steps, bool) or not _ready():
+                return None
+            return steps, steps
+
+        return await weight_sync.published_async(lambda: original(self, *args, **kwargs), version, name="verl")
+
+    return update_weights
+
+
+def _patch_weights(module: Any) -> bool:
+    return _verl_private.patch_weight_sync(module, _wrap_weight_sync)
+
+
 def install_hook() -> None:
-    """Wrap veRL's ``RayPPOTrainer`` now if its module is imported, else when it is. Cheap
-    and idempotent (called by ``rtrace.compat.verl.install()``)."""
+    """Wrap veRL's ``RayPPOTrainer`` and its weight sync (``CheckpointEngineManager.
+    update_weights``) now if their modules are imported, else when they are. Cheap and
+    idempotent (called by ``rtrace.compat.verl.install()``)."""
     _after_import.when_imported(_verl_private.TRAINER_MODULE, _patch)
+    _after_import.when_imported(_verl_private.WEIGHTS_MODULE, _patch_weights)

@@ -22,11 +22,13 @@ from typing import Any, Iterable, Sequence
 import pyarrow as pa
 
 from .._serialize import fast_json, json_default, json_safe, plain_json, vouched
-from ..summary import RolloutSummary
+from ..events import RunEvent
+from ..summary import RolloutSummary, fleet_fields
 from ..trajectory import Trajectory
-from .schema import SPANS, TRAJECTORIES, TABLES, cached_schema
+from .schema import EVENTS, SPANS, TRAJECTORIES, TABLES, cached_schema
 
-__all__ = ["encode", "encode_safely", "rows_of", "tables", "Rows", "to_trajectories", "partition_of", "COORD_ATTRS", "json_text"]
+__all__ = ["encode", "encode_safely", "rows_of", "tables", "Rows", "to_trajectories", "partition_of", "COORD_ATTRS", "json_text",
+           "events_table"]
 
 #: span attributes that are columns of the spans table (not repeated in its maps)
 COORD_ATTRS = {"rl.step": "step", "rl.validate": "validate", "rl.sample_index": "sample_index",
@@ -227,6 +229,8 @@ def rows_of(traj: Trajectory | RolloutSummary, run: str, every_rollout: bool = F
             _events(span.events) if span.events else [], span.prompt_ids, span.response_ids,
             [{"name": k, "values": v} for k, v in span.token_values.items()] if span.token_values else None))
     root_start = spans[0].start_ns if spans else 0
+    wait_ms, server_ms, own_version = fleet_fields(spans, root_start, end)
+    version_end = traj.policy_version_end if traj.policy_version_end is not None else own_version
     group = traj.group_id if traj.group_id is not None else traj.sample_index
     kept = [k if type(k) is str else str(k) for k in traj.kept]
     task, answer = _task_answer(traj.messages)
@@ -239,7 +243,8 @@ def rows_of(traj: Trajectory | RolloutSummary, run: str, every_rollout: bool = F
         _health(traj.health), turns, tools, len(spans), int(traj.dropped_spans), tokens_in, tokens_out,
         root_start, end, (end - root_start) / 1e6, gen_ns / 1e6, tool_ns / 1e6, task, answer, None,
         *_maps(traj.extra), *_maps(traj.outcome), *_maps(traj.annotations), _str(root_attrs.get("rtrace.job_id")),
-        traj.health_checks, True, _finite(traj.priority), list(counted.items()))
+        traj.health_checks, True, _finite(traj.priority), list(counted.items()), _str(traj.worker),
+        _int(version_end), traj.crossed_update, wait_ms, list(server_ms.items()))
     return trow, srows, traj.messages
 
 
@@ -256,8 +261,19 @@ def summary_rows(s: RolloutSummary, run: str) -> Rows:
         bool(s.partial), s.finish_reason, s.truncated, kept, True, _health(s.health), s.turns, s.tool_calls, 0,
         int(s.dropped_spans), s.tokens_in, s.tokens_out, s.start_ns, s.end_ns, (s.end_ns - s.start_ns) / 1e6,
         s.generation_ms, s.tool_ms, None, None, None, *_maps(s.extra), *_maps(s.outcome), *_maps(s.annotations),
-        None, None, False, _finite(s.priority), list(s.finish_reasons.items()))
+        None, None, False, _finite(s.priority), list(s.finish_reasons.items()), _str(s.worker),
+        _int(s.policy_version_end), s.crossed_update if isinstance(s.crossed_update, bool) else None,
+        _finite(s.wait_ms) or 0.0, [(str(k), float(v)) for k, v in s.server_ms.items()])
     return trow, [], None
+
+
+def events_table(events: Sequence[RunEvent], run: str) -> pa.Table:
+    """The run's events as a table of :data:`~rtrace.dataset.schema.EVENTS`."""
+    schema = cached_schema(EVENTS)
+    rows = [(run, e.event_id, e.kind, e.time_ns, _int(e.version), _int(e.step), _str(e.worker), *_maps(e.attributes))
+            for e in events]
+    columns = list(zip(*rows)) if rows else [() for _ in schema]
+    return pa.Table.from_arrays([pa.array(col, type=f.type) for f, col in zip(schema, columns)], schema=schema)
 
 
 _MESSAGES_AT = [name for name, _, _ in TABLES[TRAJECTORIES]].index("messages")
@@ -415,7 +431,8 @@ def to_trajectories(traj_rows: Iterable[dict[str, Any]], span_rows: Iterable[dic
             annotations=_unmap(r, "annotations"), kept=list(r["kept"] or []), status=r["status"] or "ok",
             error=r["error"], partial=bool(r["partial"]), dropped_spans=r["dropped_spans"] or 0,
             messages=[_message_back(m) for m in r["messages"] or ()], health=r["health"],
-            health_checks=r.get("health_checks"), priority=r.get("priority")))
+            health_checks=r.get("health_checks"), priority=r.get("priority"), worker=r.get("worker"),
+            policy_version_end=r.get("policy_version_end"), crossed_update=r.get("crossed_update")))
     return out
 
 
@@ -440,7 +457,9 @@ def summary_of_row(r: dict[str, Any]) -> RolloutSummary:
         finish_reason=r["finish_reason"], start_ns=_ns(r["start_time"]), end_ns=_ns(r["end_time"]),
         generation_ms=r["generation_ms"] or 0.0, tool_ms=r["tool_ms"] or 0.0, health=r["health"],
         recorded=recorded is not False, kept=list(r["kept"] or []), priority=r.get("priority"),
-        dropped_spans=r["dropped_spans"] or 0)
+        dropped_spans=r["dropped_spans"] or 0, worker=r.get("worker"), policy_version_end=r.get("policy_version_end"),
+        crossed_update=r.get("crossed_update"), wait_ms=r.get("wait_ms") or 0.0,
+        server_ms=dict(r.get("server_ms") or ()))
 
 
 def _tree_order(spans: list) -> list:

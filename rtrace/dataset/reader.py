@@ -45,7 +45,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from .. import _stats
 from .layout import FileName, Store, is_steps_file, open_store, parse_name, parse_partition, parse_steps_dir
-from .schema import MAJOR, SELECTION_KEY, SPANS, TRAJECTORIES, VERSION, arrow_schema
+from .schema import EVENTS, MAJOR, SELECTION_KEY, SPANS, TRAJECTORIES, VERSION, arrow_schema
 
 __all__ = ["open_run", "Run", "Relation", "DatasetError", "SchemaVersionError", "Skipped", "list_runs", "vacuum",
            "hf_load_kwargs", "parquet_source", "READ_ATTEMPTS"]
@@ -120,7 +120,7 @@ class Run:
         self._bad: dict[str, str] = {}
         self.skipped: list[Skipped] = []
         #: (table) -> the data files read, relative to the run
-        self.files: dict[str, list[str]] = {TRAJECTORIES: [], SPANS: []}
+        self.files: dict[str, list[str]] = {TRAJECTORIES: [], SPANS: [], EVENTS: []}
         self._steps: set[tuple[bool, int | None]] = set()
         #: a data file (relative) -> the (validate, step) it holds; a steps/ file's from its footer, read once
         self._file_steps: dict[str, tuple[tuple[bool, int | None], ...]] = {}
@@ -164,7 +164,7 @@ class Run:
         """One listing: :attr:`files`, :attr:`skipped` and the steps. False when a listed
         file vanished before it was checked (the listing may miss the file that replaced
         it); on the ``last`` attempt such files are left out and the listing kept."""
-        files: dict[str, list[tuple[str, FileName]]] = {TRAJECTORIES: [], SPANS: []}
+        files: dict[str, list[tuple[str, FileName]]] = {TRAJECTORIES: [], SPANS: [], EVENTS: []}
         steps: set[tuple[bool, int | None]] = set()
         skipped: list[Skipped] = []
         whole = True
@@ -196,13 +196,32 @@ class Run:
             files[part[0]].append((rel, fname))
             if fname.steps is None:
                 self._file_steps[rel] = ((part[1], part[2]),)
+        for rel, size in self.store.list(EVENTS):
+            folder, _, name = rel.rpartition("/")
+            if name.startswith("."):
+                continue
+            fname = parse_name(name)
+            if folder != EVENTS or fname is None or fname.steps is not None:
+                skipped.append(self._skip(rel, "not a file of an rtrace dataset (name or folder)"))
+                continue
+            if fname.major > MAJOR:
+                raise SchemaVersionError(
+                    f"{os.path.join(self.path, rel)} was written with rtrace dataset schema {fname.major}.x; this "
+                    f"rtrace reads schema {VERSION} (major {MAJOR}): upgrade rtrace to read this run")
+            reason = self._check(rel, size, False, fname)
+            if reason is _GONE:
+                whole = False
+            elif reason is not None:
+                skipped.append(self._skip(rel, reason))
+            else:
+                files[EVENTS].append((rel, fname))
         if not whole and not last:
             return False
         for table in files:
             self.files[table] = _uncovered(files[table])
         for rel in self.files[TRAJECTORIES]:
             steps.update(self._file_steps[rel])
-        listed = set(self.files[TRAJECTORIES]) | set(self.files[SPANS])
+        listed = set(self.files[TRAJECTORIES]) | set(self.files[SPANS]) | set(self.files[EVENTS])
         self._file_steps = {k: v for k, v in self._file_steps.items() if k in listed}
         self.skipped = skipped
         self._steps = steps
@@ -210,8 +229,8 @@ class Run:
 
     def _vanished(self) -> bool:
         """Is a file of :attr:`files` gone (merged away since the listing)? One listing."""
-        present = {rel for table in (TRAJECTORIES, SPANS) for rel, _ in self.store.list(table)}
-        return any(rel not in present for table in (TRAJECTORIES, SPANS) for rel in self.files[table])
+        present = {rel for table in (TRAJECTORIES, SPANS, EVENTS) for rel, _ in self.store.list(table)}
+        return any(rel not in present for table in (TRAJECTORIES, SPANS, EVENTS) for rel in self.files[table])
 
     def retrying(self, fn: Callable[[], T]) -> T:
         """``fn()`` (a query over the views, with its fetch), run again after :meth:`refresh`
@@ -275,6 +294,10 @@ class Run:
         return None
 
     def _views(self) -> None:
+        # the run's events (1.2): one row per event id (each collector of a job writes the
+        # events it got: all of them), in time order
+        self.con.execute(f"CREATE OR REPLACE VIEW {EVENTS} AS SELECT * FROM (SELECT DISTINCT ON (event_id) * FROM "
+                         f"({self._source(EVENTS)}) ORDER BY event_id, time) ORDER BY time, event_id")
         sources = {table: self._source(table) for table in (TRAJECTORIES, SPANS)}
         cut = self._cut(sources[TRAJECTORIES])
         if cut is None:
@@ -347,6 +370,9 @@ class Run:
         if not rels:  # an empty table of the right columns, so queries still run
             return f"SELECT * FROM {self._register(f'_rtrace_empty_{table}', arrow_schema(table).empty_table())}"
         if self.store.local:
+            if table == EVENTS:  # one folder, no partitions
+                listed = ", ".join("'" + self.store.path(r).replace("'", "''") + "'" for r in rels)
+                return f"SELECT * FROM read_parquet([{listed}], hive_partitioning = false, union_by_name = true)"
             return parquet_source([self.store.path(r) for r in rels])
         import pyarrow.dataset as pads
 
@@ -369,6 +395,12 @@ class Run:
     def spans(self) -> Any:
         """The ``spans`` view as a DuckDB relation (:class:`Relation`)."""
         return Relation(self, self.retrying(lambda: self.con.table(SPANS)))
+
+    @property
+    def events(self) -> Any:
+        """The ``events`` view (the trainer's weight updates, one row per event) as a DuckDB
+        relation (:class:`Relation`)."""
+        return Relation(self, self.retrying(lambda: self.con.table(EVENTS)))
 
     def sql(self, query: str, params: Any = None) -> Any:
         """A DuckDB relation (:class:`Relation`) of ``query`` over the views ``trajectories``
@@ -418,7 +450,7 @@ class Run:
         return to_trajectories(traj.to_pylist(), _ints_for_times(spans).to_pylist())
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("_") or name in ("con", "store", "files", "path", "skipped"):
+        if name.startswith("_") or name in ("con", "store", "files", "path", "skipped", "events"):
             raise AttributeError(name)
         return getattr(self.trajectories, name)
 

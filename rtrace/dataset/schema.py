@@ -1,8 +1,9 @@
-"""The dataset's schema, version ``rtrace.dataset/1.0``: two tables, declared once here.
+"""The dataset's schema, version ``rtrace.dataset/1.2``: three tables, declared once here.
 
 ``trajectories``: one row per trajectory; ``spans``: one row per span, in OTel's shape
 (trace id, span id, parent, name, kind, times, status, attributes, events) with the RL
-coordinates as real columns. docs/dataset.md and docs/dataset-schema.json are generated
+coordinates as real columns; ``events`` (1.2): the run's events, the trainer's weight
+updates (docs/timeline.md). docs/dataset.md and docs/dataset-schema.json are generated
 from :data:`TABLES` (``python -m rtrace.dataset.schema``) and a test keeps them equal to
 this module and to what the sink writes.
 
@@ -31,7 +32,7 @@ from typing import Any
 import pyarrow as pa
 
 __all__ = ["VERSION", "MAJOR", "MINOR", "SCHEMA_KEY", "SELECTION_KEY", "TABLES", "MAP_KINDS", "arrow_schema", "schema_json",
-           "reference_markdown", "TRAJECTORIES", "SPANS"]
+           "reference_markdown", "TRAJECTORIES", "SPANS", "EVENTS"]
 
 #: The schema version written in every file's metadata (key :data:`SCHEMA_KEY`).
 VERSION = "1.2"
@@ -43,6 +44,8 @@ SCHEMA_KEY = "rtrace.schema"
 SELECTION_KEY = "rtrace.selection"
 TRAJECTORIES = "trajectories"
 SPANS = "spans"
+#: the run's events (weight updates): small files of their own under ``<run>/events/`` (1.2)
+EVENTS = "events"
 
 #: The suffixes of a typed map, and their value types (Jaeger's split: ints apart from doubles).
 MAP_KINDS = (("bool", pa.bool_()), ("int", pa.int64()), ("double", pa.float64()), ("str", pa.string()),
@@ -127,6 +130,17 @@ TABLES: dict[str, list[tuple[str, pa.DataType, str]]] = {
                                    "several collectors to the one-collector sample by it"),
         ("finish_reasons", pa.map_(pa.string(), pa.int64()), "every generation's finish reasons, counted "
                                                              "(the step metrics' `finish_reason/<reason>_frac`)"),
+        ("worker", pa.string(), "the process it ran in: `RTRACE_WORKER_NAME`, else `host:pid` (collector mode: its "
+                                "root's sender); the timeline's worker track (docs/timeline.md)"),
+        ("policy_version_end", pa.int64(), "the policy version it ended on: its last generation's own version when "
+                                           "the server said (`rtrace.weight_version`), else the latest "
+                                           "`rtrace.mark_weight_update` at or before its end; NULL when unknown"),
+        ("crossed_update", pa.bool_(), "a weight update was marked while it ran, or its last generation's own "
+                                       "version is not `policy_version`; NULL when unknown"),
+        ("wait_ms", pa.float64(), "time in neither a generation nor a tool call (their union): waiting for a slot, "
+                                  "a parser, an environment"),
+        ("server_ms", pa.map_(pa.string(), pa.float64()), "generation time by inference server "
+                                                          "(`server.address[:server.port]`)"),
     ],
     SPANS: [
         ("run", pa.string(), "as in trajectories"),
@@ -157,6 +171,17 @@ TABLES: dict[str, list[tuple[str, pa.DataType, str]]] = {
         ("token_values", _TOKEN_VALUES, "a generation's per-token values (docs/token-values.md): `logprob`, "
                                         "`old_logprob`, `advantage`, `loss_mask` ..., each aligned with its "
                                         "response tokens; NULL when none"),
+    ],
+    # 1.2
+    EVENTS: [
+        ("run", pa.string(), "as in trajectories"),
+        ("event_id", pa.string(), "16 hex digits; an event several collectors wrote is one row of the view"),
+        ("kind", pa.string(), "`weight_update` (`rtrace.mark_weight_update`)"),
+        ("time", _TS, "when it was marked"),
+        ("version", pa.int64(), "the policy version published"),
+        ("step", pa.int64(), "the trainer's step, when given"),
+        ("worker", pa.string(), "the process that marked it (as a trajectory's `worker`)"),
+        *_maps("attributes", "the call's keyword arguments"),
     ],
 }
 

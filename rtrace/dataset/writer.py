@@ -57,7 +57,7 @@ from .. import _stats
 from ..trajectory import Trajectory
 from . import encode
 from .layout import FileName, Store, partition_dir, steps_dir
-from .schema import SELECTION_KEY, SPANS, TRAJECTORIES
+from .schema import EVENTS, SELECTION_KEY, SPANS, TRAJECTORIES
 
 __all__ = ["DatasetWriter", "WriteResult", "ROW_GROUP_ROWS"]
 
@@ -68,12 +68,14 @@ ROW_GROUP_ROWS = 65536
 #: try one, find it too large and fall back, which costs a fifth of the write.
 DICTIONARY = {TRAJECTORIES: ["run", "name", "experiment", "group_id", "group_key", "verdict", "status", "finish_reason",
                              "kept", "health", "job_id"],
-              SPANS: ["run", "name", "kind", "status_code", "group_id", "model", "tool_name", "finish_reasons"]}
+              SPANS: ["run", "name", "kind", "status_code", "group_id", "model", "tool_name", "finish_reasons"],
+              EVENTS: ["run", "kind", "worker"]}
 #: Columns with min/max statistics (what engines prune row groups and files by); those of
 #: long texts would cost time and footer bytes for nothing.
 STATISTICS = {TRAJECTORIES: ["step", "validate", "sample_index", "rollout_n", "policy_version", "reward", "advantage",
                              "start_time", "end_time", "duration_ms", "num_turns", "verdict", "group_key"],
-              SPANS: ["step", "validate", "sample_index", "rollout_n", "kind", "start_time", "duration_ms"]}
+              SPANS: ["step", "validate", "sample_index", "rollout_n", "kind", "start_time", "duration_ms"],
+              EVENTS: ["time", "step", "version"]}
 
 
 @dataclass
@@ -149,6 +151,8 @@ class DatasetWriter:
         self._cache_bytes = 0
         self.cache_limit = cache_bytes
         self._lock = threading.Lock()  # write / compact / close may come from two threads (flush, shutdown)
+        #: this writer's files of the events table and their rows (a few per step: merged at close)
+        self._events: list[tuple[FileName, pa.Table]] = []
 
     def _count(self, what: str, n: int = 1) -> None:
         _stats.incr(f"{self.prefix}.{what}", n)
@@ -173,6 +177,46 @@ class DatasetWriter:
             if self._writes % 64 == 0:  # without flush() calls too (a collector that runs for days)
                 self._prune(now)
         return result
+
+    def write_events(self, events: Sequence[Any]) -> None:
+        """Write the run's events (``RunEvent``: weight updates) as one small file of
+        ``events/`` (its own folder: the trajectories' and spans' compaction never sees it;
+        :meth:`close` merges this writer's into one).
+
+        Raises:
+            Exception: the file could not be written (counted: ``write_errors``).
+        """
+        table = encode.events_table(events, self.run)
+        with self._lock:
+            name = FileName(self.writer_id, self._next_seq, self._next_seq)
+            self._next_seq += 1
+            try:
+                size = self.store.write(f"{EVENTS}/{name}", lambda out: self._parquet(table, out, EVENTS, "zstd"))
+            except Exception:
+                self._count("write_errors")
+                raise
+            self._count("files_written")
+            self._count("bytes_written", size)
+            self._events.append((name, table))
+
+    def _merge_events(self) -> None:
+        """This writer's event files as one (``<writer>-<first>-<last>``, covering them), then
+        the inputs deleted; a failure leaves them as they are (counted)."""
+        if len(self._events) < 2:
+            return
+        names = [n for n, _ in self._events]
+        merged = FileName(self.writer_id, names[0].first, names[-1].last)
+        table = pa.concat_tables([t for _, t in self._events])
+        try:
+            size = self.store.write(f"{EVENTS}/{merged}", lambda out: self._parquet(table, out, EVENTS, "zstd"))
+        except Exception:
+            self._count("compaction_errors")
+            return
+        self._count("files_written")
+        self._count("bytes_written", size)
+        self._events = [(merged, table)]
+        for name in names:
+            self._delete(f"{EVENTS}/{name}")
 
     def _write_partition(self, key: tuple[bool, int | None], trajs: list[Trajectory], rows: list[Any],
                          result: WriteResult) -> None:
@@ -481,4 +525,5 @@ class DatasetWriter:
         every ``steps_per_file`` finished steps into steps/."""
         self.compact()
         with self._lock:
+            self._merge_events()
             self._prune(time.monotonic(), everything=True)

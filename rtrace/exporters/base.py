@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..config import Settings
+from ..events import RunEvent
 from ..summary import RolloutSummary
 from ..trajectory import StepMetrics, Trajectory
 
@@ -97,6 +98,17 @@ class Sink:
 
         Args:
             summaries: one :class:`~rtrace.summary.RolloutSummary` per rollout.
+        """
+
+    def export_events(self, events: Sequence[RunEvent]) -> None:
+        """Optional: write the run's events (the trainer's weight updates,
+        ``rtrace.mark_weight_update``; docs/timeline.md): the dataset's ``events`` table, JSONL
+        lines of their own schema. Called from the sink's thread, in the order they came;
+        what it raises is counted (``sink.<name>.failed_events``).
+
+        Args:
+            events: one :class:`~rtrace.events.RunEvent` each (``kind``, ``time_ns``,
+                ``version``, ``step``, ``worker``, ``attributes``, ``event_id``).
         """
 
     def flush(self, timeout_s: float) -> None:

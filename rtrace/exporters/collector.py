@@ -42,6 +42,7 @@ next ``flush()`` returns False.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections import deque
@@ -49,6 +50,7 @@ from typing import Any, Sequence
 
 from .. import _stats
 from ..config import ConfigError, Settings
+from ..events import worker_identity
 from ..placement import Ring, endpoint_name, route_key
 from ..trajectory import Trajectory
 from .base import Sink
@@ -104,7 +106,11 @@ class CollectorSink(Sink):
             headers["authorization"] = f"Bearer {settings.collector_token}"
         compression = {"gzip": grpc.Compression.Gzip, "deflate": grpc.Compression.Deflate}.get(
             settings.otlp_compression, grpc.Compression.NoCompression)
-        self._resource = {"service.name": settings.service_name, "process.pid": os.getpid()}
+        # the worker's identity on the timeline (docs/timeline.md): the collector reads it back
+        # (rtrace.events.worker_of_resource), beside OTel's standard host and process attributes
+        self._resource = {"service.name": settings.service_name, "process.pid": os.getpid(),
+                          "host.name": socket.gethostname(),
+                          "service.instance.id": worker_identity(settings.worker_name)}
         if settings.job_id:
             self._resource["rtrace.job_id"] = settings.job_id
         self._run = settings.experiment
@@ -128,6 +134,10 @@ class CollectorSink(Sink):
         routed: dict[str, list[tuple[str, int, Trajectory]]] = {}
         only = self._only
         for n, traj in enumerate(trajectories):
+            if _broadcast(traj):  # a run event belongs to no rollout: every collector gets it
+                for owner in self._lanes:
+                    routed.setdefault(owner, []).append(("", n, traj))
+                continue
             key = route_of(traj, run)
             owner = only.name if only else ring.owner(key)
             routed.setdefault(owner, []).append((key, n, traj))
@@ -319,6 +329,14 @@ class _Lane:
                 _stats.warn_once("collector-rejected", "the rtrace collector refused spans of this worker: %s "
                                  "(counted in sink.collector.rejected_spans)", response.partial_success.error_message)
             return
+
+
+def _broadcast(segment: Trajectory) -> bool:
+    """A run event (``rtrace.mark_weight_update``: rtrace/pipeline/fleet.py's ``rtrace.event``
+    one-span segment): it goes to every collector, each of which completes its own rollouts
+    with it (readers keep one row per event id)."""
+    spans = segment.spans
+    return len(spans) == 1 and spans[0].kind == "event" and spans[0].name == "rtrace.event"
 
 
 def _channel(grpc: Any, endpoint: str, settings: Settings) -> tuple[Any, Any]:

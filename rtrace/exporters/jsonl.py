@@ -37,10 +37,11 @@ from typing import Any, Sequence
 from .. import _stats
 from .._serialize import fast_json, json_default, json_safe, plain_json, strict_json, vouched
 from ..config import ConfigError, Settings, writable_path
+from ..events import RunEvent, is_event_line
 from ..trajectory import Trajectory
 from .base import Sink
 
-__all__ = ["JsonlSink", "read_jsonl", "encode_line"]
+__all__ = ["JsonlSink", "read_jsonl", "read_events", "encode_line"]
 
 #: Where :meth:`JsonlSink.prepare` keeps a trajectory's ``(line, degraded)`` for export.
 _LINE = "_rtrace_jsonl_line"
@@ -126,7 +127,19 @@ class JsonlSink(Sink):
             _stats.incr("sink.jsonl.degraded_trajectories", degraded)
         if unwritable:
             _stats.incr("sink.jsonl.unwritable_trajectories", unwritable)
-        data = b"".join(lines)
+        self._append(b"".join(lines))
+
+    def export_events(self, events: Sequence[RunEvent]) -> None:
+        """Append the run's events as lines of their own schema (``rtrace.event/1``,
+        docs/jsonl-schema.md), which readers of trajectories skip.
+
+        Raises:
+            OSError: the file could not be opened or written (counted as failed events).
+        """
+        self._append(b"".join(_dumps(strict_json(e.to_line())) for e in events))
+
+    def _append(self, data: bytes) -> None:
+        """One write of whole lines (``O_APPEND``: writers never interleave)."""
         with self._lock:
             if self._fd is None:
                 os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
@@ -146,6 +159,15 @@ class JsonlSink(Sink):
 
 
 def read_jsonl(path: str | os.PathLike) -> list[Trajectory]:
-    """Read a JSONL file written by this sink back into Trajectory objects."""
+    """Read a JSONL file written by this sink back into Trajectory objects (the run's event
+    lines, ``rtrace.event/1``, are skipped: :func:`read_events` reads them)."""
     with open(path, encoding="utf-8") as f:
-        return [Trajectory.from_dict(json.loads(line)) for line in f if line.strip()]
+        lines = (json.loads(line) for line in f if line.strip())
+        return [Trajectory.from_dict(data) for data in lines if not is_event_line(data)]
+
+
+def read_events(path: str | os.PathLike) -> list[RunEvent]:
+    """The run's events of a JSONL file (weight updates: ``rtrace.mark_weight_update``)."""
+    with open(path, encoding="utf-8") as f:
+        lines = (json.loads(line) for line in f if line.strip() and '"rtrace.event/' in line)
+        return [RunEvent.from_wire(data) for data in lines if is_event_line(data)]

@@ -23,6 +23,7 @@ from typing import Sequence
 
 from .. import _stats
 from ..config import Settings
+from ..events import RunEvent
 from ..summary import RolloutSummary
 from ..trajectory import Trajectory
 from .base import PartialExport, Sink
@@ -125,6 +126,15 @@ class ParquetSink(Sink):
         if result.failed:
             raise OSError(f"rtrace parquet sink: {result.failed} of {len(summaries)} rollout summaries were not "
                           f"written to {self.path} (see sink.parquet.write_errors)")
+
+    def export_events(self, events: Sequence[RunEvent]) -> None:
+        """Write the run's events (weight updates) into the dataset's ``events`` table: a small
+        file of ``<run>/events/`` per batch (docs/dataset.md, docs/timeline.md).
+
+        Raises:
+            Exception: the file was not written (counted: ``sink.parquet.failed_events``).
+        """
+        self.writer.write_events(events)
 
     def flush(self, timeout_s: float) -> None:
         """Everything exported is durable already; merge the partitions that went idle."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import time
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -81,11 +82,26 @@ IDENTIFY_EVERY_S = 10.0
 class UpstreamIdentity:
     """What the upstream is, shared with the calls' records (read in the worker)."""
 
-    __slots__ = ("provider",)
+    __slots__ = ("provider", "address", "port")
 
-    def __init__(self) -> None:
+    def __init__(self, url: str | None = None) -> None:
         #: ``gen_ai.provider.name`` (``vllm``, ``sglang``, ``openai``); None: not known
         self.provider: str | None = None
+        #: OTel's ``server.address`` / ``server.port`` of the calls: the inference server that
+        #: answered (the timeline's server track, docs/timeline.md); None: not known
+        self.address, self.port = _server_of(url)
+
+
+def _server_of(url: str | None) -> tuple[str | None, int | None]:
+    """``(host, port)`` of an upstream URL (the port its scheme implies when none is written)."""
+    if not url:
+        return None, None
+    try:
+        parts = urlsplit(url)
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:
+        return None, None
+    return parts.hostname or None, port
 
 
 def _model_route(path: str) -> tuple[str | None, str | None]:
@@ -164,7 +180,7 @@ class Gateway(SessionAPI):
         #: what the upstream is (``gen_ai.provider.name`` of the calls: ``vllm``, ``sglang``, ``openai``),
         #: once it said (identify); asked at start and, while unknown, again with a call at most every
         #: IDENTIFY_EVERY_S
-        self.identity = UpstreamIdentity()
+        self.identity = UpstreamIdentity(self.upstream_url)
         self._identifying: Any = None
         self._identified_at = -IDENTIFY_EVERY_S
         #: the base URL clients reach this gateway at (set by the server once it listens)

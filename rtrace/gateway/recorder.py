@@ -281,6 +281,12 @@ class Reading(Deferred):
         provider = getattr(rec.upstream, "provider", None)
         if provider is not None:
             attrs["gen_ai.provider.name"] = provider  # the upstream said what it is (its /v1/models)
+        address = getattr(rec.upstream, "address", None)
+        if address is not None:  # the inference server that answered (OTel's server.*): the timeline's track
+            attrs["server.address"] = address
+            port = getattr(rec.upstream, "port", None)
+            if port is not None:
+                attrs["server.port"] = port
         if cap.model is not None:
             attrs["gen_ai.response.model"] = cap.model
         if cap.response_id is not None:

@@ -75,6 +75,9 @@ class Intake(Protocol):
     def annotate(self, annotations: Sequence[Annotation]) -> None:
         """Queue annotations for trajectories (by coordinates or trace id)."""
 
+    def submit_events(self, events: Sequence[Any]) -> None:
+        """Queue run events (``rtrace.mark_weight_update``'s :class:`~rtrace.events.RunEvent`)."""
+
 
 class Runtime:
     """What the hot path needs from the configured pipeline (set by ``rtrace.configure``)."""

@@ -37,10 +37,12 @@ from typing import Any
 from .. import _stats
 from .._serialize import only_ints
 from ..config import ConfigError, Secret, Settings, load_settings
+from ..events import worker_of_resource
 from ..exporters.otel import RECORD_ATTR
 from ..summary import RolloutSummary
 from ..trajectory import RL_FIELDS, SpanRecord, read_token_field
 from . import annotations as _annotations
+from . import fleet as _fleet
 from .annotations import Annotation, coord_key
 from .builder import SpanConverter
 from .fanout import Fanout
@@ -80,6 +82,7 @@ class CollectorPipeline(Pipeline):
         self.settle_s = settle_s
         self.metrics_linger_s = settings.step_linger_s
         super().__init__(settings, fanout, postprocessors, health_tokenizer)
+        self.rollout_worker = None  # each rollout's is its sender's (the root's OTLP resource)
         self.selector = selector_for(settings, linger_s=settings.step_linger_s, on_drop=self.dropped)
         self._max_held_bytes = settings.collector_max_held_bytes
         #: set when the receiver pushed back because the table was full
@@ -150,6 +153,7 @@ class CollectorPipeline(Pipeline):
             sizes = ticket.sizes
             k = 0
             for resource_spans in ticket.request.resource_spans:
+                worker = worker_of_resource(attributes(resource_spans.resource.attributes))
                 for scope_spans in resource_spans.scope_spans:
                     for span in scope_spans.spans:
                         size = sizes[k]
@@ -157,7 +161,7 @@ class CollectorPipeline(Pipeline):
                         if size < 0:
                             continue
                         try:
-                            self._span(span, size, arrived)
+                            self._span(span, size, arrived, worker)
                         except _Refused as why:
                             _refuse(str(why))
                         except Exception:  # noqa: BLE001 - a span this code did not foresee: refused alone
@@ -167,7 +171,7 @@ class CollectorPipeline(Pipeline):
             admission.done(ticket)  # its trajectories are in the table now: its reservation is free
         return arrived
 
-    def _span(self, span: Any, size: int, arrived: list[TrajectoryState]) -> None:
+    def _span(self, span: Any, size: int, arrived: list[TrajectoryState], worker: str | None = None) -> None:
         """One span (its ids, size and attribute count checked at the request): converted
         first; the registry is touched only once nothing can fail, so a refused span
         leaves no trajectory half-changed."""
@@ -178,7 +182,16 @@ class CollectorPipeline(Pipeline):
             self.annotations.add(_annotation(attrs))
             return
         if span.name == SUMMARIES_SPAN and SUMMARIES_ATTR in attrs:
-            arrived.extend(self._summaries(attrs[SUMMARIES_ATTR]))
+            arrived.extend(self._summaries(attrs[SUMMARIES_ATTR], worker))
+            return
+        if span.name == _fleet.EVENT_SPAN and _fleet.EVENT_ATTR in attrs:
+            try:
+                event = _fleet.event_of(attrs)
+            except (ValueError, TypeError):
+                raise _Refused("event") from None
+            if event.worker is None:
+                event.worker = worker
+            self.submit_events([event])  # taken in after this part's assembly (Pipeline._chunk)
             return
         coords = _coords(attrs)
         record = _record(span, attrs, record_data)
@@ -214,6 +227,7 @@ class CollectorPipeline(Pipeline):
         seen.add(span_id)
         if is_root:
             state.name, state.kind = record.name, record.kind
+            state.worker = worker
             if "rl.reward" in attrs:
                 state.reward, state.has_reward = attrs["rl.reward"], True
             state.outcome = {k[len("rl.outcome."):]: v for k, v in attrs.items() if k.startswith("rl.outcome.")}
@@ -225,7 +239,7 @@ class CollectorPipeline(Pipeline):
             arrived.append(state)
         state.add(record)
 
-    def _summaries(self, items: Any) -> list[TrajectoryState]:
+    def _summaries(self, items: Any, worker: str | None = None) -> list[TrajectoryState]:
         """A worker's rollout summaries (rtrace.summaries), each a summary-only state; one that
         cannot be read is refused and counted alone (``collector_refused.summary``)."""
         if not isinstance(items, list):
@@ -238,6 +252,8 @@ class CollectorPipeline(Pipeline):
             except (ValueError, TypeError):
                 _refuse("summary")
                 continue
+            if summary.worker is None:
+                summary.worker = worker
             out.append(summary_state(summary, trace_id))
         _stats.incr("collector_summaries_received", len(out))
         return out
@@ -638,6 +654,10 @@ class Collector:
     def annotate(self, annotations: list[Annotation]) -> None:
         self.pipeline.annotate(annotations)
 
+    def submit_events(self, events: list[Any]) -> None:
+        """``rtrace.mark_weight_update`` in this process (the trainer runs the collector)."""
+        self.pipeline.submit_events(events)
+
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Export everything received so far (steps held for the job-wide sample are
         released) and wait until every sink wrote it. True when all of it was written."""
@@ -665,6 +685,8 @@ class Collector:
                 _log.exception("rtrace collector: stopping %r", callback)
         if _annotations.local_target == self.annotate:
             _annotations.local_target = None
+        if _fleet.local_target == self.submit_events:
+            _fleet.local_target = None
         self.receiver.stop(grace_s=2.0)
         self.pipeline.shutdown(timeout_s)
 
@@ -775,4 +797,5 @@ def start_collector(*, host: str = "127.0.0.1", port: int = 0, http_port: int | 
     collector = Collector(load_settings(settings), host=host, port=port, http_port=http_port, settle_s=settle_s,
                           trainer_tokenizer=trainer_tokenizer)
     _annotations.local_target = collector.annotate
+    _fleet.local_target = collector.submit_events
     return collector

@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, attach, detach, set_value
 
 from .. import _stats
+from ..events import RunEvent
 from ..exporters.base import PartialExport, Sink
 from ..summary import RolloutSummary
 from ..trajectory import StepMetrics, Trajectory
@@ -221,6 +222,15 @@ class SinkWorker:
             if not self._call("export_step_metrics", self.sink.export_step_metrics, list(item)):
                 self._count("failed_step_metrics", len(item))
             return
+        if isinstance(item, _Events):
+            if self._abandoned:
+                self._count("abandoned_events", len(item))
+            elif self._call("export_events", self.sink.export_events, list(item)):
+                self._count("exported_events", len(item))
+            else:
+                self._failed_since_marker = True
+                self._count("failed_events", len(item))
+            return
         if isinstance(item, _Summaries):
             if self._abandoned:
                 self._count("abandoned_summaries", len(item))
@@ -312,7 +322,9 @@ class SinkWorker:
                 break
             if isinstance(item, _Summaries):
                 self._count("abandoned_summaries", len(item))
-            elif isinstance(item, list) and not isinstance(item, _Metrics):
+            elif isinstance(item, _Events):
+                self._count("abandoned_events", len(item))
+            elif isinstance(item, list) and not isinstance(item, (_Metrics, _Events)):
                 lost += len(item)
             elif isinstance(item, _Marker):
                 item.set()
@@ -372,6 +384,10 @@ class _Summaries(list):
     """A batch of RolloutSummary in a sink's queue (sinks with ``export_summaries``)."""
 
 
+class _Events(list):
+    """A batch of RunEvent in a sink's queue (sinks with ``export_events``)."""
+
+
 class _Marker(threading.Event):
     """A flush marker; ``ok`` says whether everything before it was written."""
 
@@ -398,6 +414,8 @@ class Fanout:
         self._preparing = [w for w in self.workers if _implements(w.sink, "prepare")]
         #: the sinks that write every rollout's summary (Sink.export_summaries: the dataset)
         self._summarizing = [w for w in self.workers if _implements(w.sink, "export_summaries")]
+        #: the sinks that write the run's events (Sink.export_events: the dataset, JSONL)
+        self._eventing = [w for w in self.workers if _implements(w.sink, "export_events")]
 
     @property
     def wants_step_metrics(self) -> bool:
@@ -455,6 +473,17 @@ class Fanout:
                     worker._count("dropped_summaries", len(batch))
                     _stats.warn_once(f"sink-summaries-{worker.name}", "rtrace sink %r cannot keep up with the "
                                      "rollout summaries; some are dropped (counted)", worker.name)
+
+    def submit_events(self, events: list[RunEvent], wait_until: float | None = None) -> None:
+        """Hand run events to the sinks that write them (as :meth:`submit_summaries`: with
+        ``hold_back`` a full queue is waited for; else they are dropped, counted in
+        ``sink.<name>.dropped_events``)."""
+        for worker in self._eventing:
+            wait = self._waiting(worker, wait_until) if self.hold_back else None
+            if not _put_waiting(worker.queue, _Events(events), wait):
+                with worker._lock:
+                    worker._failed_since_marker = True
+                worker._count("dropped_events", len(events))
 
     def submit_metrics(self, metrics: list[StepMetrics]) -> None:
         for worker in self.workers:

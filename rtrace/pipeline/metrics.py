@@ -39,14 +39,15 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from .. import _stats
 from .._serialize import truncate
 from ..summary import RolloutSummary, summarize
 from ..trajectory import StepMetrics, Trajectory
 
-__all__ = ["StepStats", "StepMetricsTracker", "TABLE_COLUMNS", "table_row", "in_sample"]
+__all__ = ["StepStats", "StepMetricsTracker", "TABLE_COLUMNS", "table_row", "in_sample", "STALENESS_BUCKETS",
+           "staleness_bucket", "inflight_peak", "inflight_peak_sorted"]
 
 _MAX_DURATIONS = 200_000  # per step: exact percentiles up to this many trajectories
 
@@ -201,6 +202,18 @@ class StepStats:
     #: trajectories per group, and those of each group already flagged ``coordinates``
     group_sizes: Counter = field(default_factory=Counter)
     group_flagged: Counter = field(default_factory=Counter)
+    #: the fleet in time (docs/timeline.md): step - policy_version, rollouts and passes per
+    #: staleness bucket, rollouts that crossed a weight update (of those that know), time in
+    #: neither generation nor tool, (start, end) of each rollout, generation time per server
+    staleness: _Moments = field(default_factory=_Moments)
+    stale_rollouts: Counter = field(default_factory=Counter)
+    stale_judged: Counter = field(default_factory=Counter)
+    stale_passed: Counter = field(default_factory=Counter)
+    crossed: int = 0
+    crossed_known: int = 0
+    time_wait: float = 0.0
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    server_ms: Counter = field(default_factory=Counter)
 
     def add(self, item: RolloutSummary | Trajectory) -> None:
         """Count one rollout: its summary (a trajectory is summarized first)."""
@@ -241,11 +254,32 @@ class StepStats:
             if group is not None and "coordinates" in failed:
                 self.group_flagged[str(group)] += 1
         self.partial += s.partial
+        self._fleet(s)
         duration = s.duration_ms
         if len(self.durations) < _MAX_DURATIONS:
             self.durations.append(duration)
         if duration > self.slowest[0]:
             self.slowest = (duration, s.trace_id)
+
+    def _fleet(self, s: RolloutSummary) -> None:
+        step, version = s.step, s.policy_version
+        if type(step) is int and type(version) is int:
+            stale = step - version
+            self.staleness.add(float(stale))
+            bucket = staleness_bucket(stale)
+            self.stale_rollouts[bucket] += 1
+            passed = _passed(s)
+            if passed is not None:
+                self.stale_judged[bucket] += 1
+                self.stale_passed[bucket] += passed
+        if s.crossed_update is not None:
+            self.crossed_known += 1
+            self.crossed += bool(s.crossed_update)
+        self.time_wait += s.wait_ms
+        if len(self.spans) < _MAX_DURATIONS:
+            self.spans.append((s.start_ns, s.end_ns))
+        if s.server_ms:
+            self.server_ms.update(s.server_ms)
 
     def merge(self, o: "StepStats") -> None:
         """Add another worker's statistics of the same step (exact)."""
@@ -270,6 +304,14 @@ class StepStats:
         self.health.update(o.health)
         self.group_sizes.update(o.group_sizes)
         self.group_flagged.update(o.group_flagged)
+        self.staleness.merge(o.staleness)
+        for mine, theirs in ((self.stale_rollouts, o.stale_rollouts), (self.stale_judged, o.stale_judged),
+                             (self.stale_passed, o.stale_passed), (self.server_ms, o.server_ms)):
+            mine.update(theirs)
+        self.crossed += o.crossed
+        self.crossed_known += o.crossed_known
+        self.time_wait += o.time_wait
+        self.spans.extend(o.spans[: max(0, _MAX_DURATIONS - len(self.spans))])
 
     def odd_groups(self) -> tuple[int | None, dict[str, int]]:
         """The step's usual group size (the most common; the larger on a tie) and the groups
@@ -320,6 +362,7 @@ class StepStats:
                 out["time_generation_frac"] = gen / total
                 out["time_tool_frac"] = min(tool, total - gen) / total
                 out["time_other_frac"] = max(0.0, total - gen - tool) / total
+        self._fleet_values(out)
         if self.checked:
             for check in checks:
                 count = self.health[check]
@@ -328,6 +371,71 @@ class StepStats:
                     count += sum(size - self.group_flagged[g] for g, size in odd.items())
                 out[f"health/{check}_rate"] = count / self.checked
         return {f"{prefix}/{k}": float(v) for k, v in out.items()}
+
+
+    def _fleet_values(self, out: dict[str, float]) -> None:
+        """The fleet-in-time metrics (docs/metrics.md, "Staleness, waiting and the fleet")."""
+        n = self.n
+        if self.staleness.n:
+            m = self.staleness
+            out["staleness_mean"] = m.total / m.n
+            out["staleness_max"] = m.high
+            for bucket in STALENESS_BUCKETS:
+                out[f"staleness/{bucket}_frac"] = self.stale_rollouts[bucket] / m.n
+                if self.stale_judged[bucket]:
+                    out[f"staleness/{bucket}_pass_rate"] = self.stale_passed[bucket] / self.stale_judged[bucket]
+        if self.crossed_known:
+            out["crossed_update_rate"] = self.crossed / self.crossed_known
+        if n:
+            out["generation_ms_mean"] = self.time_generation / n
+            out["tool_ms_mean"] = self.time_tool / n
+            out["wait_ms_mean"] = self.time_wait / n
+        if self.spans:
+            out["inflight_peak"] = inflight_peak(self.spans)
+        total = sum(self.server_ms.values())
+        if total > 0:
+            out["servers"] = len(self.server_ms)
+            out["slowest_server_share"] = max(self.server_ms.values()) / total
+
+
+#: The staleness histogram's buckets (``staleness/<bucket>_frac``): step - policy_version of
+#: 0 (or less: a version ahead of the step), 1, 2, 3, and 4 or more.
+STALENESS_BUCKETS = ("0", "1", "2", "3", "4plus")
+
+
+def staleness_bucket(stale: int) -> str:
+    """The :data:`STALENESS_BUCKETS` name of a rollout's ``step - policy_version``."""
+    return STALENESS_BUCKETS[min(4, max(0, stale))]
+
+
+def _passed(s: RolloutSummary) -> bool | None:
+    """Did the rollout pass: its outcome's ``correct`` when it says, else a finite reward > 0;
+    None when neither is known."""
+    correct = s.outcome.get("correct")
+    if isinstance(correct, bool):
+        return correct
+    r = s.reward
+    if isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r):
+        return r > 0
+    return None
+
+
+def inflight_peak(spans: Iterable[tuple[int, int]]) -> int:
+    """The most of ``(start, end)`` intervals open at once (an interval is open from its start
+    to before its end: one that ends as another starts does not overlap it)."""
+    spans = list(spans)
+    return inflight_peak_sorted(sorted(s for s, _ in spans), sorted(e for _, e in spans))
+
+
+def inflight_peak_sorted(starts: Sequence[int], ends: Sequence[int]) -> int:
+    """:func:`inflight_peak` of intervals given as their starts and their ends, each sorted."""
+    peak = closed = 0
+    n = len(ends)
+    for opened, s in enumerate(starts, 1):
+        while closed < n and ends[closed] <= s:
+            closed += 1
+        peak = max(peak, opened - closed)
+    return peak
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:

@@ -15,7 +15,7 @@ from .._serialize import ListSnapshot
 from ..trajectory import SpanRecord
 
 __all__ = ["CallSpec", "CallRecord", "Deferred", "TrajectoryState", "Mark", "Tally", "snapshot_args", "ids_of", "record_of",
-           "start_end"]
+           "start_end", "worker_of"]
 
 
 class CallSpec:
@@ -128,7 +128,7 @@ class TrajectoryState:
     __slots__ = ("trace_id", "root_span_id", "name", "kind", "coords", "captures", "reward",
                  "has_reward", "outcome", "created", "created_ns", "records", "dropped_spans",
                  "partial", "root_lost", "root_at", "annotations", "remote_parent", "messages", "kept", "health",
-                 "span_ids", "touched", "held_bytes", "plain", "coordinates", "summary_only", "summary")
+                 "span_ids", "touched", "held_bytes", "plain", "coordinates", "summary_only", "summary", "worker")
 
     def __init__(self, trace_id: int, root_span_id: int | None, name: str, kind: str,
                  coords: dict[str, Any]) -> None:
@@ -169,6 +169,8 @@ class TrajectoryState:
         self.span_ids: set[int] | None = None
         self.touched = self.created
         self.held_bytes = 0
+        # ``worker`` (the process its root ran in, when another one's: the collector sets it from
+        # its sender's resource) is left unset here, off the hot path: read with worker_of(state)
         #: every record was converted by the one-process worker with no value that is not
         #: plain JSON data (``Converter.unplain``): True lets finish() vouch for it; None
         #: (records made any other way: the collector, log_rollout_batch) or False do not
@@ -191,6 +193,12 @@ class TrajectoryState:
             self.records.append(record)  # type: ignore[attr-defined]
         else:
             self.records = [record]
+
+
+def worker_of(state: TrajectoryState) -> str | None:
+    """The process a state's root ran in, when the collector set it (its sender's OTLP
+    resource); None otherwise (one process: the pipeline's own)."""
+    return getattr(state, "worker", None)
 
 
 class Mark:

@@ -21,6 +21,7 @@ from .._serialize import attr_ok, json_safe, json_text, vouch
 from ..trajectory import SpanRecord, Trajectory
 from .annotations import Annotation
 from .builder import SpanConverter, _reward, coordinates
+from .fleet import event_shell, take_in
 from .summaries import records_of_tally, state_of_tally, summary_of_state
 from .records import Tally, TrajectoryState, ids_of, record_of
 from .tokens import wire_values
@@ -61,6 +62,8 @@ class StreamPipeline(Pipeline):
         prebuilt = [pre.popleft() for _ in range(len(pre))]
         annotations = self._take_annotations()
         conv = SpanConverter(self.settings)
+        if self._events:
+            self._take_events(conv)
         values = conv.conv
         shells: dict[int, Trajectory] = {}
         stamps: dict[int, dict[str, Any]] = {}
@@ -125,6 +128,14 @@ class StreamPipeline(Pipeline):
             _stats.incr("segments_streamed", len(part))
             self.fanout.submit(part)
 
+    def _take_events(self, conv: SpanConverter) -> None:
+        """Run events leave for every collector (pipeline/fleet.py), each a segment of its own."""
+        q = self._events
+        events = take_in([q.popleft() for _ in range(len(q))], self.worker_name, conv.conv)
+        if events:
+            _stats.incr("segments_streamed", len(events))
+            self.fanout.submit([event_shell(e) for e in events])
+
     def _summaries(self, tallies: list[Tally], conv: SpanConverter, out: list[Trajectory]) -> list[dict[str, Any]]:
         """Rollouts recorded as summaries only, as the collector reads them: the checks of
         their records here (the reward, staleness and coordinates are checked in the collector,
@@ -141,6 +152,7 @@ class StreamPipeline(Pipeline):
                 if health is not None:
                     health.check_state(state, rollout=False)
                 summary = summary_of_state(state, settings, values)
+                summary.worker = self.worker_name
                 # what the collector's tail keeps (tail_of): a failed root, a generation stopped at
                 # length (keep_errors), a health finding (keep_unhealthy)
                 if (summary.status == "error" or summary.truncated or summary.health) and self._promote(state):

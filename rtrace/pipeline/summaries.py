@@ -26,10 +26,10 @@ from opentelemetry.trace import Status, StatusCode
 from .. import _ids, _stats
 from .._serialize import Converter, unsnap
 from ..config import Settings
-from ..summary import ERROR_CHARS, RolloutSummary, summarize
+from ..summary import ERROR_CHARS, RolloutSummary, fleet_fields, summarize
 from ..trajectory import SpanRecord
 from .builder import SpanConverter, _reward, call_inputs, finish, results, rl_coordinates
-from .records import Tally, TrajectoryState
+from .records import Tally, TrajectoryState, worker_of
 
 __all__ = ["summary_of_state", "state_of_tally", "summary_state", "summarize", "records_of_tally"]
 
@@ -83,6 +83,7 @@ def summary_of_state(state: TrajectoryState, settings: Settings, conv: Converter
             tool_ns += r.end_ns - r.start_ns
     name = root.name
     error = root.error if root.status == "error" else None
+    wait_ms, server_ms, own_version = fleet_fields(records, root.start_ns, end)
     return RolloutSummary(
         format(state.trace_id, "032x"), name if isinstance(name, str) else str(name),
         step=coords.get("step"), sample_index=coords.get("sample_index"), rollout_n=coords.get("rollout_n"),
@@ -93,7 +94,8 @@ def summary_of_state(state: TrajectoryState, settings: Settings, conv: Converter
         tokens_in=tokens_in, tokens_out=tokens_out, finish_reasons=reasons, finish_reason=last_reason,
         start_ns=root.start_ns, end_ns=end, generation_ms=gen_ns / 1e6, tool_ms=tool_ns / 1e6,
         health=list(state.health) if settings.health_checks else None, recorded=False, kept=[],
-        priority=priority, dropped_spans=state.dropped_spans)
+        priority=priority, dropped_spans=state.dropped_spans, worker=worker_of(state), policy_version_end=own_version,
+        wait_ms=wait_ms, server_ms=server_ms)
 
 
 def _completed(state: TrajectoryState, settings: Settings, conv: Converter,

@@ -28,15 +28,17 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 
 from .. import _stats
 from ..config import Settings
+from ..events import RunEvent, worker_identity
 from ..summary import RolloutSummary
 from ..trajectory import Trajectory
 from .annotations import Annotation, AnnotationTable, coord_key, estimated_bytes
 from .builder import SpanConverter, coordinates, finish, tail_of
 from .fanout import Fanout
+from .fleet import MAX_QUEUED_EVENTS, Versions, take_in
 from .health import NO_REWARD, HealthChecker, finding
 from .messages import build_messages
 from .metrics import StepMetricsTracker
-from .records import Tally, TrajectoryState, ids_of, record_of
+from .records import Tally, TrajectoryState, ids_of, record_of, worker_of
 from .registry import TrajectoryRegistry
 from .summaries import state_of_tally, summarize, summary_of_state
 from .tokens import attach as attach_tokens, has_rows
@@ -131,6 +133,13 @@ class Pipeline:
         self.summaries = settings.summaries
         #: rollouts recorded as summaries only (the hot path's tallies), for the worker
         self._tallies: collections.deque[Tally] = collections.deque()
+        #: this process's worker identity (docs/timeline.md): its events', and its rollouts'
+        #: (:attr:`rollout_worker`; the collector's rollouts carry their sender's)
+        self.worker_name = worker_identity(settings.worker_name)
+        self.rollout_worker: str | None = self.worker_name
+        #: run events (weight updates) waiting for the worker, and the updates seen so far
+        self._events: collections.deque[RunEvent] = collections.deque()
+        self.versions = Versions()
         #: states the selection dropped in this part of a round: summarized at its end
         self._dropped: list[TrajectoryState] = []
         #: end-of-trajectory selection (the collector; one process with tail keeping)
@@ -212,6 +221,15 @@ class Pipeline:
             with self._cond:
                 self._cond.notify()
         return min(room, len(tallies))
+
+    def submit_events(self, events: Sequence[RunEvent]) -> None:
+        """Queue run events (``rtrace.mark_weight_update``) for the worker; beyond
+        :data:`~rtrace.pipeline.fleet.MAX_QUEUED_EVENTS` they are dropped and counted."""
+        q = self._events
+        room = max(0, MAX_QUEUED_EVENTS - len(q))
+        if room < len(events):
+            _stats.incr("weight_updates_dropped_queue", len(events) - room)
+        q.extend(events[:room])
 
     def annotate(self, annotations: Sequence[Annotation]) -> None:
         """Queue annotations for the worker, bounded in (estimated) bytes, not rows: one
@@ -296,6 +314,8 @@ class Pipeline:
             self.annotations.add(ann)
         conv = SpanConverter(self.settings)
         arrived = self._assemble(spans, conv) + prebuilt
+        if self._events:  # before the rollouts that ended with them are finished
+            self._take_events(conv)
         tallies = self._tallies
         if tallies:
             arrived += self._from_tallies([tallies.popleft() for _ in range(len(tallies))], conv)
@@ -355,6 +375,14 @@ class Pipeline:
             rows = self.metrics.due(time.monotonic())
             if rows:
                 self.fanout.submit_metrics(rows)
+
+    def _take_events(self, conv: SpanConverter) -> None:
+        """The queued run events: checked, into the version history, to the sinks."""
+        q = self._events
+        events = take_in([q.popleft() for _ in range(len(q))], self.worker_name, conv.conv)
+        if events:
+            self.versions.add(events)
+            self.fanout.submit_events(events, self._wait_until)
 
     def _take_annotations(self) -> list[Annotation]:
         """Every queued annotation, at once (their bytes leave the queue's bound)."""
@@ -426,7 +454,12 @@ class Pipeline:
             if state.health and state.annotations.get("reward", state.reward) is not None:
                 state.health = [f for f in state.health if f != finding("reward", NO_REWARD)]
             try:
-                out.append(summary_of_state(state, self.settings, conv.conv, self.priority_of(state.coords)))
+                summary = summary_of_state(state, self.settings, conv.conv, self.priority_of(state.coords))
+                if summary.worker is None:
+                    worker = worker_of(state)
+                    summary.worker = worker if worker is not None else self.rollout_worker
+                self.versions.complete_summary(summary)
+                out.append(summary)
             except Exception:
                 _stats.incr("summaries_build_failed")
                 _stats.warn_once("summary", "rtrace could not summarize a rollout; it is not counted", exc_info=True)
@@ -528,7 +561,11 @@ class Pipeline:
                 _stats.warn_once("build", "rtrace could not build a trajectory; it is dropped", exc_info=True)
                 continue
             self.annotations.remember(coord_key(state.coords), state.trace_id, "exported")
-            out[-1].priority = self.priority_of(state.coords)
+            traj = out[-1]
+            traj.priority = self.priority_of(state.coords)
+            worker = worker_of(state)
+            traj.worker = worker if worker is not None else self.rollout_worker
+            self.versions.complete_trajectory(traj)
         health = self.health
         if health is not None:
             self._step(health.check_ids, out, "health")  # while the token ids are on the spans

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Any, Sequence
 
 from .health import StepHealth
 from .load import Record
 from .table import Row
 
-__all__ = ["is_dataset", "open_dataset", "step_table_sql", "step_health_sql", "load_records", "STEP_SQL", "step_sql"]
+__all__ = ["is_dataset", "open_dataset", "step_table_sql", "step_health_sql", "load_records", "STEP_SQL", "step_sql", "step_rows_of"]
 
 #: one row per (validate, step) of the sample: the values the table shows (``{where}``
 #: narrows it to some steps: ``rtrace serve`` computes again only the steps that changed)
@@ -36,15 +36,20 @@ SELECT t.validate, t.step, count(*) AS n,
        quantile_cont(duration_ms, 0.5) AS p50, quantile_cont(duration_ms, 0.9) AS p90,
        max(duration_ms) AS dmax, avg(duration_ms) AS dmean, sum(duration_ms) AS total,
        sum(generation_ms) AS gen, sum(tool_ms) AS tool, arg_max(trace_id, duration_ms) AS slowest,
+       sum(coalesce({wait_ms}, 0)) AS wait, count(t.step - policy_version) AS stale_n,
+       avg(t.step - policy_version) AS stale_mean, max(t.step - policy_version) AS stale_max,
        any_value(z.multi) AS multi, any_value(z.flat) AS flat
 FROM t LEFT JOIN z ON t.validate = z.validate AND t.step = z.step
 GROUP BY t.validate, t.step ORDER BY t.validate, t.step
 """
 
 
-def step_sql(where: str = "true") -> str:
-    """:data:`STEP_SQL` over the trajectories ``where`` (SQL over the trajectories view) selects."""
-    return _STEP_SQL.replace("{where}", where)
+def step_sql(where: str = "true", columns: Any = None) -> str:
+    """:data:`STEP_SQL` over the trajectories ``where`` (SQL over the trajectories view) selects;
+    ``columns``: the view's, when a run written before schema 1.2 may lack ``wait_ms`` (then 0, as
+    :class:`~rtrace.pipeline.metrics.StepStats` counts a summary that has none)."""
+    wait = "wait_ms" if columns is None or "wait_ms" in columns else "NULL"
+    return _STEP_SQL.replace("{where}", where).replace("{wait_ms}", wait)
 
 
 STEP_SQL = step_sql()
@@ -65,10 +70,14 @@ def open_dataset(path: str) -> Any:
 
 def step_table_sql(run: Any) -> list[Row]:
     """The report's rows (:func:`rtrace.report.table.step_table`) from the dataset."""
-    rel = run.sql(STEP_SQL)
-    names = rel.columns
+    rel = run.sql(step_sql("true", run.sql("SELECT * FROM trajectories LIMIT 0").columns))
+    return step_rows_of(rel.columns, rel.fetchall())
+
+
+def step_rows_of(names: Sequence[str], result: Sequence[tuple]) -> list[Row]:
+    """The report's rows from :func:`step_sql`'s result (its column names and rows)."""
     rows: list[Row] = []
-    for raw in rel.fetchall():
+    for raw in result:
         r = dict(zip(names, raw))
         n = r["n"]
         values: dict[str, float] = {"trajectories": n}
@@ -83,6 +92,12 @@ def step_table_sql(run: Any) -> list[Row]:
                       tokens_out_mean=r["tok_out"] / n, error_rate=r["errors"] / n, truncated_rate=r["trunc"] / n,
                       partial_rate=r["part"] / n, latency_ms_mean=r["dmean"], latency_ms_p50=r["p50"],
                       latency_ms_p90=r["p90"], latency_ms_max=r["dmax"])
+        # the fleet in time, as StepStats gives them (docs/metrics.md): staleness over the rollouts
+        # that have a policy version, time in generation / tools / neither per rollout
+        if r["stale_n"]:
+            values.update(staleness_mean=r["stale_mean"], staleness_max=r["stale_max"])
+        values.update(generation_ms_mean=(r["gen"] or 0.0) / n, tool_ms_mean=(r["tool"] or 0.0) / n,
+                      wait_ms_mean=r["wait"] / n)
         total = r["total"]
         if total and total > 0:
             gen, tool = min(r["gen"], total), min(r["tool"], total)

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from ..events import is_event_line
 from ..trajectory import Trajectory
 
 try:  # the same values as the json module, ~3x faster; trackio and the otlp extra bring it
@@ -73,6 +74,8 @@ def read_records(paths: Sequence[str | os.PathLike]) -> tuple[list[Record], list
                 continue
             try:
                 raw = _loads(line)
+                if is_event_line(raw):  # the run's events (docs/jsonl-schema.md): not a trajectory
+                    continue
                 records.append(Record(Trajectory.from_dict(raw), _health(raw.get("health", None))))
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 if number == len(lines):  # no newline after it: a line still being written

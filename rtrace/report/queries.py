@@ -761,31 +761,10 @@ def step_extras(db: Db, where: str = "true", params: Sequence[Any] = ()) -> dict
 
 def step_rows(db: Db, where: str = "true", params: Sequence[Any] = ()) -> list[Any]:
     """The report's step table rows (:func:`rtrace.report.dataset.step_table_sql`) for the steps ``where`` selects."""
-    from .dataset import step_table_sql
+    from .dataset import step_rows_of, step_sql
 
-    return step_table_sql(_Shim(db, where, params))
-
-
-class _Shim:
-    """:func:`~rtrace.report.dataset.step_table_sql` calls ``run.sql(STEP_SQL)``: run it on a Db, narrowed."""
-
-    def __init__(self, db: Db, where: str, params: Sequence[Any]) -> None:
-        self.db, self.where, self.params = db, where, list(params)
-
-    def sql(self, query: str, params: Any = None) -> Any:
-        from .dataset import step_sql
-
-        names, rows = self.db.rows(step_sql(self.where), self.params)
-        return _Result(names, rows)
-
-
-@dataclass
-class _Result:
-    columns: list[str]
-    _rows: list[tuple]
-
-    def fetchall(self) -> list[tuple]:
-        return self._rows
+    columns = db.rows("SELECT * FROM trajectories LIMIT 0")[0]
+    return step_rows_of(*db.rows(step_sql(where, columns), list(params)))
 
 
 # ----------------------------------------------------------------------------- whole trajectories

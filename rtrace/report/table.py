@@ -40,6 +40,8 @@ COLUMNS = (
     ("max ms", "latency_ms_max", "{:.1f}"),
     ("gen", "time_generation_frac", "{:.0%}"),
     ("tool", "time_tool_frac", "{:.0%}"),
+    ("stale", "staleness_mean", "{:.2f}"),
+    ("wait ms", "wait_ms_mean", "{:.1f}"),
 )
 
 

@@ -31,6 +31,9 @@ RUN_PLOTS = (
     ("per trajectory", [("turns", "turns_mean"), ("tool calls", "tool_calls_mean")], ""),
     ("tokens out per trajectory", [("tokens", "tokens_out_mean")], ""),
     ("advantage", [("mean", "advantage_mean"), ("std", "advantage_std")], ""),
+    ("staleness (step − policy version)", [("mean", "staleness_mean"), ("max", "staleness_max")], ""),
+    ("time per rollout (ms)", [("generation", "generation_ms_mean"), ("tools", "tool_ms_mean"),
+                               ("waiting", "wait_ms_mean")], ""),
 )
 #: curves drawn from :func:`rtrace.report.queries.step_extras` when the run has them
 EXTRA_PLOTS = (

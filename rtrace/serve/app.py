@@ -6,6 +6,7 @@ Routes (``.json`` after a page's path, or ``?_format=json``, gives its data inst
 - ``/run/<run>/rollouts``: every rollout of every step, sorted, filtered, searched;
 - ``/run/<run>/step/<t3|v3>``: one step (the step viewer of ``rtrace report --html``);
 - ``/run/<run>/rollout/<trace id>``: one rollout, its tokens coloured (``?color=advantage``);
+- ``/run/<run>/timeline/<t3>``: one step's swimlane (``.json?t0=&t1=&px=&lanes=``: a window of it);
 - ``/run/<run>/prompts``, ``/run/<run>/prompt?key=...``: prompts across steps;
 - ``/run/<run>/failures``: failed and unhealthy rollouts, why in words;
 - ``/compare?a=<run>&b=<run>``, ``/compare/prompt?a=&b=&key=``: two runs;
@@ -26,7 +27,7 @@ from typing import Any, Callable
 from ..report import queries as Q
 from ..report import views
 from ..report.markup import Raw, h
-from . import pages
+from . import pages, swimlane, timeline_page
 from .sources import NoData, QueryTimeout, RunSource, Sources
 
 __all__ = ["create_app", "STATIC"]
@@ -34,7 +35,8 @@ __all__ = ["create_app", "STATIC"]
 #: the files under /static/: name -> (package, media type)
 STATIC = {"report.css": ("rtrace.report", "text/css"), "report.js": ("rtrace.report", "text/javascript"),
           "tokens.js": ("rtrace.report", "text/javascript"),
-          "serve.css": ("rtrace.serve", "text/css"), "serve.js": ("rtrace.serve", "text/javascript")}
+          "serve.css": ("rtrace.serve", "text/css"), "serve.js": ("rtrace.serve", "text/javascript"),
+          "swimlane.css": ("rtrace.serve", "text/css"), "swimlane.js": ("rtrace.serve", "text/javascript")}
 #: the default time limit of one query (``rtrace serve --time-limit-ms``)
 TIME_LIMIT_MS = 3000.0
 
@@ -63,6 +65,7 @@ def create_app(sources: Sources, token: str | None = None, loopback: bool = True
     from .security import Guard
 
     names = list(sources.runs)
+    swimlanes = swimlane.SwimlaneCache()
 
     def respond(request: Any, title: str, body: Any, data: Any, run: RunSource | None = None,
                 active: str | None = None, status: int = 200, swap: bool = True) -> Any:
@@ -206,6 +209,28 @@ def create_app(sources: Sources, token: str | None = None, loopback: bool = True
         data = traj.to_dict()
         return respond(request, f"rtrace · rollout {trace[:8]}", body, data, run, "rollout", swap=False)
 
+    def timeline(request: Any, run: RunSource, db: Any) -> Any:
+        key, as_json = _suffix(request.path_params["key"])
+        parsed = views.parse_step_key(key)
+        if parsed is None or parsed[1] is None or parsed not in run.snapshot.partitions:
+            raise _NotFound(f"no step {key!r} with a timeline in run {run.name!r} (steps are t<step> for training, "
+                            "v<step> for validation: t12, v3)")
+        validate, number = parsed
+        try:
+            lanes = swimlanes.get((run.name, parsed, run.files_of(parsed)),
+                                  lambda: swimlane.StepLanes(db, run.name, validate, number))
+        except ValueError as exc:  # no rollout of the step (its files changed since the listing)
+            raise _NotFound(f"{exc} in run {run.name!r}") from None
+        base = "/run/" + pages._seg(run.name)
+        if as_json or request.query_params.get("_format") == "json":
+            body, headers = swimlane.encoded(swimlane.window_json(lanes, db, request.query_params, base),
+                                             request.headers.get("accept-encoding", ""))
+            return Response(body, media_type="application/json", headers=headers)
+        metrics = next((r[2] for r in run.snapshot.steps if (r[0], r[1]) == parsed), {})
+        first = lanes.window(db, links_base=base + "/rollout/")
+        body = timeline_page.page(lanes, links(run), run.snapshot.partitions, metrics, first)
+        return respond(request, f"rtrace · {run.name} · {key} timeline", body, None, run, "step", swap=False)
+
     def prompts(request: Any, run: RunSource, db: Any) -> Any:
         qp = request.query_params
         q, sort = qp.get("q", "").strip()[:200], qp.get("_sort", "last")
@@ -302,7 +327,8 @@ def create_app(sources: Sources, token: str | None = None, loopback: bool = True
                    Route(f"/run/{{run}}/{path}.json", guarded(fn, active))]
     routes += [Route("/run/{run}/step", guarded(step_redirect, "step")),
                Route("/run/{run}/step/{key}", guarded(step, "step")),
-               Route("/run/{run}/rollout/{trace}", guarded(rollout, "rollout"))]
+               Route("/run/{run}/rollout/{trace}", guarded(rollout, "rollout")),
+               Route("/run/{run}/timeline/{key}", guarded(timeline, "step"))]
     app = Starlette(routes=routes)
     return Guard(app, token, loopback, secure)
 

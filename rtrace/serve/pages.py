@@ -344,6 +344,8 @@ def step_part(run_links: views.ServeLinks, validate: bool, step: int | None, par
             h("a", {"href": run_links.rollouts(filt if step is not None else [("step__null", "1")])},
               "this step in the rollouts table"),
             h("a", {"href": run_links.failures([("step", step)]) if step is not None else run_links.failures([])},
-              "its failures"))
+              "its failures"),
+            h("a", {"href": f"{run_links.base}/timeline/{step_key(validate, step)}", "id": "timeline-link"},
+              "its timeline (servers, workers, weight updates)") if step is not None else None)
     return str(join([nav, h("h3", None, "largest train-inference mismatch at this step"),
                      views.mismatch_section(mismatch, run_links)]))

@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from ..events import RunEvent, is_event_line
 from ..report import queries as Q
 
 __all__ = ["RunSource", "Sources", "Snapshot", "TimedDb", "QueryTimeout", "NoData", "JsonlIngest", "FlatIndex",
@@ -253,13 +254,16 @@ class JsonlIngest:
                     self.bad_lines += 1
                     self.offsets[path] = start + len(data)
                 continue
-            trajs = []
+            trajs, events = [], []
             for line in data[:end].split(b"\n"):
                 if not line.strip():
                     continue
                 self.lines += 1
                 try:
                     raw = _loads(line)
+                    if is_event_line(raw):  # a run event (docs/jsonl-schema.md): to the copy's events table
+                        events.append(RunEvent.from_wire(raw))
+                        continue
                     traj = Trajectory.from_dict(raw)
                     traj.health = _health(raw.get("health", None))
                     trajs.append(traj)
@@ -269,6 +273,11 @@ class JsonlIngest:
             if trajs:
                 self.writer.write(trajs)
                 copied += len(trajs)
+            if events:  # weight updates: the timeline's lines (rtrace.mark_weight_update)
+                try:
+                    self.writer.write_events(events)
+                except Exception as exc:  # counted by the writer (write_errors); the trajectories stay
+                    logger.warning("rtrace serve: could not copy %d run events: %s", len(events), exc)
         self.missing = missing
         if self._writer is not None:
             self._writer.compact(idle_only=True)
@@ -397,6 +406,13 @@ class RunSource:
             if self.run is None:
                 raise NoData(self.snapshot.problem or "no dataset")
             return self.run.cursor()
+
+    def files_of(self, key: tuple[bool, int | None]) -> tuple[frozenset[str], int]:
+        """The data files of a step, and the run's events files (what a step's timeline is built from)."""
+        from ..dataset.schema import EVENTS
+
+        events = len(self.run.files.get(EVENTS, ())) if self.run is not None else 0
+        return self._files.get(key, frozenset()), events
 
     def db(self, limit_ms: float) -> TimedDb:
         return TimedDb(self, limit_ms, self.snapshot.table)

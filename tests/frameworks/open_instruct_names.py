@@ -32,7 +32,11 @@ FUNCTIONS = [("open_instruct/data_loader.py", "accumulate_inference_batches"),
              ("open_instruct/data_loader.py", "process_group"),
              ("open_instruct/data_loader.py", "result_is_stale"),
              ("open_instruct/data_loader.py", "_merge_env_config"),
-             ("open_instruct/data_loader.py", "maybe_mask_truncated_completions")]
+             ("open_instruct/data_loader.py", "maybe_mask_truncated_completions"),
+             # the weight broadcast rtrace marks, and its two callers (where the step is)
+             ("open_instruct/grpo_utils.py", "perform_weight_sync"),
+             ("open_instruct/grpo_fast.py", "weight_sync_thread"),
+             ("open_instruct/grpo_callbacks.py", "VLLMWeightSyncCallback.post_step")]
 #: dataclass fields whose defaults the docs state: (file, class, field)
 DEFAULTS = [("open_instruct/data_loader.py", "StreamingDataLoaderConfig", "filter_zero_std_samples"),
             ("open_instruct/data_loader.py", "StreamingDataLoaderConfig", "mask_tool_use"),
@@ -81,6 +85,7 @@ def extract(root: Path) -> dict:
     out: dict = {"classes": {}, "functions": {}, "calls": {}, "defaults": {}}
     trees = {}
     for path, *_ in CLASSES + FUNCTIONS + DEFAULTS + [("open_instruct/grpo_fast.py", "main"),
+                                                      ("open_instruct/vllm_utils.py", "LLMRayActor"),
                                                       ("open_instruct/vllm_utils.py", "process_tool_tokens")]:
         if path not in trees:
             trees[path] = ast.parse((root / path).read_text())
@@ -158,6 +163,7 @@ def extract(root: Path) -> dict:
     out["empty_response_logprobs"] = sorted({ast.unparse(n) for n in ast.walk(trees["open_instruct/data_loader.py"])
                                              if isinstance(n, ast.Call)
                                              and ast.unparse(n.func) == "result.logprobs[i].append"})
+    out["weight_sync"] = _weight_sync(root, trees)
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                                 check=True).stdout.strip()
@@ -165,6 +171,45 @@ def extract(root: Path) -> dict:
         commit = None
     out["commit"] = commit
     return out
+
+
+def _weight_sync(root: Path, trees: dict[str, ast.Module]) -> dict:
+    """Where open-instruct publishes new weights and which step its engines stamp afterwards:
+    every caller of ``perform_weight_sync`` in the package, how each gets the step it sends,
+    what ``perform_weight_sync`` does before it returns, and where a vLLM engine sets and
+    stamps its ``model_step``."""
+    callers = []
+    for path in sorted((root / "open_instruct").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                    isinstance(n, ast.Call) and ast.unparse(n.func).endswith("perform_weight_sync")
+                    for n in ast.walk(node)) and node.name != "perform_weight_sync":
+                callers.append(f"{path.relative_to(root)}:{node.name}")
+    thread = _function(trees["open_instruct/grpo_fast.py"], "weight_sync_thread")
+    post_step = _function(trees["open_instruct/grpo_callbacks.py"], "VLLMWeightSyncCallback.post_step")
+    sync = _function(trees["open_instruct/grpo_utils.py"], "perform_weight_sync")
+    vllm = trees["open_instruct/vllm_utils.py"]
+    actor = next(n for n in vllm.body if isinstance(n, ast.ClassDef) and n.name == "LLMRayActor")
+    return {
+        "callers": sorted(set(callers)),
+        "thread_step": [ast.unparse(n) for n in ast.walk(thread) if isinstance(n, ast.Assign)
+                        and ast.unparse(n.targets[0]) == "target_model_step"],
+        "thread_calls": _calls(thread, "m.broadcast_to_vllm.remote") + _calls(thread, "grpo_utils.perform_weight_sync"),
+        "callback_calls": _calls(post_step, "vllm_utils.broadcast_weights_to_vllm")
+        + _calls(post_step, "grpo_utils.perform_weight_sync"),
+        # the remote calls it makes, in order: the actors paused, the engines woken, the actors resumed
+        "perform_remote_calls": [ast.unparse(n) for n in sorted(
+            (n for n in ast.walk(sync) if isinstance(n, ast.Call) and ast.unparse(n.func).endswith(".remote")),
+            key=lambda n: (n.lineno, n.col_offset))],
+        "engine_sets_model_step": sorted(
+            f"{fn.name}: {ast.unparse(n)}" for fn in actor.body if isinstance(fn, ast.FunctionDef)
+            for n in ast.walk(fn) if isinstance(n, ast.Assign)
+            and ast.unparse(n.targets[0]) == "self.current_model_step"),
+        "request_stamps": sorted(f"{ast.unparse(k)}: {ast.unparse(v)}" for n in ast.walk(_function(vllm, "add_request"))
+                                 if isinstance(n, ast.Dict) for k, v in zip(n.keys, n.values)
+                                 if k is not None and ast.unparse(k) == "'model_step'"),
+    }
 
 
 if __name__ == "__main__":

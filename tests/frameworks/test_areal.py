@@ -18,6 +18,7 @@ import copy
 import json
 import os
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -125,6 +126,14 @@ def loader(data):
     return StatefulDataLoader(data, batch_size=2, collate_fn=lambda x: x)
 
 
+def settle():
+    """A weight update is marked at set_version: the episodes after it wait a collector's settle
+    time (test_one_process_and_collector_write_the_same: 0.2 s), so that a collector has the update
+    before them, as one process has (docs/timeline.md: an update marked less than the settle time
+    before a rollout ended can be missed by a collector)."""
+    time.sleep(0.3)
+
+
 def job(server, tok):
     """What PPOTrainer.train does with the engine: 2 steps of prepare_batch (groups of 3),
     set_version after each; an evaluation; a multi-turn rollout; group_size 1. Returns AReaL's
@@ -135,21 +144,28 @@ def job(server, tok):
     for step in (0, 1):
         out[f"train{step}"] = [{k: v.tolist() for k, v in b.items()} for b in train.prepare_batch(dl, workflow=rlvr(tok),
                                                                                                 group_size=3)]
+        train.pause()  # PPOTrainer: pause, update the servers' weights (actor.update_weights), set_version
+        time.sleep(0.01)  # (the weight update)
         train.set_version(step + 1)
+        train.resume()
+        settle()
     train.destroy()
     evals = engine(server)
     evals.set_version(2)
+    settle()
     for item in items(3, prefix="E"):
         evals.submit(item, workflow=rlvr(tok), group_size=1, is_eval=True)
     out["eval"] = [{k: v.tolist() for k, v in r.items()} for r in evals.wait(count=3)]
     evals.destroy()
     mt = engine(server)  # (one training engine per job in real training: these get their own versions)
     mt.set_version(5)
+    settle()
     out["multi"] = [{k: v.tolist() for k, v in r.items()} for r in mt.rollout_batch(items(1, prefix="M"),
                                                                                    workflow=multi_turn(tok))]
     mt.destroy()
     single = engine(server)
     single.set_version(6)
+    settle()
     out["single"] = [{k: v.tolist() for k, v in b.items()}
                      for b in single.prepare_batch(loader(items(2, prefix="S")), workflow=rlvr(tok), group_size=1)]
     single.destroy()
@@ -165,7 +181,7 @@ def traced(server, tok, tmp_path_factory):
     out = job(server, tok)
     assert rtrace.flush(30)
     rtrace.shutdown()
-    return out, read_jsonl(path)
+    return out, read_jsonl(path), path
 
 
 def _key(t):
@@ -175,7 +191,7 @@ def _key(t):
 def test_training_groups_and_steps(traced, tok):
     """Two steps of 2 prompts x 3: one trajectory per member, step = the engine version, a dense
     sample_index per task, rollout_n 0-2, the reward AReaL put in each member's row."""
-    out, trajs = traced
+    out, trajs, _ = traced
     train = sorted((t for t in trajs if not t.validate and t.step in (0, 1) and t.extra["prompt_id"].startswith("p-")
                     and "Q" in t.messages[0]["content"]), key=_key)
     assert [(t.step, t.sample_index, t.rollout_n) for t in train] == [
@@ -198,7 +214,7 @@ def test_training_groups_and_steps(traced, tok):
 
 def test_evaluation_is_marked(traced):
     """submit(is_eval=True): validation trajectories, one per task, step = the engine's version."""
-    _, trajs = traced
+    _, trajs, _ = traced
     evals = sorted((t for t in trajs if t.validate), key=_key)
     assert [(t.step, t.sample_index, t.rollout_n) for t in evals] == [(2, i, 0) for i in range(3)]
     assert all("E" in t.messages[0]["content"] for t in evals)
@@ -208,7 +224,7 @@ def test_multi_turn_keeps_the_retry_prompt(traced):
     """MultiTurnWorkflow: a wrong first answer, AReaL's retry prompt (token ids it appends), the
     right answer: the conversation is user, assistant, user (the retry), assistant; the reward
     is AReaL's discounted one."""
-    out, trajs = traced
+    out, trajs, _ = traced
     (t,) = [t for t in trajs if "M0" in t.messages[0]["content"]]
     assert [m["role"] for m in t.messages] == ["user", "assistant", "user", "assistant"]
     assert t.messages[1]["content"] == WRONG and t.messages[3]["content"] == RIGHT
@@ -219,7 +235,7 @@ def test_multi_turn_keeps_the_retry_prompt(traced):
 
 def test_group_size_one(traced):
     """group_size 1 (no GroupedRolloutWorkflow): each episode is a trajectory, rollout_n 0."""
-    _, trajs = traced
+    _, trajs, _ = traced
     single = sorted((t for t in trajs if "S" in t.messages[0]["content"].split(":")[0]), key=_key)
     assert [(t.rollout_n, t.validate) for t in single] == [(0, False), (0, False)]
     assert sorted(t.sample_index for t in single) == [0, 1]
@@ -231,7 +247,7 @@ def test_outputs_unchanged_by_tracing(traced, server, tok):
     from rtrace.compat import _areal_private
     from tests.frameworks import unpatched
 
-    out, _ = traced
+    out, _, _ = traced
     off = job(server, tok)
     with unpatched(*_areal_private.classes()):  # AReaL's own methods: the baseline without rtrace
         bare = job(server, tok)
@@ -249,7 +265,7 @@ def test_the_engine_s_logprobs_are_on_each_generation(traced):
     loss_mask 1, the outputs); a multi-turn episode's two generations together are its row's."""
     from rtrace.trajectory import token_list
 
-    out, trajs = traced
+    out, trajs, _ = traced
     rows = {}  # an episode's whole sequence -> AReaL's logprobs of its output tokens
     for key in out:
         for r in out[key]:
@@ -265,6 +281,30 @@ def test_the_engine_s_logprobs_are_on_each_generation(traced):
         assert [v for g in gens for v in g.token_values["logprob"]] == token_list(areal)
         generations += len(gens)
     assert generations == len(trajs) + 1  # the multi-turn episode has two generations
+
+
+def test_weight_updates_are_marked_where_the_trainer_sets_the_version(traced):
+    """As PPOTrainer does after each step: pause the engine, update the weights, set_version(step
+    + 1), resume. Each new version is one weight update, marked at set_version: version and step
+    = the version (the step and policy_version of the episodes started after it), duration_ms =
+    the pause up to it. The same version set on a second engine (the evaluation's) is not marked
+    again; versions set without a pause carry no duration. Episodes started after an update carry
+    its version and end on it; those of step 0 ended before the first."""
+    from rtrace.exporters.jsonl import read_events
+
+    _, trajs, path = traced
+    events = read_events(path)
+    assert [(e.kind, e.version, e.step) for e in events] == [("weight_update", v, v) for v in (1, 2, 5, 6)]
+    assert [sorted(e.attributes) for e in events] == [["duration_ms"], ["duration_ms"], [], []]
+    assert all(e.attributes["duration_ms"] >= 10 for e in events[:2])  # the 10 ms the update took
+    at = {e.version: e.time_ns for e in events}
+    for t in trajs:
+        if t.policy_version == 0:
+            assert t.spans[0].end_ns <= at[1]
+        else:
+            assert t.spans[0].start_ns >= at[t.policy_version], t.policy_version
+            assert (t.policy_version_end, t.crossed_update) == (t.policy_version, False)
+    assert sorted({t.policy_version for t in trajs}) == [0, 1, 2, 5, 6]
 
 
 def test_patched_names_exist():
@@ -343,7 +383,16 @@ def test_one_process_and_collector_write_the_same(server, tok, tmp_path):
     def key(t):  # what the episode was, not when it ran (AReaL runs a step's tasks concurrently)
         return (t["validate"], t["step"], t["sample_index"], t["rollout_n"], json.dumps(t["messages"]))
 
-    a = sorted((_normal(t) for t in read_jsonl(one)), key=key)
-    b = sorted((_normal(t) for t in read_jsonl(through)), key=key)
+    def normal(t):
+        # a rollout that ended before the job's first weight update is "nothing known" (None) or
+        # "none crossed" (False) as the pipeline had or had not taken that update in when it
+        # completed the rollout: one process at once, a collector after its settle time
+        out = _normal(t)
+        if out["crossed_update"] is None and out["policy_version_end"] is None:
+            out["crossed_update"] = False
+        return out
+
+    a = sorted((normal(t) for t in read_jsonl(one)), key=key)
+    b = sorted((normal(t) for t in read_jsonl(through)), key=key)
     assert len(a) == 18 and not any("not decoded" in m["content"] for t in a for m in t["messages"])
     assert b == a

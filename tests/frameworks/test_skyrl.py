@@ -296,12 +296,27 @@ def test_patched_names_exist():
     """Canary: every SkyRL name rtrace.compat._skyrl_private patches exists in the installed SkyRL."""
     import importlib
 
+    import inspect
+
     for name in _skyrl_private.PRIVATE_NAMES:
         module, _, path = name.partition(":")
         obj = importlib.import_module(f"skyrl_train.{module}")
+        if path == "RayPPOTrainer.global_step":  # an instance attribute: in the source
+            assert "self.global_step = 0" in inspect.getsource(obj.RayPPOTrainer.__init__)
+            continue
         for part in path.split("."):
             obj = getattr(obj, part)
         assert callable(obj), name
+    # the trainers publish after each step, at the global_step of the step just trained
+    from skyrl_train.fully_async_trainer import FullyAsyncRayPPOTrainer
+    from skyrl_train.trainer import RayPPOTrainer
+
+    train = inspect.getsource(RayPPOTrainer.train)
+    assert train.count("ray.get(self.sync_policy_weights_to_inference_engines())") == 2
+    assert train.index("ray.get(self.sync_policy_weights_to_inference_engines())", train.index("# 7. sync")) < \
+        train.rindex("self.global_step += 1")
+    assert "await self.async_sync_policy_weights_to_inference_engines()" in inspect.getsource(
+        FullyAsyncRayPPOTrainer.train)
 
 
 def test_a_client_of_another_class_is_traced_too(tmp_path, tok, db_root):
@@ -505,3 +520,124 @@ def test_a_response_that_does_not_lay_out_the_turns_gets_no_values(tmp_path, tok
         assert all(s.token_values is None for s in t.spans) and t.health == []
         turns = sum(len(s.response_ids) for s in t.spans[1:] if s.response_ids is not None)
         assert len(out["response_ids"][t.rollout_n]) != turns
+
+
+# ----------------------------------------------------------------------------- issue 41: weight updates
+
+
+class PolicyWorker:
+    """Stands for SkyRL's policy worker (a Ray actor; its NCCL weight push needs GPUs): its
+    ``broadcast_to_inference_engines`` takes a while and returns None when it finished (when:
+    ``finished_ns``), or fails."""
+
+    def __init__(self, fail=False):
+        self.fail = fail
+        self.done_ns = None
+
+    async def broadcast_to_inference_engines(self, inference_engine_client):
+        import time
+
+        await asyncio.sleep(0.05)
+        if self.fail:
+            raise RuntimeError("the weight push failed")
+        self.done_ns = time.time_ns()
+
+    def finished_ns(self):
+        return self.done_ns
+
+
+def policy_group(ray, fail=False):
+    """SkyRL's PPORayActorGroup over one stand-in worker (its real dispatch, pass_through)."""
+    from skyrl_train.distributed.dispatch import ActorInfo
+    from skyrl_train.workers.worker import PPORayActorGroup
+
+    group = object.__new__(PPORayActorGroup)
+    group.actor_infos = [ActorInfo(ray.remote(PolicyWorker).remote(fail), None)]
+    return group
+
+
+def trainer_of(cls, group, step):
+    """SkyRL's trainer with what its weight sync reads: the policy workers, the client, the step."""
+    trainer = object.__new__(cls)
+    trainer.policy_model, trainer.inference_engine_client, trainer.global_step = group, None, step
+    return trainer
+
+
+def wait_for(count, timeout=30):
+    """Until rtrace took ``count`` weight updates (the synchronous trainer's mark comes from
+    Ray's thread when the workers' refs resolve)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while rtrace.stats().get("weight_updates", 0) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return rtrace.stats().get("weight_updates", 0)
+
+
+def test_the_trainer_s_weight_syncs_are_weight_updates(tmp_path, tok, db_root, monkeypatch):
+    """SkyRL's trainers publish weights in their real methods, run as their training loops run
+    them: the synchronous trainer's sync_policy_weights_to_inference_engines (before training at
+    global_step 0, after step 1 at global_step 1), whose refs its caller ray.get()s, and the
+    fully async trainer's awaited async_sync_policy_weights_to_inference_engines (global_step 3).
+    Each is one weight update, version and step = global_step, marked once the workers'
+    broadcast finished (not before), with its duration; the rollouts the generator makes next
+    carry that version as policy_version and end on it. A failed push raises what Ray raises,
+    and marks nothing. The refs the trainer gets are the workers' own."""
+    import time
+
+    ray = pytest.importorskip("ray")
+    import shutil
+    import tempfile
+
+    from skyrl_train.fully_async_trainer import FullyAsyncRayPPOTrainer
+    from skyrl_train.trainer import RayPPOTrainer
+
+    from rtrace.exporters.jsonl import read_events
+
+    assert RayPPOTrainer.sync_policy_weights_to_inference_engines.__rtrace_wrapped__
+    assert FullyAsyncRayPPOTrainer.async_sync_policy_weights_to_inference_engines.__rtrace_wrapped__
+    monkeypatch.setattr(rtrace.compat.skyrl, "_published", [None])  # this process published nothing yet
+    path = tmp_path / "t.jsonl"
+    ray_dir = tempfile.mkdtemp(prefix="rt-ray-")
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, _temp_dir=ray_dir)
+    try:
+        rtrace.configure(exporter="jsonl", jsonl_path=str(path), export_interval_s=0.05)
+        gen = generator(config(db_root), tok)
+        finished = []
+        for step in (0, 1):
+            trainer = trainer_of(RayPPOTrainer, policy_group(ray), step)
+            refs = trainer.sync_policy_weights_to_inference_engines()
+            assert all(isinstance(r, ray.ObjectRef) for r in refs)
+            assert ray.get(refs) == [None]  # as RayPPOTrainer.train() does
+            finished.append(ray.get(trainer.policy_model.actor_infos[0].handle.finished_ns.remote()))
+            assert wait_for(step + 1) == step + 1
+            run(gen, batch(["q0", "q1"], 2, step + 1, "train"))
+        with pytest.raises(ray.exceptions.RayTaskError, match="the weight push failed"):
+            ray.get(trainer_of(RayPPOTrainer, policy_group(ray, fail=True), 2).sync_policy_weights_to_inference_engines())
+        before = time.time_ns()
+        asyncio.run(trainer_of(FullyAsyncRayPPOTrainer, policy_group(ray), 3).async_sync_policy_weights_to_inference_engines())
+        after = time.time_ns()
+        run(gen, batch(["q3"], 2, 4, "train"))
+        time.sleep(0.5)  # (a mark of the failed push would have come by now)
+        assert rtrace.flush(30)
+        stats = rtrace.stats()
+        rtrace.shutdown()
+    finally:
+        ray.shutdown()
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    events = read_events(path)
+    assert [(e.kind, e.version, e.step) for e in events] == [("weight_update", v, v) for v in (0, 1, 3)]
+    assert all(set(e.attributes) == {"duration_ms"} and e.attributes["duration_ms"] > 0 for e in events)
+    assert [e.time_ns >= done for e, done in zip(events, finished)] == [True, True]
+    assert before <= events[2].time_ns <= after
+    assert stats["weight_updates"] == 3 and stats.get("internal_errors", 0) == 0
+    trajs = read_jsonl(path)
+    assert sorted({(t.step, t.policy_version) for t in trajs}) == [(1, 0), (2, 1), (4, 3)]
+    assert len(trajs) == 10
+    assert all(t.policy_version_end == t.policy_version and t.crossed_update is False for t in trajs)
+
+
+def test_without_a_trainer_the_generator_s_rollouts_have_no_version(tmp_path, tok, db_root):
+    """The generator alone (no weight ever published in this process): no policy_version, as before."""
+    _, trajs = traced(tmp_path, generator(config(db_root), tok), [batch(["q0"], 2, 1, "train")])
+    assert [t.policy_version for t in trajs] == [None, None]

@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -218,14 +219,25 @@ def test_private_names_exist(traced):
     """Canary: every TRL private name rtrace.compat._trl_private lists exists in the installed TRL."""
     import importlib
 
+    import inspect
+
+    from trl import GRPOTrainer
+
     trainer = traced["trainer"]
     for name in _trl_private.PRIVATE_NAMES:
         module, _, path = name.partition(":")
         obj = importlib.import_module(module)
+        if path == "GRPOTrainer.vllm_generation":  # only use_vllm sets it (test_each_push_of_weights_...)
+            assert "self.vllm_generation = VLLMGeneration(" in inspect.getsource(GRPOTrainer.__init__)
+            continue
         for i, part in enumerate(path.split(".")):
             if i == 1 and module.startswith("trl") and not hasattr(obj, part):
                 obj = trainer  # an instance attribute
             obj = getattr(obj, part)
+    # where TRL pushes its weights: before generating, when global_step moved; no argument
+    source = inspect.getsource(GRPOTrainer._generate_single_turn)
+    assert "self.vllm_generation.sync_weights()\n" in source
+    assert "self._last_loaded_step = self.state.global_step" in source
 
 
 @pytest.mark.parametrize("report_to, exporter", [
@@ -504,3 +516,114 @@ def test_sampler_and_trainer_logprobs_and_their_mismatch(tmp_path, monkeypatch, 
         print(f"\nTRL ({'with env tokens' if env else 'single turn'}), same weights, KV-cached sampler vs TRL's "
               f"old_per_token_logps: max |Δlogprob| {worst:.3g} over {tokens} loss-masked tokens")
     assert worst < 1e-5
+
+
+# ----------------------------------------------------------------------------- issue 41: weight updates
+
+
+class FakeVLLMServer:
+    """A vLLM server as TRL's ``VLLMClient`` reaches it in server mode, in this process.
+
+    TRL's client speaks HTTP to the server and pushes weights over NCCL, which does not run on
+    CPU: this object stands at that boundary and answers the calls TRL makes on its client
+    (``get_server_info``, ``update_named_params``, ``reset_prefix_cache``, ``generate``). Its
+    model is a copy of the trainer's initial one (the checkpoint a server loads), whose
+    parameters each push replaces; it samples token by token at temperature 1 and returns each
+    token's logprob. ``calls`` keeps, per generate call, when it came and how many pushes the
+    server had taken, and whether its weights were the trainer's at that moment."""
+
+    def __init__(self, model, trainer_model):
+        import copy
+
+        self.model = copy.deepcopy(model)
+        self.trainer_model = trainer_model
+        self.pushes = 0
+        self.calls = []
+
+    def get_server_info(self):
+        return {"model_config": {"logprobs_mode": "processed_logprobs"}}
+
+    def update_named_params(self, metadata, named_params):
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in named_params:
+                params[name].copy_(tensor)
+        self.pushes += 1
+
+    def reset_prefix_cache(self):
+        pass
+
+    def generate(self, prompts, features=None, n=1, max_tokens=16, **sampling):
+        ours, theirs = self.model.state_dict(), self.trainer_model().state_dict()
+        self.calls.append((time.time_ns(), self.pushes, all(torch.equal(ours[k], theirs[k]) for k in ours)))
+        gen = torch.Generator().manual_seed(len(self.calls))
+        out = {"prompt_ids": list(prompts), "completion_ids": [], "logprobs": [], "logprob_token_ids": None}
+        with torch.no_grad():
+            for ids in prompts:
+                for _ in range(n):
+                    step_in, past, completion, logps = torch.tensor([ids]), None, [], []
+                    for _ in range(max_tokens):
+                        o = self.model(input_ids=step_in, past_key_values=past, use_cache=True)
+                        past = o.past_key_values
+                        logp = torch.log_softmax(o.logits[0, -1].float(), dim=-1)
+                        token = int(torch.multinomial(logp.exp(), 1, generator=gen))
+                        completion.append(token)
+                        logps.append([float(logp[token])])
+                        step_in = torch.tensor([[token]])
+                        if token == self.model.config.eos_token_id:
+                            break
+                    out["completion_ids"].append(completion)
+                    out["logprobs"].append(logps)
+        return out
+
+
+def test_each_push_of_weights_to_vllm_is_a_weight_update(tmp_path, monkeypatch):
+    """GRPOTrainer with use_vllm (server mode; the server at the client boundary, above): TRL
+    pushes its weights before each generation whose global_step moved (steps 0 and 1 of the
+    training, 2 before the evaluation). Each push is one weight update, marked when it
+    returned: version and step = global_step, with its duration; before the server generated
+    with those weights (which then equal the trainer's), and the completions generated next
+    carry that version as policy_version, ending on it without crossing an update."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    from rtrace.demo import build_tokenizer
+    from rtrace.exporters.jsonl import read_events
+
+    servers = []
+
+    def connect(self):  # VLLMGeneration's connection to its server (HTTP + NCCL): the fake instead
+        servers.append(FakeVLLMServer(self.model, lambda: self.model))
+        self.vllm_client = servers[-1]
+
+    monkeypatch.setattr(VLLMGeneration, "_init_vllm", connect)
+    path = tmp_path / "t.jsonl"
+    before = time.time_ns()
+    trainer = train(tmp_path, build_tokenizer(), [RTraceCallback(exporter="jsonl", jsonl_path=str(path))], "vllm",
+                    report_to="none", use_vllm=True, vllm_mode="server", steps_per_generation=1)
+    assert rtrace.flush(60)
+    rtrace.shutdown()
+    (server,) = servers
+    events = read_events(path)
+    assert [(e.kind, e.version, e.step) for e in events] == [("weight_update", v, v) for v in (0, 1, 2)]
+    assert _trl_private.wrap_weight_sync(trainer, None)  # wrapped once, at on_train_begin
+    assert all(set(e.attributes) == {"duration_ms"} and e.attributes["duration_ms"] >= 0 for e in events)
+    # the evaluation's 4 prompts x 2 come in two batches of 4 completions, on the same weights
+    assert [pushes for _, pushes, _ in server.calls] == [1, 2, 3, 3] and all(same for *_, same in server.calls)
+    # each update is marked after the generation before its push, before the first one on its weights
+    times = [before] + [t for t, _, _ in server.calls]
+    assert all(times[i] <= events[i].time_ns <= times[i + 1] for i in range(3))
+    trajs = read_jsonl(path)
+    assert sorted({(t.validate, t.step, t.policy_version) for t in trajs}) == [(False, 1, 0), (False, 2, 1),
+                                                                              (True, 2, 2)]
+    assert len(trajs) == 16  # 2 steps x 4 completions, the evaluation's 4 prompts x 2
+    assert all(t.policy_version_end == t.policy_version and t.crossed_update is False for t in trajs)
+
+
+def test_without_vllm_nothing_is_published(traced):
+    """use_vllm off (the other tests): the trainer generates with its own weights; nothing is
+    pushed, no weight update is marked."""
+    from rtrace.exporters.jsonl import read_events
+
+    assert traced["stats"].get("weight_updates", 0) == 0
+    assert read_events(traced["tmp"] / "t.jsonl") == []
+    assert not _trl_private.wrap_weight_sync(traced["trainer"], None)

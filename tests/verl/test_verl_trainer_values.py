@@ -270,8 +270,16 @@ def test_private_names_exist():
     veRL (global_steps on a trainer), and install() wrapped the trainer's methods."""
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
+    import importlib
+
     for name in _verl_private.PRIVATE_NAMES:
         module, _, path = name.partition(":")
+        if module != _verl_private.TRAINER_MODULE:  # the weight sync (test_the_weight_sync_is_where_...)
+            obj = importlib.import_module(module)
+            for part in path.split("."):
+                obj = getattr(obj, part)
+            assert callable(obj), name
+            continue
         cls_name, attr = path.split(".")
         assert module == _verl_private.TRAINER_MODULE and cls_name == "RayPPOTrainer"
         assert hasattr(RayPPOTrainer, attr) or attr == "global_steps", name
@@ -291,3 +299,92 @@ def test_install_wraps_the_trainer_in_a_fresh_interpreter():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == ["True", "True"]
+
+
+# ----------------------------------------------------------------------------- issue 41: weight updates
+
+
+class ActorGroup:
+    """Stands for veRL's actor worker group (FSDP workers, whose weight push needs GPUs): its
+    ``update_weights`` returns the workers' Ray refs, each finishing after a while (or failing);
+    it notes the thread it was called on."""
+
+    def __init__(self, ray, fail=False):
+        self.ray, self.fail, self.threads, self.done = ray, fail, [], []
+
+    def update_weights(self, global_steps=None, mode=None):
+        import threading
+
+        @self.ray.remote
+        def push(fail):
+            import time
+
+            time.sleep(0.05)
+            if fail:
+                raise RuntimeError("the weight push failed")
+            return time.time_ns()
+
+        self.threads.append(threading.get_ident())
+        refs = [push.remote(self.fail)]
+        self.done.append(refs[0])
+        return refs
+
+
+def test_each_weight_sync_to_the_replicas_is_a_weight_update(tmp_path):
+    """veRL's CheckpointEngineManager (the naive backend, a real Ray) as its trainers call it:
+    fit's update_weights(0) before training and update_weights(global_steps) after a step, from
+    sync code; the fully async trainer's `await ...update_weights(global_steps=v)` from async
+    code (veRL's auto_await still awaits it in the caller's loop: the push runs on the caller's
+    thread, not in a pool). Each is one weight update marked when it returned (after the
+    workers' push finished): version and step = global_steps, with its duration. A call
+    without global_steps marks nothing; a failed push raises what Ray raises, marks nothing,
+    and the return values are veRL's."""
+    import threading
+
+    ray = pytest.importorskip("ray")
+    from verl.checkpoint_engine import CheckpointEngineManager
+    from verl.workers.config import CheckpointEngineConfig
+
+    from rtrace.exporters.jsonl import read_events
+
+    assert CheckpointEngineManager.update_weights.__rtrace_wrapped__
+    rtrace.configure(exporter="jsonl", jsonl_path=str(tmp_path / "w.jsonl"), export_interval_s=0.05)
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        group = ActorGroup(ray)
+        manager = CheckpointEngineManager(config=CheckpointEngineConfig(backend="naive"), actor_wg=group, replicas=[])
+        assert manager.update_weights(0) == {} and manager.update_weights(global_steps=1) == {}
+
+        async def fully_async():
+            return await manager.update_weights(global_steps=2)
+
+        assert asyncio.run(fully_async()) == {}
+        assert manager.update_weights() == {}  # (v1's trainer_base calls it so)
+        assert group.threads == [threading.get_ident()] * 4
+        finished = ray.get(group.done)
+        broken = CheckpointEngineManager(config=CheckpointEngineConfig(backend="naive"), actor_wg=ActorGroup(ray, True),
+                                         replicas=[])
+        with pytest.raises(ray.exceptions.RayTaskError, match="the weight push failed"):
+            broken.update_weights(3)
+    finally:
+        ray.shutdown()
+    assert rtrace.flush(30)
+    events = read_events(tmp_path / "w.jsonl")
+    assert [(e.kind, e.version, e.step) for e in events] == [("weight_update", v, v) for v in (0, 1, 2)]
+    assert all(set(e.attributes) == {"duration_ms"} and e.attributes["duration_ms"] > 0 for e in events)
+    assert all(e.time_ns >= done for e, done in zip(events, finished))
+
+
+def test_the_weight_sync_is_where_the_trainer_publishes():
+    """Canary: fit calls checkpoint_manager.update_weights(self.global_steps) before training and
+    after each actor update; the method takes global_steps; auto_await wraps it."""
+    import inspect
+
+    from verl.checkpoint_engine import CheckpointEngineManager
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    fit = inspect.getsource(RayPPOTrainer.fit)
+    assert fit.count("self.checkpoint_manager.update_weights(self.global_steps)") == 3
+    original = CheckpointEngineManager.update_weights.__wrapped__
+    assert list(inspect.signature(original).parameters) == ["self", "global_steps"]
+    assert inspect.iscoroutinefunction(original.__wrapped__)  # auto_await's functools.wraps
