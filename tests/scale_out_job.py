@@ -40,7 +40,8 @@ WORKERS = 4
 SEED = 40
 
 #: the worker metrics whose values depend on wall time (each run's own): compared for presence only
-TIMED = ("latency_ms_", "time_generation_frac", "time_tool_frac", "time_other_frac")
+TIMED = ("latency_ms_", "time_generation_frac", "time_tool_frac", "time_other_frac", "generation_ms_", "tool_ms_",
+         "wait_ms_", "inflight_peak", "slowest_server_share")
 
 
 # ----------------------------------------------------------------------------- the rollouts

@@ -149,9 +149,6 @@ class TestOneRunWhateverN:
               f"{sum(w[2] for w in pre['job'].workers):.2f} s vs {sum(w[2] for w in full['job'].workers):.2f} s "
               "recording everything")
 
-    @pytest.mark.xfail(strict=True, reason="promoted rollouts (pre-sampled out, failed or truncated) enter the "
-                                           "sample when the cap has room: single members of groups, kept as "
-                                           "'sampled' (issue 40, reported)")
     def test_pre_sampled_at_5_percent_the_sample_is_the_recorded_groups(self, jobs):
         """The sample is chosen among the ~26 rollouts a step recorded in full by rank (fewer than
         the cap of 32): whole groups, the full run's lowest-priority ones; the trackio run holds

@@ -66,7 +66,9 @@ def cut_step(rows: list[dict[str, Any]], selection: dict[str, Any]) -> dict[str,
         failed = r["status"] == "error" or bool(r["truncated"]) or bool(r["partial"])
         value = reward if keep_by == "reward" else _finite(notes.get(keep_by))
         tail = Tail(failed, value, reward, bool(r["unhealthy"]), _finite(notes.get("logprob_mismatch_k3")))
-        selector.offer(coords, item, 0.0, tail, prio=r["priority"])
+        # only a row its own writer sampled can be in the sample (the lowest k of the union are
+        # among each writer's lowest k); the others compete for the tail
+        selector.offer(coords, item, 0.0, tail, prio=r["priority"], sample="sampled" in (r["kept"] or ()))
     selector.release(0.0, force=True)
     return {trace_id: item.kept for trace_id, item in items.items()}
 

@@ -50,7 +50,8 @@ from .admission import Admission
 from .otlp_receiver import OtlpReceiver, PartialSuccess, TlsFiles, attributes
 from .records import TrajectoryState
 from .sampling import selector_for
-from .stream import ANNOTATION_SPAN, ANNOTATIONS_ATTR, MESSAGES_ATTR, SUMMARIES_ATTR, SUMMARIES_SPAN, TOKENIZER_ATTR
+from .stream import (ANNOTATION_SPAN, ANNOTATIONS_ATTR, MESSAGES_ATTR, PROMOTED_ATTR, SUMMARIES_ATTR, SUMMARIES_SPAN,
+                     TOKENIZER_ATTR)
 from .summaries import summary_state
 from .token2text import Token2Text, check_tokenizer, load_tokenizer
 from .tokens import TOKENS_KEY, TokenBatch, TokenRow, as_float32
@@ -231,6 +232,7 @@ class CollectorPipeline(Pipeline):
             if "rl.reward" in attrs:
                 state.reward, state.has_reward = attrs["rl.reward"], True
             state.outcome = {k[len("rl.outcome."):]: v for k, v in attrs.items() if k.startswith("rl.outcome.")}
+            state.promoted = attrs.get(PROMOTED_ATTR) is True
             if MESSAGES_ATTR in record.attributes or ANNOTATIONS_ATTR in record.attributes:
                 _uncarry(state, record.attributes)
             tokenizer = record.attributes.pop(TOKENIZER_ATTR, None)

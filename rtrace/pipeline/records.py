@@ -128,7 +128,7 @@ class TrajectoryState:
     __slots__ = ("trace_id", "root_span_id", "name", "kind", "coords", "captures", "reward",
                  "has_reward", "outcome", "created", "created_ns", "records", "dropped_spans",
                  "partial", "root_lost", "root_at", "annotations", "remote_parent", "messages", "kept", "health",
-                 "span_ids", "touched", "held_bytes", "plain", "coordinates", "summary_only", "summary", "worker")
+                 "span_ids", "touched", "held_bytes", "plain", "coordinates", "summary_only", "summary", "promoted", "worker")
 
     def __init__(self, trace_id: int, root_span_id: int | None, name: str, kind: str,
                  coords: dict[str, Any]) -> None:
@@ -186,6 +186,10 @@ class TrajectoryState:
         #: the collector: the summary a worker made of a rollout it recorded as a summary only
         #: (its annotations and the collector's checks are added when it is counted)
         self.summary: Any = None
+        #: collector: a rollout its worker recorded as a summary only and sent in full after all
+        #: (failed, truncated, unhealthy: ``rtrace.promoted`` on its root): a candidate for the
+        #: step's tail, never for its sample (its rank is above the workers' pre-sample rate)
+        self.promoted = False
 
     def add(self, record: SpanRecord) -> None:
         """Add a converted span to ``records`` (the list is made by the first one)."""

@@ -179,9 +179,11 @@ class StepSelector:
         return priority(coords, self.seed, self.groups or self.prompts)
 
     def offer(self, coords: dict[str, Any], item: Any, now: float, tail: Tail | None = None,
-              prio: float | None = None) -> list[Any]:
+              prio: float | None = None, sample: bool = True) -> list[Any]:
         """Add a finished trajectory; returns what passes at once (no cap, late step).
-        ``prio``: its :meth:`priority` when known (a dataset row's)."""
+        ``prio``: its :meth:`priority` when known (a dataset row's). ``sample`` False: a
+        candidate for the tail only (a rollout a worker's pre-sampling left out and sent in
+        full after all, or a row a collector did not sample: none is in the step's sample)."""
         validate = bool(coords.get("validate"))
         cap = self.caps[validate]
         if cap is None:
@@ -194,7 +196,7 @@ class StepSelector:
                 self._latest[validate] = step
         if key in self._released:
             self._incr("trajectories_late_step")
-            if self._released[key] < cap:
+            if sample and self._released[key] < cap:
                 self._released[key] += 1
                 return [item]
             self._incr("trajectories_sampled_out")
@@ -210,7 +212,7 @@ class StepSelector:
         rank = (-prio, -_plain_num(coords.get("rollout_n")), -self._n)
         uid = self._n
         entry.items[uid] = [item, 0]
-        if cap and (len(entry.sample) < cap or rank > entry.sample[0][0]):
+        if sample and cap and (len(entry.sample) < cap or rank > entry.sample[0][0]):
             self._push(entry, entry.sample, cap, (rank, uid))
         if tail is not None:
             # The error and unhealthy tails are kept past the cap: up to ``cap`` of their

@@ -30,6 +30,9 @@ from .worker import _CHUNK, Pipeline
 __all__ = ["StreamPipeline", "ANNOTATION_SPAN", "MESSAGES_ATTR", "ANNOTATIONS_ATTR", "TOKENIZER_ATTR",
            "SUMMARIES_SPAN", "SUMMARIES_ATTR", "summaries_shells"]
 
+#: On the root of a rollout a worker recorded as a summary only and sends in full after all.
+PROMOTED_ATTR = "rtrace.promoted"
+
 #: Name of the span that carries an annotation to the collector.
 ANNOTATION_SPAN = "rtrace.annotation"
 #: Annotations turned into shells and handed to the sink at a time.
@@ -200,6 +203,7 @@ class StreamPipeline(Pipeline):
         stamps: dict[int, dict[str, Any]] = {}
         for i, record in enumerate(records):
             self._stamp(state, record, i == 0, stamps, conv)
+        records[0].attributes[PROMOTED_ATTR] = True  # the collector's tail may keep it, its sample never
         return Trajectory(trace_id=format(state.trace_id, "032x"), name=state.name, spans=records)
 
     def _stamp(self, state: TrajectoryState, record: SpanRecord, is_root: bool,

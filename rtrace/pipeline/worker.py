@@ -498,7 +498,8 @@ class Pipeline:
         keep_by = self.settings.keep_by
         for state in states:
             try:  # one trajectory the selector cannot place costs that one, not the round
-                out.extend(selector.offer(state.coords, state, now, tail_of(state, keep_by)))
+                out.extend(selector.offer(state.coords, state, now, tail_of(state, keep_by),
+                                          sample=not state.promoted))
             except Exception:
                 _stats.incr("trajectories_select_failed")
                 _stats.warn_once("select", "rtrace could not sample a trajectory; it is dropped", exc_info=True)
