@@ -401,6 +401,8 @@ class TestPromotion:
         expected = {key(t): t for t in recorded.trajectories}
         assert {key(t) for t in promoted.trajectories} == expected.keys()
         for t in promoted.trajectories:
+            # its root says it was promoted (the collector's sample never takes it): the rest as recorded
+            assert t.root.attributes.pop("rtrace.promoted") is True
             assert tree(t) == tree(expected[key(t)])
             assert [s[2] for s in tree(t)][:3] == [None, "rollout", "agent_loop"]  # nested as recorded
             assert t.status == expected[key(t)].status and t.reward == expected[key(t)].reward

@@ -338,14 +338,20 @@ class Run:
             kept: dict[str, list[str]] = {}
             every = bool(selection and selection.get("summaries"))
             if selection is not None and (selection.get("val_cap") if key[0] else selection.get("cap")) is not None:
-                from .cut import CANDIDATE_SQL, cut_step
+                from .cut import CANDIDATE_SQL, GROUPS_SQL, cut_step
 
                 query = CANDIDATE_SQL.format(source=f"({source})", where="validate = ? AND step = ?")
                 rows = [dict(zip(("validate", "step", "trace_id", "sample_index", "rollout_n", "group_id",
                                   "priority", "kept", "status", "truncated", "partial", "reward", "unhealthy",
                                   "annotations_double"), r))
                         for r in self.con.execute(query, [key[0], key[1]]).fetchall()]
-                kept = cut_step(rows, selection) if rows else {}
+                groups = None
+                if rows and selection.get("keep_zero_variance"):
+                    grouped = self.con.execute(GROUPS_SQL.format(source=f"({source})", where="validate = ? AND step = ?"),
+                                               [key[0], key[1]])
+                    names = [d[0] for d in grouped.description]
+                    groups = [dict(zip(names, g)) for g in grouped.fetchall()]
+                kept = cut_step(rows, selection, groups) if rows else {}
             self._cuts[key] = (frozenset(files[key]), kept, every)
         import pyarrow as pa
 

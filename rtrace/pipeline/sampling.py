@@ -142,9 +142,10 @@ class StepSelector:
     * **mismatch**: the ``keep_mismatch`` trajectories with the largest train-inference
       logprob mismatch (k3), past the cap in the same way;
     * **best** / **worst**: the ``keep_extremes`` highest and lowest by ``keep_by``;
-    * **zero_variance**: up to ``keep_zero_variance`` groups whose rewards are all equal
-      (the lowest-priority groups among at most ``2 * keep_zero_variance`` candidates
-      held; a candidate stops being one when a member with another reward arrives).
+    * **zero_variance**: up to ``keep_zero_variance`` groups whose rewards are all equal,
+      the lowest-ranked such among the ``2 * keep_zero_variance`` groups of lowest rank
+      (:meth:`group_priority`; whatever their rewards: the choice does not depend on the order
+      rollouts arrive in, and several collectors' choices cut to one collector's).
 
     Each has its own counter (``trajectories_kept_<reason>``); a trajectory records every
     reason it was kept for. A step is released once a later step of the same stream has
@@ -257,23 +258,33 @@ class StepSelector:
         self._incr("trajectories_sampled_out")
         self.on_drop(item)
 
+    def group_priority(self, coords: dict[str, Any]) -> float:
+        """A rollout's group's rank (its priority when the sample is by group)."""
+        return self.priority(coords) if self.groups or self.prompts else priority(coords, self.seed, True)
+
     def _group(self, entry: "_Step", coords: dict[str, Any], tail: Tail, prio: float, uid: int) -> None:
+        """Zero-variance candidates: the ``2 * keep_zero_variance`` groups of lowest rank seen,
+        whatever their rewards (so the set does not depend on the order rollouts arrive in: a
+        group pushed out by a lower-ranked one never comes back, and one that breaks keeps its
+        place); the members of those whose rewards are all equal so far are held."""
         group = coords.get("group_id", coords.get("sample_index"))
         if group is None or tail.reward is None:
             return
         g = entry.groups.get(group)
         if g is None:
+            gprio = prio if self.groups or self.prompts else self.group_priority(coords)
             if len(entry.groups) >= 2 * self.keep_zero_variance:
                 worst = max(entry.groups, key=lambda k: entry.groups[k][0])
-                if entry.groups[worst][0] <= prio:
+                if entry.groups[worst][0] <= gprio:
                     return
                 self._forget_group(entry, worst)
-            g = entry.groups[group] = [prio, tail.reward, []]
-        if g[1] != tail.reward:  # not zero variance any more: no longer held for it
-            self._forget_group(entry, group)
-            entry.broken.add(group)
+            g = entry.groups[group] = [gprio, tail.reward, [], False]
+        if g[3]:
             return
-        if group in entry.broken:
+        if g[1] != tail.reward:  # not zero variance: its members are no longer held for it
+            for held in g[2]:
+                self._release_ref(entry, held)
+            g[2], g[3] = [], True
             return
         g[2].append(uid)
         entry.items[uid][1] += 1
@@ -307,7 +318,7 @@ class StepSelector:
             for name, heap in (("best", entry.best), ("worst", entry.worst)):
                 for _, uid in sorted(heap, reverse=True):
                     reasons.setdefault(uid, []).append(name)
-            zero = sorted((g for g in entry.groups.values() if len(g[2]) >= 2), key=lambda g: g[0])
+            zero = sorted((g for g in entry.groups.values() if not g[3] and len(g[2]) >= 2), key=lambda g: g[0])
             for g in zero[: self.keep_zero_variance]:
                 for uid in g[2]:
                     reasons.setdefault(uid, []).append("zero_variance")
@@ -334,7 +345,7 @@ class StepSelector:
 class _Step:
     """What the selector holds for one (validate, step)."""
 
-    __slots__ = ("sample", "errors", "unhealthy", "mismatch", "best", "worst", "groups", "broken", "items", "last")
+    __slots__ = ("sample", "errors", "unhealthy", "mismatch", "best", "worst", "groups", "items", "last")
 
     def __init__(self) -> None:
         self.sample: list = []
@@ -345,7 +356,6 @@ class _Step:
         self.worst: list = []
         #: zero-variance candidates: group -> [priority, reward, [uids]]
         self.groups: dict[Any, list] = {}
-        self.broken: set = set()
         #: uid -> [item, references held]
         self.items: dict[int, list] = {}
         self.last = 0.0
