@@ -21,7 +21,7 @@ from .._serialize import attr_ok, json_safe, json_text, vouch
 from ..trajectory import SpanRecord, Trajectory
 from .annotations import Annotation
 from .builder import SpanConverter, _reward, coordinates
-from .summaries import records_of_tally, state_of_tally, summary_of_state
+from .summaries import records_of_tally, state_of_tally, summary_of_tally
 from .records import Tally, TrajectoryState, ids_of, record_of
 from .tokens import wire_values
 from .worker import _CHUNK, Pipeline
@@ -137,14 +137,11 @@ class StreamPipeline(Pipeline):
         unplain = values.unplain
         for tally in tallies:
             try:
-                state = state_of_tally(tally, settings, conv)
-                if health is not None:
-                    health.check_state(state, rollout=False)
-                summary = summary_of_state(state, settings, values)
+                summary = summary_of_tally(tally, settings, conv, health)
                 # what the collector's tail keeps (tail_of): a failed root, a generation stopped at
                 # length (keep_errors), a health finding (keep_unhealthy)
-                if (summary.status == "error" or summary.truncated or summary.health) and self._promote(state):
-                    out.append(self._promoted_shell(tally, state, conv))
+                if (summary.status == "error" or summary.truncated or summary.health) and self._promote(tally.coords):
+                    out.append(self._promoted_shell(tally, state_of_tally(tally, settings, conv), conv))
                     continue
                 summaries.append(summary.to_wire())
             except Exception:
@@ -155,7 +152,7 @@ class StreamPipeline(Pipeline):
         self._plain_summaries = values.unplain == unplain
         return summaries
 
-    def _promote(self, state: TrajectoryState) -> bool:
+    def _promote(self, coords: dict[str, Any]) -> bool:
         """Is there room to send this rollout in full (RTRACE_PROMOTE_PER_STEP per (validate,
         step), in this worker)? Counted either way."""
         limit = self.settings.promote_per_step
@@ -164,7 +161,6 @@ class StreamPipeline(Pipeline):
         table = self._promoted
         if table is None:
             table = self._promoted = OrderedDict()
-        coords = state.coords
         key = (bool(coords.get("validate")), coords.get("step"))
         try:
             n = table.get(key, 0)
