@@ -95,7 +95,7 @@ def _thread_cpu() -> dict[str, float]:
             cpu = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
         except (OSError, TypeError, AttributeError):  # ended meanwhile, or no such clock here
             continue
-        name = "program" if t is threading.main_thread() else t.name
+        name = "program" if t is threading.main_thread() else t.name.split(":")[0]  # (not the port)
         out[name] = out.get(name, 0.0) + cpu
     return out
 
@@ -106,14 +106,17 @@ class _GCTime:
     def __init__(self) -> None:
         self.cpu = 0.0
         self.counts = [0, 0, 0]
+        self.by_generation = [0.0, 0.0, 0.0]
         self._start = 0.0
 
     def __call__(self, phase, info) -> None:
         if phase == "start":
             self._start = time.thread_time()
         else:
-            self.cpu += time.thread_time() - self._start
+            spent = time.thread_time() - self._start
+            self.cpu += spent
             self.counts[info["generation"]] += 1
+            self.by_generation[info["generation"]] += spent
 
 
 def worker(env: dict | None, rollout: str, n: int, ready, go, out) -> None:
@@ -148,7 +151,8 @@ def worker(env: dict | None, rollout: str, n: int, ready, go, out) -> None:
     gc.callbacks.remove(gc_time)
     threads = {name: t1[name] - t0.get(name, 0.0) for name in t1}
     threads["other (gRPC's C threads ...)"] = cpu - sum(threads.values())
-    out.put((cpu, ok, stats(), gc_time.cpu, gc_time.counts, threads))
+    counts = [f"{n} ({ms * 1e3:.0f} ms)" for n, ms in zip(gc_time.counts, gc_time.by_generation)]
+    out.put((cpu, ok, stats(), gc_time.cpu, counts, threads))
     out.close()
     out.join_thread()
     os._exit(0)
