@@ -142,11 +142,9 @@ class Pipeline:
         ) if settings.health_checks else None
         self._max_queue = settings.max_queue_size
         self._wake_at = max(1, min(2048, self._max_queue // 2))
-        # A tally holds a rollout's calls (~20 spans' worth): the worker is woken for as many calls
-        # as spans. Left to wait for the half-second round, the ~1,000 tallies a loop makes meanwhile
-        # outlived two of the GC's collections and reached the oldest generation, whose full
-        # collections (~70 ms each in a worker with gRPC and numpy loaded) then cost the program a
-        # third of what summarizing costs (benchmarks/bench_summaries.py).
+        # A tally holds a rollout's calls (~20 spans' worth) and what they saw (a realistic one
+        # keeps ~50 kB of prompt and response ids alive): the worker is woken for as many calls
+        # as spans, not after 2,048 rollouts (~100 MB held until the half-second round).
         self._tally_wake_at = max(1, self._wake_at // 32)
         self._queue: collections.deque[ReadableSpan] = collections.deque()
         #: finished states built without spans (log_rollout_batch), and annotations
