@@ -28,7 +28,9 @@ are reported.
 Each set-up runs ``--repeat`` times in turn (default 3) and the median is printed: a noisy
 machine slows the set-ups alike instead of one of them.
 
-Run: ``.venv/bin/python benchmarks/bench_summaries.py [--n 3000] [--parts a,b] [--rollouts toy,real]``.
+Run: ``.venv/bin/python benchmarks/bench_summaries.py [--n 3000] [--parts a,b] [--rollouts toy,real]
+[--per-step 64]``. With ``BENCH_PY_SPY=<folder>`` (py-spy installed) the collector's measured part is
+sampled into that folder.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ from _machine import reference_line  # noqa: E402
 
 #: rollouts each worker runs (and flushes) before it is measured
 WARM_UP = 300
-#: rollouts per step (the collector keeps CAP of them)
-PER_STEP = 64
+#: rollouts per step (the collector keeps CAP of them; --per-step, passed to the spawned processes)
+PER_STEP = int(os.environ.get("BENCH_PER_STEP", "64"))
 CAP = 8
 CTX = mp.get_context("spawn")
 
@@ -158,6 +160,25 @@ def worker(env: dict | None, rollout: str, n: int, ready, go, out) -> None:
     os._exit(0)
 
 
+def _py_spy(running, what: str):
+    """With BENCH_PY_SPY=<folder>, the measured part of this process sampled by py-spy (when
+    installed): started at the first call, stopped (its file written) at the second."""
+    folder = os.environ.get("BENCH_PY_SPY")
+    if not folder:
+        return None
+    import signal
+    import subprocess
+
+    if running is None:
+        path = os.path.join(folder, f"{what}-{os.getpid()}.txt")
+        return subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--format", "raw", "--rate", "1000",
+                                 "--output", path, "--nonblocking"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    running.send_signal(signal.SIGINT)
+    running.wait(60)
+    return None
+
+
 def collector(settings: dict, conn) -> None:
     """A collector in a process of its own, set up as `rtrace collect` sets up its process;
     answers "cpu" (its process CPU seconds, after a flush) and "stop" (its stats)."""
@@ -179,11 +200,13 @@ def collector(settings: dict, conn) -> None:
     tune_malloc()
     c = rtrace.start_collector(sinks=[Metrics(None)], settle_s=0.2, **settings)
     conn.send(c.env)
+    spy = None
     while True:
         msg = conn.recv()
         if msg == "cpu":
             ok = c.flush(600)
             conn.send((time.process_time(), ok))
+            spy = _py_spy(spy, "collector")
         else:
             stats = c.stats()
             c.stop()
@@ -283,7 +306,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="rounds; the median is printed")
     parser.add_argument("--parts", default="a,b", help="which measurements: a, b (comma list)")
     parser.add_argument("--rollouts", default="toy,real", help=f"which rollouts: {', '.join(ROLLOUTS)} (comma list)")
+    parser.add_argument("--per-step", type=int, default=PER_STEP, help="rollouts per step (64)")
     args = parser.parse_args()
+    os.environ["BENCH_PER_STEP"] = str(args.per_step)  # the spawned processes read it
+    globals()["PER_STEP"] = args.per_step
     parts = set(args.parts.split(","))
     rollouts = args.rollouts.split(",")
     if not set(rollouts) <= ROLLOUTS.keys():

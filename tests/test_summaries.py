@@ -432,7 +432,7 @@ class TestWire:
         assert list(wire) == list(RolloutSummary.__slots__)
         from rtrace.summary import _WIRE_RULES
 
-        assert [k for k, _, _ in _WIRE_RULES] == list(RolloutSummary.__slots__)[1:]  # every field checked
+        assert [rule[0] for rule in _WIRE_RULES] == list(RolloutSummary.__slots__)[1:]  # every field checked
         back = RolloutSummary.from_wire(wire)
         assert math.isnan(back.reward)
         assert {k: getattr(back, k) for k in RolloutSummary.__slots__ if k != "reward"} == {
