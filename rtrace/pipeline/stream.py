@@ -45,6 +45,10 @@ class StreamPipeline(Pipeline):
     _promoted: "OrderedDict[tuple[bool, Any], int] | None" = None
     #: the last round's summaries hold converted values only (they may be vouched for)
     _plain_summaries = False
+    #: summaries made and not sent yet (wire dicts), since when, and whether all are plain
+    _pending: Any = ()  # (a list of the instance's own once there is one)
+    _pending_since = 0.0
+    _pending_plain = True
 
     def _round(self, now: float, expire: bool, force: bool) -> None:
         """Everything queued when the round starts, :data:`~rtrace.pipeline.worker._CHUNK`
@@ -103,16 +107,29 @@ class StreamPipeline(Pipeline):
             for state in self.registry.expire(now, self.settings.orphan_timeout_s, force):
                 _stats.incr("trajectories_left_to_collector")
         tallies = self._tallies
+        parts: list[Trajectory] = []
         if tallies:
-            promoted: list[Trajectory] = []
-            summaries = self._summaries([tallies.popleft() for _ in range(len(tallies))], conv, promoted)
-            parts = promoted + summaries_shells(summaries)
-            if self._plain_summaries:
-                for shell in parts[len(promoted):]:
+            summaries = self._summaries([tallies.popleft() for _ in range(len(tallies))], conv, parts)
+            if summaries:
+                if not self._pending:
+                    self._pending, self._pending_since, self._pending_plain = [], now, True
+                self._pending.extend(summaries)
+                self._pending_plain = self._pending_plain and self._plain_summaries
+        pending = self._pending
+        # The worker reads tallies 64 at a time (their marks hold what the calls saw), but sends
+        # their summaries a span of up to SUMMARIES_PER_SPAN at a time, at most export_interval_s
+        # after the first: the collector pays per request (admission, decoding, a round).
+        if pending and (len(pending) >= SUMMARIES_PER_SPAN or force or self._serving_flush
+                        or now - self._pending_since >= self.settings.export_interval_s):
+            self._pending = []
+            carriers = summaries_shells(pending)
+            if self._pending_plain:
+                for shell in carriers:
                     vouch(shell)  # converted values only (a NaN reward is its text): the NaN walk is skipped
-            if parts:
-                _stats.incr("segments_streamed", len(parts))
-                self.fanout.submit(parts)
+            parts += carriers
+        if parts:
+            _stats.incr("segments_streamed", len(parts))
+            self.fanout.submit(parts)
         conv.count()
         if shells:
             _stats.incr("segments_streamed", len(shells))
