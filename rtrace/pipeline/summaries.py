@@ -56,7 +56,8 @@ def summary_of_state(state: TrajectoryState, settings: Settings, conv: Converter
         summary.recorded = False
         summary.kept = []
         return summary
-    coords, extra = state.coordinates[:2] if state.coordinates is not None else rl_coordinates(state.coords, settings, conv)
+    coords, extra = (state.coordinates[:2] if state.coordinates is not None
+                     else rl_coordinates(state.coords, settings, conv))
     reward, outcome, annotations = results(state, conv)
     turns = tools = tokens_in = tokens_out = 0
     gen_ns = tool_ns = 0
