@@ -9,7 +9,9 @@ The pipeline makes one :class:`~rtrace.summary.RolloutSummary` per finished roll
   path): :func:`state_of_tally` makes a light state of it (its root and one record per
   generation and tool call, with the token counts and finish reasons a recorded call's
   conversion gives: the same code), which then waits for its annotations and gets the
-  first phase of the health checks like any other, and :func:`summary_of_state` reads it.
+  first phase of the health checks like any other, and :func:`summary_of_state` reads it;
+  a collector-mode worker, whose summaries wait in the collector instead, makes the same
+  summary in one pass over the marks (:func:`summary_of_tally`).
 
 The three agree: the summary of a rollout is the same whether it was kept, dropped or
 recorded as a summary only (``tests/test_summaries.py``), so step metrics over summaries
