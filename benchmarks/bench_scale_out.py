@@ -184,7 +184,7 @@ def part_b_once(rate: str, turns: int, n: int, settings: dict) -> tuple[float, d
     go.set()
     counters: dict = {}
     for p, q, _ in workers:
-        _, ok, stats = q.get(timeout=900)
+        _, ok, stats = q.get(timeout=900)[:3]
         assert ok, stats
         p.join(60)
         for key, value in stats.items():

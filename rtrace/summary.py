@@ -174,10 +174,11 @@ class RolloutSummary:
         if type(data) is not dict or type(data.get("trace_id")) is not str:
             raise ValueError("not a rollout summary")
         fields = {}
-        for key, ok in _WIRE_CHECKS:
+        for key, types, ok in _WIRE_CHECKS:
             if key in data:
                 value = data[key]
-                if not ok(value):
+                # most fields are one of a few exact types: checked without a call
+                if type(value) not in types and (ok is None or not ok(value)):
                     raise ValueError(f"a summary's {key} is not {_WIRE_TYPES[key]}")
                 fields[key] = value
         reward = fields.get("reward")
@@ -227,31 +228,39 @@ def _strings(v: Any) -> bool:
     return type(v) is list and all(type(x) is str for x in v)
 
 
-#: each field of the wire form, what it must be, and the check (the order of __slots__)
-_WIRE_RULES: tuple[tuple[str, str, Any], ...] = (
-    ("name", "a string", lambda v: type(v) is str),
-    ("step", "an int", _opt_int), ("sample_index", "an int", _opt_int), ("rollout_n", "an int", _opt_int),
-    ("validate", "a bool", lambda v: type(v) is bool), ("experiment", "a string", _opt_str),
-    ("group_id", "a scalar", lambda v: v is None or type(v) in (str, int, float, bool)),
-    ("policy_version", "an int", _opt_int), ("extra", "an object", _str_dict),
-    ("reward", "a number", _reward_value), ("outcome", "an object", _str_dict),
-    ("annotations", "an object", _str_dict), ("status", "ok or error", lambda v: v == "ok" or v == "error"),
-    ("error", "a string", _opt_str), ("partial", "a bool", lambda v: type(v) is bool),
-    ("turns", "an int", lambda v: type(v) is int), ("tool_calls", "an int", lambda v: type(v) is int),
-    ("tokens_in", "an int", lambda v: type(v) is int), ("tokens_out", "an int", lambda v: type(v) is int),
-    ("finish_reasons", "an object of counts", _counts), ("finish_reason", "a string", _opt_str),
-    ("start_ns", "an int", lambda v: type(v) is int), ("end_ns", "an int", lambda v: type(v) is int),
-    ("generation_ms", "a number", _number), ("tool_ms", "a number", _number),
-    ("health", "a list of findings", _health), ("recorded", "a bool", lambda v: type(v) is bool),
-    ("kept", "a list of strings", _strings), ("priority", "a number", lambda v: v is None or _number(v)),
-    ("dropped_spans", "an int", lambda v: type(v) is int),
-    ("worker", "a string", _opt_str), ("policy_version_end", "an int", _opt_int),
-    ("crossed_update", "a bool", lambda v: v is None or type(v) is bool), ("wait_ms", "a number", _number),
-    ("server_ms", "an object of numbers", lambda v: type(v) is dict and all(
+_NONE, _INT, _STR, _BOOL = type(None), int, str, bool
+#: each field of the wire form, what it must be, the exact types that are it, and the check of a
+#: value of another type (None: no other value is; the order of __slots__)
+_WIRE_RULES: tuple[tuple[str, str, frozenset, Any], ...] = (
+    ("name", "a string", frozenset((_STR,)), None),
+    ("step", "an int", frozenset((_INT, _NONE)), None), ("sample_index", "an int", frozenset((_INT, _NONE)), None),
+    ("rollout_n", "an int", frozenset((_INT, _NONE)), None),
+    ("validate", "a bool", frozenset((_BOOL,)), None), ("experiment", "a string", frozenset((_STR, _NONE)), None),
+    ("group_id", "a scalar", frozenset((_NONE, _STR, _INT, float, _BOOL)), None),
+    ("policy_version", "an int", frozenset((_INT, _NONE)), None), ("extra", "an object", frozenset(), _str_dict),
+    ("reward", "a number", frozenset((_NONE, float, _INT)), _reward_value),
+    ("outcome", "an object", frozenset(), _str_dict), ("annotations", "an object", frozenset(), _str_dict),
+    ("status", "ok or error", frozenset(), lambda v: v == "ok" or v == "error"),
+    ("error", "a string", frozenset((_STR, _NONE)), None), ("partial", "a bool", frozenset((_BOOL,)), None),
+    ("turns", "an int", frozenset((_INT,)), None), ("tool_calls", "an int", frozenset((_INT,)), None),
+    ("tokens_in", "an int", frozenset((_INT,)), None), ("tokens_out", "an int", frozenset((_INT,)), None),
+    ("finish_reasons", "an object of counts", frozenset(), _counts),
+    ("finish_reason", "a string", frozenset((_STR, _NONE)), None),
+    ("start_ns", "an int", frozenset((_INT,)), None), ("end_ns", "an int", frozenset((_INT,)), None),
+    ("generation_ms", "a number", frozenset(), _number), ("tool_ms", "a number", frozenset(), _number),
+    ("health", "a list of findings", frozenset(), _health), ("recorded", "a bool", frozenset((_BOOL,)), None),
+    ("kept", "a list of strings", frozenset(), _strings),
+    ("priority", "a number", frozenset((_NONE,)), _number),
+    ("dropped_spans", "an int", frozenset((_INT,)), None),
+    ("worker", "a string", frozenset((_STR, _NONE)), None),
+    ("policy_version_end", "an int", frozenset((_INT, _NONE)), None),
+    ("crossed_update", "a bool", frozenset((_BOOL, _NONE)), None),
+    ("wait_ms", "a number", frozenset(), _number),
+    ("server_ms", "an object of numbers", frozenset(), lambda v: type(v) is dict and all(
         type(k) is str and _number(x) for k, x in v.items())),
 )
-_WIRE_CHECKS = tuple((key, ok) for key, _, ok in _WIRE_RULES)
-_WIRE_TYPES = {key: what for key, what, _ in _WIRE_RULES}
+_WIRE_CHECKS = tuple((key, types, ok) for key, _, types, ok in _WIRE_RULES)
+_WIRE_TYPES = {key: what for key, what, _, _ in _WIRE_RULES}
 
 
 def fleet_fields(spans: Any, start_ns: int, end_ns: int) -> tuple[float, dict[str, float], int | None]:
@@ -284,6 +293,12 @@ def fleet_fields(spans: Any, start_ns: int, end_ns: int) -> tuple[float, dict[st
                 own = attrs.get("rl.policy_version")
                 if type(own) is int:
                     version, version_at = own, s
+    return wait_ms(busy, start_ns, end_ns), servers, version
+
+
+def wait_ms(busy: list[tuple[int, int]], start_ns: int, end_ns: int) -> float:
+    """The time of ``[start_ns, end_ns]`` outside every ``(start, end)`` of ``busy`` (their
+    union: overlapping calls count once), in milliseconds; sorts ``busy``."""
     covered = 0
     if busy:
         busy.sort()
@@ -295,7 +310,7 @@ def fleet_fields(spans: Any, start_ns: int, end_ns: int) -> tuple[float, dict[st
             elif e > cur_e:
                 cur_e = e
         covered += max(0, min(cur_e, end_ns) - max(cur_s, start_ns))
-    return max(0, end_ns - start_ns - covered) / 1e6, servers, version
+    return max(0, end_ns - start_ns - covered) / 1e6
 
 
 def summarize(traj: Trajectory, priority: float | None = None) -> RolloutSummary:

@@ -396,7 +396,8 @@ def test_compact_form_round_trips_every_field(orjson, monkeypatch):
     assert spans[0].flags == 0x300 and spans[1].flags == 0x100
 
 
-@pytest.mark.parametrize("value", [-(2**64) + 1, -(2**63) - 1, -(2**63), 2**63, 2**64 - 1, 0.1, -0.0, 1e-320,
+@pytest.mark.parametrize("value", [-(2**64) + 1, -(2**63) - 1, -(2**63), 2**63, 2**64 - 1, 0.1, -0.0, 1e-320, -1.0,
+                                   -1234567890123456789, -1.5e300,
                                    "-1 and -9", "\\ud800", ["a", 1, None, True]])
 def test_compact_record_values_read_back_exactly(value):
     """The collector reads a record's values exactly as the json module does (it may use

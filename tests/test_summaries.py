@@ -435,7 +435,7 @@ class TestWire:
         assert list(wire) == list(RolloutSummary.__slots__)
         from rtrace.summary import _WIRE_RULES
 
-        assert [k for k, _, _ in _WIRE_RULES] == list(RolloutSummary.__slots__)[1:]  # every field checked
+        assert [rule[0] for rule in _WIRE_RULES] == list(RolloutSummary.__slots__)[1:]  # every field checked
         back = RolloutSummary.from_wire(wire)
         assert math.isnan(back.reward)
         assert {k: getattr(back, k) for k in RolloutSummary.__slots__ if k != "reward"} == {
@@ -458,7 +458,7 @@ class TestWire:
         """A worker's summaries, some of the wrong shape, in one span: those are refused and
         counted (collector_refused.summary), the others counted in the metrics and the sinks
         (a bad one used to reach the step metrics and raise there, losing the worker's round)."""
-        from rtrace.pipeline.stream import summaries_shells
+        from rtrace.pipeline.stream import SUMMARIES_ATTR, summaries_shells
         from tests.test_collector_security import request_of, send_raw
 
         probe = Probe()
@@ -472,7 +472,9 @@ class TestWire:
             bad.append(wire)
         import grpc
 
-        assert send_raw(c.endpoint, request_of(*summaries_shells(good[:1] + bad + good[1:]))) == grpc.StatusCode.OK
+        (shell,) = summaries_shells(good[:1])  # one span that carries them all
+        shell.spans[0].attributes[SUMMARIES_ATTR] = good[:1] + bad + good[1:]
+        assert send_raw(c.endpoint, request_of(shell)) == grpc.StatusCode.OK
         assert c.flush(30)
         assert c.stats()["collector_refused.summary"] == len(self.BAD)
         assert sorted(s.sample_index for s in probe.summaries) == [0, 1, 2]

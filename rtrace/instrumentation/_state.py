@@ -146,8 +146,7 @@ def start_root(rt: Runtime, name: str, kind: str, coords: dict[str, Any]) -> tup
     """
     if not rt.sampler.admit(coords):
         if rt.summaries:  # counted all the same: its calls are tallied, its summary made in the worker
-            return None, Frame(coords, None, Tally(_new_trace_id(), name, kind, coords, time_ns(),
-                                                   rt.intake.submit_tallies))
+            return None, Frame(coords, None, Tally(_new_trace_id(), name, kind, coords, time_ns(), rt.intake))
         return None, Frame(coords, None)
     current = current_span().get_span_context()
     links = (Link(current),) if current.is_valid else None

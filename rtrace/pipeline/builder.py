@@ -25,7 +25,7 @@ from .records import CallRecord, Deferred, TrajectoryState, snapshot_args, start
 from .tokens import LOGPROB_KEYS, SAMPLER, TOKEN_PROBLEM, sampler_logprobs
 
 __all__ = ["SpanConverter", "finish", "coordinates", "rl_coordinates", "tail_of", "as_id_list", "call_inputs",
-           "results"]
+           "call_input", "results", "read_response"]
 
 _ERROR = StatusCode.ERROR
 
@@ -195,40 +195,54 @@ class SpanConverter:
         if out.prompt_ids is not None:
             del inputs[prompt_field]
             attrs["gen_ai.usage.input_tokens"] = len(out.prompt_ids)
-        if type(output) is dict:  # what the general path below does for a dict, in fewer steps
-            id_keys = (opts.get("response_field", "response_ids"), "token_ids", "output_ids")
-            key = next((k for k in id_keys if k in output), None)
-            ids = as_id_list(output[key]) if key is not None else None
-            if ids is not None:  # the ids are kept once, in response_ids
-                output = {k: v for k, v in output.items() if k not in id_keys}
-            finish = output["finish_reason"] if "finish_reason" in output else output.get("stop_reason")
-        else:
-            ids = as_id_list(output)
-            if ids is not None:
-                has_output, output = False, None
-            elif output is not None:
-                id_keys = (opts.get("response_field", "response_ids"), "token_ids", "output_ids")
-                ids = as_id_list(_field(output, *id_keys))
-                view = _fields(output) if ids is not None else None
-                if view is not None:  # the ids are kept once, in response_ids
-                    output = {k: v for k, v in view.items() if k not in id_keys}
-            finish = _field(output, "finish_reason", "stop_reason") if output is not None else None
-        if ids is not None and type(output) is dict and not output.keys().isdisjoint(LOGPROB_KEYS):
-            # the sampler's per-token logprobs: a float32 array beside the ids, not JSON
-            key, values = sampler_logprobs(output)
-            output = {k: v for k, v in output.items() if k != key}
-            if values is not None and len(values) == len(ids):
-                out.token_values = {SAMPLER: values}
-            else:  # said by the token_arrays check (pipeline/health.py), never misaligned
-                _stats.incr("token_arrays_unreadable" if values is None else "token_arrays_misaligned")
-                attrs[TOKEN_PROBLEM] = (f"{key}: not a list of numbers" if values is None else
-                                        f"{key} has {len(values)} values for {len(ids)} response tokens")
+        ids, has_output, output, finish, values, problem = read_response(output, has_output, opts)
+        if values is not None:
+            out.token_values = {SAMPLER: values}
+        elif problem is not None:
+            attrs[TOKEN_PROBLEM] = problem
         out.response_ids = ids
         if ids is not None:
             attrs["gen_ai.usage.output_tokens"] = len(ids)
         if isinstance(finish, str):
             attrs["gen_ai.response.finish_reasons"] = [finish]
         return has_output, output
+
+
+def read_response(output: Any, has_output: bool, opts: dict[str, Any]) -> tuple[Any, bool, Any, Any, Any, Any]:
+    """What a generation's output says, read once for a recorded call
+    (:meth:`SpanConverter._generation`) and a summarized one (pipeline/summaries.py), so both
+    count the same tokens and finish reason: ``(response ids or None, has_output, the output
+    without its ids and logprobs, the finish reason (used when a str), the sampler's per-token
+    logprobs (float32) or None, why they were left out or None)``."""
+    if type(output) is dict:  # what the general path below does for a dict, in fewer steps
+        id_keys = (opts.get("response_field", "response_ids"), "token_ids", "output_ids")
+        key = next((k for k in id_keys if k in output), None)
+        ids = as_id_list(output[key]) if key is not None else None
+        if ids is not None:  # the ids are kept once, in response_ids
+            output = {k: v for k, v in output.items() if k not in id_keys}
+        finish = output["finish_reason"] if "finish_reason" in output else output.get("stop_reason")
+    else:
+        ids = as_id_list(output)
+        if ids is not None:
+            has_output, output = False, None
+        elif output is not None:
+            id_keys = (opts.get("response_field", "response_ids"), "token_ids", "output_ids")
+            ids = as_id_list(_field(output, *id_keys))
+            view = _fields(output) if ids is not None else None
+            if view is not None:  # the ids are kept once, in response_ids
+                output = {k: v for k, v in view.items() if k not in id_keys}
+        finish = _field(output, "finish_reason", "stop_reason") if output is not None else None
+    values = problem = None
+    if ids is not None and type(output) is dict and not output.keys().isdisjoint(LOGPROB_KEYS):
+        # the sampler's per-token logprobs: a float32 array beside the ids, not JSON
+        key, values = sampler_logprobs(output)
+        output = {k: v for k, v in output.items() if k != key}
+        if values is None or len(values) != len(ids):  # said by the token_arrays check (pipeline/health.py)
+            _stats.incr("token_arrays_unreadable" if values is None else "token_arrays_misaligned")
+            problem = (f"{key}: not a list of numbers" if values is None else
+                       f"{key} has {len(values)} values for {len(ids)} response tokens")
+            values = None
+    return ids, has_output, output, finish, values, problem
 
 
 def call_inputs(rec: Any) -> dict[str, Any]:
@@ -245,6 +259,38 @@ def call_inputs(rec: Any) -> dict[str, Any]:
     if rec.kwargs:
         inputs.update(rec.kwargs)
     return inputs
+
+
+def call_input(rec: Any, name: str) -> Any:
+    """``call_inputs(rec).get(name)`` without making the dict (a summarized generation reads
+    its prompt only)."""
+    kwargs = rec.kwargs
+    if kwargs and name in kwargs:
+        return kwargs[name]
+    spec = rec.spec
+    names, args, lens = spec.param_names, rec.args or (), rec.arg_lens
+    first = 1 if spec.skip_first else 0
+    n_args, n_names = len(args) - first, len(names) - first
+    if n_args <= n_names:
+        try:
+            i = names.index(name, first) - first
+        except ValueError:
+            return None
+        if i >= n_args:
+            return None
+    elif name.startswith("arg") and name[3:].isdigit() and int(name[3:]) >= n_names:
+        i = int(name[3:])  # an argument past the named ones (``*args``): call_inputs names it arg<i>
+        if i >= n_args or str(i) != name[3:]:
+            return None
+    else:
+        try:
+            i = names.index(name, first) - first
+        except ValueError:
+            return None
+    value = args[first + i]
+    if lens is not None and lens[first + i] >= 0:
+        return ListSnapshot(value, lens[first + i])
+    return value
 
 
 def _resolve(out: SpanRecord, rec: Any, conv: Converter) -> None:
@@ -421,7 +467,7 @@ def coordinates(state: TrajectoryState, settings: Settings,
                 conv: Converter) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The trajectory's RL coordinates, its ``extra`` ones (values converted; secret-looking
     keys redacted), and the ``rl.*`` attributes every span of it carries."""
-    coords, extra = rl_coordinates(state, settings, conv)
+    coords, extra = rl_coordinates(state.coords, settings, conv)
     stamp = {}
     for k, v in coords.items():
         key = _RL_KEYS.get(k)
@@ -432,10 +478,11 @@ def coordinates(state: TrajectoryState, settings: Settings,
     return coords, extra, stamp
 
 
-def rl_coordinates(state: TrajectoryState, settings: Settings, conv: Converter) -> tuple[dict[str, Any], dict[str, Any]]:
-    """:func:`coordinates` without the ``rl.*`` stamp (a rollout's summary has no spans to stamp)."""
-    coords = {k: conv(v) for k, v in state.coords.items() if k != "extra"}
-    extra = conv.convert_named(state.coords.get("extra") or {})
+def rl_coordinates(given: dict[str, Any], settings: Settings, conv: Converter) -> tuple[dict[str, Any], dict[str, Any]]:
+    """:func:`coordinates` of a trajectory's ``rollout_context`` coordinates, without the
+    ``rl.*`` stamp (a rollout's summary has no spans to stamp)."""
+    coords = {k: conv(v) for k, v in given.items() if k != "extra"}
+    extra = conv.convert_named(given.get("extra") or {})
     coords["validate"] = bool(coords.get("validate") or False)
     if settings.experiment is not None:
         coords.setdefault("experiment", settings.experiment)

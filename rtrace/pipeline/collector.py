@@ -28,6 +28,7 @@ import gc
 import ipaddress
 import json
 import logging
+import re
 import secrets
 import time
 import uuid
@@ -371,6 +372,10 @@ except ImportError:  # pragma: no cover - the json module reads them the same, s
     _fast_loads = None
 
 
+#: a negative number of 19 digits or more: the only text orjson may read otherwise than json
+_LONG_NEGATIVE = re.compile(r"-\d{19}")
+
+
 def _record_json(text: Any) -> Any:
     """A worker's compact record (JSON text) as data, as the json module reads it.
 
@@ -378,9 +383,12 @@ def _record_json(text: Any) -> Any:
     outside [-2**63, 2**64): it returns those as floats. A record's converted values stay
     within (-2**64, 2**64) (larger ones are strings), so only a negative number of 19 or
     20 digits, which starts ``-9`` or ``-1``, or a token id (not converted) can be one:
-    such text goes to the json module, and so do ids that came back as anything but ints.
+    text with such a number goes to the json module (text with ``-1`` or ``-9`` is searched
+    for one: a reward of -1 is common, and a summaries span carries a thousand rollouts),
+    and so do ids that came back as anything but ints.
     """
-    if _fast_loads is not None and isinstance(text, str) and "-1" not in text and "-9" not in text:
+    if _fast_loads is not None and isinstance(text, str) and (
+            ("-1" not in text and "-9" not in text) or _LONG_NEGATIVE.search(text) is None):
         try:
             data = _fast_loads(text)
         except ValueError:  # lone surrogates, non-finite numbers ...: the json module decides

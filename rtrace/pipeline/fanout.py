@@ -64,6 +64,9 @@ class SinkWorker:
         self._closing = False
         #: ``time.monotonic()`` when the thread took the item it works on (None: waiting)
         self._busy_since: float | None = None
+        #: rollout summaries taken from the queue, given to the sink together (:meth:`_hold`)
+        self._held: list[RolloutSummary] = []
+        self._held_since = 0.0
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name=f"rtrace-sink-{self.name}", daemon=True)
         self.thread.start()
@@ -200,7 +203,13 @@ class SinkWorker:
         token = attach(set_value(_SUPPRESS_INSTRUMENTATION_KEY, True))
         try:
             while True:
-                item = self.queue.get()
+                try:
+                    item = self.queue.get(timeout=self._held_wait())
+                except queue.Empty:  # summaries held long enough: written now
+                    self._busy_since = time.monotonic()
+                    self._write_held()
+                    self._busy_since = None
+                    continue
                 if item is None:
                     break
                 self._busy_since = time.monotonic()
@@ -208,6 +217,7 @@ class SinkWorker:
                 self._busy_since = None
                 if self._stop_requested and self.queue.empty():
                     break  # stop was requested while the queue was full: it is drained now
+            self._write_held()
             # The end: everything queued before is exported. The sink shuts down here, on
             # its own thread: stopping starts no thread (see the module docstring).
             with self._lock:
@@ -232,15 +242,10 @@ class SinkWorker:
                 self._count("failed_events", len(item))
             return
         if isinstance(item, _Summaries):
-            if self._abandoned:
-                self._count("abandoned_summaries", len(item))
-            elif self._call("export_summaries", self.sink.export_summaries, list(item)):
-                self._count("exported_summaries", len(item))
-            else:
-                self._failed_since_marker = True
-                self._count("failed_summaries", len(item))
+            self._hold(item)
             return
         if isinstance(item, _Marker):
+            self._write_held()
             flushed = self._call("flush", self.sink.flush, self.timeout_s)
             with self._lock:
                 item.ok = flushed and not self._failed_since_marker
@@ -277,6 +282,42 @@ class SinkWorker:
             self._failed_since_marker = True
             self._count("failed_batches", 1)
             self._count("failed_trajectories", failed)
+
+    def _hold(self, summaries: list[RolloutSummary]) -> None:
+        """Keep a batch of summaries to give the sink with the next ones: a collector hands over
+        each round's (tens of rows), and the dataset makes a file pair per step per call (~300 µs
+        a rollout in small batches). They are written when :data:`SUMMARIES_PER_EXPORT` are held,
+        when the first has waited :data:`SUMMARIES_LINGER_S`, before a flush and at the end; only
+        then are they counted exported (exported means durable)."""
+        with self._lock:
+            if self._abandoned:
+                self._count("abandoned_summaries", len(summaries))
+                return
+            if not self._held:
+                self._held_since = time.monotonic()
+            self._held.extend(summaries)
+            full = len(self._held) >= SUMMARIES_PER_EXPORT
+        if full:
+            self._write_held()
+
+    def _held_wait(self) -> float | None:
+        """How long the thread may wait for its next item (None: nothing held, no limit)."""
+        if not self._held:
+            return None
+        return max(0.0, self._held_since + SUMMARIES_LINGER_S - time.monotonic())
+
+    def _write_held(self) -> None:
+        """Give the held summaries to the sink (see :meth:`_hold`), counted by what it says."""
+        with self._lock:
+            batch, self._held = self._held, []
+        if not batch:
+            return
+        if self._call("export_summaries", self.sink.export_summaries, batch):
+            self._count("exported_summaries", len(batch))
+        else:
+            with self._lock:
+                self._failed_since_marker = True
+            self._count("failed_summaries", len(batch))
 
     def _call(self, what: str, fn: Any, *args: Any) -> bool:
         try:
@@ -315,6 +356,9 @@ class SinkWorker:
             self._abandoned = True
             lost = len(self._in_flight) if self._in_flight is not None else 0
             closing = self._closing
+            held, self._held = self._held, []
+        if held:
+            self._count("abandoned_summaries", len(held))
         while True:
             try:
                 item = self.queue.get_nowait()
@@ -378,6 +422,12 @@ def _sample_only(traj: Trajectory) -> bool:
 
 class _Metrics(list):
     """A batch of StepMetrics in a sink's queue."""
+
+
+#: Rollout summaries a sink's thread gives its sink in one ``export_summaries`` call, at most,
+#: and how long it holds the first of them before it writes what it has (SinkWorker._hold)
+SUMMARIES_PER_EXPORT = 16_384
+SUMMARIES_LINGER_S = 2.0
 
 
 class _Summaries(list):

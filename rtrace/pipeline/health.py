@@ -254,38 +254,38 @@ class HealthChecker:
         prev = None
         for k, gen in enumerate(gens, 1):
             if prev is not None and gen.prompt_ids is not None:
-                expected = prev.prompt_ids + prev.response_ids
-                got = gen.prompt_ids
-                # A loop may drop the reply's final end-of-turn token to continue the same
-                # assistant message (SkyRL's single-turn mode): nothing sampled is then
-                # re-tokenized. Only a special token may go: a content token left out or
-                # replaced (a reply cut at a stop string, re-rendered) is a break.
-                if got[:len(expected)] != expected and not (
-                        prev.response_ids and got[:len(expected) - 1] == expected[:-1]
-                        and self._is_special(expected[-1])):
-                    pos = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected),
-                                                                                                   len(got)))
-                    want = expected[pos] if pos < len(expected) else None
-                    have = got[pos] if pos < len(got) else None
-                    out.append(finding("token_continuity",
-                                       f"turn {k}: its prompt does not continue turn {k - 1}'s prompt + response "
-                                       f"at token {pos} of {len(expected)} (expected id {want}, got {have})"))
-                    gen.attributes["rtrace.health.break"] = [pos, k]  # for the decoded context (check_ids)
+                found = self.continuity_break(prev.prompt_ids + prev.response_ids, gen.prompt_ids,
+                                              bool(prev.response_ids))
+                if found is not None:
+                    out.append(continuity_finding(k, len(prev.prompt_ids) + len(prev.response_ids), *found))
+                    gen.attributes["rtrace.health.break"] = [found[0], k]  # for the decoded context (check_ids)
             prev = gen if gen.prompt_ids is not None and gen.response_ids is not None else None
 
+    def continuity_break(self, expected: list[int], got: list[int], answered: bool,
+                         offset: int = 0) -> tuple[int, int | None, int | None] | None:
+        """Where a turn's prompt ``got`` stops continuing the previous turn's prompt + response
+        ``expected``: ``(position, expected id, got id)``, or None when it continues. ``answered``:
+        the previous response was not empty. A summarized rollout whose prompts are one list grown
+        in place compares only what follows the prompt they share (``offset`` ids, the same
+        objects): the same answer as over the whole (pipeline/summaries.py)."""
+        # A loop may drop the reply's final end-of-turn token to continue the same
+        # assistant message (SkyRL's single-turn mode): nothing sampled is then
+        # re-tokenized. Only a special token may go: a content token left out or
+        # replaced (a reply cut at a stop string, re-rendered) is a break.
+        if got[:len(expected)] == expected or (
+                answered and got[:len(expected) - 1] == expected[:-1] and self._is_special(expected[-1])):
+            return None
+        pos = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+        want = expected[pos] if pos < len(expected) else None
+        have = got[pos] if pos < len(got) else None
+        return pos + offset, want, have
+
     def _generation(self, records: list[SpanRecord], gens: list[SpanRecord], out: list) -> None:
-        for k, gen in enumerate(gens, 1):
-            if gen.response_ids is not None and not gen.response_ids:
-                out.append(finding("generation", f"turn {k}: empty response (0 tokens)"))
-        if gens:
-            reasons = gens[-1].attributes.get("gen_ai.response.finish_reasons") or ()
-            if "length" in reasons:
-                out.append(finding("generation", f"turn {len(gens)} (the final one) was truncated: finish reason "
-                                                 "length"))
-        for rec in records:
-            if rec.kind == "tool" and rec.status != "error" and rec.input is not None and rec.output in (None, ""):
-                name = rec.attributes.get("gen_ai.tool.name") or rec.name
-                out.append(finding("generation", f"tool {name}: empty result"))
+        generation_findings([g.response_ids for g in gens],
+                            gens[-1].attributes.get("gen_ai.response.finish_reasons") if gens else None,
+                            [rec.attributes.get("gen_ai.tool.name") or rec.name for rec in records
+                             if rec.kind == "tool" and rec.status != "error" and rec.input is not None
+                             and rec.output in (None, "")], out)
 
     def _tokens(self, gens: list[SpanRecord], annotations: dict[str, Any], out: list) -> None:
         """token_arrays (what could not be laid on the tokens) and logprob_mismatch."""
@@ -477,6 +477,26 @@ class HealthChecker:
                                                                  "no tool ran (a call that failed to parse?)"))
             for cid, name in _unanswered(traj, unran):
                 traj.health.append(finding("generation", f"tool call {cid} ({name}) has no tool result"))
+
+
+def continuity_finding(k: int, expected: int, pos: int, want: int | None, have: int | None) -> dict[str, str]:
+    """The token_continuity finding of turn ``k``, whose prompt breaks at ``pos`` from the
+    ``expected`` ids of the turn before."""
+    return finding("token_continuity", f"turn {k}: its prompt does not continue turn {k - 1}'s prompt + response "
+                                       f"at token {pos} of {expected} (expected id {want}, got {have})")
+
+
+def generation_findings(responses: list[Any], last_reasons: Any, empty_tools: list[Any], out: list) -> None:
+    """The generation check's findings: ``responses`` the generations' response ids in turn
+    order (None: unread), ``last_reasons`` the last one's finish reasons, ``empty_tools`` the
+    names of the captured tool calls that answered nothing (None or "")."""
+    for k, ids in enumerate(responses, 1):
+        if ids is not None and not ids:
+            out.append(finding("generation", f"turn {k}: empty response (0 tokens)"))
+    if responses and "length" in (last_reasons or ()):
+        out.append(finding("generation", f"turn {len(responses)} (the final one) was truncated: finish reason length"))
+    for name in empty_tools:
+        out.append(finding("generation", f"tool {name}: empty result"))
 
 
 def _unanswered(traj: Trajectory, reported: set[Any]) -> list[tuple[Any, Any]]:

@@ -250,13 +250,13 @@ class Tally:
     """
 
     __slots__ = ("trace_id", "name", "kind", "coords", "start_ns", "end_ns", "error", "reward", "has_reward",
-                 "outcome", "marks", "dropped_marks", "on_end")
+                 "outcome", "marks", "dropped_marks", "intake")
 
     #: a root call's record is the tally itself: nothing of its own call is captured
     args = None
 
     def __init__(self, trace_id: int, name: str, kind: str, coords: dict[str, Any], start_ns: int,
-                 on_end: Any = None) -> None:
+                 intake: Any = None) -> None:
         self.trace_id = trace_id
         self.name = name
         self.kind = kind
@@ -272,8 +272,9 @@ class Tally:
         #: ``max_spans_per_trajectory``: the rest are counted in ``dropped_marks``)
         self.marks: list[Mark] = []
         self.dropped_marks = 0
-        #: called with ``[self]`` when the rollout ends (the pipeline's ``submit_tallies``)
-        self.on_end = on_end
+        #: its ``submit_tallies([self])`` is called when the rollout ends (the pipeline; not the
+        #: bound method: one object less per rollout kept alive for Python's GC)
+        self.intake = intake
 
     def fail(self, exc: BaseException) -> None:
         """The rollout (its root) raised ``exc`` (never raises itself)."""
@@ -284,9 +285,9 @@ class Tally:
         if self.end_ns is not None:
             return
         self.end_ns = time.time_ns()
-        on_end = self.on_end
-        if on_end is not None:
-            on_end([self])
+        intake = self.intake
+        if intake is not None:
+            intake.submit_tallies([self])
 
 
 #: The longest exception text a summarized call keeps, as a recorded span's status (the

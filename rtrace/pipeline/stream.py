@@ -22,7 +22,7 @@ from ..trajectory import SpanRecord, Trajectory
 from .annotations import Annotation
 from .builder import SpanConverter, _reward, coordinates
 from .fleet import event_shell, take_in
-from .summaries import records_of_tally, state_of_tally, summary_of_state
+from .summaries import records_of_tally, state_of_tally, summary_of_tally
 from .records import Tally, TrajectoryState, ids_of, record_of
 from .tokens import wire_values
 from .worker import _CHUNK, Pipeline
@@ -49,6 +49,10 @@ class StreamPipeline(Pipeline):
     _promoted: "OrderedDict[tuple[bool, Any], int] | None" = None
     #: the last round's summaries hold converted values only (they may be vouched for)
     _plain_summaries = False
+    #: summaries made and not sent yet (wire dicts), since when, and whether all are plain
+    _pending: Any = ()  # (a list of the instance's own once there is one)
+    _pending_since = 0.0
+    _pending_plain = True
 
     def _round(self, now: float, expire: bool, force: bool) -> None:
         """Everything queued when the round starts, :data:`~rtrace.pipeline.worker._CHUNK`
@@ -109,16 +113,29 @@ class StreamPipeline(Pipeline):
             for state in self.registry.expire(now, self.settings.orphan_timeout_s, force):
                 _stats.incr("trajectories_left_to_collector")
         tallies = self._tallies
+        parts: list[Trajectory] = []
         if tallies:
-            promoted: list[Trajectory] = []
-            summaries = self._summaries([tallies.popleft() for _ in range(len(tallies))], conv, promoted)
-            parts = promoted + summaries_shells(summaries)
-            if self._plain_summaries:
-                for shell in parts[len(promoted):]:
+            summaries = self._summaries([tallies.popleft() for _ in range(len(tallies))], conv, parts)
+            if summaries:
+                if not self._pending:
+                    self._pending, self._pending_since, self._pending_plain = [], now, True
+                self._pending.extend(summaries)
+                self._pending_plain = self._pending_plain and self._plain_summaries
+        pending = self._pending
+        # The worker reads tallies 64 at a time (their marks hold what the calls saw), but sends
+        # their summaries a span of up to SUMMARIES_PER_SPAN at a time, at most export_interval_s
+        # after the first: the collector pays per request (admission, decoding, a round).
+        if pending and (len(pending) >= SUMMARIES_PER_SPAN or force or self._serving_flush
+                        or now - self._pending_since >= self.settings.export_interval_s):
+            self._pending = []
+            carriers = summaries_shells(pending)
+            if self._pending_plain:
+                for shell in carriers:
                     vouch(shell)  # converted values only (a NaN reward is its text): the NaN walk is skipped
-            if parts:
-                _stats.incr("segments_streamed", len(parts))
-                self.fanout.submit(parts)
+            parts += carriers
+        if parts:
+            _stats.incr("segments_streamed", len(parts))
+            self.fanout.submit(parts)
         conv.count()
         if shells:
             _stats.incr("segments_streamed", len(shells))
@@ -151,15 +168,12 @@ class StreamPipeline(Pipeline):
         unplain = values.unplain
         for tally in tallies:
             try:
-                state = state_of_tally(tally, settings, conv)
-                if health is not None:
-                    health.check_state(state, rollout=False)
-                summary = summary_of_state(state, settings, values)
+                summary = summary_of_tally(tally, settings, conv, health)
                 summary.worker = self.worker_name
                 # what the collector's tail keeps (tail_of): a failed root, a generation stopped at
                 # length (keep_errors), a health finding (keep_unhealthy)
-                if (summary.status == "error" or summary.truncated or summary.health) and self._promote(state):
-                    out.append(self._promoted_shell(tally, state, conv))
+                if (summary.status == "error" or summary.truncated or summary.health) and self._promote(tally.coords):
+                    out.append(self._promoted_shell(tally, state_of_tally(tally, settings, conv), conv))
                     continue
                 summaries.append(summary.to_wire())
             except Exception:
@@ -170,7 +184,7 @@ class StreamPipeline(Pipeline):
         self._plain_summaries = values.unplain == unplain
         return summaries
 
-    def _promote(self, state: TrajectoryState) -> bool:
+    def _promote(self, coords: dict[str, Any]) -> bool:
         """Is there room to send this rollout in full (RTRACE_PROMOTE_PER_STEP per (validate,
         step), in this worker)? Counted either way."""
         limit = self.settings.promote_per_step
@@ -179,7 +193,6 @@ class StreamPipeline(Pipeline):
         table = self._promoted
         if table is None:
             table = self._promoted = OrderedDict()
-        coords = state.coords
         key = (bool(coords.get("validate")), coords.get("step"))
         try:
             n = table.get(key, 0)

@@ -151,6 +151,10 @@ class Pipeline:
         ) if settings.health_checks else None
         self._max_queue = settings.max_queue_size
         self._wake_at = max(1, min(2048, self._max_queue // 2))
+        # A tally holds a rollout's calls (~20 spans' worth) and what they saw (a realistic one
+        # keeps ~50 kB of prompt and response ids alive): the worker is woken for as many calls
+        # as spans, not after 2,048 rollouts (~100 MB held until the half-second round).
+        self._tally_wake_at = max(1, self._wake_at // 32)
         self._queue: collections.deque[ReadableSpan] = collections.deque()
         #: finished states built without spans (log_rollout_batch), and annotations
         self._states: collections.deque[TrajectoryState] = collections.deque()
@@ -217,7 +221,7 @@ class Pipeline:
         if room < len(tallies):
             _stats.incr("summaries_dropped_queue", len(tallies) - room)
         q.extend(tallies[:room])
-        if len(q) == self._wake_at:  # as offer(): a tight loop of summarized rollouts fills it fast
+        if len(q) == self._tally_wake_at:  # as offer(): a tight loop of summarized rollouts fills it fast
             with self._cond:
                 self._cond.notify()
         return min(room, len(tallies))
