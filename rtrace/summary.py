@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .trajectory import Trajectory
+from .trajectory import Trajectory, verdict_of
 
 __all__ = ["RolloutSummary", "summarize", "fleet_fields", "SUMMARY_SCHEMA"]
 
@@ -128,18 +128,8 @@ class RolloutSummary:
         return self.group_id if self.group_id is not None else self.sample_index
 
     def verdict(self) -> str:
-        """As :meth:`rtrace.Trajectory.verdict`: ``error``, ``partial``, ``truncated``,
-        ``correct`` / ``wrong`` (``outcome["correct"]``), else ``ok``."""
-        if self.status == "error":
-            return "error"
-        if self.partial:
-            return "partial"
-        if self.finish_reason == "length":
-            return "truncated"
-        correct = self.outcome.get("correct")
-        if isinstance(correct, bool):
-            return "correct" if correct else "wrong"
-        return "ok"
+        """As :meth:`rtrace.Trajectory.verdict` (:func:`~rtrace.trajectory.verdict_of`)."""
+        return verdict_of(self.status, self.partial, self.finish_reason, self.outcome)
 
     def __repr__(self) -> str:
         return (f"RolloutSummary(step={self.step}, sample_index={self.sample_index}, rollout_n={self.rollout_n}, "
@@ -313,32 +303,58 @@ def wait_ms(busy: list[tuple[int, int]], start_ns: int, end_ns: int) -> float:
     return max(0, end_ns - start_ns - covered) / 1e6
 
 
-def summarize(traj: Trajectory, priority: float | None = None) -> RolloutSummary:
-    """The summary of a trajectory recorded in full (``recorded`` True)."""
-    turns = tools = tokens_in = tokens_out = 0
-    # summed in nanoseconds (ints: exact), so a rollout's summary is the same kept (tree order),
-    # dropped (arrival order) or tallied (start order), and equal to its dataset row's
-    gen_ns = tool_ns = 0
-    reasons: dict[str, int] = {}
-    last_reason = None
-    for span in traj.spans:
+class Calls:
+    """What a rollout's generations and tool calls add up to (:func:`count_calls`)."""
+
+    __slots__ = ("turns", "tools", "tokens_in", "tokens_out", "gen_ns", "tool_ns", "reasons", "last_reason", "end")
+
+    def __init__(self) -> None:
+        self.turns = self.tools = self.tokens_in = self.tokens_out = 0
+        # summed in nanoseconds (ints: exact), so a rollout's summary is the same kept (tree
+        # order), dropped (arrival order) or tallied (start order), and equal to its dataset row's
+        self.gen_ns = self.tool_ns = 0
+        self.reasons: dict[str, int] = {}
+        #: the finish reason of the generation that started last (of those that say one)
+        self.last_reason: str | None = None
+        #: the latest end of the spans counted
+        self.end = 0
+
+
+def count_calls(spans: Any) -> Calls:
+    """The turns, tool calls, tokens, times and finish reasons of a rollout's spans (records
+    or SpanRecords, in any order): one reading for a kept trajectory's summary and a dropped
+    one's (rtrace/pipeline/summaries.py), so they are the same."""
+    out = Calls()
+    reasons = out.reasons
+    last_start = None
+    for span in spans:
+        if span.end_ns > out.end:
+            out.end = span.end_ns
         kind = span.kind
         if kind == "generation":
             attrs = span.attributes
-            turns += 1
-            gen_ns += span.end_ns - span.start_ns
-            tokens_in += _int(attrs.get("gen_ai.usage.input_tokens"))
-            tokens_out += _int(attrs.get("gen_ai.usage.output_tokens"))
+            out.turns += 1
+            out.gen_ns += span.end_ns - span.start_ns
+            out.tokens_in += _int(attrs.get("gen_ai.usage.input_tokens"))
+            out.tokens_out += _int(attrs.get("gen_ai.usage.output_tokens"))
             found = attrs.get("gen_ai.response.finish_reasons")
             if found:
                 for reason in found if isinstance(found, (list, tuple)) else (found,):
                     reasons[str(reason)] = reasons.get(str(reason), 0) + 1
-                last_reason = str(found[0] if isinstance(found, (list, tuple)) else found)
+                if last_start is None or span.start_ns >= last_start:
+                    last_start = span.start_ns
+                    out.last_reason = str(found[0] if isinstance(found, (list, tuple)) else found)
         elif kind == "tool":
-            tools += 1
-            tool_ns += span.end_ns - span.start_ns
+            out.tools += 1
+            out.tool_ns += span.end_ns - span.start_ns
+    return out
+
+
+def summarize(traj: Trajectory, priority: float | None = None) -> RolloutSummary:
+    """The summary of a trajectory recorded in full (``recorded`` True)."""
     spans = traj.spans
-    start, end = spans[0].start_ns, max(s.end_ns for s in spans)
+    calls = count_calls(spans)
+    start, end = spans[0].start_ns, calls.end
     wait_ms, server_ms, own = fleet_fields(spans, start, end)
     return RolloutSummary(
         traj.trace_id, traj.name, step=traj.step, sample_index=traj.sample_index, rollout_n=traj.rollout_n,
@@ -346,9 +362,9 @@ def summarize(traj: Trajectory, priority: float | None = None) -> RolloutSummary
         policy_version=traj.policy_version, extra=traj.extra, reward=traj.reward, outcome=traj.outcome,
         annotations=traj.annotations, status=traj.status,
         error=traj.error[:ERROR_CHARS] if isinstance(traj.error, str) else None, partial=traj.partial,
-        turns=turns, tool_calls=tools, tokens_in=tokens_in, tokens_out=tokens_out, finish_reasons=reasons,
-        finish_reason=last_reason, start_ns=start, end_ns=end,
-        generation_ms=gen_ns / 1e6, tool_ms=tool_ns / 1e6, health=traj.health, recorded=True,
+        turns=calls.turns, tool_calls=calls.tools, tokens_in=calls.tokens_in, tokens_out=calls.tokens_out,
+        finish_reasons=calls.reasons, finish_reason=calls.last_reason, start_ns=start, end_ns=end,
+        generation_ms=calls.gen_ns / 1e6, tool_ms=calls.tool_ns / 1e6, health=traj.health, recorded=True,
         kept=list(traj.kept), priority=priority, dropped_spans=traj.dropped_spans, worker=traj.worker,
         policy_version_end=traj.policy_version_end if traj.policy_version_end is not None else own,
         crossed_update=traj.crossed_update, wait_ms=wait_ms, server_ms=server_ms)

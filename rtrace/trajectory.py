@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-__all__ = ["SCHEMA", "SpanRecord", "Trajectory", "StepMetrics", "RL_FIELDS", "MESSAGE_INDEX", "CHAT_KEYS",
+__all__ = ["SCHEMA", "SpanRecord", "Trajectory", "StepMetrics", "RL_FIELDS", "MESSAGE_INDEX", "CHAT_KEYS", "verdict_of",
            "chat_argument", "response_text", "tool_call_id", "token_list", "token_field", "read_token_field",
            "TOKEN_ENCODING"]
 
@@ -239,19 +239,8 @@ class Trajectory:
         return None
 
     def verdict(self) -> str:
-        """One word a person can search for: ``error``, ``partial`` (its root never
-        ended), ``truncated`` (the last generation stopped at ``length``), else ``correct``
-        / ``wrong`` when the outcome says (``correct=True/False``), else ``ok``."""
-        if self.status == "error":
-            return "error"
-        if self.partial:
-            return "partial"
-        if self.finish_reason == "length":
-            return "truncated"
-        correct = self.outcome.get("correct")
-        if isinstance(correct, bool):
-            return "correct" if correct else "wrong"
-        return "ok"
+        """One word a person can search for (:func:`verdict_of`)."""
+        return verdict_of(self.status, self.partial, self.finish_reason, self.outcome)
 
     def task_messages(self) -> list[dict[str, Any]]:
         """The task: the conversation's messages up to and including the first user
@@ -359,6 +348,22 @@ class Trajectory:
             policy_version_end=data.get("policy_version_end"),
             crossed_update=data.get("crossed_update"),
         )
+
+
+def verdict_of(status: str, partial: bool, finish_reason: str | None, outcome: dict[str, Any]) -> str:
+    """A rollout's verdict, one word a person can search for: ``error``, ``partial`` (its
+    root never ended), ``truncated`` (the last generation stopped at ``length``), else
+    ``correct`` / ``wrong`` when the outcome says (``correct=True/False``), else ``ok``."""
+    if status == "error":
+        return "error"
+    if partial:
+        return "partial"
+    if finish_reason == "length":
+        return "truncated"
+    correct = outcome.get("correct")
+    if isinstance(correct, bool):
+        return "correct" if correct else "wrong"
+    return "ok"
 
 
 #: Significant digits of a per-token value in JSON (float32 holds about 7).

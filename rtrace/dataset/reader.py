@@ -182,10 +182,7 @@ class Run:
             if part is None or fname is None:
                 skipped.append(self._skip(rel, "not a file of an rtrace dataset (name or folder)"))
                 continue
-            if fname.major > MAJOR:
-                raise SchemaVersionError(
-                    f"{os.path.join(self.path, rel)} was written with rtrace dataset schema {fname.major}.x; this "
-                    f"rtrace reads schema {VERSION} (major {MAJOR}): upgrade rtrace to read this run")
+            self._readable(rel, fname)
             reason = self._check(rel, size, part[1], fname)
             if reason is _GONE:
                 whole = False
@@ -204,10 +201,7 @@ class Run:
             if folder != EVENTS or fname is None or fname.steps is not None:
                 skipped.append(self._skip(rel, "not a file of an rtrace dataset (name or folder)"))
                 continue
-            if fname.major > MAJOR:
-                raise SchemaVersionError(
-                    f"{os.path.join(self.path, rel)} was written with rtrace dataset schema {fname.major}.x; this "
-                    f"rtrace reads schema {VERSION} (major {MAJOR}): upgrade rtrace to read this run")
+            self._readable(rel, fname)
             reason = self._check(rel, size, False, fname)
             if reason is _GONE:
                 whole = False
@@ -226,6 +220,13 @@ class Run:
         self.skipped = skipped
         self._steps = steps
         return whole
+
+    def _readable(self, rel: str, name: FileName) -> None:
+        """Raise :class:`SchemaVersionError` for a file of a newer major version than this reader's."""
+        if name.major > MAJOR:
+            raise SchemaVersionError(
+                f"{os.path.join(self.path, rel)} was written with rtrace dataset schema {name.major}.x; this "
+                f"rtrace reads schema {VERSION} (major {MAJOR}): upgrade rtrace to read this run")
 
     def _vanished(self) -> bool:
         """Is a file of :attr:`files` gone (merged away since the listing)? One listing."""

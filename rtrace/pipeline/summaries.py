@@ -28,7 +28,7 @@ from opentelemetry.trace import Status, StatusCode
 from .. import _ids, _stats
 from .._serialize import Converter, ListSnapshot, only_ints, unsnap
 from ..config import Settings
-from ..summary import ERROR_CHARS, RolloutSummary, fleet_fields, summarize, wait_ms
+from ..summary import ERROR_CHARS, RolloutSummary, count_calls, fleet_fields, summarize, wait_ms
 from ..trajectory import SpanRecord
 from .builder import (SpanConverter, _reward, as_id_list, call_input, call_inputs, finish, read_response, results,
                       rl_coordinates)
@@ -61,32 +61,8 @@ def summary_of_state(state: TrajectoryState, settings: Settings, conv: Converter
     coords, extra = (state.coordinates[:2] if state.coordinates is not None
                      else rl_coordinates(state.coords, settings, conv))
     reward, outcome, annotations = results(state, conv)
-    turns = tools = tokens_in = tokens_out = 0
-    gen_ns = tool_ns = 0
-    reasons: dict[str, int] = {}
-    last_reason = last_start = None
-    end = root.end_ns
-    for r in records:
-        if r.end_ns > end:
-            end = r.end_ns
-        kind = r.kind
-        if kind == "generation":
-            attrs = r.attributes
-            turns += 1
-            gen_ns += r.end_ns - r.start_ns
-            tokens_in += _int(attrs.get("gen_ai.usage.input_tokens"))
-            tokens_out += _int(attrs.get("gen_ai.usage.output_tokens"))
-            found = attrs.get("gen_ai.response.finish_reasons")
-            if found:
-                for reason in found if isinstance(found, (list, tuple)) else (found,):
-                    reasons[str(reason)] = reasons.get(str(reason), 0) + 1
-                # the last one in the trajectory's tree order: siblings by start time
-                if last_start is None or r.start_ns >= last_start:
-                    last_start = r.start_ns
-                    last_reason = str(found[0] if isinstance(found, (list, tuple)) else found)
-        elif kind == "tool":
-            tools += 1
-            tool_ns += r.end_ns - r.start_ns
+    calls = count_calls(records)
+    end = max(root.end_ns, calls.end)
     name = root.name
     error = root.error if root.status == "error" else None
     wait_ms, server_ms, own_version = fleet_fields(records, root.start_ns, end)
@@ -96,9 +72,10 @@ def summary_of_state(state: TrajectoryState, settings: Settings, conv: Converter
         validate=coords["validate"], experiment=coords.get("experiment"), group_id=coords.get("group_id"),
         policy_version=coords.get("policy_version"), extra=extra, reward=reward, outcome=outcome,
         annotations=annotations, status="error" if root.status == "error" else "ok",
-        error=error[:ERROR_CHARS] if isinstance(error, str) else None, partial=False, turns=turns, tool_calls=tools,
-        tokens_in=tokens_in, tokens_out=tokens_out, finish_reasons=reasons, finish_reason=last_reason,
-        start_ns=root.start_ns, end_ns=end, generation_ms=gen_ns / 1e6, tool_ms=tool_ns / 1e6,
+        error=error[:ERROR_CHARS] if isinstance(error, str) else None, partial=False, turns=calls.turns,
+        tool_calls=calls.tools, tokens_in=calls.tokens_in, tokens_out=calls.tokens_out, finish_reasons=calls.reasons,
+        finish_reason=calls.last_reason, start_ns=root.start_ns, end_ns=end, generation_ms=calls.gen_ns / 1e6,
+        tool_ms=calls.tool_ns / 1e6,
         health=list(state.health) if settings.health_checks else None, recorded=False, kept=[],
         priority=priority, dropped_spans=state.dropped_spans, worker=worker_of(state), policy_version_end=own_version,
         wait_ms=wait_ms, server_ms=server_ms)
@@ -242,10 +219,6 @@ class _Marked:
         self.start_time = start
         self.end_time = end
         self.status = Status(StatusCode.ERROR, error) if error else _OK
-
-
-def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 # ----------------------------------------------------------------------------- one pass (collector mode)

@@ -391,22 +391,12 @@ def build(rollouts: list[Rollout], spans_of: dict[str, list[SpanRow]], events: l
     by_worker: dict[str, list[Rollout]] = {}
     for r in drawn:
         by_worker.setdefault(r.worker or "unknown", []).append(r)
-    workers: dict[str, int] = {}
-    lane_left = 0
-    for worker, items in sorted(by_worker.items()):
-        lanes, out = pack_lanes(items, limits.max_lanes)
-        workers[worker] = lanes
-        lane_left += out
+    workers, lane_left = _pack_each(by_worker, limits.max_lanes)
     if lane_left:
         left["rollouts_past_max_lanes"] = lane_left
         notes.append(f"{lane_left} rollouts found no lane within max_lanes={limits.max_lanes} of their worker: not "
                      "drawn, counted in the counters")
-    server_lanes: dict[str, int] = {}
-    call_left = 0
-    for server, calls in sorted(servers.items()):
-        lanes, out = pack_lanes(calls, limits.max_lanes)
-        server_lanes[server] = lanes
-        call_left += out
+    server_lanes, call_left = _pack_each(servers, limits.max_lanes)
     if call_left:
         left["server_calls_past_max_lanes"] = call_left
         notes.append(f"{call_left} generations found no lane within max_lanes={limits.max_lanes} of their server: "
@@ -415,6 +405,17 @@ def build(rollouts: list[Rollout], spans_of: dict[str, list[SpanRow]], events: l
     return Timeline(source, run, validate, steps, drawn, workers, servers, server_lanes,
                     sorted(events, key=lambda e: e.time_ns),
                     sorted((s, a, b) for s, (a, b) in step_spans.items()), intervals, left, notes, limits)
+
+
+def _pack_each(rows: dict[str, list[Any]], max_lanes: int) -> tuple[dict[str, int], int]:
+    """Each row's items packed onto its lanes (:func:`pack_lanes`): the lanes by row, and how
+    many items found none."""
+    lanes: dict[str, int] = {}
+    left = 0
+    for name, items in sorted(rows.items()):
+        lanes[name], out = pack_lanes(items, max_lanes)
+        left += out
+    return lanes, left
 
 
 def _sample(rollouts: list[Rollout], n: int) -> list[Rollout]:
