@@ -43,16 +43,7 @@ from typing import Any, Sequence
 from ..report import timeline as T
 from ..report.views import step_key
 
-try:
-    import orjson
-
-    def _dumps(obj: Any) -> bytes:
-        return orjson.dumps(obj)
-except ImportError:  # pragma: no cover - the json module writes the same text, slower
-    import json
-
-    def _dumps(obj: Any) -> bytes:
-        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+from ..report.trace_json import _dumps  # one compact JSON encoder (orjson when installed)
 
 __all__ = ["StepLanes", "SwimlaneCache", "window_json", "encoded", "MAX_LANES", "MAX_SLICES", "MAX_PX",
            "DETAIL_LANE_PX", "DETAIL_MIN_PX", "CATS"]
