@@ -111,6 +111,7 @@ FOUNDATION = ["tests/test_config.py", "tests/test_context.py", "tests/test_decor
               "tests/test_pipeline.py"]
 
 
+@pytest.mark.integration  # a pytest run in a subprocess (~9 s): make test-integration
 def test_foundation_tests_pass_without_torch(tmp_path, no_torch_env):
     """The foundation test files run without torch: no import error, and no failure that involves torch."""
     report = tmp_path / "junit.xml"

@@ -85,6 +85,7 @@ RACE_LOOP = """
 """
 
 
+@pytest.mark.integration  # processes racing an import (~16 s): make test-integration
 class TestImportRace:
     ROUNDS = 60
 

@@ -68,6 +68,7 @@ def _rows(seed: int, n: int) -> list[tuple[str, str, str]]:
             for _ in range(n)]
 
 
+@pytest.mark.integration  # builds a large index (~6 s): make test-integration
 def test_the_index_finds_what_a_scan_finds():
     rows = _rows(1, 400)
     con, db, table = _db(rows)
@@ -101,6 +102,7 @@ def test_rows_not_indexed_yet_are_scanned(monkeypatch):
         assert _found(con, db, index, table, q) == _scan(con, table, q), q
 
 
+@pytest.mark.integration  # builds a large index (~5 s): make test-integration
 def test_replaced_rows_and_their_new_numbers():
     """Rows deleted (a compaction's inputs) and inserted again under new numbers (the merged file):
     their old words stay until compacted, and never show; the new rows are found."""

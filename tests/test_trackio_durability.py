@@ -71,6 +71,7 @@ def _chmod(path, mode: int) -> None:
         pass
 
 
+@pytest.mark.integration  # ~11 s (trackio's writer retries): make test-integration
 def test_read_only_trackio_dir_every_trajectory_stored_or_counted(tmp_path):
     """A read-only spell of TRACKIO_DIR loses trajectories; each one is counted as failed,
     exported equals what trackio stored, and flush() returns False."""
