@@ -55,7 +55,7 @@ def make_run(tmp_path, exporter: str = "parquet,jsonl", experiment: str = "run-7
     return os.path.join(tmp_path, "ds", experiment), mem.trajectories, jsonl
 
 
-def _engine_unit_ns() -> int:
+def duckdb_time_unit_ns() -> int:
     import duckdb
 
     return 1 if int(duckdb.__version__.split(".")[0]) >= 2 else 1000
@@ -68,7 +68,7 @@ def as_read_back(trajs):
     import copy
 
     trajs = copy.deepcopy(list(trajs))
-    unit = _engine_unit_ns()
+    unit = duckdb_time_unit_ns()
     if unit > 1:
         for t in trajs:
             for s in t.spans:

@@ -24,6 +24,7 @@ from rtrace.report.trace_json import token_rates, write_trace
 from rtrace.summary import RolloutSummary, fleet_fields, summarize
 from rtrace.trajectory import SpanRecord, Trajectory
 from tests import trace_events
+from tests.dataset_run import duckdb_time_unit_ns
 
 ROOT = Path(__file__).resolve().parents[1]
 MS = 1_000_000
@@ -185,8 +186,11 @@ class TestWeightUpdates:
         assert [(t.worker, t.policy_version_end, t.crossed_update) for t in (trajs[0], trajs[1])] == [
             ("w-1", 5, True), ("w-1", 5, False)]
         run = rtrace.open_run(tmp_path / "ds" / "r")
+        # DuckDB 1.x reads UTC nanosecond timestamps to the microsecond (docs/dataset.md, "Times")
+        us = duckdb_time_unit_ns()
         assert run.sql("SELECT version, step, worker, epoch_ns(time), attributes_str FROM events").fetchall() == [
-            (4, 4, "w-1", events[0].time_ns, {"source": "test"}), (5, 5, "w-1", events[1].time_ns, {})]
+            (4, 4, "w-1", events[0].time_ns // us * us, {"source": "test"}),
+            (5, 5, "w-1", events[1].time_ns // us * us, {})]
         assert run.sql("SELECT sample_index, worker, policy_version_end, crossed_update FROM trajectories "
                        "ORDER BY 1").fetchall() == [(0, "w-1", 5, True), (1, "w-1", 5, False)]
         # the events files have docs/dataset-schema.json's columns (at shutdown a writer merges its own into one)
