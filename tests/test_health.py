@@ -15,6 +15,7 @@ from rtrace.exporters.otel import span_attributes
 from rtrace.exporters.trackio import trace_metadata
 from rtrace.pipeline.health import HealthChecker
 from rtrace.trajectory import SpanRecord, Trajectory
+from tests.doubles import MetricsSink
 
 
 @rtrace.traced_generation
@@ -350,20 +351,6 @@ class TestCoordinates:
                     for n in range(size):
                         rollout([], index=index, n=n, group_id=f"g{index}")
             assert capped.metrics[0].values["rollout/health/coordinates_rate"] == rate
-
-
-class MetricsSink(rtrace.Sink):
-    name = "metrics"
-
-    def __init__(self):
-        super().__init__(None)
-        self.metrics = []
-
-    def export(self, trajectories):
-        pass
-
-    def export_step_metrics(self, metrics):
-        self.metrics.extend(metrics)
 
 
 class TestWhereItShows:

@@ -15,6 +15,7 @@ from rtrace.exporters.jsonl import read_jsonl
 from rtrace.pipeline.health import DEFAULT_CHECKS
 from rtrace.pipeline.metrics import StepMetricsTracker, StepStats
 from tests import collector_workers as workers
+from tests.doubles import MetricsSink
 
 
 @rtrace.traced_tool(tool_name="calculator")
@@ -101,20 +102,6 @@ class TestPromptSampling:
         assert len(kept[0]) == 3 and kept[0] == kept[1] == kept[2]
 
 
-class MetricsSink(rtrace.Sink):
-    name = "metrics"
-
-    def __init__(self):
-        super().__init__(None)
-        self.rows = []
-
-    def export(self, trajectories):
-        pass
-
-    def export_step_metrics(self, metrics):
-        self.rows.extend(metrics)
-
-
 class TestStepMetrics:
     def test_computed_only_when_a_sink_writes_them(self, tmp_path):
         """With sinks that write no step metrics (JSONL, OTLP, console, the base Sink) the
@@ -143,8 +130,8 @@ class TestStepMetrics:
         sink = MetricsSink()
         tracker, lines_with = run([sink], tmp_path / "b.jsonl")
         assert tracker is not None and lines_with == lines
-        assert sorted(m.step for m in sink.rows) == [0, 1, 2]
-        assert [m.values["rollout/trajectories"] for m in sorted(sink.rows, key=lambda m: m.step)] == [4.0] * 3
+        assert sorted(m.step for m in sink.metrics) == [0, 1, 2]
+        assert [m.values["rollout/trajectories"] for m in sorted(sink.metrics, key=lambda m: m.step)] == [4.0] * 3
 
     @pytest.mark.integration
     def test_job_of_four_workers_equals_one_process(self, tmp_path):
@@ -170,7 +157,7 @@ class TestStepMetrics:
         # the collector's default health checks, a rate each; no cap, so every group is whole
         expected = {(v, s): (st.values("eval" if v else "rollout", DEFAULT_CHECKS, whole_groups=True), st.slowest[1])
                     for (v, s), st in whole.items()}
-        got = {(m.validate, m.step): (m.values, m.slowest_trace_id) for m in sink.rows}
+        got = {(m.validate, m.step): (m.values, m.slowest_trace_id) for m in sink.metrics}
         assert set(got) == {(False, 0), (False, 1), (False, 2), (True, 0), (True, 1), (True, 2)} == set(expected)
         for key, (values, slowest) in expected.items():
             assert got[key][1] == slowest
@@ -189,9 +176,9 @@ class TestStepMetrics:
                 rollout(step, i, 0, float(step))
             time.sleep(0.3)  # the worker exports this step; the next step then releases it
         assert rtrace.flush(30)
-        got = {(m.validate, m.step): m.values["rollout/reward_mean"] for m in sink.rows}
+        got = {(m.validate, m.step): m.values["rollout/reward_mean"] for m in sink.metrics}
         assert got == {(False, 0): 0.0, (False, 1): 1.0, (False, 2): 2.0, (False, 3): 3.0}
-        assert [m.step for m in sink.rows] == [0, 1, 2, 3]  # in step order, each once
+        assert [m.step for m in sink.metrics] == [0, 1, 2, 3]  # in step order, each once
 
     def test_rollouts_table_groups_side_by_side_and_is_bounded(self):
         """Each step's rollouts table holds its trajectories ordered by group then rollout, the
@@ -205,7 +192,7 @@ class TestStepMetrics:
                 rollout(1, i, r, float(r))
                 rtrace.annotate(step=1, sample_index=i, rollout_n=r, advantage=r - 0.5)
         assert rtrace.flush(30)
-        (m,) = sink.rows
+        (m,) = sink.metrics
         assert list(m.rows[0]) == ["step", "group", "sample_index", "rollout_n", "reward", "advantage", "outcome",
                                    "health", "prompt", "answer", "turns", "tool_calls", "tokens_in", "tokens_out", "finish_reason",
                                    "latency_ms", "kept", "note", "trace_id"]
@@ -234,7 +221,7 @@ class TestStepMetrics:
                 rtrace.record_reward(0.0, correct=False)
             rtrace.flush()
         (t,) = got.trajectories
-        (m,) = sink.rows
+        (m,) = sink.metrics
         (row,) = m.rows
         answer = row.pop("answer")
         assert row.pop("prompt") == "[4 tokens, not decoded: set RTRACE_TOKEN2TEXT]"  # the first turn's prompt

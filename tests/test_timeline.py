@@ -25,6 +25,7 @@ from rtrace.summary import RolloutSummary, fleet_fields, summarize
 from rtrace.trajectory import SpanRecord, Trajectory
 from tests import trace_events
 from tests.dataset_run import duckdb_time_unit_ns
+from tests.doubles import MetricsSink
 
 ROOT = Path(__file__).resolve().parents[1]
 MS = 1_000_000
@@ -324,22 +325,6 @@ _FLEET = {"staleness_mean", "staleness_max", "staleness/0_frac", "staleness/1_fr
 
 
 # ----------------------------------------------------------------------------- a real job
-class _Metrics(rtrace.Sink):
-    """Keeps the step metrics the collector computes."""
-
-    name = "metrics"
-
-    def __init__(self) -> None:
-        super().__init__(None)
-        self.metrics: list = []
-
-    def export(self, trajectories) -> None:
-        pass
-
-    def export_step_metrics(self, metrics) -> None:
-        self.metrics.extend(metrics)
-
-
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """Two workers (processes), two inference servers (fake vLLMs, one slow) each behind an `rtrace
@@ -355,7 +340,7 @@ def job(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("timeline_job")
     fast, slow = FakeVLLM().start(), FakeVLLM().start()
     fast.delay_s, slow.delay_s = 0.03, 0.15  # the second server straggles
-    metrics = _Metrics()
+    metrics = MetricsSink()
     collector = rtrace.start_collector(exporter="parquet,jsonl", parquet_path=str(tmp / "ds"),
                                        jsonl_path=str(tmp / "job.jsonl"), experiment="job", settle_s=1.0,
                                        health_checks="none", sinks=[metrics])

@@ -15,6 +15,7 @@ import pytest
 import rtrace
 import rtrace.testing
 from rtrace.exporters.jsonl import read_jsonl
+from tests.doubles import MetricsSink
 
 np = pytest.importorskip("numpy")
 
@@ -262,17 +263,7 @@ class TestMismatch:
         missing, the trajectory fails the check (health/logprob_mismatch_rate counts it, the
         step's mean leaves it out) and the finding says how many tokens were not finite. A NaN on
         a token the loss mask leaves out changes nothing."""
-        sink_metrics = []
-
-        class Metrics(rtrace.Sink):
-            name = "metrics"
-
-            def export(self, trajectories):
-                pass
-
-            def export_step_metrics(self, metrics):
-                sink_metrics.extend(metrics)
-
+        metrics_sink = MetricsSink()
         nan, inf, untrained = list(RESPONSE), list(RESPONSE), list(RESPONSE)
         nan[5] = math.nan
         inf[0], inf[4] = -math.inf, math.nan
@@ -280,7 +271,7 @@ class TestMismatch:
         off = list(RESPONSE)
         off[5] = -3.0
         with rtrace.testing.capture(await_annotations="old_logprob", annotation_timeout_s=30, health_checks="all",
-                                    sinks=[Metrics(None)]) as got:
+                                    sinks=[metrics_sink]) as got:
             for i in range(5):
                 rollout(i)
             rtrace.annotate_batch(step=1, sample_index=list(range(5)), rollout_n=[0] * 5,
@@ -299,7 +290,7 @@ class TestMismatch:
             assert not [k for k in trajs[i].annotations if k.startswith("logprob_mismatch")]
         assert findings[0] == findings[3] == [] and trajs[3].annotations["logprob_mismatch_max"] == 0.0
         assert stats["logprob_mismatch_nonfinite"] == 2
-        (m,) = sink_metrics
+        (m,) = metrics_sink.metrics
         assert m.values["rollout/health/logprob_mismatch_rate"] == pytest.approx(3 / 5)  # 1, 2 and the -3.0 one
         # the step's mean is over the three measured rollouts (0, 3, 4): rollout 4's k3 / 3
         assert m.values["rollout/logprob_mismatch_k3_mean"] == pytest.approx(
@@ -308,20 +299,10 @@ class TestMismatch:
     def test_keep_mismatch_keeps_the_worst_past_the_cap_and_step_metrics(self):
         """Cap 2, keep_mismatch 2: the sample and the two worst by k3 among the others;
         the step metrics have the mismatch's mean, p90 and max."""
-        sink_metrics = []
-
-        class Metrics(rtrace.Sink):
-            name = "metrics"
-
-            def export(self, trajectories):
-                pass
-
-            def export_step_metrics(self, metrics):
-                sink_metrics.extend(metrics)
-
+        metrics_sink = MetricsSink()
         with rtrace.testing.capture(max_traces_per_step=2, keep_mismatch=2, sample_seed=3,
                                     await_annotations="old_logprob", annotation_timeout_s=30,
-                                    sinks=[Metrics(None)]) as got:
+                                    sinks=[metrics_sink]) as got:
             rows = []
             for i in range(10):
                 rollout(i)
@@ -333,7 +314,7 @@ class TestMismatch:
         tail = sorted(t.sample_index for t in trajs if t.kept == ["mismatch"])
         sampled = [t.sample_index for t in trajs if "sampled" in t.kept]
         assert len(sampled) == 2 and tail == sorted([i for i in range(9, -1, -1) if i not in sampled][:2])
-        (m,) = sink_metrics
+        (m,) = metrics_sink.metrics
         assert {"rollout/logprob_mismatch_k3_mean", "rollout/logprob_mismatch_k3_p90",
                 "rollout/logprob_mismatch_k3_max"} <= set(m.values)
 

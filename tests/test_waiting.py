@@ -32,6 +32,7 @@ from rtrace.exporters.jsonl import read_jsonl
 from rtrace.pipeline.annotations import Annotation, coord_key
 from rtrace.trajectory import Trajectory
 from tests import collector_workers as workers
+from tests.doubles import MetricsSink
 from tests.test_collector_admission import export
 from tests.test_collector_security import honest, request_of, written
 
@@ -358,20 +359,7 @@ class TestSummariesWaitApart:
 
     @staticmethod
     def _run(max_summaries: int):
-        class Metrics(rtrace.Sink):
-            name = "metrics"
-
-            def __init__(self):
-                super().__init__(None)
-                self.metrics = []
-
-            def export(self, trajectories):
-                pass
-
-            def export_step_metrics(self, metrics):
-                self.metrics += metrics
-
-        sink = Metrics()
+        sink = MetricsSink()
         rtrace.configure(exporter="none", sinks=[sink], max_traces_per_step=1, await_annotations="advantage",
                          annotation_timeout_s=60, max_waiting_trajectories=2, max_waiting_summaries=max_summaries,
                          export_interval_s=0.02)

@@ -137,12 +137,17 @@ def test_openai_sdk_sync_async_and_streaming(job, vllm):
     check_calls(vllm, traj)
 
 
-def test_openai_agents_sdk_tool_agent(job, vllm):
-    """The OpenAI Agents SDK, a multi-turn tool-using agent: its model calls are the rollout's
-    generations, its tool turn is in the conversation in order, the final text is the agent's."""
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+@pytest.mark.parametrize("api", ["chat_completions", "responses"])
+def test_openai_agents_sdk_tool_agent(job, vllm, api):
+    """The OpenAI Agents SDK, a multi-turn tool-using agent, on Chat Completions and on its default
+    model's Responses API (POST /v1/responses, which the gateway serves with vLLM's ids from
+    enable_response_messages): its model calls are the rollout's generations, its tool turn is in
+    the conversation in order, the final text is the agent's."""
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner,
+                        function_tool, set_tracing_disabled)
 
     set_tracing_disabled(True)  # the SDK's own tracing would call OpenAI's servers
+    model_class = OpenAIChatCompletionsModel if api == "chat_completions" else OpenAIResponsesModel
     ran = []
 
     @function_tool
@@ -156,48 +161,10 @@ def test_openai_agents_sdk_tool_agent(job, vllm):
             access = rtrace.gateway_access()
             client = openai.AsyncOpenAI(base_url=access.base_url, api_key=access.api_key)
             agent = Agent(name="calculator-agent", instructions=SYSTEM, tools=[calculator],
-                          model=OpenAIChatCompletionsModel(model=MODEL_NAME, openai_client=client),
+                          model=model_class(model=MODEL_NAME, openai_client=client),
                           model_settings=ModelSettings(temperature=0, max_tokens=60))
             result = await Runner.run(agent, "What is 12 + 7?", max_turns=4)
             rtrace.record_reward(1.0 if "19" in str(result.final_output) else 0.0)
-            return result.final_output
-
-    final = asyncio.run(rollout())
-    (traj,) = job.read()
-    calls = gens(traj)
-    assert len(calls) >= 2 and ran
-    roles = [m["role"] for m in traj["messages"]]
-    assert roles[:5] == ["system", "user", "assistant", "tool", "assistant"]
-    assert traj["messages"][2]["tool_calls"][0]["function"]["name"] == "calculator"
-    assert traj["messages"][3]["content"] == ran[0]
-    assert traj["messages"][-1]["content"] == final
-    assert not [f for f in traj["health"] if f["check"] == "generation" and "no tool ran" in f["detail"]]
-    check_calls(vllm, traj)
-
-
-def test_openai_agents_sdk_default_model(job, vllm):
-    """The OpenAI Agents SDK's default model calls the Responses API (POST /v1/responses), which the
-    gateway serves: the same agent, its calls generations with vLLM's ids (enable_response_messages),
-    its tool turn in the conversation in order."""
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
-
-    set_tracing_disabled(True)
-    ran = []
-
-    @function_tool
-    def calculator(expression: str) -> str:
-        """Evaluate an arithmetic expression."""
-        ran.append(calculator_result(expression))
-        return ran[-1]
-
-    async def rollout():
-        async with rtrace.rollout_context(step=3, sample_index=1, rollout_n=0):
-            access = rtrace.gateway_access()
-            client = openai.AsyncOpenAI(base_url=access.base_url, api_key=access.api_key)
-            agent = Agent(name="calculator-agent", instructions=SYSTEM, tools=[calculator],
-                          model=OpenAIResponsesModel(model=MODEL_NAME, openai_client=client),
-                          model_settings=ModelSettings(temperature=0, max_tokens=60))
-            result = await Runner.run(agent, "What is 12 + 7?", max_turns=4)
             return result.final_output
 
     final = asyncio.run(rollout())
@@ -210,6 +177,7 @@ def test_openai_agents_sdk_default_model(job, vllm):
     assert traj["messages"][2]["tool_calls"][0]["function"]["name"] == "calculator"
     assert traj["messages"][3]["content"] == ran[0]
     assert traj["messages"][-1]["content"] == final
+    assert not [f for f in traj["health"] if f["check"] == "generation" and "no tool ran" in f["detail"]]
     check_calls(vllm, traj)
 
 

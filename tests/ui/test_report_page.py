@@ -26,7 +26,7 @@ from rtrace.pipeline.metrics import StepStats  # noqa: E402
 from rtrace.report.load import read_records  # noqa: E402
 from tests.ui import report_job as job  # noqa: E402
 
-from tests.ui.browser import ARTIFACTS, REPO  # noqa: E402
+from tests.ui.browser import ARTIFACTS, REPO, watched_page  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -49,22 +49,13 @@ def report(tmp_path_factory):
 
 @pytest.fixture
 def page(browser, report):
-    """The page from file://, with every console error and page error recorded: none may occur."""
+    """The page from file://, with every console error, page error, dialog and outside request
+    recorded: none may occur."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    context = browser.new_context(viewport={"width": 1500, "height": 1100})
-    pg = context.new_page()
-    pg.set_default_timeout(20_000)
-    problems: list[str] = []
-    pg.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning")
-          else None)
-    pg.on("pageerror", lambda e: problems.append(f"page error: {e}"))
-    pg.on("request", lambda r: problems.append(f"request: {r.url}") if not r.url.startswith(("file:", "data:"))
-          else None)
-    pg.goto(report["page"].as_uri())
-    pg.wait_for_selector("body[data-ready='1']")
-    yield pg
-    context.close()
-    assert problems == []
+    with watched_page(browser, ("file:", "data:"), width=1500, height=1100, timeout_ms=20_000) as pg:
+        pg.goto(report["page"].as_uri())
+        pg.wait_for_selector("body[data-ready='1']")
+        yield pg
 
 
 def _go(page, fragment: str) -> None:

@@ -29,7 +29,7 @@ pytest.importorskip("duckdb")
 
 from tests.servers import free_port  # noqa: E402
 from tests.ui import fleet_run  # noqa: E402
-from tests.ui.browser import ARTIFACTS, REPO  # noqa: E402
+from tests.ui.browser import ARTIFACTS, REPO, watched_page  # noqa: E402
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1",
        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -102,20 +102,9 @@ def page(browser, server):
     """A 1,400-pixel-wide page of the server: every console error, page error, dialog (an injected
     ``alert``) and outside request recorded: none may occur."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    pg = context.new_page()
-    pg.set_default_timeout(60_000)
-    problems: list[str] = []
-    pg.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning")
-          else None)
-    pg.on("pageerror", lambda e: problems.append(f"page error: {e}"))
-    pg.on("dialog", lambda d: (problems.append(f"dialog: {d.message}"), d.dismiss()))
-    pg.on("request", lambda r: problems.append(f"request: {r.url}")
-          if not r.url.startswith((server["url"], "data:")) else None)
-    pg.base = server["url"]  # type: ignore[attr-defined]
-    yield pg
-    context.close()
-    assert problems == []
+    with watched_page(browser, (server["url"], "data:"), width=1400, timeout_ms=60_000) as pg:
+        pg.base = server["url"]  # type: ignore[attr-defined]
+        yield pg
 
 
 def _until(page, expression: str, timeout_s: float = 120.0) -> None:
