@@ -6,9 +6,26 @@ collector handed out (``collector.env``), as a Ray actor or a SLURM task would b
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import time
 from typing import Any
+
+SPAWN = mp.get_context("spawn")
+
+
+def start(target, *args) -> Any:
+    """``target(*args)`` in a new spawned process, started."""
+    proc = SPAWN.Process(target=target, args=args)
+    proc.start()
+    return proc
+
+
+def join_all(procs, timeout_s: float = 120) -> None:
+    """Wait for each of ``procs`` (``timeout_s`` each); each must have exited 0."""
+    for proc in procs:
+        proc.join(timeout_s)
+        assert proc.exitcode == 0, f"process exit code {proc.exitcode}"
 
 
 def _apply(env: dict[str, str]) -> None:

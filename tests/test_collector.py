@@ -6,7 +6,6 @@ worker, the JSONL sink read back from disk.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -19,19 +18,7 @@ from rtrace.exporters.jsonl import read_jsonl
 from rtrace.pipeline.sampling import priority
 from tests import collector_workers as workers
 
-SPAWN = mp.get_context("spawn")
 
-
-def _run(target, *args):
-    proc = SPAWN.Process(target=target, args=args)
-    proc.start()
-    return proc
-
-
-def _join(procs, timeout_s=120):
-    for proc in procs:
-        proc.join(timeout_s)
-        assert proc.exitcode == 0, f"worker exit code {proc.exitcode}"
 
 
 @pytest.mark.integration
@@ -41,8 +28,8 @@ class TestJobWideSampling:
         worker), each kept trajectory once with one root, and the kept groups are the 2 of lowest
         priority (not the first to arrive); validation has its own cap."""
         c = collector(max_traces_per_step=8, max_val_traces_per_step=3, sample_groups=True, sample_seed=7)
-        procs = [_run(workers.rollouts, c.env, w, 4, 2, 8, 4, 8) for w in range(4)]
-        _join(procs)
+        procs = [workers.start(workers.rollouts, c.env, w, 4, 2, 8, 4, 8) for w in range(4)]
+        workers.join_all(procs)
         assert c.flush(30)
         trajs = read_jsonl(tmp_path / "traces.jsonl")
         train = [t for t in trajs if not t.validate]
@@ -66,7 +53,7 @@ class TestJobWideSampling:
     def test_no_cap_keeps_everything(self, collector, tmp_path):
         """Without a cap every trajectory of every worker arrives, once."""
         c = collector()
-        _join([_run(workers.rollouts, c.env, w, 2, 1, 6, 2) for w in range(2)])
+        workers.join_all([workers.start(workers.rollouts, c.env, w, 2, 1, 6, 2) for w in range(2)])
         assert c.flush(30)
         trajs = read_jsonl(tmp_path / "traces.jsonl")
         assert sorted((t.sample_index, t.rollout_n) for t in trajs) == [(p, r) for p in range(6) for r in range(2)]
@@ -80,7 +67,7 @@ class TestAnnotations:
         from shuffled tensors: every trajectory carries its own value, none missing or misassigned."""
         torch = pytest.importorskip("torch")
         c = collector(await_annotations="advantage", annotation_timeout_s=60)
-        _join([_run(workers.rollouts, c.env, w, 2, 3, 16, 4) for w in range(2)])
+        workers.join_all([workers.start(workers.rollouts, c.env, w, 2, 3, 16, 4) for w in range(2)])
         for step in range(3):
             perm = torch.randperm(64, generator=torch.Generator().manual_seed(step))
             index = torch.arange(16).repeat_interleave(4)[perm]
@@ -113,14 +100,14 @@ class TestAcrossProcesses:
         c = collector()
         rtrace.configure(**{k.lower().removeprefix("rtrace_"): v for k, v in c.env.items()
                             if k in ("RTRACE_EXPORTER", "RTRACE_COLLECTOR_ENDPOINT")})
-        port_q, stop, out = SPAWN.Queue(), SPAWN.Event(), SPAWN.Queue()
-        server = _run(workers.tool_server, c.env, port_q, stop)
+        port_q, stop, out = workers.SPAWN.Queue(), workers.SPAWN.Event(), workers.SPAWN.Queue()
+        server = workers.start(workers.tool_server, c.env, port_q, stop)
         port = port_q.get(timeout=60)
 
         @rtrace.traced(kind="chain", name="driver.dispatch")
         def dispatch():
             carrier = rtrace.inject({})
-            worker = _run(workers.hop_worker, c.env, carrier, port, out)
+            worker = workers.start(workers.hop_worker, c.env, carrier, port, out)
             result = out.get(timeout=60)
             worker.join(60)
             return result
@@ -150,8 +137,8 @@ class TestFailures:
         """SIGKILL a worker mid-rollout: what it finished before is there, its open rollout is
         written as partial with the span that did arrive."""
         c = collector(orphan_timeout_s=2.0)
-        ready = SPAWN.Event()
-        proc = _run(workers.finish_then_hang, c.env, 5, ready)
+        ready = workers.SPAWN.Event()
+        proc = workers.start(workers.finish_then_hang, c.env, 5, ready)
         assert ready.wait(60)
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)
@@ -171,8 +158,8 @@ class TestFailures:
 
         env = {"RTRACE_EXPORTER": "collector", "RTRACE_COLLECTOR_ENDPOINT": f"127.0.0.1:{free_port()}",
                "OTEL_EXPORTER_OTLP_TIMEOUT": "500"}
-        out = SPAWN.Queue()
-        proc = _run(workers.against_dead_collector, env, 20, out)
+        out = workers.SPAWN.Queue()
+        proc = workers.start(workers.against_dead_collector, env, 20, out)
         results, flushed, stats = out.get(timeout=120)
         proc.join(30)
         assert results == [i * 3 for i in range(20)]
@@ -196,15 +183,15 @@ class TestLoad:
         20,576 written, all 64 requests answered OK)."""
         clients, n, per_request = 16, 1600, 400
         c = collector(settle_s=2.0, max_open_trajectories=2000)
-        ready_events, go = [SPAWN.Event() for _ in range(clients)], SPAWN.Event()
-        queues = [SPAWN.Queue() for _ in range(clients)]
-        procs = [_run(workers.load_client, c.endpoint, i, n, per_request, 30.0, ready_events[i], go, queues[i])
+        ready_events, go = [workers.SPAWN.Event() for _ in range(clients)], workers.SPAWN.Event()
+        queues = [workers.SPAWN.Queue() for _ in range(clients)]
+        procs = [workers.start(workers.load_client, c.endpoint, i, n, per_request, 30.0, ready_events[i], go, queues[i])
                  for i in range(clients)]
         for ready in ready_events:
             assert ready.wait(120)
         go.set()
         reports = [q.get(timeout=300) for q in queues]
-        _join(procs)
+        workers.join_all(procs)
         failed = sum(r[0] for r in reports)
         rejected = sum(r[1] for r in reports)
         stats = c.stats()
@@ -237,7 +224,7 @@ class TestDecodingInTheCollector:
         c = collector(token2text=True, tokenizer=tok)
         prompt = tok.encode("What is 6 * 7?")
         response = tok.encode("The answer is 42.")
-        _join([_run(workers.generations, c.env, prompt, response)])
+        workers.join_all([workers.start(workers.generations, c.env, prompt, response)])
         assert c.flush(30)
         (traj,) = read_jsonl(tmp_path / "traces.jsonl")
         gen = next(s for s in traj.spans if s.kind == "generation")
@@ -258,8 +245,8 @@ class TestRestart:
         first = rtrace.start_collector(exporter="jsonl", jsonl_path=str(tmp_path / "a.jsonl"), port=port,
                                        settle_s=0.3, orphan_timeout_s=1.0)
         env = dict(first.env, OTEL_EXPORTER_OTLP_TIMEOUT="20000")
-        out = SPAWN.Queue()
-        proc = _run(workers.steady, env, 120, 0.025, out)
+        out = workers.SPAWN.Queue()
+        proc = workers.start(workers.steady, env, 120, 0.025, out)
         time.sleep(2.0)
         first.stop()  # open trajectories written as partial; the worker's next batches are retried
         time.sleep(0.5)
@@ -301,7 +288,7 @@ class TestCollectCli:
         proc, worker_env = _rtrace_collect(path, "--project", "cli-proj", "--max-traces-per-step", "3")
         try:
             assert worker_env["RTRACE_EXPORTER"] == "collector" and worker_env["RTRACE_PROJECT"] == "cli-proj"
-            _join([_run(workers.rollouts, worker_env, 0, 1, 2, 4, 2)])
+            workers.join_all([workers.start(workers.rollouts, worker_env, 0, 1, 2, 4, 2)])
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
@@ -426,7 +413,7 @@ class TestGc:
         before = gc.get_threshold(), gc.get_freeze_count()
         c = rtrace.start_collector(exporter="jsonl", jsonl_path=str(tmp_path / "gc.jsonl"), settle_s=0.05)
         try:
-            _join([_run(workers.rollouts, c.env, 0, 1, 2, 4, 2)])
+            workers.join_all([workers.start(workers.rollouts, c.env, 0, 1, 2, 4, 2)])
             assert c.flush(30)
             assert (gc.get_threshold(), gc.get_freeze_count()) == before
         finally:

@@ -9,7 +9,6 @@ environment, with ``RTRACE_COLLECTOR_ENDPOINT`` a comma list.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from collections import Counter
 
 import pytest
@@ -18,20 +17,8 @@ from rtrace.exporters.jsonl import read_jsonl
 from rtrace.placement import Ring, route_key
 from tests import collector_workers as workers
 
-SPAWN = mp.get_context("spawn")
 JOB = {"experiment": "run-7", "job_id": "job-40", "settle_s": 0.5}
 
-
-def _run(target, *args):
-    proc = SPAWN.Process(target=target, args=args)
-    proc.start()
-    return proc
-
-
-def _join(procs, timeout_s=300):
-    for proc in procs:
-        proc.join(timeout_s)
-        assert proc.exitcode == 0, f"process exit code {proc.exitcode}"
 
 
 def _env(first, endpoints):
@@ -51,11 +38,11 @@ class TestRoutingAcrossCollectors:
                       annotation_timeout_s=60, **JOB)
         env = _env(a, [a.endpoint, b.endpoint])
         steps, prompts, n, val = 2, 12, 4, 3
-        _join([_run(workers.rollouts, env, 0, 1, steps, prompts, n, val)])
-        out = SPAWN.Queue()
-        trainer = _run(workers.trainer, env, steps, prompts, n, out)
+        workers.join_all([workers.start(workers.rollouts, env, 0, 1, steps, prompts, n, val)], 300)
+        out = workers.SPAWN.Queue()
+        trainer = workers.start(workers.trainer, env, steps, prompts, n, out)
         flushed, stats = out.get(timeout=120)
-        _join([trainer])
+        workers.join_all([trainer], 300)
         assert flushed and stats["sink.collector.sent"] == steps * prompts * n == stats["annotations_sent"]
         ring = Ring([a.endpoint, b.endpoint])
         written = {}
@@ -89,10 +76,10 @@ class TestRoutingAcrossCollectors:
         down = b.endpoint
         b.stop()
         env = dict(_env(a, [a.endpoint, down]), OTEL_EXPORTER_OTLP_TIMEOUT="500")
-        out = SPAWN.Queue()
-        proc = _run(workers.against_dead_collector, env, 40, out)
+        out = workers.SPAWN.Queue()
+        proc = workers.start(workers.against_dead_collector, env, 40, out)
         results, flushed, stats = out.get(timeout=120)
-        _join([proc])
+        workers.join_all([proc], 300)
         assert results == [i * 3 for i in range(40)]
         assert flushed is False
         ring = Ring([a.endpoint, down])
@@ -118,10 +105,10 @@ class TestTheTrainersBurst:
         dropped in the annotation queue, 48,896 in the sink queue, 16,640 arrived)."""
         rows, joined = 100_000, [0, 54_321, 99_999]
         c = collector(**JOB)
-        out = SPAWN.Queue()
-        proc = _run(workers.big_annotate_batch, c.env, rows, joined, out)
+        out = workers.SPAWN.Queue()
+        proc = workers.start(workers.big_annotate_batch, c.env, rows, joined, out)
         flushed, stats = out.get(timeout=600)
-        _join([proc])
+        workers.join_all([proc], 300)
         lost = {k: v for k, v in stats.items() if "dropped" in k or "failed" in k or "abandoned" in k}
         assert flushed and lost == {}, lost
         assert stats["annotations_sent"] == rows and stats["sink.collector.sent"] == rows + len(joined)

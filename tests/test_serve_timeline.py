@@ -36,13 +36,7 @@ def _step(n: int = 24, seed: int = 7):
     """A step of ``n`` rollouts (two workers of three slots, two servers), the second worker named
     with markup, a server with markup in its address; and the run's weight updates."""
     trajs, events = fleet_run.trajectories(n, seed=seed, workers=2, slots=3, servers=2)
-    for t in trajs:
-        if t.worker.endswith(":1001"):
-            t.worker = HOSTILE_WORKER
-        for s in t.spans:
-            if s.attributes.get("server.address") == "10.0.0.2":
-                s.attributes["server.address"] = HOSTILE_SERVER
-    return trajs, events
+    return fleet_run.rename_hostile(trajs, HOSTILE_WORKER, HOSTILE_SERVER), events
 
 
 def _write(folder, trajs, events, steps=None):

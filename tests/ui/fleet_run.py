@@ -124,6 +124,18 @@ def trajectories(n: int, seed: int = 41, workers: int = WORKERS, slots: int = SL
     return out, events
 
 
+def rename_hostile(trajs: list, worker: str, server: str) -> list:
+    """``trajs`` with the second worker (``node-0:1001``) renamed ``worker`` and the second server
+    (10.0.0.2) addressed as ``server``: markup where names are shown."""
+    for t in trajs:
+        if t.worker.endswith(":1001"):
+            t.worker = worker
+        for s in t.spans:
+            if s.attributes.get("server.address") == "10.0.0.2":
+                s.attributes["server.address"] = server
+    return trajs
+
+
 def write_run(folder: Path, n: int) -> dict:
     from rtrace.dataset.layout import open_store
     from rtrace.dataset.writer import DatasetWriter

@@ -53,12 +53,7 @@ def runs(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("swimlane-ui")
     trajs, events = fleet_run.trajectories(30, seed=11, workers=2, slots=3, servers=2)
-    for t in trajs:
-        if t.worker.endswith(":1001"):
-            t.worker = HOSTILE_WORKER
-        for s in t.spans:
-            if s.attributes.get("server.address") == "10.0.0.2":
-                s.attributes["server.address"] = HOSTILE_SERVER
+    fleet_run.rename_hostile(trajs, HOSTILE_WORKER, HOSTILE_SERVER)
     folder = out / "small"
     folder.mkdir()
     writer = DatasetWriter(open_store(str(folder)), "small")
