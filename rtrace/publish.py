@@ -45,6 +45,8 @@ _SUMMARY_COLUMNS = ("trace_id, name, step, sample_index, rollout_n, validate, ex
                     "annotations_str, annotations_json, status, error, partial, num_turns, num_tool_calls, "
                     "input_tokens, output_tokens, finish_reasons, finish_reason, start_time, end_time, generation_ms, "
                     "tool_ms, health, recorded, kept, priority, dropped_spans")
+#: the fleet's columns (schema 1.2, issue 41), read where the run's files have them
+_FLEET_COLUMNS = ("worker", "policy_version_end", "crossed_update", "wait_ms", "server_ms")
 
 
 class Publisher:
@@ -132,7 +134,9 @@ class Publisher:
 
         run = self.run
         kept = sorted(run.load("validate = ? AND step = ?", [validate, step]), key=lambda t: t.trace_id)
-        table = _ints_for_times(_arrow(run.sql(f"SELECT {_SUMMARY_COLUMNS} FROM trajectories WHERE validate = ? "
+        have = set(run.sql("SELECT * FROM trajectories LIMIT 0").columns)
+        columns = ", ".join([_SUMMARY_COLUMNS, *(c for c in _FLEET_COLUMNS if c in have)])
+        table = _ints_for_times(_arrow(run.sql(f"SELECT {columns} FROM trajectories WHERE validate = ? "
                                                "AND step = ? ORDER BY trace_id", [validate, step])))
         stats = StepStats()
         for row in table.to_pylist():

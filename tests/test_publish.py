@@ -51,3 +51,42 @@ def test_following_publishes_done_steps_once_and_counts_late_rows(tmp_path):
     assert _stats.snapshot()["publish.late_rows"] == 2
     assert sorted((t.step, t.sample_index) for t in read_jsonl(tmp_path / "out.jsonl")) == [
         (0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1)]
+
+
+def test_published_step_metrics_have_the_fleet_s(tmp_path):
+    """The fleet's step metrics (issue 41: crossed updates, time waiting, servers, the slowest
+    server's share, staleness, in flight) that `rtrace publish` gives are those of the rollouts it
+    reads (before: the worker, wait, versions' end and servers' columns were not read: wait 0,
+    no crossed-update rate, no servers)."""
+    from rtrace.dataset.layout import open_store
+    from rtrace.dataset.writer import DatasetWriter
+    from rtrace.pipeline.metrics import StepStats, step_metrics
+    from rtrace.summary import summarize
+    from tests.doubles import MetricsSink
+    from tests.ui import fleet_run
+
+    trajs, events = fleet_run.trajectories(60, seed=5, workers=2, slots=3, servers=2)
+    assert any(t.crossed_update for t in trajs) and not all(t.crossed_update for t in trajs)
+    folder = tmp_path / "run-f"
+    writer = DatasetWriter(open_store(str(folder)), folder.name)
+    writer.write(trajs)
+    writer.write_events(events)
+    writer.close()
+    sink = MetricsSink()
+    publisher = Publisher(str(folder), load_settings({"sinks": [sink], "experiment": "run-f"}), linger_s=0.0)
+    try:
+        assert publisher.poll(final=True) == 1
+        assert publisher.flush(30)
+    finally:
+        publisher.close()
+    (got,) = sink.metrics
+    stats = StepStats()
+    for t in trajs:
+        stats.add(summarize(t))
+    want = step_metrics(False, fleet_run.STEP, stats).values
+    fleet = [k for k in want if any(part in k for part in (
+        "crossed_update", "wait_ms", "servers", "slowest_server", "staleness", "inflight"))]
+    assert {"rollout/crossed_update_rate", "rollout/wait_ms_mean", "rollout/servers",
+            "rollout/slowest_server_share"} <= set(fleet)
+    assert want["rollout/wait_ms_mean"] > 0 and want["rollout/servers"] == 2
+    assert {k: got.values.get(k) for k in fleet} == pytest.approx({k: want[k] for k in fleet})
