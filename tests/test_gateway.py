@@ -24,6 +24,7 @@ import rtrace  # noqa: E402
 import rtrace.testing  # noqa: E402
 from rtrace.gateway import keys  # noqa: E402
 from rtrace.gateway import open_session, start_gateway  # noqa: E402
+from tests.doubles import MetricsSink  # noqa: E402
 from tests.fake_vllm import FakeVLLM, encode, render  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an expression.",
@@ -533,6 +534,32 @@ class TestSessions:
         bad = httpx.post(gw.url + "/rtrace/sessions", json={"step": "three"})
         assert (bad.status_code, bad.json()["error"]["code"]) == (400, "invalid_coordinates")
         assert fake.requests == []
+
+    def test_a_sampled_out_session_is_counted_with_its_reward(self, gateway, fake):
+        """Over the cap, a session is recorded as a summary only: its calls go through unrecorded and
+        the step metrics count it with its reward (before: its tally was never ended, the rollout in
+        no metric and no counter); one left to expire is counted as lost."""
+        sink = MetricsSink()
+        with rtrace.testing.capture(max_traces_per_step=1, sinks=[sink]) as got:
+            gw = gateway()
+            kept = open_session(gw.url, step=3, sample_index=0)
+            out = open_session(gw.url, step=3, sample_index=1)
+            lost = open_session(gw.url, step=3, sample_index=2, ttl_s=0.3)
+            assert (kept.traced, out.traced, lost.traced) == (True, False, False)
+            agent(out.base_url, out.api_key)
+            kept.end(reward=1.0)
+            out.end(reward=0.0)
+            deadline = __import__("time").monotonic() + 20  # the gateway sweeps once a second
+            while not rtrace.stats().get("gateway_sessions_summary_lost") and __import__("time").monotonic() < deadline:
+                __import__("time").sleep(0.1)
+            with rtrace.rollout_context(step=4, sample_index=0):  # a later step: step 3 is done
+                pass
+            (traj,) = [t for t in got.trajectories if t.step == 3]
+            stats = got.stats()
+        assert traj.sample_index == 0 and traj.reward == 1.0
+        (m,) = [m for m in sink.metrics if m.step == 3]
+        assert (m.values["rollout/trajectories"], m.values["rollout/reward_mean"]) == (2.0, 0.5)
+        assert (stats["gateway_calls_untraced"], stats["gateway_sessions_summary_lost"]) == (2, 1)
 
     def test_a_session_never_ended_is_written_partial(self, gateway, fake):
         """A session left open past its time to live: its key dies and what it recorded is written as a

@@ -43,15 +43,18 @@ class SessionError(Exception):
 
 
 class Session:
-    """One open session: its trajectory (``state`` None when not traced) and root span."""
+    """One open session: its trajectory (``state`` None when not traced) and root span; or,
+    sampled out while summaries are on, its tally (``tally``: the rollout is counted in the
+    step metrics with its reward and outcome, its calls go through unrecorded)."""
 
-    __slots__ = ("id", "span", "state", "coords", "expires", "calls", "registry", "ended", "lock")
+    __slots__ = ("id", "span", "state", "tally", "coords", "expires", "calls", "registry", "ended", "lock")
 
     def __init__(self, sid: str, span: Any, state: Any, coords: dict[str, Any], expires: float,
-                 registry: Any) -> None:
+                 registry: Any, tally: Any = None) -> None:
         self.id = sid
         self.span = span
         self.state = state
+        self.tally = tally
         self.coords = coords
         self.expires = expires
         self.calls = 0
@@ -91,16 +94,16 @@ class Sessions:
             if len(self._open) >= MAX_SESSIONS:
                 _stats.incr("gateway_refused.sessions_full")
                 raise SessionError(503, "too_many_sessions", f"rtrace gateway: {MAX_SESSIONS} sessions are open")
-        span, state, registry = None, None, None
+        span, state, registry, tally = None, None, None, None
         if rt is not None:
             span, frame = _state.start_root(rt, name, "rollout", coords)
-            state, registry = frame.state, rt.registry
+            state, registry, tally = frame.state, rt.registry, frame.tally
             if span is None and state is None and len(registry) >= registry.max_open:
                 _stats.incr("gateway_refused.sessions_full")
                 raise SessionError(503, "too_many_sessions", "rtrace gateway: the open-trajectory table is full "
                                                              "(RTRACE_MAX_OPEN_TRAJECTORIES)")
         sid = secrets.token_urlsafe(12)
-        session = Session(sid, span, state, coords, time.time() + ttl_s, registry)
+        session = Session(sid, span, state, coords, time.time() + ttl_s, registry, tally)
         with self._lock:
             self._open[sid] = session
         _stats.incr("gateway_sessions_opened")
@@ -119,7 +122,7 @@ class Sessions:
     def reward(self, sid: str, value: Any, outcome: dict[str, Any]) -> Session:
         """Set the session's reward (and outcome attributes), as ``record_reward`` does."""
         session = self.get(sid)
-        state = session.state
+        state = session.state if session.state is not None else session.tally
         if state is not None:
             state.reward = value
             state.has_reward = True
@@ -143,6 +146,10 @@ class Sessions:
 
                 span.set_status(Status(StatusCode.ERROR, error[:4096]))
             span.end()
+        elif session.tally is not None:  # summarized: its summary is made and counted
+            if error:
+                session.tally.error = error[:4096]
+            session.tally.end()
         _stats.incr("gateway_sessions_ended")
         return session
 
@@ -154,6 +161,8 @@ class Sessions:
             return
         session.ended = True
         _stats.incr("gateway_sessions_expired")
+        if session.tally is not None:  # a summarized session never ended: in no step metric
+            _stats.incr("gateway_sessions_summary_lost")
         state = session.state
         if state is not None and session.registry is not None:
             # written partial by the pipeline's next expiry round, as an orphan is
@@ -173,3 +182,5 @@ class Sessions:
             sessions, self._open = list(self._open.values()), {}
         for session in sessions:
             session.ended = True
+            if session.tally is not None:  # a summarized session never ended: in no step metric
+                _stats.incr("gateway_sessions_summary_lost")
