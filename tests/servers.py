@@ -16,11 +16,13 @@ The MLflow server also accepts OTLP/HTTP at ``<base_url>/v1/traces`` (header
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,7 +30,8 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["free_port", "start_mlflow_server", "start_rtrace_collect", "stop_server", "wait_http", "mlflow_server"]
+__all__ = ["free_port", "start_mlflow_server", "start_rtrace_collect", "rtrace_serve", "stop_server", "wait_http",
+           "mlflow_server"]
 
 #: Longest wait for a server to answer its health check (MLflow takes ~40 s on a busy box).
 START_TIMEOUT_S = 120.0
@@ -131,6 +134,36 @@ def start_rtrace_collect(env: dict[str, str], exporter: str, *args: str, timeout
             key, _, value = line[len("export "):].strip().partition("=")
             worker_env[key] = value
     return proc, worker_env
+
+
+@contextlib.contextmanager
+def rtrace_serve(sources: list[str], env: dict[str, str], timeout_s: float):
+    """``rtrace serve SOURCES`` on a free port, waited for (its "rtrace serve: http" line, within
+    ``timeout_s``); yields ``{"url", "lines"}`` (its output so far, read on a thread); stopped
+    (SIGTERM, then SIGKILL) at the end."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "rtrace", "serve", *sources, "--port", str(port), "--refresh-s", "1"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if line.startswith("rtrace serve: http"):
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(timeout_s), "".join(lines)[-3000:]
+        yield {"url": f"http://127.0.0.1:{port}", "lines": lines}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 def stop_server(popen: subprocess.Popen, timeout_s: float = 10.0) -> None:

@@ -33,7 +33,7 @@ pytest.importorskip("duckdb")
 
 from tests import serve_edges as edges  # noqa: E402
 from tests import serve_job as job  # noqa: E402
-from tests.servers import free_port  # noqa: E402
+from tests.servers import rtrace_serve  # noqa: E402
 from tests.ui import big_run  # noqa: E402
 
 from tests.ui.browser import ARTIFACTS, REPO, watched_page  # noqa: E402
@@ -70,32 +70,12 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(runs):
     """``rtrace serve`` over the six runs, on a free port; stopped (SIGTERM, then SIGKILL) at the end."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "rtrace", "serve", f"demo={runs['demo']}", f"job={runs['job']['dataset']}",
-           f"jobcopy={runs['job']['jsonl']}", f"big={runs['big']}", f"live={runs['live']}/ds/job",
-           f"edges={runs['edges']['jsonl']}", "--port", str(port), "--refresh-s", "1"]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            lines.append(line)
-            if line.startswith("rtrace serve: http"):
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    ok = ready.wait(600)
-    assert ok, "".join(lines)[-3000:]
-    _record("serve_start_s_with_1M_index", round(time.perf_counter() - t0, 1))
-    yield {"url": f"http://127.0.0.1:{port}", "lines": lines}
-    proc.terminate()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+    sources = [f"demo={runs['demo']}", f"job={runs['job']['dataset']}", f"jobcopy={runs['job']['jsonl']}",
+               f"big={runs['big']}", f"live={runs['live']}/ds/job", f"edges={runs['edges']['jsonl']}"]
+    with rtrace_serve(sources, ENV, 600) as served:
+        _record("serve_start_s_with_1M_index", round(time.perf_counter() - t0, 1))
+        yield served
 
 
 @pytest.fixture

@@ -16,9 +16,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
@@ -27,7 +24,7 @@ pytest.importorskip("playwright.sync_api", reason="make test-ui installs playwri
 pytest.importorskip("starlette")
 pytest.importorskip("duckdb")
 
-from tests.servers import free_port  # noqa: E402
+from tests.servers import rtrace_serve  # noqa: E402
 from tests.ui import fleet_run  # noqa: E402
 from tests.ui.browser import ARTIFACTS, REPO, watched_page  # noqa: E402
 
@@ -68,28 +65,8 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(runs):
-    port = free_port()
-    cmd = [sys.executable, "-m", "rtrace", "serve", f"small={runs['small']}", f"fleet={runs['big']}",
-           "--port", str(port), "--refresh-s", "1"]
-    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            lines.append(line)
-            if line.startswith("rtrace serve: http"):
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    assert ready.wait(300), "".join(lines)[-3000:]
-    yield {"url": f"http://127.0.0.1:{port}", "lines": lines}
-    proc.terminate()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+    with rtrace_serve([f"small={runs['small']}", f"fleet={runs['big']}"], ENV, 300) as served:
+        yield served
 
 
 @pytest.fixture
