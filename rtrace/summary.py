@@ -26,7 +26,7 @@ from typing import Any
 
 from .trajectory import Trajectory, verdict_of
 
-__all__ = ["RolloutSummary", "summarize", "fleet_fields", "SUMMARY_SCHEMA"]
+__all__ = ["RolloutSummary", "summarize", "fleet_fields", "own_version", "SUMMARY_SCHEMA"]
 
 #: Version tag of the wire form (:meth:`RolloutSummary.to_wire`).
 SUMMARY_SCHEMA = "rtrace.summary/1"
@@ -264,8 +264,6 @@ def fleet_fields(spans: Any, start_ns: int, end_ns: int) -> tuple[float, dict[st
     set when the server says which weights answered) of the last generation that has one."""
     busy: list[tuple[int, int]] = []
     servers: dict[str, float] = {}
-    version = None
-    version_at = -1
     for span in spans:
         kind = span.kind
         if kind != "generation" and kind != "tool":
@@ -273,34 +271,49 @@ def fleet_fields(spans: Any, start_ns: int, end_ns: int) -> tuple[float, dict[st
         s, e = span.start_ns, span.end_ns
         busy.append((s, e))
         if kind == "generation":
-            attrs = span.attributes
-            address = attrs.get("server.address")
+            address = span.attributes.get("server.address")
             if address is not None:
-                port = attrs.get("server.port")
+                port = span.attributes.get("server.port")
                 key = f"{address}:{port}" if type(port) is int else str(address)
                 servers[key] = servers.get(key, 0.0) + (e - s) / 1e6
-            if "rtrace.weight_version" in attrs and s >= version_at:
-                own = attrs.get("rl.policy_version")
-                if type(own) is int:
-                    version, version_at = own, s
-    return wait_ms(busy, start_ns, end_ns), servers, version
+    return wait_ms(busy, start_ns, end_ns), servers, own_version(spans)
+
+
+def own_version(spans: Any) -> int | None:
+    """The own version (``rl.policy_version`` beside ``rtrace.weight_version``, which the
+    gateway and the adapters set when the server says which weights answered) of the last
+    generation of ``spans`` (records, or SpanRecords) that has one; None without one."""
+    version = None
+    version_at = -1
+    for span in spans:
+        if span.kind == "generation" and span.start_ns >= version_at and "rtrace.weight_version" in span.attributes:
+            own = span.attributes.get("rl.policy_version")
+            if type(own) is int:
+                version, version_at = own, span.start_ns
+    return version
 
 
 def wait_ms(busy: list[tuple[int, int]], start_ns: int, end_ns: int) -> float:
     """The time of ``[start_ns, end_ns]`` outside every ``(start, end)`` of ``busy`` (their
-    union: overlapping calls count once), in milliseconds; sorts ``busy``."""
-    covered = 0
-    if busy:
-        busy.sort()
-        cur_s, cur_e = busy[0]
-        for s, e in busy[1:]:
-            if s > cur_e:
-                covered += max(0, min(cur_e, end_ns) - max(cur_s, start_ns))
-                cur_s, cur_e = s, e
-            elif e > cur_e:
-                cur_e = e
-        covered += max(0, min(cur_e, end_ns) - max(cur_s, start_ns))
-    return max(0, end_ns - start_ns - covered) / 1e6
+    union: overlapping calls count once), in milliseconds."""
+    return sum(b - a for a, b in idle(busy, start_ns, end_ns)) / 1e6
+
+
+def idle(busy: list[tuple[int, int]], start_ns: int, end_ns: int) -> list[tuple[int, int]]:
+    """The parts of ``[start_ns, end_ns]`` outside every ``(start, end)`` of ``busy``, in order:
+    a rollout's waits (the timeline draws them; :func:`wait_ms` adds them up)."""
+    out = []
+    cur = start_ns
+    for s, e in sorted(busy):
+        if s >= end_ns:
+            break
+        if s > cur:
+            out.append((cur, s))
+        if e > cur:
+            cur = e
+    if end_ns > cur:
+        out.append((cur, end_ns))
+    return out
 
 
 class Calls:

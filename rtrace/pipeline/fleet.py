@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 from .. import _ids, _stats
 from .._serialize import Converter, json_text
 from ..events import RunEvent, VersionHistory, plain_version
-from ..summary import RolloutSummary
+from ..summary import RolloutSummary, own_version
 from ..trajectory import SpanRecord, Trajectory
 
 __all__ = ["local_target", "take_in", "Versions", "EVENT_SPAN", "EVENT_ATTR", "event_shell", "event_of",
@@ -80,17 +80,10 @@ class Versions:
 
     def complete_trajectory(self, traj: Trajectory) -> None:
         """``policy_version_end`` and ``crossed_update`` of a trajectory (its ``worker`` set)."""
-        own = None
-        own_at = -1
-        for span in traj.spans:
-            if span.kind == "generation" and span.start_ns >= own_at and "rtrace.weight_version" in span.attributes:
-                version = span.attributes.get("rl.policy_version")
-                if type(version) is int:
-                    own, own_at = version, span.start_ns
         spans = traj.spans
         end = max(s.end_ns for s in spans) if spans else 0
         traj.policy_version_end, traj.crossed_update = self._versions(
-            traj.worker, spans[0].start_ns if spans else 0, end, traj.policy_version, own)
+            traj.worker, spans[0].start_ns if spans else 0, end, traj.policy_version, own_version(spans))
 
     def complete_summary(self, summary: RolloutSummary) -> None:
         """The same for a summary (its own version, when a server gave one, is its

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from ..events import RunEvent, is_event_line
+from ..summary import idle
 
 __all__ = ["Slice", "Rollout", "ServerCall", "Timeline", "Limits", "load_timeline", "layout_rollout",
            "pack_lanes", "category", "MIN_WAIT_NS", "build", "read_rollouts", "read_spans", "read_generations",
@@ -217,7 +218,7 @@ def layout_rollout(rollout: Rollout, spans: Sequence[SpanRow], ordered: bool = F
             children.append(Slice(label, cat, a, b, r, sid))
     if edges:
         edges.sort()
-    for lo, hi in _gaps(busy, start, end):
+    for lo, hi in idle(busy, start, end):
         if hi - lo < MIN_WAIT_NS:
             continue
         # cut where a span with calls of its own begins or ends: each piece then nests on row 0
@@ -267,19 +268,6 @@ def _fits(open_ends: list[int], start: int, end: int) -> bool:
     while open_ends and open_ends[-1] <= start:
         open_ends.pop()
     return not open_ends or open_ends[-1] >= end
-
-
-def _gaps(busy: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
-    """The parts of [start, end] outside every interval of ``busy``."""
-    out = []
-    cur = start
-    for s, e in sorted(busy):
-        if s > cur:
-            out.append((cur, s))
-        cur = max(cur, e)
-    if end > cur:
-        out.append((cur, end))
-    return out
 
 
 def pack_lanes(items: list[Any], max_lanes: int) -> tuple[int, int]:
